@@ -1,0 +1,3 @@
+"""megatron-rl: RL post-training for Mixture-of-Experts language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,34 @@
+"""The `megatron-rl` command: one subcommand per module, imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `HELP`, `add_arguments(parser)` and `run(args) -> int`
+COMMANDS: dict[str, str] = {
+    "config": "megatron_rl.commands.config",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training for MoE language models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    name = next((a for a in argv if not a.startswith("-")), None)
+    for command, module_name in COMMANDS.items():
+        if command == name:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub.add_parser(command, help=module.HELP, description=module.HELP))
+        else:
+            sub.add_parser(command, help=f"(see: megatron-rl {command} --help)")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(COMMANDS[args.command]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

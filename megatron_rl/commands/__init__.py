@@ -1,0 +1,1 @@
+"""Subcommands of `megatron-rl` that belong to no single package module."""

@@ -1,0 +1,517 @@
+"""The typed configuration tree, its presets, loading and validation.
+
+Every section is an OmegaConf structured dataclass; each field carries its documentation
+(`help`, with the unit) in the dataclass field metadata, and optional numeric bounds
+(`ge`, `gt`, `le`, `lt`). `load_config` merges, in order: the defaults, the algorithm preset
+named by `algorithm.name`, the YAML file and the `key=value` overrides, then validates the
+result. Every failure raises `ConfigError` naming the key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args, get_origin
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration value, type, key or combination that cannot run."""
+
+
+def _f(default: Any, help: str, **bounds: float) -> Any:
+    """A field with documentation and optional bounds (ge, gt, le, lt)."""
+    meta = {"help": help, **bounds}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral"]
+Objective = Literal["grpo", "dapo", "gspo", "gspo_token", "sapo"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]
+Gate = Literal["clip", "soft"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ISMode = Literal["none", "truncate", "mask"]
+ISLevel = Literal["token", "sequence"]
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class ModelConfig:
+    family: Family = _f("qwen3_moe", "model family: sets the layer layout and the HF name mapping")
+    hf_path: Optional[str] = _f(None, "Hugging Face checkpoint folder to start from (converted in memory)")
+    num_layers: int = _f(2, "transformer layers", ge=1)
+    hidden_size: int = _f(128, "model width", ge=1)
+    ffn_hidden_size: int = _f(256, "dense MLP width (dense layers and dense families)", ge=1)
+    num_attention_heads: int = _f(4, "query heads", ge=1)
+    num_query_groups: int = _f(2, "key/value heads (GQA groups)", ge=1)
+    kv_channels: Optional[int] = _f(None, "head dimension; null = hidden_size / num_attention_heads")
+    vocab_size: int = _f(1024, "tokenizer vocabulary size (before Megatron's padding)", ge=1)
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this (times TP)", ge=1)
+    max_position_embeddings: int = _f(4096, "longest sequence in tokens", ge=1)
+    rope_theta: float = _f(1000000.0, "RoPE base", gt=0)
+    norm_epsilon: float = _f(1e-6, "RMSNorm epsilon", gt=0)
+    qk_layernorm: bool = _f(True, "RMSNorm on per-head queries and keys (Qwen3)")
+    add_qkv_bias: bool = _f(False, "bias on the QKV projection (Qwen2)")
+    tie_word_embeddings: bool = _f(False, "share the input embedding with the output layer")
+    num_experts: Optional[int] = _f(8, "routed experts per MoE layer; null = dense model", ge=1)
+    moe_router_topk: int = _f(2, "experts per token", ge=1)
+    moe_ffn_hidden_size: int = _f(128, "width of one expert", ge=1)
+    moe_layer_freq: int = _f(1, "every n-th layer is MoE (1 = all)", ge=1)
+    first_k_dense_layers: int = _f(0, "leading layers with a dense MLP", ge=0)
+    moe_router_norm_topk: bool = _f(True, "renormalise the top-k routing weights to sum to 1")
+    moe_aux_loss_coeff: float = _f(0.0, "load-balancing auxiliary loss weight", ge=0)
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
+    params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
+    recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "TP: ranks sharing every matrix", ge=1)
+    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages", ge=1)
+    expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
+    expert_tensor_parallel_size: Optional[int] = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
+    sequence_parallel: Optional[bool] = _f(None, "sequence parallel; null = on whenever TP > 1")
+    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
+    use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = _f("local", "local = start the embedded SGLang-compatible engine")
+    sglang_urls: list = _f([], "SGLang server or router addresses (http://host:port); empty = local engine")
+    api_key: Optional[str] = _f(None, "API key sent to / required by the engine")
+    n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
+    temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
+    top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = _f(-1, "top-k sampling; -1 = all tokens", ge=-1)
+    max_new_tokens: int = _f(1024, "longest response in tokens (L_max)", ge=1)
+    max_concurrency: int = _f(64, "requests in flight per engine", ge=1)
+    request_timeout_s: float = _f(600.0, "seconds before one request is abandoned", gt=0)
+    max_retries: int = _f(3, "tries after a connection error or 503", ge=0)
+    return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
+    weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
+    sync_dir: Optional[str] = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
+    bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)
+    colocate: bool = _f(False, "engine and trainer share devices (release/resume memory around phases)")
+    engine_gpus: int = _f(1, "GPUs per SGLang server", ge=1)
+    host: str = _f("127.0.0.1", "address the local engine binds")
+    port: Optional[int] = _f(None, "port of the local engine; null = a free one")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Objective = _f("grpo", "objective; its preset sets the fields below unless overridden")
+    ratio_level: RatioLevel = _f("token", "importance ratio: token, sequence (GSPO) or sequence_token (GSPO-token)")
+    gate: Gate = _f("clip", "clip = PPO/GSPO clip; soft = SAPO sigmoid gate")
+    clip_eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low", ge=0, lt=1)
+    clip_eps_high: float = _f(0.2, "upper clip range: ratio <= 1 + eps_high", ge=0)
+    dual_clip_c: Optional[float] = _f(None, "dual-clip bound c (> 1) for negative advantages; null = off", gt=1)
+    sapo_tau_pos: float = _f(1.0, "SAPO gate temperature for A > 0", gt=0)
+    sapo_tau_neg: float = _f(1.05, "SAPO gate temperature for A <= 0", gt=0)
+    loss_agg_mode: AggMode = _f("seq-mean-token-mean", "how per-token losses become the batch loss")
+    max_log_ratio: float = _f(20.0, "log-ratios are clamped to +-this before exp (numerical safety)", gt=0)
+    kl_coef: float = _f(0.0, "beta: weight of KL(pi || pi_ref) in the loss; 0 = no reference model", ge=0)
+    kl_estimator: KLEstimator = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    is_correction: ISMode = _f("none", "rollout/trainer mismatch weight: truncate at C or mask outside [C_min, C_max]")
+    is_level: ISLevel = _f("token", "importance weight per token or per sequence (geometric mean)")
+    is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", gt=0)
+    is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", ge=0)
+    is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", gt=0)
+    adv_norm_std: bool = _f(True, "divide group advantages by the group std (False = mean-only, Dr. GRPO)")
+    adv_eps: float = _f(1e-6, "epsilon added to the group std", ge=0)
+    dynamic_sampling: bool = _f(False, "drop groups with zero reward spread and keep sampling")
+    max_gen_rounds: int = _f(10, "generation rounds per step before the batch is used as it is", ge=1)
+    oversample_factor: float = _f(1.0, "prompts per generation round = factor x train.prompts_per_step", ge=1)
+    soft_overlong_punishment: bool = _f(False, "DAPO soft length penalty inside the last L_cache tokens")
+    overlong_buffer_len: int = _f(256, "L_cache in tokens (L_max = rollout.max_new_tokens)", ge=1)
+    overlong_penalty_factor: float = _f(1.0, "scale of the soft overlong penalty", ge=0)
+    overlong_filter: bool = _f(False, "mask truncated responses out of the loss")
+    old_logprob_source: Literal["recompute", "rollout"] = _f(
+        "recompute", "recompute = actor forward before the update; rollout = the engine's log-probs"
+    )
+    routing_replay: Literal["none", "r2", "r3"] = _f("none", "MoE routing replay: r2 = old-policy, r3 = engine routing")
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = _f(None, "training prompts (.jsonl or .parquet)")
+    eval_path: Optional[str] = _f(None, "held-out prompts for evaluation")
+    tokenizer_path: Optional[str] = _f(None, "tokenizer folder; null = model.hf_path")
+    prompt_key: str = _f("prompt", "row key of the prompt (a string or chat messages); dots for nesting")
+    answer_key: str = _f("reward_model.ground_truth", "row key of the reference answer; dots for nesting")
+    apply_chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template when it has one")
+    max_prompt_tokens: int = _f(1024, "longer prompts are skipped and counted", ge=1)
+    shuffle: bool = _f(True, "shuffle prompts every epoch")
+    seed: int = _f(1234, "data order seed")
+
+
+@dataclass
+class RewardConfig:
+    type: Literal["dapo", "boxed", "math_verify", "custom"] = _f("dapo", "reward rule")
+    custom_function: Optional[str] = _f(None, "module:function for type=custom")
+    correct_reward: float = _f(1.0, "reward of a correct answer")
+    incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
+    failure_reward: float = _f(-1.0, "reward when the reward function raises")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "RL steps (rollout + updates)", ge=1)
+    prompts_per_step: int = _f(32, "prompt groups trained on per step", ge=1)
+    updates_per_step: int = _f(1, "mini-batches (optimizer steps) per RL step", ge=1)
+    max_tokens_per_micro_batch: int = _f(8192, "token budget of one micro-batch (prompt + response, padded)", ge=1)
+    logprob_chunk_tokens: int = _f(1024, "tokens per chunk of the vocab-parallel log-prob/entropy path", ge=1)
+    lr: float = _f(1e-6, "peak learning rate", gt=0)
+    min_lr: float = _f(0.0, "final learning rate of the decay", ge=0)
+    lr_warmup_steps: int = _f(0, "linear warm-up in optimizer steps", ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = _f(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = _f(0.999, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = _f(1e-8, "Adam epsilon", gt=0)
+    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", ge=0)
+    seed: int = _f(1234, "model init and sampling seed")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "evaluate every n steps; 0 = never", ge=0)
+    max_prompts: int = _f(500, "held-out prompts per evaluation", ge=1)
+    temperature: float = _f(0.0, "evaluation sampling temperature (0 = greedy)", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = _f(None, "checkpoint folder; null = RUN_DIR/checkpoints")
+    every: int = _f(0, "save every n steps; 0 = only at the end", ge=0)
+    load: Optional[str] = _f(None, "Megatron checkpoint to start from")
+    keep_last: int = _f(2, "checkpoints kept on disk", ge=1)
+    export_hf: bool = _f(True, "export the final policy as a Hugging Face folder")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = _f("runs/default", "folder of metrics.jsonl, checkpoints and logs")
+    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    progress: bool = _f(True, "console progress bar with ETA")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# Published defaults (see ../shared/notes/algorithms.md); anything not named keeps the class default.
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": dict(
+        ratio_level="token", gate="clip", clip_eps_low=0.2, clip_eps_high=0.2,
+        loss_agg_mode="seq-mean-token-mean", kl_estimator="k3",
+    ),
+    "dapo": dict(
+        ratio_level="token", gate="clip", clip_eps_low=0.2, clip_eps_high=0.28,
+        loss_agg_mode="token-mean", kl_coef=0.0, dynamic_sampling=True, soft_overlong_punishment=True,
+    ),
+    "gspo": dict(
+        ratio_level="sequence", gate="clip", clip_eps_low=3e-4, clip_eps_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+    ),
+    "gspo_token": dict(
+        ratio_level="sequence_token", gate="clip", clip_eps_low=3e-4, clip_eps_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+    ),
+    "sapo": dict(
+        ratio_level="token", gate="soft", sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+    ),
+}
+
+# Aggregations that keep each ratio level's meaning: a sequence ratio is one number per
+# response, so only the per-sequence mean weights every response equally (as GSPO defines it).
+SUPPORTED_AGGREGATIONS: dict[str, tuple[str, ...]] = {
+    "token": get_args(AggMode),
+    "sequence_token": get_args(AggMode),
+    "sequence": ("seq-mean-token-mean",),
+}
+
+
+def preset(name: str) -> AlgorithmConfig:
+    """The `algorithm` section with the published defaults of objective `name`."""
+    if name not in PRESETS:
+        raise ConfigError(f"algorithm.name: unknown objective {name!r}; allowed: {sorted(PRESETS)}")
+    return AlgorithmConfig(name=name, **PRESETS[name])
+
+
+def _schema() -> DictConfig:
+    return OmegaConf.structured(Config)
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    allowed = _allowed_values(key)
+    hint = f"; allowed: {allowed}" if allowed else ""
+    return ConfigError(f"{key}: {msg} (from {source}){hint}")
+
+
+def _allowed_values(key: str) -> str:
+    """Human description of the values a key accepts (choices, bounds or known keys)."""
+    parts = key.split(".")
+    cls: Any = Config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            return ""
+        hints = _hints(cls)
+        if part not in hints:
+            return f"keys of {'.'.join(parts[:i]) or 'the root'} are {sorted(hints)}"
+        if i == len(parts) - 1:
+            return _describe_type(hints[part], _meta(cls, part))
+        cls = hints[part]
+    return ""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def _meta(cls: type, name: str) -> dict[str, Any]:
+    return dict(next(f.metadata for f in dataclasses.fields(cls) if f.name == name))
+
+
+def _describe_type(tp: Any, meta: dict[str, Any]) -> str:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if get_origin(tp) is Literal:
+        return str(list(get_args(tp)))
+    if args and get_origin(args[0]) is Literal:
+        return str(list(get_args(args[0]))) + " or null"
+    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    parts = [f"{sym} {meta[k]}" for k, sym in bounds.items() if k in meta]
+    base = getattr(args[0] if args else tp, "__name__", str(tp))
+    nullable = " or null" if type(None) in get_args(tp) else ""
+    return f"{base}{' ' + ', '.join(parts) if parts else ''}{nullable}"
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """`key=value` strings (values in YAML syntax) as one config."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-6")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides: {err}") from err
+
+
+def _load_yaml(path: str | Path) -> DictConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError carries the line and column
+        raise ConfigError(f"config file {path}: not valid YAML: {err}") from err
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    return loaded
+
+
+def _algorithm_name(*layers: DictConfig) -> str:
+    name = "grpo"
+    for layer in layers:
+        value = OmegaConf.select(layer, "algorithm.name", default=None)
+        if value is not None:
+            name = str(value)
+    return name
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < preset of `algorithm.name` < YAML file < overrides, validated."""
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        layers.append((str(path), _load_yaml(path)))
+    if overrides:
+        layers.append(("the command line", parse_overrides(overrides)))
+    name = _algorithm_name(*(layer for _, layer in layers))
+    merged = _schema()
+    try:
+        merged.algorithm = OmegaConf.structured(preset(name))
+    except OmegaConfBaseException as err:
+        raise _explain(err, "preset") from err
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise _explain(err, source) from err
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """A validated config from a plain nested dict (as saved in a run folder)."""
+    try:
+        merged = OmegaConf.merge(_schema(), OmegaConf.create(data))
+    except OmegaConfBaseException as err:
+        raise _explain(err, "dict") from err
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def _check_bounds(section: Any, prefix: str) -> None:
+    for fld in dataclasses.fields(section):
+        value = getattr(section, fld.name)
+        key = f"{prefix}.{fld.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, key)
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        meta = fld.metadata
+        in_range = (
+            ("ge" not in meta or value >= meta["ge"]) and ("gt" not in meta or value > meta["gt"])
+            and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
+        )
+        if not in_range:
+            raise ConfigError(f"{key} = {value} is out of range; allowed: {_describe_type(type(value), dict(meta))}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Ranges of every numeric field, then combinations that cannot run."""
+    for fld in dataclasses.fields(cfg):
+        _check_bounds(getattr(cfg, fld.name), fld.name)
+    _validate_algorithm(cfg.algorithm)
+    _validate_model(cfg.model)
+    _validate_parallel(cfg)
+    _validate_rollout(cfg)
+
+
+def _validate_algorithm(alg: AlgorithmConfig) -> None:
+    allowed = SUPPORTED_AGGREGATIONS[alg.ratio_level]
+    _require(
+        alg.loss_agg_mode in allowed,
+        f"algorithm.loss_agg_mode = {alg.loss_agg_mode!r} is not supported with "
+        f"algorithm.ratio_level = {alg.ratio_level!r}; allowed: {list(allowed)}",
+    )
+    _require(
+        alg.gate == "clip" or alg.ratio_level == "token",
+        f"algorithm.gate = 'soft' (SAPO) needs algorithm.ratio_level = 'token', not {alg.ratio_level!r}",
+    )
+    _require(
+        alg.is_mask_min < alg.is_mask_max,
+        f"algorithm.is_mask_min ({alg.is_mask_min}) must be below algorithm.is_mask_max ({alg.is_mask_max})",
+    )
+    _require(
+        not (alg.routing_replay == "r3" and alg.old_logprob_source != "rollout"),
+        "algorithm.routing_replay = 'r3' replays the engine's routing and needs "
+        "algorithm.old_logprob_source = 'rollout'",
+    )
+
+
+def _validate_model(model: ModelConfig) -> None:
+    _require(
+        model.num_attention_heads % model.num_query_groups == 0,
+        f"model.num_attention_heads ({model.num_attention_heads}) must be a multiple of "
+        f"model.num_query_groups ({model.num_query_groups})",
+    )
+    if model.num_experts is not None:
+        _require(
+            model.moe_router_topk <= model.num_experts,
+            f"model.moe_router_topk ({model.moe_router_topk}) exceeds model.num_experts ({model.num_experts})",
+        )
+        _require(
+            model.first_k_dense_layers < model.num_layers,
+            f"model.first_k_dense_layers ({model.first_k_dense_layers}) leaves no MoE layer "
+            f"in model.num_layers ({model.num_layers})",
+        )
+
+
+def _validate_parallel(cfg: Config) -> None:
+    par, model = cfg.parallel, cfg.model
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    _require(
+        model.num_attention_heads % tp == 0,
+        f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_attention_heads "
+        f"({model.num_attention_heads})",
+    )
+    _require(
+        model.num_query_groups % tp == 0,
+        f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups ({model.num_query_groups})",
+    )
+    _require(
+        model.num_layers % pp == 0,
+        f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({model.num_layers})",
+    )
+    if model.num_experts is None:
+        _require(ep == 1, f"parallel.expert_model_parallel_size ({ep}) needs an MoE model (model.num_experts)")
+    else:
+        _require(
+            model.num_experts % ep == 0,
+            f"parallel.expert_model_parallel_size ({ep}) must divide model.num_experts ({model.num_experts})",
+        )
+    if par.sequence_parallel is False and tp > 1 and model.num_experts is not None:
+        raise ConfigError(
+            "parallel.sequence_parallel = false with parallel.tensor_model_parallel_size > 1 on an MoE "
+            "model: Megatron requires sequence parallel for MoE with TP (set it to true or null)"
+        )
+
+
+def _validate_rollout(cfg: Config) -> None:
+    ro = cfg.rollout
+    _require(
+        ro.engine != "sglang" or bool(ro.sglang_urls),
+        "rollout.engine = 'sglang' needs rollout.sglang_urls (the servers' or router's http://host:port)",
+    )
+    _require(
+        not (ro.weight_sync == "tensor" and not ro.colocate),
+        "rollout.weight_sync = 'tensor' passes tensors by handle and needs rollout.colocate = true",
+    )
+    _require(
+        not (cfg.algorithm.routing_replay == "r3" and not ro.return_routed_experts),
+        "algorithm.routing_replay = 'r3' needs rollout.return_routed_experts = true",
+    )
+    _require(
+        not (cfg.algorithm.routing_replay != "none" and cfg.model.num_experts is None),
+        f"algorithm.routing_replay = {cfg.algorithm.routing_replay!r} needs an MoE model (model.num_experts)",
+    )
+
+
+def reference_rows() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) for every field: the README's config reference."""
+    rows = []
+    for section in dataclasses.fields(Config):
+        cls = _hints(Config)[section.name]
+        default = cls()
+        for fld in dataclasses.fields(cls):
+            tp = _hints(cls)[fld.name]
+            rows.append(
+                (f"{section.name}.{fld.name}", _describe_type(tp, dict(fld.metadata)),
+                 repr(getattr(default, fld.name)), fld.metadata["help"])
+            )
+    return rows

@@ -1,0 +1,32 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="RL post-training for Mixture-of-Experts language models on Megatron-Core and SGLang",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=[
+        # torch: any 2.x from 2.4 on; CPU machines install the CPU build first (see README).
+        "torch>=2.4",
+        # The CPU compatibility layer is verified on 0.16.1; GPU clusters use 0.15-0.17.
+        "megatron-core>=0.15,<0.18",
+        "omegaconf>=2.3",
+        "numpy",
+        "safetensors",
+        "transformers>=4.51",
+        "tqdm",
+        "psutil",
+        "pyarrow",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
+        "test": ["pytest>=8", "ruff"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
