@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -44,13 +44,13 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 @dataclass
 class ModelConfig:
     family: Family = _f("qwen3_moe", "model family: sets the layer layout and the HF name mapping")
-    hf_path: Optional[str] = _f(None, "Hugging Face checkpoint folder to start from (converted in memory)")
+    hf_path: str | None = _f(None, "Hugging Face checkpoint folder to start from (converted in memory)")
     num_layers: int = _f(2, "transformer layers", ge=1)
     hidden_size: int = _f(128, "model width", ge=1)
     ffn_hidden_size: int = _f(256, "dense MLP width (dense layers and dense families)", ge=1)
     num_attention_heads: int = _f(4, "query heads", ge=1)
     num_query_groups: int = _f(2, "key/value heads (GQA groups)", ge=1)
-    kv_channels: Optional[int] = _f(None, "head dimension; null = hidden_size / num_attention_heads")
+    kv_channels: int | None = _f(None, "head dimension; null = hidden_size / num_attention_heads")
     vocab_size: int = _f(1024, "tokenizer vocabulary size (before Megatron's padding)", ge=1)
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this (times TP)", ge=1)
     max_position_embeddings: int = _f(4096, "longest sequence in tokens", ge=1)
@@ -59,7 +59,7 @@ class ModelConfig:
     qk_layernorm: bool = _f(True, "RMSNorm on per-head queries and keys (Qwen3)")
     add_qkv_bias: bool = _f(False, "bias on the QKV projection (Qwen2)")
     tie_word_embeddings: bool = _f(False, "share the input embedding with the output layer")
-    num_experts: Optional[int] = _f(8, "routed experts per MoE layer; null = dense model", ge=1)
+    num_experts: int | None = _f(8, "routed experts per MoE layer; null = dense model", ge=1)
     moe_router_topk: int = _f(2, "experts per token", ge=1)
     moe_ffn_hidden_size: int = _f(128, "width of one expert", ge=1)
     moe_layer_freq: int = _f(1, "every n-th layer is MoE (1 = all)", ge=1)
@@ -76,8 +76,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "TP: ranks sharing every matrix", ge=1)
     pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages", ge=1)
     expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
-    expert_tensor_parallel_size: Optional[int] = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
-    sequence_parallel: Optional[bool] = _f(None, "sequence parallel; null = on whenever TP > 1")
+    expert_tensor_parallel_size: int | None = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
+    sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
 
@@ -86,7 +86,7 @@ class ParallelConfig:
 class RolloutConfig:
     engine: Literal["local", "sglang"] = _f("local", "local = start the embedded SGLang-compatible engine")
     sglang_urls: list = _f([], "SGLang server or router addresses (http://host:port); empty = local engine")
-    api_key: Optional[str] = _f(None, "API key sent to / required by the engine")
+    api_key: str | None = _f(None, "API key sent to / required by the engine")
     n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
     temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -97,12 +97,12 @@ class RolloutConfig:
     max_retries: int = _f(3, "tries after a connection error or 503", ge=0)
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
-    sync_dir: Optional[str] = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
+    sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
     bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)
     colocate: bool = _f(False, "engine and trainer share devices (release/resume memory around phases)")
     engine_gpus: int = _f(1, "GPUs per SGLang server", ge=1)
     host: str = _f("127.0.0.1", "address the local engine binds")
-    port: Optional[int] = _f(None, "port of the local engine; null = a free one")
+    port: int | None = _f(None, "port of the local engine; null = a free one")
 
 
 @dataclass
@@ -112,7 +112,7 @@ class AlgorithmConfig:
     gate: Gate = _f("clip", "clip = PPO/GSPO clip; soft = SAPO sigmoid gate")
     clip_eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low", ge=0, lt=1)
     clip_eps_high: float = _f(0.2, "upper clip range: ratio <= 1 + eps_high", ge=0)
-    dual_clip_c: Optional[float] = _f(None, "dual-clip bound c (> 1) for negative advantages; null = off", gt=1)
+    dual_clip_c: float | None = _f(None, "dual-clip bound c (> 1) for negative advantages; null = off", gt=1)
     sapo_tau_pos: float = _f(1.0, "SAPO gate temperature for A > 0", gt=0)
     sapo_tau_neg: float = _f(1.05, "SAPO gate temperature for A <= 0", gt=0)
     loss_agg_mode: AggMode = _f("seq-mean-token-mean", "how per-token losses become the batch loss")
@@ -141,9 +141,9 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    train_path: Optional[str] = _f(None, "training prompts (.jsonl or .parquet)")
-    eval_path: Optional[str] = _f(None, "held-out prompts for evaluation")
-    tokenizer_path: Optional[str] = _f(None, "tokenizer folder; null = model.hf_path")
+    train_path: str | None = _f(None, "training prompts (.jsonl or .parquet)")
+    eval_path: str | None = _f(None, "held-out prompts for evaluation")
+    tokenizer_path: str | None = _f(None, "tokenizer folder; null = model.hf_path")
     prompt_key: str = _f("prompt", "row key of the prompt (a string or chat messages); dots for nesting")
     answer_key: str = _f("reward_model.ground_truth", "row key of the reference answer; dots for nesting")
     apply_chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template when it has one")
@@ -155,7 +155,7 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     type: Literal["dapo", "boxed", "math_verify", "custom"] = _f("dapo", "reward rule")
-    custom_function: Optional[str] = _f(None, "module:function for type=custom")
+    custom_function: str | None = _f(None, "module:function for type=custom")
     correct_reward: float = _f(1.0, "reward of a correct answer")
     incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
     failure_reward: float = _f(-1.0, "reward when the reward function raises")
@@ -189,9 +189,9 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = _f(None, "checkpoint folder; null = RUN_DIR/checkpoints")
+    dir: str | None = _f(None, "checkpoint folder; null = RUN_DIR/checkpoints")
     every: int = _f(0, "save every n steps; 0 = only at the end", ge=0)
-    load: Optional[str] = _f(None, "Megatron checkpoint to start from")
+    load: str | None = _f(None, "Megatron checkpoint to start from")
     keep_last: int = _f(2, "checkpoints kept on disk", ge=1)
     export_hf: bool = _f(True, "export the final policy as a Hugging Face folder")
 
@@ -220,24 +220,46 @@ class Config:
 # Published defaults (see ../shared/notes/algorithms.md); anything not named keeps the class default.
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(
-        ratio_level="token", gate="clip", clip_eps_low=0.2, clip_eps_high=0.2,
-        loss_agg_mode="seq-mean-token-mean", kl_estimator="k3",
+        ratio_level="token",
+        gate="clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        loss_agg_mode="seq-mean-token-mean",
+        kl_estimator="k3",
     ),
     "dapo": dict(
-        ratio_level="token", gate="clip", clip_eps_low=0.2, clip_eps_high=0.28,
-        loss_agg_mode="token-mean", kl_coef=0.0, dynamic_sampling=True, soft_overlong_punishment=True,
+        ratio_level="token",
+        gate="clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        loss_agg_mode="token-mean",
+        kl_coef=0.0,
+        dynamic_sampling=True,
+        soft_overlong_punishment=True,
     ),
     "gspo": dict(
-        ratio_level="sequence", gate="clip", clip_eps_low=3e-4, clip_eps_high=4e-4,
-        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+        ratio_level="sequence",
+        gate="clip",
+        clip_eps_low=3e-4,
+        clip_eps_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+        kl_coef=0.0,
     ),
     "gspo_token": dict(
-        ratio_level="sequence_token", gate="clip", clip_eps_low=3e-4, clip_eps_high=4e-4,
-        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+        ratio_level="sequence_token",
+        gate="clip",
+        clip_eps_low=3e-4,
+        clip_eps_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+        kl_coef=0.0,
     ),
     "sapo": dict(
-        ratio_level="token", gate="soft", sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0,
+        ratio_level="token",
+        gate="soft",
+        sapo_tau_pos=1.0,
+        sapo_tau_neg=1.05,
+        loss_agg_mode="seq-mean-token-mean",
+        kl_coef=0.0,
     ),
 }
 
@@ -390,8 +412,10 @@ def _check_bounds(section: Any, prefix: str) -> None:
             continue
         meta = fld.metadata
         in_range = (
-            ("ge" not in meta or value >= meta["ge"]) and ("gt" not in meta or value > meta["gt"])
-            and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
+            ("ge" not in meta or value >= meta["ge"])
+            and ("gt" not in meta or value > meta["gt"])
+            and ("le" not in meta or value <= meta["le"])
+            and ("lt" not in meta or value < meta["lt"])
         )
         if not in_range:
             raise ConfigError(f"{key} = {value} is out of range; allowed: {_describe_type(type(value), dict(meta))}")
@@ -511,7 +535,11 @@ def reference_rows() -> list[tuple[str, str, str, str]]:
         for fld in dataclasses.fields(cls):
             tp = _hints(cls)[fld.name]
             rows.append(
-                (f"{section.name}.{fld.name}", _describe_type(tp, dict(fld.metadata)),
-                 repr(getattr(default, fld.name)), fld.metadata["help"])
+                (
+                    f"{section.name}.{fld.name}",
+                    _describe_type(tp, dict(fld.metadata)),
+                    repr(getattr(default, fld.name)),
+                    fld.metadata["help"],
+                )
             )
     return rows

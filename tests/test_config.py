@@ -1,0 +1,127 @@
+"""Configuration: presets, YAML + overrides, and one clear error per bad input."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_rl.config import PRESETS, ConfigError, load_config, preset, reference_rows
+
+
+def test_presets_carry_published_defaults():
+    dapo = preset("dapo")
+    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert dapo.dynamic_sampling and dapo.soft_overlong_punishment and dapo.kl_coef == 0.0
+    gspo = preset("gspo")
+    assert (gspo.ratio_level, gspo.clip_eps_low, gspo.clip_eps_high) == ("sequence", 3e-4, 4e-4)
+    assert preset("gspo_token").ratio_level == "sequence_token"
+    sapo = preset("sapo")
+    assert (sapo.gate, sapo.sapo_tau_pos, sapo.sapo_tau_neg) == ("soft", 1.0, 1.05)
+    grpo = preset("grpo")
+    assert (grpo.clip_eps_low, grpo.clip_eps_high, grpo.kl_estimator) == (0.2, 0.2, "k3")
+    assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "sapo"]
+
+
+def test_yaml_then_overrides_win_over_preset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        textwrap.dedent("""
+        algorithm:
+          name: dapo
+          clip_eps_high: 0.3
+        train:
+          lr: 2.0e-6
+    """)
+    )
+    cfg = load_config(path, ["train.lr=5e-6", "algorithm.kl_coef=0.01"])
+    assert cfg.algorithm.name == "dapo"
+    assert cfg.algorithm.clip_eps_high == 0.3  # YAML over preset
+    assert cfg.algorithm.clip_eps_low == 0.2  # preset over class default
+    assert cfg.algorithm.loss_agg_mode == "token-mean"
+    assert cfg.train.lr == 5e-6 and cfg.algorithm.kl_coef == 0.01  # overrides over YAML
+
+
+def test_override_can_switch_preset_of_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  name: dapo\n")
+    cfg = load_config(path, ["algorithm.name=gspo"])
+    assert (cfg.algorithm.ratio_level, cfg.algorithm.clip_eps_high, cfg.algorithm.dynamic_sampling) == (
+        "sequence",
+        4e-4,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algorithm.clip_eps_high=-0.1"], r"algorithm\.clip_eps_high = -0\.1 is out of range; allowed: float >= 0"),
+        (["algorithm.clip_eps_low=1.0"], r"algorithm\.clip_eps_low .*allowed: float >= 0, < 1"),
+        (["algorithm.colour=1"], r"algorithm\.colour: .*allowed: keys of algorithm are \[.*'clip_eps_high'"),
+        (["trian.lr=1"], r"trian: .*allowed: keys of the root are \[.*'train'"),
+        (["train.lr=fast"], r"train\.lr: .*'fast'.*allowed: float > 0"),
+        (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: .*allowed: \['token-mean'"),
+        (["algorithm.name=ppo"], r"algorithm\.name: unknown objective 'ppo'; allowed: \['dapo', 'grpo'"),
+        (
+            ["algorithm.name=gspo", "algorithm.loss_agg_mode=token-mean"],
+            r"algorithm\.loss_agg_mode = 'token-mean' is not supported with algorithm\.ratio_level = 'sequence'; "
+            r"allowed: \['seq-mean-token-mean'\]",
+        ),
+        (["algorithm.name=sapo", "algorithm.ratio_level=sequence"], r"algorithm\.gate = 'soft'"),
+        (["algorithm.dual_clip_c=0.5"], r"algorithm\.dual_clip_c = 0\.5 is out of range; allowed: float > 1"),
+        (["algorithm.routing_replay=r3"], r"algorithm\.old_logprob_source = 'rollout'"),
+        (["algorithm.routing_replay=r3", "algorithm.old_logprob_source=rollout"], r"rollout\.return_routed_experts"),
+        (
+            ["parallel.expert_model_parallel_size=3"],
+            r"parallel\.expert_model_parallel_size \(3\) must divide model\.num_experts \(8\)",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=3"],
+            r"parallel\.tensor_model_parallel_size \(3\) must divide model\.num_attention_heads \(4\)",
+        ),
+        (
+            ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2"],
+            r"parallel\.pipeline_model_parallel_size \(2\) must divide model\.num_layers \(3\)",
+        ),
+        (["model.num_attention_heads=6", "model.num_query_groups=4"], r"model\.num_attention_heads \(6\)"),
+        (["rollout.engine=sglang"], r"rollout\.sglang_urls"),
+        (["rollout.weight_sync=tensor"], r"rollout\.colocate"),
+        (["rollout.top_p=0"], r"rollout\.top_p = 0\.0 is out of range; allowed: float > 0, <= 1"),
+        (["train.lr"], r"override 'train\.lr': expected key=value"),
+    ],
+)
+def test_bad_config_names_key_and_allowed_values(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
+
+
+def test_missing_and_malformed_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope\.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"(?s)bad\.yaml: not valid YAML: .*line 3"):
+        load_config(bad)
+    wrong_type = tmp_path / "wrong.yaml"
+    wrong_type.write_text("train:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=r"train\.steps: .*\(from .*wrong\.yaml\)"):
+        load_config(wrong_type)
+
+
+def test_every_field_is_documented():
+    rows = reference_rows()
+    assert len({key for key, *_ in rows}) == len(rows) > 100
+    assert all(help_text.strip() for *_, help_text in rows)
+
+
+def test_cli_prints_resolved_config_and_errors():
+    ok = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "config", "algorithm.name=sapo"], capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "sapo_tau_neg: 1.05" in ok.stdout and "gate: soft" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "config", "train.steps=-1"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "train.steps = -1 is out of range" in bad.stderr
