@@ -436,6 +436,18 @@ def validate(cfg: Config) -> None:
     _validate_rollout(cfg)
 
 
+def validate_algorithm(alg: AlgorithmConfig) -> None:
+    """Choices, ranges and combinations of an `algorithm` section on its own (e.g. one built in code)."""
+    hints = _hints(AlgorithmConfig)
+    for fld in dataclasses.fields(AlgorithmConfig):
+        choices = get_args(hints[fld.name]) if get_origin(hints[fld.name]) is Literal else ()
+        value = getattr(alg, fld.name)
+        if choices and value not in choices:
+            raise ConfigError(f"algorithm.{fld.name} = {value!r} is not allowed; allowed: {list(choices)}")
+    _check_bounds(alg, "algorithm")
+    _validate_algorithm(alg)
+
+
 def _validate_algorithm(alg: AlgorithmConfig) -> None:
     allowed = SUPPORTED_AGGREGATIONS[alg.ratio_level]
     _require(
