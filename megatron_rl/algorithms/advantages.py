@@ -1,0 +1,36 @@
+"""Group-relative advantages (GRPO): each response's reward against its prompt group's statistics."""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, norm_std: bool = True, eps: float = 1e-6):
+    """A_i = (R_i - mean_g R) / (std_g R + eps), or R_i - mean_g R when `norm_std` is False (Dr. GRPO).
+
+    `rewards`: [N] float, N = num_groups * group_size, the responses of one prompt contiguous.
+    std is the unbiased (Bessel-corrected) group standard deviation, as in verl and TRL; a group
+    of one response has advantage 0. Config: `algorithm.adv_norm_std`, `algorithm.adv_eps`,
+    `rollout.n_samples_per_prompt`. Returns [N] float32.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"group_advantages: rewards must be [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"group_advantages: {rewards.numel()} rewards do not split into groups of group_size={group_size}"
+        )
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=-1, keepdim=True)
+    if norm_std and group_size > 1:
+        centred = centred / (grouped.std(dim=-1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages [N, T]: each response's advantage on its response tokens, 0 elsewhere."""
+    if advantages.dim() != 1 or response_mask.dim() != 2 or advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"broadcast_to_tokens: advantages {tuple(advantages.shape)} must be [N] for response_mask "
+            f"{tuple(response_mask.shape)} [N, T]"
+        )
+    return advantages.float().unsqueeze(-1) * response_mask.bool()

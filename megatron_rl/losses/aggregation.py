@@ -1,0 +1,89 @@
+"""Loss aggregation with a global normaliser, so that splitting a batch never changes the gradient.
+
+Every mode is a weighted sum of per-token losses, `L = sum_{i,t} W_it * l_it`, with a constant
+(non-differentiable) weight per token:
+
+| mode                     | W_it for a response token of sequence i |
+|--------------------------|------------------------------------------|
+| token-mean               | 1 / N_tok                                |
+| seq-mean-token-mean      | 1 / (N_seq * |y_i|)                      |
+| seq-mean-token-sum       | 1 / N_seq                                |
+| seq-mean-token-sum-norm  | 1 / (N_seq * L_norm)                     |
+
+`N_tok` and `N_seq` are the response-token and sequence counts of the WHOLE global batch (all DP
+ranks, all gradient-accumulation micro-batches), `|y_i|` the response length of sequence i, and
+`L_norm` a constant token count (Dr. GRPO: the generation budget, i.e. `rollout.max_new_tokens`).
+A row without any response token (e.g. masked by overlong filtering) is not a sequence: it has
+weight 0 and is not counted in `N_seq`. Because W depends only on the row itself and on these
+global constants, the loss of a micro-batch is exactly its share of the whole-batch loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Global constants of the aggregation (see the module docstring).
+
+    num_tokens: response tokens in the whole global batch (N_tok).
+    num_sequences: rows with at least one response token in the whole global batch (N_seq).
+    token_norm: L_norm of `seq-mean-token-sum-norm`, a constant token count (Dr. GRPO uses the
+        generation budget, `rollout.max_new_tokens`).
+    """
+
+    num_tokens: float
+    num_sequences: float
+    token_norm: float
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_sequences", "token_norm"):
+            if not float(getattr(self, name)) >= 0:
+                raise ValueError(f"Normalizer.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def global_normalizer(
+    response_mask: torch.Tensor | Sequence[torch.Tensor], *, token_norm: float | None = None
+) -> Normalizer:
+    """The normaliser of a whole global batch from its response mask(s).
+
+    `response_mask`: the [B, T] mask of the whole batch, or a sequence of [b_k, T_k] masks that
+    together form it (micro-batches of different padded widths, or every DP rank's share).
+    `token_norm`: L_norm of `seq-mean-token-sum-norm`; pass `rollout.max_new_tokens` (Dr. GRPO's
+    constant). When None, the largest padded width T of the given masks is used, which is only a
+    constant if the trainer pads every step to the same width.
+    """
+    masks = [response_mask] if isinstance(response_mask, torch.Tensor) else list(response_mask)
+    if not masks:
+        raise ValueError("global_normalizer: response_mask is an empty sequence of masks")
+    for k, mask in enumerate(masks):
+        if mask.dim() != 2:
+            raise ValueError(f"global_normalizer: response_mask[{k}] must be [B, T], got shape {tuple(mask.shape)}")
+    num_tokens = sum(int(mask.bool().sum()) for mask in masks)
+    num_sequences = sum(int(mask.bool().any(dim=-1).sum()) for mask in masks)
+    norm = float(max(mask.shape[-1] for mask in masks)) if token_norm is None else float(token_norm)
+    if norm <= 0:
+        raise ValueError(f"global_normalizer: token_norm must be > 0, got {norm}")
+    return Normalizer(num_tokens=float(num_tokens), num_sequences=float(num_sequences), token_norm=norm)
+
+
+def token_weights(mask: torch.Tensor, mode: str, normalizer: Normalizer) -> torch.Tensor:
+    """The constant weight W_it of every token (0 outside the mask), float32 [B, T]."""
+    maskf = mask.to(torch.float32)
+    if mode == "token-mean":
+        return maskf / max(normalizer.num_tokens, 1.0)
+    num_seq = max(normalizer.num_sequences, 1.0)
+    if mode == "seq-mean-token-mean":
+        lengths = maskf.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        return maskf / (lengths * num_seq)
+    if mode == "seq-mean-token-sum":
+        return maskf / num_seq
+    if mode == "seq-mean-token-sum-norm":
+        return maskf / (num_seq * normalizer.token_norm)
+    raise ValueError(f"algorithm.loss_agg_mode = {mode!r} is not known; allowed: {list(AGGREGATION_MODES)}")
