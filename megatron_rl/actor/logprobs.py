@@ -1,0 +1,367 @@
+"""Per-token log-probs and entropy from vocabulary-sharded logits, in fp32, chunked over tokens.
+
+Each tensor-parallel (TP) rank holds the logits of its contiguous vocabulary slice
+[rank * V/TP, (rank + 1) * V/TP), as Megatron's ColumnParallelLinear output layer produces them.
+The full vocabulary is never gathered: per chunk of tokens the ranks all-reduce one max and
+three sums per token. Temperature follows SGLang: `log_softmax(logits / T)`, no division for
+T = 0 (greedy) and T = 1.
+
+Memory: both paths work on `chunk_tokens` rows at a time in fp32 (at most two fp32 buffers of
+chunk_tokens x V/TP alive at once, in forward and in backward). Backward recomputes each chunk
+from what forward saved (the caller's input tensors, plus log Z and the entropy per token), so
+no [tokens, V/TP] fp32 tensor is ever materialised. `vocab_parallel_logprobs` still has to
+return a gradient the shape of its input logits; `vocab_parallel_logprobs_from_hidden` takes
+the output layer's input and weight instead, computes each chunk's logits itself, and never
+holds more than one chunk of logits, at the price of one more matmul (the recompute) in backward.
+
+Both outputs are differentiable: the log-probs (the policy loss) and the entropy (an entropy
+bonus). Backward needs no communication except, on the hidden path, the TP all-reduce of the
+hidden-state gradient (see `reduce_hidden_grad`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+class LogProbs(NamedTuple):
+    """Per-token results, fp32, shaped like the target ids; 0 where the mask is False."""
+
+    logprobs: Tensor
+    entropy: Tensor
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """Where this rank's logits sit in the vocabulary and how to reduce over the TP group."""
+
+    group: ProcessGroup
+    world: int
+    start: int  # first vocabulary id of this rank's slice
+    width: int  # columns of this rank's slice that are real tokens (the rest is vocab padding)
+    temperature: float
+    chunk: int
+
+    def all_reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        if self.world > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+
+
+def _tp_group(group: ProcessGroup) -> tuple[ProcessGroup, int, int]:
+    """(group, world size, rank): the given group, else Megatron's TP group, else a single rank."""
+    if group is not None:
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1, 0
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "vocab_parallel_logprobs: torch.distributed is initialised but Megatron parallel_state is not; "
+            "pass group= (the tensor-parallel process group) explicitly"
+        )
+    tp = parallel_state.get_tensor_model_parallel_group()
+    return tp, dist.get_world_size(tp), dist.get_rank(tp)
+
+
+def _make_shard(
+    local_vocab: int, vocab_size: int | None, temperature: float, chunk_tokens: int, group: ProcessGroup
+) -> _Shard:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens (train.logprob_chunk_tokens) must be >= 1, got {chunk_tokens}")
+    group, world, rank = _tp_group(group)
+    padded = local_vocab * world
+    if vocab_size is None:
+        vocab_size = padded
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded}] = local vocab {local_vocab} x TP {world}")
+    start = rank * local_vocab
+    width = min(max(vocab_size - start, 0), local_vocab)
+    return _Shard(group, world, start, width, float(temperature), int(chunk_tokens))
+
+
+def _check_inputs(what: str, lead_shape: torch.Size, target: Tensor, mask: Tensor | None) -> Tensor:
+    if target.shape != lead_shape:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal {what} without its last dim {tuple(lead_shape)}"
+        )
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer token ids, got dtype {target.dtype}")
+    if mask is None:
+        return torch.ones(lead_shape, dtype=torch.bool, device=target.device)
+    if mask.shape != lead_shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal target shape {tuple(lead_shape)}")
+    return mask.to(torch.bool)
+
+
+def _check_targets(target: Tensor, mask: Tensor, vocab_size: int) -> None:
+    bad = mask & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"target{list(pos)} = {int(target[pos])} is outside the vocabulary [0, {vocab_size}) at an unmasked position"
+        )
+
+
+def _flat(t: Tensor, cols: int, name: str) -> Tensor:
+    """A [rows, cols] view of t; refuses to copy (a copy of the logits is what chunking avoids)."""
+    try:
+        return t.view(-1, cols)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as [tokens, {cols}] "
+            "without a copy; pass a tensor whose leading dims are contiguous"
+        ) from err
+
+
+def _local_targets(target: Tensor, mask: Tensor, shard: _Shard) -> tuple[Tensor, Tensor]:
+    """(column of each target in this rank's slice, clamped; whether the target is in the slice and unmasked)."""
+    local = target.long() - shard.start
+    owned = mask & (local >= 0) & (local < shard.width)
+    return local.clamp_(0, max(shard.width - 1, 0)), owned
+
+
+def _temper_(x: Tensor, shard: _Shard) -> Tensor:
+    """In place on x, an fp32 buffer owned by the caller of this helper."""
+    if shard.temperature not in (0.0, 1.0):
+        x.div_(shard.temperature)
+    return x
+
+
+def _forward_chunk(x: Tensor, local: Tensor, owned: Tensor, shard: _Shard) -> tuple[Tensor, Tensor, Tensor]:
+    """x: this chunk's fp32 logits, a scratch buffer (overwritten). Returns (logp, log Z, entropy) per row."""
+    z = _temper_(x, shard)
+    rows = z.shape[0]
+    if shard.width > 0:
+        zmax = z.max(dim=-1).values
+    else:
+        zmax = torch.full((rows,), float("-inf"), dtype=z.dtype, device=z.device)
+    shard.all_reduce(zmax, dist.ReduceOp.MAX)
+    z.sub_(zmax.unsqueeze(-1))  # z - M <= 0, M the global max
+    e = torch.exp(z)
+    sums = torch.empty(3, rows, dtype=z.dtype, device=z.device)
+    sums[0] = e.sum(dim=-1)
+    # sum_v e_v * (z_v - M), a batched dot product that allocates no [rows, V] temporary
+    sums[1] = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(rows)
+    del e
+    if shard.width > 0:
+        sums[2] = z.gather(1, local.unsqueeze(-1)).squeeze(-1) * owned
+    else:
+        sums[2] = 0.0
+    shard.all_reduce(sums, dist.ReduceOp.SUM)
+    log_s = torch.log(sums[0])
+    logp = sums[2] - log_s
+    entropy = log_s - sums[1] / sums[0]
+    return logp, zmax + log_s, entropy
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """Per-token tensors backward needs: forward's saved statistics and the upstream gradients (fp32)."""
+
+    local: Tensor
+    owned: Tensor
+    lse: Tensor
+    entropy: Tensor
+    g_logp: Tensor | None
+    g_ent: Tensor | None
+
+    @staticmethod
+    def make(saved: tuple[Tensor, ...], g_logp: Tensor | None, g_ent: Tensor | None) -> _Backward:
+        """saved = (local, owned, mask, lse, entropy); masked outputs are constants, so their gradients are 0."""
+        local, owned, mask, lse, entropy = saved
+
+        def fix(g: Tensor | None) -> Tensor | None:
+            return None if g is None else g.to(torch.float32) * mask
+
+        return _Backward(local, owned, lse, entropy, fix(g_logp), fix(g_ent))
+
+    def rows(self, c: slice) -> _Backward:
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[c]
+
+        return _Backward(*(pick(getattr(self, f.name)) for f in dataclasses.fields(self)))  # type: ignore[arg-type]
+
+    @property
+    def empty(self) -> bool:
+        return self.g_logp is None and self.g_ent is None
+
+
+def _grad_chunk(x: Tensor, b: _Backward, shard: _Shard) -> Tensor:
+    """d(loss)/d(logits) of one chunk, computed in place in x (its fp32 logits, overwritten).
+
+    With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H).
+    """
+    q = _temper_(x, shard).sub_(b.lse.unsqueeze(-1))
+    p = torch.exp(q)
+    if b.g_ent is not None:
+        q.add_(b.entropy.unsqueeze(-1)).mul_(b.g_ent.unsqueeze(-1))
+        if b.g_logp is not None:
+            q.add_(b.g_logp.unsqueeze(-1))
+        grad = q.mul_(p).neg_()
+        del p
+    else:  # then g_logp is set: backward runs only with at least one upstream gradient
+        del q
+        grad = p.mul_(-b.g_logp.unsqueeze(-1))
+    if b.g_logp is not None and shard.width > 0:
+        grad.scatter_add_(1, b.local.unsqueeze(-1), (b.g_logp * b.owned).unsqueeze(-1))
+    if shard.temperature not in (0.0, 1.0):
+        grad.div_(shard.temperature)
+    return grad
+
+
+class _FromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, mask: Tensor, shard: _Shard) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
+        local, owned = _local_targets(target, mask, shard)
+        for s in range(0, n, shard.chunk):
+            c = slice(s, min(s + shard.chunk, n))
+            x = logits[c, : shard.width].to(torch.float32, copy=True)
+            logp[c], lse[c], entropy[c] = _forward_chunk(x, local[c], owned[c], shard)
+        logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
+        ctx.save_for_backward(logits, local, owned, mask, lse, entropy)
+        ctx.shard = shard
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
+        logits, *saved = ctx.saved_tensors
+        shard: _Shard = ctx.shard
+        b = _Backward.make(tuple(saved), g_logp, g_ent)
+        if b.empty:
+            return torch.zeros_like(logits), None, None, None
+        grad = torch.zeros_like(logits) if shard.width < logits.shape[1] else torch.empty_like(logits)
+        for s in range(0, logits.shape[0], shard.chunk):
+            c = slice(s, min(s + shard.chunk, logits.shape[0]))
+            x = logits[c, : shard.width].to(torch.float32, copy=True)
+            grad[c, : shard.width] = _grad_chunk(x, b.rows(c), shard)
+        return grad, None, None, None
+
+
+class _FromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, target: Tensor, mask: Tensor, shard: _Shard, reduce_hidden_grad: bool
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        w = weight[: shard.width]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
+        local, owned = _local_targets(target, mask, shard)
+        for s in range(0, n, shard.chunk):
+            c = slice(s, min(s + shard.chunk, n))
+            x = (hidden[c] @ w.t()).to(torch.float32)  # a fresh buffer: fp32 matmul output or an fp32 copy
+            logp[c], lse[c], entropy[c] = _forward_chunk(x, local[c], owned[c], shard)
+        logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
+        ctx.save_for_backward(hidden, weight, local, owned, mask, lse, entropy)
+        ctx.shard = shard
+        ctx.reduce_hidden_grad = reduce_hidden_grad
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
+        hidden, weight, *saved = ctx.saved_tensors
+        shard: _Shard = ctx.shard
+        b = _Backward.make(tuple(saved), g_logp, g_ent)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fp32 = weight.dtype == torch.float32
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        # the weight gradient accumulates over chunks in fp32 whatever the parameter dtype
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        if not b.empty:
+            w = weight[: shard.width]
+            for s in range(0, hidden.shape[0], shard.chunk):
+                c = slice(s, min(s + shard.chunk, hidden.shape[0]))
+                h = hidden[c]
+                dx = _grad_chunk((h @ w.t()).to(torch.float32), b.rows(c), shard)
+                if grad_w is not None:
+                    grad_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
+                if grad_h is not None:
+                    torch.mm(dx.to(hidden.dtype), w, out=grad_h[c])
+        if grad_h is not None and ctx.reduce_hidden_grad:
+            shard.all_reduce(grad_h, dist.ReduceOp.SUM)
+        if grad_w is not None and not fp32:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: Tensor,
+    target: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = 1024,
+    vocab_size: int | None = None,
+    group: ProcessGroup = None,
+) -> LogProbs:
+    """Log-prob of `target` and entropy of softmax(logits / T), from this rank's vocabulary shard.
+
+    logits: [..., V/TP] (any float dtype; never modified, never copied whole), this rank's slice.
+    target: [...] integer token ids in the full vocabulary (the next token: shift before calling).
+    mask: [...] bool, False = padding/prompt: outputs and gradients are 0 there and targets unchecked.
+    vocab_size: real vocabulary size; columns at ids >= vocab_size (Megatron's padding) are ignored.
+    group: the TP process group; None = Megatron's TP group when torch.distributed is initialised.
+    Returns fp32 LogProbs shaped [...]; gradients flow to `logits` through both outputs.
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"logits must have a vocabulary dim, got shape {tuple(logits.shape)}")
+    mask = _check_inputs("logits", logits.shape[:-1], target, mask)
+    shard = _make_shard(logits.shape[-1], vocab_size, temperature, chunk_tokens, group)
+    _check_targets(target, mask, vocab_size or logits.shape[-1] * shard.world)
+    flat = _flat(logits, logits.shape[-1], "logits")
+    logp, entropy = _FromLogits.apply(flat, target.reshape(-1), mask.reshape(-1), shard)
+    return LogProbs(logp.view(target.shape), entropy.view(target.shape))
+
+
+def vocab_parallel_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = 1024,
+    vocab_size: int | None = None,
+    group: ProcessGroup = None,
+    reduce_hidden_grad: bool = True,
+) -> LogProbs:
+    """As `vocab_parallel_logprobs` for logits = hidden @ weight.T, computed chunk by chunk.
+
+    hidden: [..., H], the full sequence (gathered if sequence parallel), the same on every TP rank.
+    weight: [V/TP, H], this rank's rows of the output layer (ColumnParallelLinear.weight); no bias.
+    The gradient of `hidden` is all-reduced over the TP group when `reduce_hidden_grad` is True (the
+    caller did a plain copy into the TP region). Pass False when the caller's own region op reduces it,
+    e.g. Megatron's gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True).
+    """
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} must be [V/TP, H] with H = hidden's last dim "
+            f"(hidden shape {tuple(hidden.shape)})"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
+    mask = _check_inputs("hidden", hidden.shape[:-1], target, mask)
+    shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group)
+    _check_targets(target, mask, vocab_size or weight.shape[0] * shard.world)
+    flat = _flat(hidden, hidden.shape[-1], "hidden")
+    logp, entropy = _FromHidden.apply(flat, weight, target.reshape(-1), mask.reshape(-1), shard, reduce_hidden_grad)
+    return LogProbs(logp.view(target.shape), entropy.view(target.shape))
