@@ -73,9 +73,11 @@ def global_normalizer(
     return Normalizer(num_tokens=float(num_tokens), num_sequences=float(num_sequences), token_norm=norm)
 
 
-def token_weights(mask: torch.Tensor, mode: str, normalizer: Normalizer) -> torch.Tensor:
-    """The constant weight W_it of every token (0 outside the mask), float32 [B, T]."""
-    maskf = mask.to(torch.float32)
+def token_weights(
+    mask: torch.Tensor, mode: str, normalizer: Normalizer, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The constant weight W_it of every token (0 outside the bool `mask`), [B, T] of `dtype`."""
+    maskf = mask.to(dtype)
     if mode == "token-mean":
         return maskf / max(normalizer.num_tokens, 1.0)
     num_seq = max(normalizer.num_sequences, 1.0)

@@ -21,7 +21,7 @@ def clip_gate(
 
 def soft_gate_tau(advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
     """SAPO temperature per token: tau_pos where A > 0, tau_neg elsewhere."""
-    return torch.where(advantages > 0, tau_pos, tau_neg)
+    return torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)
 
 
 def soft_gate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:

@@ -53,7 +53,7 @@ def importance_weights(
 ) -> ImportanceWeights:
     """The detached weights of every token (see the module docstring); `mask` is the bool response mask."""
     with torch.no_grad():
-        log_w = torch.where(mask, old_log_probs.float() - rollout_log_probs.float(), 0.0)
+        log_w = torch.where(mask, old_log_probs - rollout_log_probs, 0.0)
         log_token = log_w.clamp(-max_log_ratio, max_log_ratio)
         if level == "sequence":
             log_w = torch.where(mask, sequence_log_ratio(log_token, mask).unsqueeze(-1), 0.0)

@@ -44,7 +44,7 @@ def policy_loss(
     value, even inf/NaN), optional `rollout_log_probs` (the engine's, for `algorithm.is_correction`)
     and `ref_log_probs` (needed when `algorithm.kl_coef` > 0; when given with kl_coef = 0 the KL is
     only reported). Each row must hold a whole response (sequence-level quantities are per row).
-    Computation is in float32 whatever the input dtype.
+    Computation is in float64 for float64 `log_probs`, else in float32 (bf16/fp16 inputs are upcast).
 
     Loss = sum_it W_it * (-gate_it * w_is_it + beta * KL_it), with W_it the aggregation weight
     of `algorithm.loss_agg_mode` built from `normalizer` (see `losses.aggregation`).
@@ -84,12 +84,14 @@ def policy_loss(
     if alg.gate not in GATES:
         raise ValueError(f"algorithm.gate = {alg.gate!r} is not known; allowed: {list(GATES)}")
 
+    dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
     mask = response_mask.bool()
-    adv = advantages.detach().float()
+    logp, old = log_probs.to(dtype), old_log_probs.detach().to(dtype)
+    adv = advantages.detach().to(dtype)
     if normalizer is None:
         normalizer = global_normalizer(mask)
-    weights = token_weights(mask, alg.loss_agg_mode, normalizer)
-    log_r = token_log_ratio(log_probs.float(), old_log_probs.float(), mask, alg.max_log_ratio)
+    weights = token_weights(mask, alg.loss_agg_mode, normalizer, dtype)
+    log_r = token_log_ratio(logp, old, mask, alg.max_log_ratio)
     r = ratio(log_r, mask, alg.ratio_level)
     if alg.gate == "clip":
         gate = clip_gate(r, adv, alg.clip_eps_low, alg.clip_eps_high, alg.dual_clip_c)
@@ -99,7 +101,7 @@ def policy_loss(
     iw = None
     if rollout_log_probs is not None:
         iw = importance_weights(
-            old_log_probs, rollout_log_probs, mask, mode=alg.is_correction, level=alg.is_level,
+            old, rollout_log_probs.detach().to(dtype), mask, mode=alg.is_correction, level=alg.is_level,
             threshold=alg.is_threshold, mask_min=alg.is_mask_min, mask_max=alg.is_mask_max,
             max_log_ratio=alg.max_log_ratio,
         )  # fmt: skip
@@ -109,7 +111,7 @@ def policy_loss(
     loss = pg_loss
     kl = None
     if ref_log_probs is not None:
-        kl = kl_estimate(log_probs.float(), ref_log_probs.float(), mask, alg.kl_estimator, alg.max_log_ratio)
+        kl = kl_estimate(logp, ref_log_probs.detach().to(dtype), mask, alg.kl_estimator, alg.max_log_ratio)
         kl_loss = alg.kl_coef * (kl * weights).sum()
         if alg.kl_coef > 0:
             loss = loss + kl_loss
