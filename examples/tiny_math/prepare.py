@@ -1,0 +1,38 @@
+"""Everything the tiny_math example starts from, generated locally with fixed seeds (nothing downloaded).
+
+OUT/data/train.jsonl    5,772 task rows (DAPO-Math row format, bare-problem prompts)
+OUT/data/heldout.jsonl  500 held-out task rows, disjoint from train
+OUT/data/sft.jsonl      warm-start rows: task rows plus "response" (45% correct, 55% addition first)
+OUT/model/              the randomly initialised tiny Qwen3-MoE policy and its character tokenizer
+
+Usage: python examples/tiny_math/prepare.py --out runs/tiny_math/assets [--seed 0] [--model-seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when run as a script
+
+from tiny_model import build_model  # noqa: E402
+from tiny_task import add_task_arguments, write_task  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--model-seed", type=int, default=0, help="model initialisation seed")
+    add_task_arguments(parser)
+    args = parser.parse_args(argv)
+    paths = write_task(args.out / "data", args.seed, args.heldout, args.sft_rows, args.sft_correct_fraction)
+    model = build_model(args.out / "model", args.model_seed)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    print(f"model: {args.out / 'model'} ({sum(p.numel() for p in model.parameters()):,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

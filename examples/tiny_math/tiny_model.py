@@ -1,0 +1,117 @@
+"""A tiny, randomly initialised Qwen3-MoE policy for tiny_math, saved as a Hugging Face folder.
+
+Shape (../shared/notes/rl_feasibility.md): hidden 128, 4 layers, 4 query heads and 2 KV heads of
+width 32, 8 experts per layer with top-2 routing (weights renormalised) and expert width 128, every
+layer MoE, RoPE base 10000, no aux loss. Embeddings are NOT tied (like Qwen3-30B-A3B; the HF <->
+Megatron mapping then needs no tied-weight case): 1,782,144 parameters with the 28-token vocabulary.
+The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same seed, same weights.
+
+`MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
+
+Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tiny_tokenizer import build_tokenizer, save_tokenizer, vocabulary
+
+ARCHITECTURE: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,  # dense MLP width; unused, as every layer is MoE
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+# The same network as megatron_rl.config `model.*` keys.
+MEGATRON_MODEL: dict[str, Any] = dict(
+    family="qwen3_moe",
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=32,
+    vocab_size=len(vocabulary()),
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    norm_epsilon=1e-6,
+    qk_layernorm=True,
+    tie_word_embeddings=False,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=128,
+    moe_router_norm_topk=True,
+    moe_aux_loss_coeff=0.0,
+)
+
+
+def build_model(out: Path, seed: int = 0) -> Any:
+    """Write the model (safetensors, config, generation config) and its tokenizer to `out`; returns the model."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = build_tokenizer()
+    arch = dict(ARCHITECTURE)
+    rope_theta = arch.pop("rope_theta")
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **arch,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    _add_legacy_config_keys(out / "config.json", rope_theta)
+    save_tokenizer(tokenizer, out)
+    return model
+
+
+def _add_legacy_config_keys(path: Path, rope_theta: float) -> None:
+    """transformers 5 writes num_local_experts / rope_parameters / dtype; readers on transformers 4.x
+    (e.g. an SGLang server) look for num_experts / rope_theta / torch_dtype and would silently fall
+    back to their defaults (128 experts) without them."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.setdefault("num_experts", config.get("num_local_experts", ARCHITECTURE["num_experts"]))
+    config.setdefault("rope_theta", rope_theta)
+    config.setdefault("torch_dtype", config.get("dtype", "float32"))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="model folder to write")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    args = parser.parse_args(argv)
+    model = build_model(args.out, args.seed)
+    print(f"model: {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

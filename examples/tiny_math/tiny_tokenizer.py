@@ -1,0 +1,88 @@
+"""A character-level tokenizer for tiny_math, saved as a Hugging Face tokenizer folder.
+
+28 tokens: 6 special tokens (<|pad|> = 0, <|eos|> = 1, <|unk|>, <|system|>, <|user|>, <|assistant|>)
+and the 22 characters of the task (digits, `+*=:`, space, newline and the letters of "Answer"). No
+BOS. The chat template keeps prompts short: `<|user|>2+4*5=<|assistant|>` (8 tokens), and an
+assistant turn ends with <|eos|>. `transformers.AutoTokenizer.from_pretrained(folder)` loads it
+offline; tokenizer_config.json uses the class name `PreTrainedTokenizerFast` so that older
+transformers (as SGLang may pin) load it too.
+
+Usage: python examples/tiny_math/tiny_tokenizer.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+PAD, EOS, UNK = "<|pad|>", "<|eos|>", "<|unk|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, EOS, UNK, *ROLE_TOKENS)
+CHARACTERS = "0123456789+*=:" + " \n" + "Answer"
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' -%}<|eos|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+MAX_LENGTH = 256
+
+
+def vocabulary() -> dict[str, int]:
+    tokens = [*SPECIAL_TOKENS, *dict.fromkeys(CHARACTERS)]
+    return {token: i for i, token in enumerate(tokens)}
+
+
+def build_tokenizer(out: Path | None = None) -> Any:
+    """The tokenizer (a transformers fast tokenizer); saved to `out` when given."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocabulary(), unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    core.decoder = decoders.Fuse()  # join the characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=MAX_LENGTH,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if out is not None:
+        save_tokenizer(tokenizer, out)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """save_pretrained, then a tokenizer_config.json that transformers 4.x and 5.x both read."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop("backend", None)
+    config.pop("extra_special_tokens", None)
+    config.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        additional_special_tokens=list(ROLE_TOKENS),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_LENGTH,
+    )
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="tokenizer folder to write")
+    args = parser.parse_args(argv)
+    tokenizer = build_tokenizer(args.out)
+    print(f"tokenizer: {args.out} ({len(tokenizer)} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

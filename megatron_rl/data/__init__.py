@@ -1,0 +1,30 @@
+"""Prompt datasets (jsonl, parquet), chat templates, tokenization and the per-step prompt sampler."""
+
+from megatron_rl.data.dataset import SKIP_REASONS, LoadReport, Prompt, PromptDataset, SkippedRow, load_prompt_dataset
+from megatron_rl.data.fields import MISSING, get_field
+from megatron_rl.data.prompts import PromptFormatError, PromptRenderer, as_messages, render_prompt, uses_chat_template
+from megatron_rl.data.readers import DataError, RawRow, RowLocation, iter_rows
+from megatron_rl.data.sampler import PromptSampler
+from megatron_rl.data.tokenizer import load_tokenizer
+
+__all__ = [
+    "MISSING",
+    "SKIP_REASONS",
+    "DataError",
+    "LoadReport",
+    "Prompt",
+    "PromptDataset",
+    "PromptFormatError",
+    "PromptRenderer",
+    "PromptSampler",
+    "RawRow",
+    "RowLocation",
+    "SkippedRow",
+    "as_messages",
+    "get_field",
+    "iter_rows",
+    "load_prompt_dataset",
+    "load_tokenizer",
+    "render_prompt",
+    "uses_chat_template",
+]

@@ -1,0 +1,28 @@
+"""Answer extraction, normalisation and verification; batched scoring from the `reward` config."""
+
+from megatron_rl.rewards.extract import DAPO_WINDOW_CHARS, extract_answer_line, extract_boxed, strip_boxed
+from megatron_rl.rewards.normalize import normalize_answer, parse_number
+from megatron_rl.rewards.registry import BUILTIN_RULES, RewardConfigError, RewardFn, load_custom_function, resolve_rule
+from megatron_rl.rewards.rules import Verdict, boxed_rule, dapo_rule, math_verify_rule
+from megatron_rl.rewards.scorer import RewardResult, RewardScorer, RewardStats
+
+__all__ = [
+    "BUILTIN_RULES",
+    "DAPO_WINDOW_CHARS",
+    "RewardConfigError",
+    "RewardFn",
+    "RewardResult",
+    "RewardScorer",
+    "RewardStats",
+    "Verdict",
+    "boxed_rule",
+    "dapo_rule",
+    "extract_answer_line",
+    "extract_boxed",
+    "load_custom_function",
+    "math_verify_rule",
+    "normalize_answer",
+    "parse_number",
+    "resolve_rule",
+    "strip_boxed",
+]

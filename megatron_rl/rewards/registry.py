@@ -1,0 +1,87 @@
+"""The per-sample reward function named by the `reward` config section."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_rl.rewards.rules import Verdict, boxed_rule, dapo_rule, math_verify_rule
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RewardConfig
+
+# A rule returns a Verdict (built-ins), a bool (correct or not) or a number (the reward itself).
+RewardFn = Callable[[str, str], Any]
+
+BUILTIN_RULES: dict[str, Callable[[str, str], Verdict]] = {"dapo": dapo_rule, "boxed": boxed_rule}
+
+
+class RewardConfigError(ValueError):
+    """A `reward` setting that cannot be used (unknown type, missing package or function)."""
+
+
+def resolve_rule(cfg: RewardConfig) -> RewardFn:
+    """The function of reward.type; type=math_verify needs the math-verify package, type=custom
+    reward.custom_function."""
+    if cfg.type in BUILTIN_RULES:
+        return BUILTIN_RULES[cfg.type]
+    if cfg.type == "math_verify":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError as err:
+            raise RewardConfigError(
+                "reward.type = 'math_verify' needs the math-verify package, which is not installed "
+                f"(pip install math-verify): {err}"
+            ) from err
+        return math_verify_rule
+    if cfg.type == "custom":
+        if not cfg.custom_function:
+            raise RewardConfigError("reward.type = 'custom' needs reward.custom_function = 'module:function'")
+        return load_custom_function(cfg.custom_function)
+    raise RewardConfigError(
+        f"reward.type = {cfg.type!r} is unknown; allowed: {[*BUILTIN_RULES, 'math_verify', 'custom']}"
+    )
+
+
+def load_custom_function(spec: str) -> RewardFn:
+    """`package.module:function` (imported) or `path/to/file.py:function` (loaded from the file).
+    The function takes (response, answer) and returns a bool or a number."""
+    where = f"reward.custom_function = {spec!r}"
+    module_name, sep, function_name = spec.rpartition(":")
+    if not sep or not module_name or not function_name:
+        raise RewardConfigError(f"{where}: expected 'module:function' or 'path/to/file.py:function'")
+    module = _load_file(module_name, where) if module_name.endswith(".py") else _import(module_name, where)
+    function = getattr(module, function_name, None)
+    if function is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise RewardConfigError(f"{where}: module {module_name!r} has no function {function_name!r}; it has {public}")
+    if not callable(function):
+        raise RewardConfigError(f"{where}: {module_name}.{function_name} is a {type(function).__name__}, not callable")
+    return function
+
+
+def _import(module_name: str, where: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = "it" if err.name == module_name else f"its import {err.name!r}"
+        raise RewardConfigError(f"{where}: cannot import module {module_name!r}: {missing} was not found") from err
+    except Exception as err:  # the module's own top-level code failed
+        raise RewardConfigError(f"{where}: importing module {module_name!r} failed: {err!r}") from err
+
+
+def _load_file(path: str, where: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise RewardConfigError(f"{where}: no such file {path!r}")
+    spec = importlib.util.spec_from_file_location(f"megatron_rl_custom_reward_{file.stem}", file)
+    assert spec is not None and spec.loader is not None  # a .py file always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise RewardConfigError(f"{where}: loading {path!r} failed: {err!r}") from err
+    return module

@@ -1,0 +1,243 @@
+"""Prompt datasets: formats, keys, chat templates, bad rows with their line numbers, and the sampler."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_rl.config import DataConfig
+from megatron_rl.data import DataError, PromptSampler, get_field, load_prompt_dataset, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "tiny_math"))
+tiny_tokenizer = importlib.import_module("tiny_tokenizer")
+
+# Ids of the tiny_math character tokenizer: <|user|> = 4, <|assistant|> = 5, "0".."9" = 6..15,
+# "+" = 16, "*" = 17, "=" = 18.
+USER, ASSISTANT = 4, 5
+IDS_2_PLUS_4_TIMES_5 = [8, 16, 10, 17, 11, 18]  # "2+4*5="
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step.\n\n{}\n\nRemember to put your answer on its own line."
+)
+
+
+def dapo_row(problem: str, answer: str) -> dict:
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": problem}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "0f1c"},
+    }
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer.build_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer(tokenizer):
+    """The same tokenizer without a chat template."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = None
+    return tok
+
+
+def test_dapo_rows_load_as_they_are_with_the_chat_template(tmp_path: Path, tokenizer) -> None:
+    rows = [dapo_row("2+4*5=", "22"), dapo_row("9*9+49=", "130")]
+    path = write_lines(tmp_path / "dapo.jsonl", [json.dumps(r) for r in rows])
+    ds = load_prompt_dataset(path, tokenizer, DataConfig())
+    assert len(ds) == 2 and ds.report.kept == 2 and ds.report.rows == 2 and ds.report.counts == {}
+    first = ds[0]
+    assert first.index == 0 and first.answer == "22" and first.raw == rows[0]
+    assert first.text == "<|user|>2+4*5=<|assistant|>"
+    assert list(first.input_ids) == [USER, *IDS_2_PLUS_4_TIMES_5, ASSISTANT]
+    assert str(first.location) == f"{path}:1"
+    assert ds[1].index == 1 and ds[1].answer == "130" and ds[1].location.number == 2
+
+
+def test_plain_keys_dotted_paths_and_numeric_answers(tmp_path: Path, tokenizer) -> None:
+    path = write_lines(tmp_path / "plain.jsonl", [json.dumps({"question": "2+4*5=", "meta": {"answer": 22}})])
+    cfg = DataConfig(prompt_key="question", answer_key="meta.answer")
+    ds = load_prompt_dataset(path, tokenizer, cfg)
+    # A string prompt becomes one user message for the template.
+    assert ds[0].text == "<|user|>2+4*5=<|assistant|>" and ds[0].answer == "22"
+    ds = load_prompt_dataset(
+        path, tokenizer, DataConfig(prompt_key="question", answer_key="meta.answer", apply_chat_template=False)
+    )
+    assert ds[0].text == "2+4*5=" and list(ds[0].input_ids) == IDS_2_PLUS_4_TIMES_5
+
+
+def test_without_a_template_messages_are_joined_as_plain_text(tmp_path: Path, plain_tokenizer) -> None:
+    row = {"prompt": [{"role": "system", "content": "2+"}, {"role": "user", "content": "4*5="}], "answer": "22"}
+    path = write_lines(tmp_path / "m.jsonl", [json.dumps(row)])
+    ds = load_prompt_dataset(path, plain_tokenizer, DataConfig(answer_key="answer"))  # apply_chat_template on
+    assert ds[0].text == "2+\n4*5="
+    assert list(ds[0].input_ids) == [8, 16, 21, 10, 17, 11, 18]  # "\n" = 21
+
+
+def test_literal_dotted_key_wins_over_nesting() -> None:
+    row = {"a.b": 1, "a": {"b": 2}, "c": {"d": None}}
+    assert get_field(row, "a.b") == 1
+    assert get_field({"a": {"b": 2}}, "a.b") == 2
+    assert get_field(row, "c.d") is get_field(row, "c.x") is get_field(row, "zz")
+
+
+def test_every_bad_row_is_skipped_counted_and_reported_with_its_line(tmp_path: Path, tokenizer, caplog) -> None:
+    good = json.dumps(dapo_row("2+4*5=", "22"))
+    no_answer = dapo_row("1+2*3=", "7")
+    del no_answer["reward_model"]
+    lines = [
+        good,  # 1
+        "{not json",  # 2 invalid_json
+        "",  # 3 blank: ignored, not a row
+        "[1, 2]",  # 4 not_an_object
+        json.dumps(no_answer),  # 5 missing_key (answer)
+        json.dumps({"reward_model": {"ground_truth": "1"}}),  # 6 missing_key (prompt)
+        json.dumps(dapo_row("   ", "1")),  # 7 empty_prompt
+        json.dumps({"prompt": [], "reward_model": {"ground_truth": "1"}}),  # 8 empty_prompt
+        json.dumps({"prompt": 5, "reward_model": {"ground_truth": "1"}}),  # 9 bad_type
+        json.dumps(dapo_row("1+2*3=4+5*6=7+8*9=", "1")),  # 10 too_long: 18 + 2 tokens > 12
+        json.dumps(dapo_row("3+4*5=", "23")),  # 11
+        json.dumps(dapo_row("1+1*1=", "")),  # 12 empty_answer
+        json.dumps(dapo_row("1+1*1=", {"x": 1})),  # 13 bad_type (answer)
+        json.dumps({"prompt": [{"content": "1+1"}], "reward_model": {"ground_truth": "2"}}),  # 14 bad_type (no role)
+    ]
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.data"):
+        ds = load_prompt_dataset(path, tokenizer, DataConfig(max_prompt_tokens=12), max_reported=3)
+    assert [p.location.number for p in ds] == [1, 11] and [p.index for p in ds] == [0, 1]
+    assert [(s.location.number, s.reason) for s in ds.report.skipped] == [
+        (2, "invalid_json"),
+        (4, "not_an_object"),
+        (5, "missing_key"),
+        (6, "missing_key"),
+        (7, "empty_prompt"),
+        (8, "empty_prompt"),
+        (9, "bad_type"),
+        (10, "too_long"),
+        (12, "empty_answer"),
+        (13, "bad_type"),
+        (14, "bad_type"),
+    ]
+    assert ds.report.counts == {
+        "invalid_json": 1,
+        "not_an_object": 1,
+        "missing_key": 2,
+        "bad_type": 3,
+        "empty_prompt": 2,
+        "empty_answer": 1,
+        "too_long": 1,
+    }
+    assert ds.report.rows == 13 and ds.report.kept == 2
+    skipped = {s.location.number: s for s in ds.report.skipped}
+    assert "reward_model.ground_truth" in skipped[5].detail and "data.answer_key" in skipped[5].detail
+    assert "data.prompt_key" in skipped[6].detail
+    assert skipped[10].detail == "20 tokens > data.max_prompt_tokens = 12"
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[:3] == [str(skipped[2]), str(skipped[4]), str(skipped[5])]
+    assert messages[0].startswith(f"{path}:2: skipped (invalid_json)")
+    assert messages[3] == f"{path}: 8 more skipped rows not listed"
+
+
+def test_a_failing_chat_template_skips_the_row(tmp_path: Path, tokenizer) -> None:
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user') }}{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    rows = [
+        dapo_row("1+2*3=", "7"),
+        {"prompt": [{"role": "system", "content": "1"}], "reward_model": {"ground_truth": "1"}},
+    ]
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(r) for r in rows])
+    ds = load_prompt_dataset(path, tok, DataConfig())
+    assert len(ds) == 1 and ds.report.skipped[0].reason == "template_error"
+    assert "the first message must be the user" in ds.report.skipped[0].detail
+
+
+def test_a_file_without_usable_rows_is_an_error_naming_it_and_the_counts(tmp_path: Path, tokenizer) -> None:
+    path = write_lines(tmp_path / "none.jsonl", ["{oops", json.dumps({"prompt": "1+1=", "x": 1}), "{"])
+    with pytest.raises(DataError) as err:
+        load_prompt_dataset(path, tokenizer, DataConfig())
+    message = str(err.value)
+    assert str(path) in message and "kept 0 of 3 rows" in message
+    assert "invalid_json: 2" in message and "missing_key: 1" in message and f"{path}:1" in message
+
+
+def test_missing_and_unsupported_files(tmp_path: Path, tokenizer) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompt_dataset(tmp_path / "absent.jsonl", tokenizer, DataConfig())
+    csv = write_lines(tmp_path / "rows.csv", ["a,b"])
+    with pytest.raises(DataError, match=r"unsupported format '\.csv'"):
+        load_prompt_dataset(csv, tokenizer, DataConfig())
+    with pytest.raises(DataError, match="data.tokenizer_path"):
+        load_tokenizer(tmp_path / "no_tokenizer")
+
+
+def test_parquet_dapo_rows_and_bad_rows_by_row_index(tmp_path: Path, tokenizer) -> None:
+    rows = [
+        dapo_row("2+4*5=", "22"),
+        dapo_row("", "3"),  # empty_prompt
+        {**dapo_row("1+1*1=", "2"), "reward_model": {"ground_truth": None, "style": "x"}},  # missing_key (null)
+        dapo_row(DAPO_INSTRUCTION.format("3+4*5="), "23"),  # fits in 1024 tokens (letters map to <|unk|>)
+    ]
+    path = tmp_path / "dapo.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ds = load_prompt_dataset(path, tokenizer, DataConfig())
+    assert [(p.location.number, p.answer) for p in ds] == [(0, "22"), (3, "23")]
+    assert ds[0].raw["prompt"] == rows[0]["prompt"]
+    assert list(ds[0].input_ids) == [USER, *IDS_2_PLUS_4_TIMES_5, ASSISTANT]
+    assert [(str(s.location), s.reason) for s in ds.report.skipped] == [
+        (f"{path} (row 1)", "empty_prompt"),
+        (f"{path} (row 2)", "missing_key"),
+    ]
+    assert len(ds[1].input_ids) == len(DAPO_INSTRUCTION.format("3+4*5=")) + 2
+
+
+def test_sampler_epochs_are_seeded_permutations_and_cross_epoch_batches_continue() -> None:
+    items = list(range(10))
+    a, b = PromptSampler(items, seed=7), PromptSampler(items, seed=7)
+    epochs = [a.next(10) for _ in range(3)]
+    assert all(sorted(e) == items for e in epochs) and len({tuple(e) for e in epochs}) == 3
+    assert b.next(4) + b.next(13) + b.next(13) == [x for e in epochs for x in e]  # 30 = 3 epochs exactly
+    assert b.epoch == 2 and b.position == 10
+    assert PromptSampler(items, seed=8).next(10) != epochs[0]
+    plain = PromptSampler(items[:5], shuffle=False)
+    assert plain.next(3) == [0, 1, 2] and plain.next(3) == [3, 4, 0] and (plain.epoch, plain.position) == (1, 1)
+
+
+@pytest.mark.parametrize("consumed", [0, 3, 10, 17])
+def test_sampler_resumes_exactly(consumed: int) -> None:
+    items = [f"p{i}" for i in range(10)]
+    run = PromptSampler(items, seed=3)
+    run.next(consumed)
+    state = json.loads(json.dumps(run.state_dict()))  # a checkpoint may store it as JSON
+    resumed = PromptSampler(items, seed=3)
+    resumed.load_state_dict(state)
+    assert [resumed.next(4) for _ in range(6)] == [run.next(4) for _ in range(6)]
+
+
+def test_sampler_refuses_a_state_from_other_data_or_seed() -> None:
+    state = PromptSampler(list(range(10)), seed=3).state_dict()
+    with pytest.raises(ValueError, match="data.seed is 4 but the checkpoint was saved with 3"):
+        PromptSampler(list(range(10)), seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="number of usable prompts is 9"):
+        PromptSampler(list(range(9)), seed=3).load_state_dict(state)
+    sampler = PromptSampler.from_config(list(range(4)), DataConfig(shuffle=False, seed=1))
+    assert sampler.next(5) == [0, 1, 2, 3, 0]
