@@ -1,0 +1,210 @@
+"""Build a Megatron-Core GPTModel (and its TransformerConfig) from the `model` and `parallel` config.
+
+Call after `megatron_rl.parallel.init_distributed`: the pipeline stage, TP/EP ranks and sizes come
+from Megatron's parallel_state, and must agree with `parallel`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.norm import SequenceParallelRMSNorm
+from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of divisible_by x TP."""
+    multiple = make_vocab_size_divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine specs need both the package and a GPU."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    enable_routing_replay: bool = False,
+    moe_grouped_gemm: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> TransformerConfig:
+    """The TransformerConfig of `model` under `parallel` (no dropout, fp32 router, dropless MoE).
+
+    `overrides` sets any other TransformerConfig field (e.g. `calculate_per_token_loss`).
+    """
+    check_family(model)
+    dtype = DTYPES[model.params_dtype]
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=resolve_expert_tensor_parallel(parallel),
+        sequence_parallel=resolve_sequence_parallel(parallel),
+    )
+    if model.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if model.num_experts is not None:
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_layer_freq=moe_layer_pattern(model),
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_topk=model.moe_router_topk,
+            moe_router_score_function="softmax",
+            # Renormalised top-k of softmax(all) == softmax(top-k logits) (Qwen3-MoE norm_topk_prob,
+            # Mixtral); without renormalisation the weights are the top-k of softmax(all).
+            moe_router_pre_softmax=not model.moe_router_norm_topk,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=model.moe_token_dispatcher,
+            moe_expert_capacity_factor=None,
+            moe_grouped_gemm=moe_grouped_gemm,
+            moe_enable_routing_replay=enable_routing_replay,
+        )
+    elif enable_routing_replay:
+        raise ValueError(f"routing replay needs an MoE model; model.family = {model.family!r} is dense")
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+def _local_norms(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm."""
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    sub.input_layernorm = SequenceParallelRMSNorm
+    sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attn = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name) not in (None, IdentityOp):
+            setattr(attn, name, SequenceParallelRMSNorm)
+    return spec
+
+
+def decoder_block_spec(
+    config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None
+) -> TransformerBlockSubmodules:
+    """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
+    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel)."""
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
+    )
+    if use_transformer_engine:
+        return block
+    return TransformerBlockSubmodules(
+        layer_specs=[_local_norms(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
+    )
+
+
+def _check_parallel_state(parallel: ParallelConfig) -> None:
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "Megatron parallel state is not initialised: call megatron_rl.parallel.init_distributed first"
+        )
+    expected = {
+        "parallel.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "parallel.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "parallel.expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "parallel.expert_tensor_parallel_size": resolve_expert_tensor_parallel(parallel),
+    }
+    actual = {
+        "parallel.tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "parallel.pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "parallel.expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "parallel.expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+    }
+    wrong = {k: (v, actual[k]) for k, v in expected.items() if actual[k] != v}
+    if wrong:
+        detail = ", ".join(f"{k} = {v} but parallel_state has {a}" for k, (v, a) in wrong.items())
+        raise RuntimeError(f"config and Megatron parallel state disagree: {detail}")
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    enable_routing_replay: bool = False,
+    use_transformer_engine: bool | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage; one today), as Megatron's schedules expect.
+
+    The first pipeline stage holds the embedding, the last the final norm and output layer, whose
+    logits stay split over TP (`parallel_output`, vocabulary padded by `padded_vocab_size`: the
+    padded columns are not tokens and must be masked out of any softmax). With
+    `enable_routing_replay`, every router gets a Megatron `RouterReplay` instance; the registry is
+    cleared first, so it holds this model's routers only (in layer order).
+    `use_transformer_engine`: None = whenever TE and CUDA are present.
+    """
+    _check_parallel_state(parallel)
+    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    config = transformer_config(
+        model,
+        parallel,
+        enable_routing_replay=enable_routing_replay,
+        moe_grouped_gemm=use_te and model.num_experts is not None,
+        overrides=config_overrides,
+    )
+    RouterReplay.clear_global_router_replay_instances()
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, use_te),
+        vocab_size=padded_vocab_size(
+            model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
+        ),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=model.rope_theta,
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gpt.to(device)  # local-spec norms are created on the CPU
+    return [gpt]

@@ -1,0 +1,60 @@
+"""Who am I in the job: rank, world size and rendezvous address from torchrun or Slurm variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(RuntimeError):
+    """The process was not started by a launcher this package understands."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" or "slurm"
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Rank, world size, local rank and MASTER_ADDR/PORT; torchrun variables win over Slurm's."""
+    env = os.environ if environ is None else environ
+    if any(name in env for name in _TORCHRUN[:2]):
+        names, source = _TORCHRUN, "torchrun"
+        missing = [n for n in _TORCHRUN[:2] if n not in env]
+    elif any(name in env for name in _SLURM[:2]):
+        names, source = _SLURM, "slurm"
+        missing = [n for n in _SLURM[:2] if n not in env]
+    else:
+        raise LaunchError(
+            "no launcher variables: start with torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+            "MASTER_PORT) or srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID plus MASTER_ADDR, MASTER_PORT)"
+        )
+    missing += [n for n in _RENDEZVOUS if n not in env]
+    if missing:
+        raise LaunchError(f"launched by {source} but {', '.join(missing)} is not set")
+    rank, world_size = _int(env, names[0]), _int(env, names[1])
+    local_rank = _int(env, names[2]) if names[2] in env else rank
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise LaunchError(f"{names[0]}={rank} is not a rank of {names[1]}={world_size}")
+    port = _int(env, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port")
+    return LaunchEnv(rank, world_size, local_rank, env["MASTER_ADDR"], port, source)

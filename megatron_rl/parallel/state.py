@@ -1,0 +1,134 @@
+"""Start torch.distributed and Megatron's parallel_state from the launcher's variables and the config."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.launch import LaunchEnv, read_launch_env
+from megatron_rl.parallel.layout import ParallelLayout, check_layout
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's place in the job, returned by `init_distributed`."""
+
+    rank: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    layout: ParallelLayout
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+
+def resolve_backend(requested: str, cuda_available: bool | None = None) -> str:
+    """`parallel.backend`: auto = nccl with CUDA, gloo without; nccl without CUDA is an error."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not cuda:
+        raise ConfigError("parallel.backend = 'nccl' needs CUDA; use 'gloo' or 'auto' on this machine")
+    if requested not in ("nccl", "gloo"):
+        raise ConfigError(f"parallel.backend = {requested!r}; allowed: ['auto', 'nccl', 'gloo']")
+    return requested
+
+
+def _megatron_sizes(layout: ParallelLayout) -> tuple[int, int, int, int]:
+    return (
+        layout.tensor_model_parallel_size,
+        layout.pipeline_model_parallel_size,
+        layout.expert_model_parallel_size,
+        layout.expert_tensor_parallel_size,
+    )
+
+
+def _current_megatron_sizes() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def init_distributed(
+    parallel: ParallelConfig,
+    model: ModelConfig | None = None,
+    *,
+    seed: int = 1234,
+    timeout_minutes: float = 30.0,
+    env: LaunchEnv | None = None,
+) -> ParallelContext:
+    """torch.distributed (once per process), then Megatron's TP/PP/EP/ETP/DP groups and RNG tracker.
+
+    The layout is checked against the world size (and `model`, when given) before any group or
+    model exists; a bad layout raises ConfigError naming the keys. CPU support is applied when
+    CUDA is absent. Call `destroy_distributed(process_group=False)` before a different layout.
+    """
+    env = env or read_launch_env()
+    layout = check_layout(parallel, env.world_size, model)
+    backend = resolve_backend(parallel.backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        cpu_compat.apply_cpu_compat()
+        device = torch.device("cpu")
+    cpu_compat.bind_missing_te_gemm()
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"torch.distributed is already running as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"not rank {env.rank} of {env.world_size}"
+            )
+    else:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    if ps.model_parallel_is_initialized():
+        if _current_megatron_sizes() != _megatron_sizes(layout):
+            raise RuntimeError(
+                f"Megatron parallel state already holds (TP, PP, EP, ETP) = {_current_megatron_sizes()}, "
+                f"not {_megatron_sizes(layout)}: call destroy_distributed(process_group=False) first"
+            )
+    else:
+        tp, pp, ep, etp = _megatron_sizes(layout)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            distributed_timeout_minutes=max(1, int(timeout_minutes)),
+        )
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return ParallelContext(rank=env.rank, local_rank=env.local_rank, backend=backend, device=device, layout=layout)
+
+
+def destroy_distributed(process_group: bool = True) -> None:
+    """Forget Megatron's groups and the MoE router-replay registry; with `process_group`, stop torch.distributed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    ps.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Shared pieces for multi-process model scenarios: tiny configs, a batch, build + init, full logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+
+VOCAB = 300  # pads to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
+SEQ = 16
+BATCH = 2
+
+_FAMILY_SWITCHES = {
+    "qwen3_moe": dict(qk_layernorm=True, add_qkv_bias=False),
+    "qwen3": dict(qk_layernorm=True, add_qkv_bias=False, num_experts=None),
+    "qwen2": dict(qk_layernorm=False, add_qkv_bias=True, num_experts=None),
+    "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
+}
+
+
+def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
+    """A 4-layer model of `family` small enough for 4 ranks on 2 cores; MoE families get a dense first layer."""
+    fields = dict(
+        family=family,
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        first_k_dense_layers=1 if family == "qwen3_moe" else 0,
+        rope_theta=10000.0,
+    )
+    fields.update(_FAMILY_SWITCHES[family])
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sp,
+    )
+
+
+def sample_batch(model: ModelConfig, seed: int = 0) -> torch.Tensor:
+    """The same [BATCH, SEQ] token ids on every rank."""
+    return torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def setup(model: ModelConfig, parallel: ParallelConfig, seed: int = 0, **build_kwargs: object) -> list[torch.nn.Module]:
+    """Parallel state for `parallel`, the model built, weights from `init_deterministic(seed)`."""
+    from megatron_rl.models import build_model, init_deterministic
+    from megatron_rl.parallel import init_distributed
+
+    init_distributed(parallel, model)
+    chunks = build_model(model, parallel, **build_kwargs)
+    init_deterministic(chunks, model, seed)
+    return chunks
+
+
+def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """fp32 logits [b, s, vocab_size] on every rank: one forward-only pass through Megatron's
+    schedule (1F1B when PP > 1), vocabulary shards gathered over TP, sent from the last stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = ids.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+
+    def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract
+        return model(next(data_iterator), positions, None), None
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter([ids]),
+        model=chunks,
+        num_microbatches=1,
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=True,
+    )
+    full = torch.empty(b, s, vocab_size)
+    if ps.is_pipeline_last_stage():
+        local = outputs[0].float()
+        parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        full = torch.cat(parts, dim=-1)[..., :vocab_size].contiguous()
+    dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return full
+
+
+def reference_logits(ctx, model: ModelConfig, ids: torch.Tensor, seed: int = 0) -> torch.Tensor:  # noqa: ANN001
+    """Logits of the unsplit model (TP = PP = EP = 1; every rank a data-parallel copy, i.e. the
+    world-size-1 model), cached per process."""
+    from megatron_rl.parallel import destroy_distributed
+
+    key = f"ref:{dataclasses.astuple(model)}:{ids.sum().item()}:{seed}"
+    if key not in ctx.cache:
+        chunks = setup(model, layout(), seed)
+        ctx.cache[key] = forward_logits(chunks, ids, model.vocab_size)
+        destroy_distributed(process_group=False)
+    return ctx.cache[key]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    diff = (actual - expected).abs().max().item()
+    if not diff <= tol:
+        raise AssertionError(f"{what}: max abs diff {diff:.3e} > {tol:.0e}")

@@ -1,0 +1,192 @@
+"""Scenarios for tests/test_models_distributed.py (run by launcher.py, one process per rank)."""
+
+from __future__ import annotations
+
+import torch
+from model_helpers import assert_close, forward_logits, layout, reference_logits, sample_batch, setup, tiny_model
+
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+
+LOGIT_TOL = 1e-5
+
+
+def _check_full_params(chunks: list[torch.nn.Module], model: ModelConfig, seed: int = 0) -> None:
+    """Gathered parameters are exactly the deterministic global tensors: every shard sits where
+    Megatron's layout puts it (TP dims, SwiGLU halves, experts over EP, layers over PP)."""
+    from megatron_rl.models import deterministic_full_tensor, gather_full_params
+
+    full = gather_full_params(chunks, model)
+    for name, value in full.items():
+        expected = deterministic_full_tensor(name, tuple(value.shape), model, seed)
+        if not torch.equal(value, expected):
+            raise AssertionError(f"{name}: gathered tensor differs from its deterministic value")
+    layers = {name.split(".")[2] for name in full if name.startswith("decoder.layers.")}
+    if layers != {str(i) for i in range(model.num_layers)}:
+        raise AssertionError(f"gathered layers {sorted(layers)} != 0..{model.num_layers - 1}")
+
+
+def _equivalence(ctx, model: ModelConfig, parallel: ParallelConfig) -> None:  # noqa: ANN001
+    ids = sample_batch(model)
+    expected = reference_logits(ctx, model, ids)
+    chunks = setup(model, parallel)
+    _check_full_params(chunks, model)
+    assert_close(forward_logits(chunks, ids, model.vocab_size), expected, LOGIT_TOL, f"logits under {parallel}")
+
+
+# --- world size 1 ---------------------------------------------------------------------------
+
+
+def families_match_hf(ctx) -> None:  # noqa: ANN001
+    """Each family's Megatron model gives the logits of the transformers model with the same weights."""
+    from hf_reference import hf_model, load_megatron_params
+
+    from megatron_rl.models import gather_full_params
+    from megatron_rl.parallel import destroy_distributed
+
+    cases = [
+        tiny_model("qwen3_moe"),
+        tiny_model("qwen3_moe", moe_router_norm_topk=False, moe_layer_freq=2, first_k_dense_layers=0),
+        tiny_model("mixtral"),
+        tiny_model("qwen3", tie_word_embeddings=True),
+        tiny_model("qwen2"),
+    ]
+    for model in cases:
+        chunks = setup(model, layout(), seed=3)
+        ids = sample_batch(model, seed=1)
+        logits = forward_logits(chunks, ids, model.vocab_size)
+        hf = hf_model(model)
+        load_megatron_params(hf, gather_full_params(chunks, model), model)
+        with torch.no_grad():
+            expected = hf(input_ids=ids).logits
+        assert_close(logits, expected, LOGIT_TOL, f"{model.family} (norm_topk={model.moe_router_norm_topk}) vs HF")
+        destroy_distributed(process_group=False)
+
+
+def moe_layers_follow_pattern(ctx) -> None:  # noqa: ANN001
+    """first_k_dense_layers and moe_layer_freq decide which layers have a router."""
+    from megatron_rl.models import moe_layer_pattern
+
+    model = tiny_model("qwen3_moe", num_layers=4, first_k_dense_layers=1, moe_layer_freq=2)
+    assert moe_layer_pattern(model) == [0, 1, 0, 1], moe_layer_pattern(model)
+    chunks = setup(model, layout())
+    routed = [hasattr(layer.mlp, "router") for layer in chunks[0].decoder.layers]
+    assert routed == [False, True, False, True], routed
+
+
+def routing_replay_instances(ctx) -> None:  # noqa: ANN001
+    """With routing replay every router registers one RouterReplay; a rebuild does not accumulate them."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_rl.models import build_model
+
+    model, parallel = tiny_model("qwen3_moe"), layout()
+    chunks = setup(model, parallel, enable_routing_replay=True)
+    moe_layers = sum(hasattr(layer.mlp, "router") for layer in chunks[0].decoder.layers)
+    assert moe_layers == 3 and len(RouterReplay.global_router_replay_instances) == 3
+    assert chunks[0].config.moe_enable_routing_replay
+    build_model(model, parallel, enable_routing_replay=True)
+    assert len(RouterReplay.global_router_replay_instances) == 3
+    build_model(model, parallel)
+    assert len(RouterReplay.global_router_replay_instances) == 0
+
+
+def recompute_same_gradients(ctx) -> None:  # noqa: ANN001
+    """Full recompute changes neither the logits nor any gradient (the device mode is re-entered in backward)."""
+    grads = []
+    for recompute in (False, True):
+        model = tiny_model("qwen3_moe", recompute=recompute)
+        chunks = setup(model, layout())
+        assert chunks[0].config.recompute_granularity == ("full" if recompute else None)
+        ids = sample_batch(model)
+        logits = chunks[0](ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), None)
+        (logits[..., : model.vocab_size] ** 2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in chunks[0].named_parameters()})
+        from megatron_rl.parallel import destroy_distributed
+
+        destroy_distributed(process_group=False)
+    for name, grad in grads[0].items():
+        assert_close(grads[1][name], grad, 1e-6, f"grad of {name} with recompute")
+
+
+def bf16_params(ctx) -> None:  # noqa: ANN001
+    """params_dtype = bf16 builds every parameter (norms included) in bf16, close to the fp32 model."""
+    model = tiny_model("qwen3_moe", params_dtype="bf16")
+    chunks = setup(model, layout())
+    dtypes = {p.dtype for p in chunks[0].parameters()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    ids = sample_batch(model)
+    logits = forward_logits(chunks, ids, model.vocab_size)
+    expected = reference_logits(ctx, tiny_model("qwen3_moe"), ids)
+    scale = expected.abs().mean().item()
+    err = (logits - expected).abs().mean().item()
+    assert err < 0.05 * scale, f"bf16 mean abs error {err:.3e} vs logit scale {scale:.3e}"
+
+
+# --- world size 2 ---------------------------------------------------------------------------
+
+
+def logits_tp2_sp(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, sp=True))
+
+
+def logits_tp2_dense_qwen2(ctx) -> None:  # noqa: ANN001
+    """Dense TP without SP, with the QKV bias split over TP."""
+    _equivalence(ctx, tiny_model("qwen2"), layout(tp=2, sp=False))
+
+
+def logits_ep2_alltoall(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe", moe_token_dispatcher="alltoall"), layout(ep=2))
+
+
+def logits_ep2_allgather(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe", moe_token_dispatcher="allgather"), layout(ep=2))
+
+
+def logits_pp2(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe"), layout(pp=2))
+
+
+def bad_layouts_fail_before_build(ctx) -> None:  # noqa: ANN001
+    """Impossible layouts raise ConfigError naming the keys, and leave no parallel state behind."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.parallel import init_distributed
+
+    cases = [
+        (
+            layout(tp=4),
+            tiny_model("qwen3_moe", num_attention_heads=8, num_query_groups=4),
+            "world size 2 is not divisible by parallel.tensor_model_parallel_size (4)",
+        ),
+        (layout(ep=2, etp=2), tiny_model("qwen3_moe"), "parallel.expert_model_parallel_size (2)"),
+        (layout(ep=3), tiny_model("qwen3_moe", num_experts=6), "world size 2 is not divisible"),
+        (layout(ep=2), tiny_model("qwen3_moe", num_experts=3), "must divide model.num_experts (3)"),
+        (
+            layout(tp=2),
+            tiny_model("qwen3_moe", num_attention_heads=3, num_query_groups=1),
+            "must divide model.num_attention_heads (3)",
+        ),
+    ]
+    for parallel, model, needle in cases:
+        try:
+            init_distributed(parallel, model)
+        except ConfigError as err:
+            assert needle in str(err), f"{needle!r} not in {err}"
+        else:
+            raise AssertionError(f"{parallel} was accepted")
+        assert not ps.model_parallel_is_initialized()
+
+
+# --- world size 4 ---------------------------------------------------------------------------
+
+
+def logits_tp2_ep2(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, ep=2))
+
+
+def logits_tp2_ep2_etp1(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, ep=2, etp=1))
+
+
+def logits_pp2_tp2(ctx) -> None:  # noqa: ANN001
+    _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, pp=2))
