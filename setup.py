@@ -27,6 +27,8 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
         "test": ["pytest>=8", "ruff"],
+        # reward.type=math_verify
+        "math": ["math-verify>=0.7"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )
