@@ -28,7 +28,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
         "test": ["pytest>=8", "ruff"],
         # reward.type=math_verify
-        "math": ["math-verify>=0.7"],
+        "math": ["math-verify>=0.9"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )
