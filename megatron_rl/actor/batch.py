@@ -1,0 +1,216 @@
+"""The actor's input: ragged per-sample tensors, and their right-padded micro-batch form.
+
+A sample is one prompt + response: `tokens` [n] (prompt then response), `prompt_length` p
+(1 <= p <= n), so r = n - p response tokens. Response-aligned fields are [r]: the value for
+response token k (token id tokens[p + k]). In a micro-batch the model reads the whole padded row
+and the logits at position t predict token t + 1, so response token k sits at position
+p - 1 + k of every [rows, max_len] tensor (the "target positions"); the last position of each
+row and the padding are never targets.
+
+Routed experts follow SGLang's layout (`meta_info.routed_experts`): int32
+[n - 1, num_layers, top_k], the experts of the tokens at positions 0 .. n - 2 in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+
+from megatron_rl.actor.micro_batches import MicroBatch
+
+# Response-aligned float fields, in the order `policy_loss` takes them.
+RESPONSE_FIELDS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+
+
+@dataclass
+class ActorBatch:
+    """Per-sample lists, all of the same length (the number of samples).
+
+    tokens: int [n_i]; prompt_lengths: p_i.
+    response_mask: bool [r_i], which response tokens enter the loss (None = all).
+    old_log_probs / advantages / rollout_log_probs / ref_log_probs: float [r_i]; an advantage may
+        also be a 0-dim tensor (one value for the whole response).
+    routed_experts: int [n_i - 1, num_layers, top_k] (R3: from the engine; R2: recorded by
+        `compute_log_probs(..., record_routing=True)`); layers without a router are ignored.
+    """
+
+    tokens: list[Tensor]
+    prompt_lengths: list[int]
+    response_mask: list[Tensor] | None = None
+    old_log_probs: list[Tensor] | None = None
+    advantages: list[Tensor] | None = None
+    rollout_log_probs: list[Tensor] | None = None
+    ref_log_probs: list[Tensor] | None = None
+    routed_experts: list[Tensor] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.shape[0]) for t in self.tokens]
+
+    def response_length(self, i: int) -> int:
+        return int(self.tokens[i].shape[0]) - int(self.prompt_lengths[i])
+
+    def subset(self, indices: Sequence[int]) -> ActorBatch:
+        """The samples at `indices`, in that order."""
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            picked[f.name] = None if value is None else [value[i] for i in indices]
+        return ActorBatch(**picked)
+
+    def with_fields(self, **values: list[Tensor] | None) -> ActorBatch:
+        """A copy with some fields replaced (e.g. old_log_probs after compute_log_probs)."""
+        return replace(self, **values)
+
+    def loss_mask(self, i: int) -> Tensor:
+        """bool [r_i]: response tokens of sample i that enter the loss."""
+        r = self.response_length(i)
+        if self.response_mask is None:
+            return torch.ones(r, dtype=torch.bool)
+        return self.response_mask[i].to(torch.bool).cpu()
+
+    def validate(self, *, vocab_size: int, num_layers: int, top_k: int, num_experts: int | None) -> None:
+        """Raise ValueError naming the field, the sample and both shapes on any inconsistency."""
+        n = len(self.tokens)
+        if n == 0:
+            raise ValueError("ActorBatch: no samples")
+        if len(self.prompt_lengths) != n:
+            raise ValueError(f"ActorBatch.prompt_lengths has {len(self.prompt_lengths)} entries, tokens has {n}")
+        for i, (tok, p) in enumerate(zip(self.tokens, self.prompt_lengths, strict=True)):
+            if tok.dim() != 1 or tok.dtype.is_floating_point or tok.dtype == torch.bool:
+                raise ValueError(
+                    f"ActorBatch.tokens[{i}] must be a 1-D integer tensor, got {tok.dtype} {tuple(tok.shape)}"
+                )
+            if not 1 <= int(p) <= tok.shape[0]:
+                raise ValueError(f"ActorBatch.prompt_lengths[{i}] = {p} is outside [1, {tok.shape[0]}] (tokens[{i}])")
+            lo, hi = int(tok.min()), int(tok.max())
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(f"ActorBatch.tokens[{i}] holds ids in [{lo}, {hi}], outside [0, {vocab_size})")
+        for name in ("response_mask", *RESPONSE_FIELDS):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != n:
+                raise ValueError(f"ActorBatch.{name} has {len(values)} entries, tokens has {n}")
+            for i, v in enumerate(values):
+                r = self.response_length(i)
+                scalar_ok = name == "advantages" and v.dim() == 0
+                if not scalar_ok and tuple(v.shape) != (r,):
+                    raise ValueError(
+                        f"ActorBatch.{name}[{i}] has shape {tuple(v.shape)}, expected ({r},) = the response "
+                        f"length of tokens[{i}] (shape {tuple(self.tokens[i].shape)}, prompt {self.prompt_lengths[i]})"
+                    )
+        if self.routed_experts is not None:
+            self._validate_routing(num_layers, top_k, num_experts)
+
+    def _validate_routing(self, num_layers: int, top_k: int, num_experts: int | None) -> None:
+        if num_experts is None:
+            raise ValueError("ActorBatch.routed_experts is set but the model has no experts (model.num_experts)")
+        if len(self.routed_experts) != len(self.tokens):
+            raise ValueError(
+                f"ActorBatch.routed_experts has {len(self.routed_experts)} entries, tokens has {len(self)}"
+            )
+        for i, r in enumerate(self.routed_experts):
+            want = (self.lengths[i] - 1, num_layers, top_k)
+            if tuple(r.shape) != want or r.dtype.is_floating_point:
+                raise ValueError(
+                    f"ActorBatch.routed_experts[{i}] is {r.dtype} {tuple(r.shape)}, expected int {want} = "
+                    f"[len(tokens[{i}]) - 1, model.num_layers, model.moe_router_topk] (SGLang's layout)"
+                )
+
+
+@dataclass
+class MicroBatchInputs:
+    """One right-padded micro-batch, ready for the model: every tensor is [rows, max_len].
+
+    `rows`/`max_len` may exceed the micro-batch's (uniform padding for pipeline stages without
+    variable shapes): extra rows are all padding. `target_mask` marks the target positions of the
+    response tokens that enter the loss; `fields` holds the response-aligned values there.
+    """
+
+    micro_batch: MicroBatch
+    input_ids: Tensor
+    position_ids: Tensor
+    target: Tensor
+    target_mask: Tensor
+    fields: dict[str, Tensor]
+    routed_experts: list[Tensor | None] | None  # per row, SGLang layout, None for extra rows
+    prompt_lengths: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Real tokens of every row (0 for extra padding rows)."""
+        return self.micro_batch.lengths + (0,) * (self.rows - self.micro_batch.rows)
+
+    def response_rows(self, values: Tensor) -> list[Tensor]:
+        """A [rows, max_len] per-position result cut to each real row's response: [r_i] each."""
+        out = []
+        for row, (n, p) in enumerate(zip(self.micro_batch.lengths, self.prompt_lengths, strict=True)):
+            out.append(values[row, p - 1 : n - 1])
+        return out
+
+
+def build_inputs(
+    batch: ActorBatch,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    *,
+    pad_to: tuple[int, int] | None = None,
+    with_fields: Sequence[str] = (),
+    every_response_token: bool = False,
+) -> MicroBatchInputs:
+    """The padded tensors of one micro-batch of `batch` (indices of `micro_batch` index `batch`).
+
+    `every_response_token`: targets are all response tokens, ignoring `response_mask` (log-probs
+    for the caller); otherwise only those that enter the loss.
+    """
+    rows, max_len = pad_to if pad_to is not None else (micro_batch.rows, micro_batch.max_len)
+    if rows < micro_batch.rows or max_len < micro_batch.max_len:
+        raise ValueError(f"pad_to {pad_to} is smaller than the micro-batch ({micro_batch.rows}, {micro_batch.max_len})")
+    input_ids = torch.zeros(rows, max_len, dtype=torch.long)
+    target = torch.zeros(rows, max_len, dtype=torch.long)
+    target_mask = torch.zeros(rows, max_len, dtype=torch.bool)
+    values = {name: torch.zeros(rows, max_len, dtype=torch.float32) for name in with_fields}
+    prompts = []
+    for row, i in enumerate(micro_batch.indices):
+        tok = batch.tokens[i].to(torch.long).cpu()
+        n, p = tok.shape[0], int(batch.prompt_lengths[i])
+        if n != micro_batch.lengths[row]:
+            raise ValueError(f"sample {i} has {n} tokens, the micro-batch plan says {micro_batch.lengths[row]}")
+        prompts.append(p)
+        input_ids[row, :n] = tok
+        target[row, : n - 1] = tok[1:]
+        target_mask[row, p - 1 : n - 1] = True if every_response_token else batch.loss_mask(i)
+        for name in with_fields:
+            source = getattr(batch, name)
+            if source is None:
+                raise ValueError(f"ActorBatch.{name} is needed here but is None")
+            values[name][row, p - 1 : n - 1] = source[i].to(torch.float32).cpu().expand(n - p)
+    position_ids = torch.arange(max_len, dtype=torch.long).unsqueeze(0).expand(rows, max_len)
+    routed = None
+    if batch.routed_experts is not None:
+        routed = [batch.routed_experts[i] for i in micro_batch.indices] + [None] * (rows - micro_batch.rows)
+    return MicroBatchInputs(
+        micro_batch=micro_batch,
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.contiguous().to(device),
+        target=target.to(device),
+        target_mask=target_mask.to(device),
+        fields={k: v.to(device) for k, v in values.items()},
+        routed_experts=routed,
+        prompt_lengths=tuple(prompts),
+    )

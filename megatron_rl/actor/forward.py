@@ -1,0 +1,241 @@
+"""Megatron's forward(-backward) schedule over this rank's micro-batches, and results on every rank.
+
+Every rank holds the whole batch. `plan_for_rank` splits it over the data-parallel (DP) ranks
+(token-balanced) and cuts this rank's share into right-padded micro-batches with the same count
+on every DP rank; `run_schedule` feeds them to `get_forward_backward_func()` (1F1B when PP > 1),
+driving routing record/replay per micro-batch; `compute_log_probs` returns the log-probs and
+entropy of every response token (and, recording, the routing in SGLang's layout) of the WHOLE
+batch on EVERY rank: owners fill their part of a zero buffer and one all-reduce sums it (exact:
+each value has a single contributor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.micro_batches import MicroBatch, balance_across_ranks, plans_with_equal_count
+from megatron_rl.actor.routing_replay import RoutingReplay
+
+LossFn = Callable[[MicroBatchInputs, Tensor], tuple[Tensor, Any]]
+
+
+def comm_device() -> torch.device:
+    """Where collective buffers live: the current GPU with NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def plan_for_rank(lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
+    """This DP rank's micro-batches (indices into `lengths`); every DP rank gets the same count."""
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if len(lengths) < dp:
+        raise ValueError(f"{len(lengths)} samples cannot be split over {dp} data-parallel ranks (need >= {dp})")
+    shares = balance_across_ranks(lengths, dp)
+    plans = plans_with_equal_count([[lengths[i] for i in share] for share in shares], max_tokens)
+    mine = shares[rank]
+    return [MicroBatch(tuple(mine[j] for j in mb.indices), mb.lengths) for mb in plans[rank].micro_batches]
+
+
+def padded_shapes(micro_batches: Sequence[MicroBatch], config: Any) -> list[tuple[int, int]]:
+    """(rows, max_len) of each micro-batch: max_len a multiple of TP under sequence parallelism, and one
+    shape for all when pipeline stages exchange fixed-shape tensors (no `variable_seq_lengths`)."""
+    tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    shapes = [(mb.rows, -(-mb.max_len // tp) * tp) for mb in micro_batches]
+    if ps.get_pipeline_model_parallel_world_size() > 1 and not config.variable_seq_lengths:
+        uniform = (max(r for r, _ in shapes), max(s for _, s in shapes))
+        shapes = [uniform] * len(shapes)
+    return shapes
+
+
+def prepare_inputs(
+    chunks: Sequence[torch.nn.Module],
+    batch: ActorBatch,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    with_fields: Sequence[str] = (),
+    every_response_token: bool = False,
+) -> list[MicroBatchInputs]:
+    config = get_model_config(chunks[0])
+    device = comm_device()
+    return [
+        build_inputs(
+            batch, mb, device, pad_to=shape, with_fields=with_fields, every_response_token=every_response_token
+        )
+        for mb, shape in zip(micro_batches, padded_shapes(micro_batches, config), strict=True)
+    ]
+
+
+@dataclass
+class ScheduleOutput:
+    """Per micro-batch, in plan order: what `loss_fn` returned second (last stage only, else empty),
+    and the recorded routing [rows, max_len, L_local, K] (every rank, when recording)."""
+
+    extras: list[Any]
+    recorded: list[Tensor]
+
+
+def run_schedule(
+    chunks: Sequence[torch.nn.Module],
+    inputs: Sequence[MicroBatchInputs],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+    routing: RoutingReplay | None = None,
+    routing_mode: str | None = None,
+    measure_routing: bool = False,
+) -> ScheduleOutput:
+    """One call of Megatron's forward-backward function over `inputs`.
+
+    `loss_fn(inputs, logits)` runs on the last pipeline stage with logits [rows, max_len, V/TP]
+    and returns (loss to back-propagate, anything to keep). `routing_mode`: None (free routing),
+    "record" or "replay" (the inputs' `routed_experts`, also during recompute in backward).
+    """
+    if routing_mode not in (None, "record", "replay"):
+        raise ValueError(f"routing_mode must be None, 'record' or 'replay', got {routing_mode!r}")
+    if routing_mode is not None and routing is None:
+        raise ValueError(f"routing_mode = {routing_mode!r} needs a RoutingReplay")
+    extras: list[Any] = []
+    recorded: list[Tensor] = []
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatchInputs = next(data_iterator)
+        if routing_mode == "replay":
+            if mb.routed_experts is None:
+                raise ValueError(
+                    "routing replay needs ActorBatch.routed_experts (R2: record them first; R3: the engine's)"
+                )
+            routing.start_replay(mb.routed_experts, mb.lengths, mb.max_len, measure_routing)
+        elif routing_mode == "record":
+            routing.start_recording()
+        output = model(mb.input_ids, mb.position_ids, None)
+        if routing_mode == "record":
+            recorded.append(routing.take_recorded(mb.rows, mb.max_len))
+        elif routing_mode == "replay" and not forward_only:
+            routing.replay_in_backward(output)
+
+        def loss_func(logits: Tensor):
+            loss, extra = loss_fn(mb, logits)
+            extras.append(extra)
+            return loss, {}
+
+        return output, loss_func
+
+    first = inputs[0]
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(inputs),
+            model=list(chunks),
+            num_microbatches=len(inputs),
+            seq_length=first.max_len,
+            micro_batch_size=first.rows,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing is not None:
+            routing.stop()
+    return ScheduleOutput(extras, recorded)
+
+
+def is_output_owner() -> bool:
+    """The one rank per pipeline replica whose last-stage results are shared (TP peers agree)."""
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+
+def share_response_values(batch: ActorBatch, owned: dict[int, Tensor]) -> list[Tensor]:
+    """float32 [r_i] for every sample on every rank, from the ranks that computed them (`owned`)."""
+    sizes = [batch.response_length(i) for i in range(len(batch))]
+    buf = torch.zeros(sum(sizes), dtype=torch.float32, device=comm_device())
+    parts = list(buf.split(sizes))
+    for i, value in owned.items():
+        parts[i].copy_(value)
+    dist.all_reduce(buf)
+    return [p.cpu() for p in buf.split(sizes)]
+
+
+def share_routing(
+    batch: ActorBatch, owned: dict[int, Tensor], layers: Sequence[int], num_layers: int, top_k: int
+) -> list[Tensor]:
+    """int32 [n_i - 1, num_layers, top_k] for every sample on every rank; -1 in layers without a router.
+
+    `owned[i]`: [n_i - 1, len(layers), top_k], this rank's layers of sample i.
+    """
+    sizes = [n - 1 for n in batch.lengths]
+    buf = torch.zeros(sum(sizes), num_layers, top_k, dtype=torch.int32, device=comm_device())
+    parts = list(buf.split(sizes))
+    index = torch.tensor(list(layers), dtype=torch.long, device=buf.device)
+    for i, value in owned.items():
+        parts[i].index_copy_(1, index, value.to(buf.device) + 1)  # +1: 0 marks "no router"
+    dist.all_reduce(buf)
+    buf -= 1
+    return [p.cpu() for p in buf.split(sizes)]
+
+
+@dataclass
+class LogProbResult:
+    """Whole-batch results, on every rank: float32 [r_i] per sample, and routing in SGLang's layout."""
+
+    log_probs: list[Tensor]
+    entropy: list[Tensor]
+    routed_experts: list[Tensor] | None = None
+
+
+def compute_log_probs(
+    chunks: Sequence[torch.nn.Module],
+    batch: ActorBatch,
+    *,
+    temperature: float,
+    vocab_size: int,
+    max_tokens: int,
+    chunk_tokens: int,
+    routing: RoutingReplay | None = None,
+    routing_mode: str | None = None,
+) -> LogProbResult:
+    """Log-probs and entropy of every response token (no grad), optionally recording or replaying routing."""
+    micro_batches = plan_for_rank(batch.lengths, max_tokens)
+    inputs = prepare_inputs(chunks, batch, micro_batches, every_response_token=True)
+
+    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, Any]:
+        out = vocab_parallel_logprobs(
+            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
+        )
+        return logits.new_zeros(()), (mb.response_rows(out.logprobs), mb.response_rows(out.entropy))
+
+    training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            result = run_schedule(
+                chunks, inputs, loss_fn, forward_only=True, routing=routing, routing_mode=routing_mode
+            )
+    finally:
+        for c, was in zip(chunks, training, strict=True):
+            c.train(was)
+    owner = is_output_owner()
+    logp: dict[int, Tensor] = {}
+    ent: dict[int, Tensor] = {}
+    if owner:
+        for mb, (lp_rows, ent_rows) in zip(inputs, result.extras, strict=True):
+            for i, lp, e in zip(mb.micro_batch.indices, lp_rows, ent_rows, strict=True):
+                logp[i], ent[i] = lp, e
+    out = LogProbResult(share_response_values(batch, logp), share_response_values(batch, ent))
+    if routing_mode == "record":
+        mine: dict[int, Tensor] = {}
+        if ps.get_tensor_model_parallel_rank() == 0:
+            for mb, rec in zip(inputs, result.recorded, strict=True):
+                for row, (i, n) in enumerate(zip(mb.micro_batch.indices, mb.micro_batch.lengths, strict=True)):
+                    mine[i] = rec[row, : n - 1]
+        config = get_model_config(chunks[0])
+        out.routed_experts = share_routing(batch, mine, routing.layers, config.num_layers, config.moe_router_topk)
+    return out

@@ -1,0 +1,114 @@
+"""Training state of the actor: DDP-wrapped model chunks, Megatron's (distributed) Adam, the LR schedule.
+
+Gradient convention: Megatron's DDP (with `calculate_per_token_loss` off) scales gradients by
+1/DP and the schedule divides each micro-batch loss by the number of micro-batches; the actor's
+loss function multiplies its loss by both (`loss_scale`), so the gradient is the SUM of the
+micro-batch gradients over all micro-batches and DP ranks, as `megatron_rl.losses` requires.
+
+LR schedule: optimizer step k (1-based) uses Megatron's `OptimizerParamScheduler` value at step
+k: linear warm-up lr * k / W for k <= W = `train.lr_warmup_steps`, then `train.lr_decay_style`
+from lr to `train.min_lr` at the last step (`train.steps x train.updates_per_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+
+from megatron_rl.config import ParallelConfig, TrainConfig
+
+
+@dataclass
+class TrainingState:
+    """What a train step changes: the wrapped model chunks, the optimizer, the schedule, the step count."""
+
+    model: list[torch.nn.Module]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    step: int = 0
+
+
+def wrap_ddp(chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
+    """Float16Module for bf16/fp16 chunks, then Megatron's DDP; installs the grad finalisation hooks."""
+    config = get_model_config(chunks[0])
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+        average_in_collective=False,
+    )
+    wrapped = []
+    for chunk in chunks:
+        module = Float16Module(config, chunk) if (config.bf16 or config.fp16) else chunk
+        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = wrapped[0].no_sync if len(wrapped) == 1 else [m.no_sync for m in wrapped]
+    return wrapped
+
+
+def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype: torch.dtype) -> OptimizerConfig:
+    """Adam (decoupled weight decay) with the `train` section's hyper-parameters."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.grad_clip,
+        bf16=params_dtype is torch.bfloat16,
+        fp16=params_dtype is torch.float16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+
+
+def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerParamScheduler:
+    """Megatron's scheduler over `train.steps x train.updates_per_step` optimizer steps (see module doc)."""
+    total = train.steps * train.updates_per_step
+    if train.lr_warmup_steps >= max(total, 2) and train.lr_decay_style != "constant":
+        raise ValueError(
+            f"train.lr_warmup_steps ({train.lr_warmup_steps}) must be below the number of optimizer steps "
+            f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}"
+        )
+    if train.min_lr > train.lr:
+        raise ValueError(f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if train.lr_warmup_steps > 0 else train.lr,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_steps,
+        lr_decay_steps=max(total, train.lr_warmup_steps + 1),
+        lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=max(total, 1),
+        wd_incr_style="constant",
+    )
+
+
+def build_training_state(
+    chunks: Sequence[torch.nn.Module], train: TrainConfig, parallel: ParallelConfig
+) -> TrainingState:
+    """DDP + optimizer + schedule around freshly built model chunks."""
+    config = get_model_config(chunks[0])
+    model = wrap_ddp(chunks, parallel.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config(train, parallel, config.params_dtype), model)
+    return TrainingState(model=model, optimizer=optimizer, scheduler=lr_scheduler(optimizer, train))
+
+
+def loss_scale(num_micro_batches: int) -> float:
+    """Factor on each micro-batch loss that turns Megatron's averaging into the sum (see module doc)."""
+    return float(num_micro_batches * ps.get_data_parallel_world_size())

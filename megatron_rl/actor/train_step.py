@@ -1,0 +1,170 @@
+"""One RL update of the actor: mini-batches (optimizer steps) x micro-batches through Megatron's schedule.
+
+Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
+mini-batches; each gets one global normaliser (`megatron_rl.losses.global_normalizer` over its
+whole response mask), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
+and runs forward + backward (1F1B when PP > 1) with the policy loss, then one optimizer step with
+gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
+operation (`losses.metric_reduce_op`) and returned, the same, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
+from megatron_rl.actor.forward import comm_device, is_output_owner, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.optimizer import TrainingState, loss_scale
+from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.config import AlgorithmConfig
+from megatron_rl.losses import finalize_metrics, global_normalizer, merge_metrics, metric_reduce_op, policy_loss
+from megatron_rl.losses.metrics import masked_sum
+
+_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def mini_batches(num_samples: int, updates: int) -> list[list[int]]:
+    """`updates` consecutive, near-equal runs of sample indices (groups stay together when they divide)."""
+    if updates < 1 or num_samples < updates:
+        raise ValueError(f"cannot cut {num_samples} samples into train.updates_per_step = {updates} mini-batches")
+    bounds = [round(k * num_samples / updates) for k in range(updates + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(updates)]
+
+
+def reduce_metrics(local: dict[str, Tensor] | None) -> dict[str, Tensor]:
+    """Reduce metric statistics over all ranks; only output owners (`is_output_owner`) contribute.
+
+    The key set comes from the last rank (always on the last pipeline stage); float64 results.
+    """
+    world = dist.get_world_size()
+    keys = [sorted(local) if local is not None else None]
+    dist.broadcast_object_list(keys, src=world - 1)
+    names: list[str] = keys[0]
+    out: dict[str, Tensor] = {}
+    for op in ("sum", "max", "min"):
+        group = [k for k in names if metric_reduce_op(k) == op]
+        if not group:
+            continue
+        buf = torch.full((len(group),), _IDENTITY[op], dtype=torch.float64, device=comm_device())
+        if local is not None:
+            buf.copy_(torch.stack([local[k].to(torch.float64) for k in group]))
+        dist.all_reduce(buf, op=_OPS[op])
+        out.update({k: v for k, v in zip(group, buf.cpu(), strict=True)})
+    return out
+
+
+def _loss_fn(
+    alg: AlgorithmConfig,
+    normalizer: Any,
+    scale: float,
+    temperature: float,
+    vocab_size: int,
+    chunk_tokens: int,
+    fields: Sequence[str],
+):
+    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        out = vocab_parallel_logprobs(
+            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
+        )
+        f = mb.fields
+        loss, metrics = policy_loss(
+            out.logprobs,
+            f["old_log_probs"],
+            f["advantages"],
+            mb.target_mask,
+            alg,
+            rollout_log_probs=f.get("rollout_log_probs"),
+            ref_log_probs=f.get("ref_log_probs"),
+            normalizer=normalizer,
+        )
+        metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
+        return loss * scale, metrics
+
+    return loss_fn
+
+
+def _routing_metrics(routing: RoutingReplay, num_layers: int) -> dict[str, float]:
+    layers, changed, total = routing.take_change_counts()
+    buf = torch.zeros(2, num_layers, dtype=torch.float64, device=comm_device())
+    index = torch.tensor(layers, dtype=torch.long, device=buf.device)
+    buf[0].index_add_(0, index, changed.to(buf))
+    buf[1].index_add_(0, index, total.to(buf))
+    dist.all_reduce(buf)
+    buf = buf.cpu()
+    out = {}
+    for layer in range(num_layers):
+        if buf[1, layer] > 0:
+            out[f"routing_changed_frac_layer{layer}"] = float(buf[0, layer] / buf[1, layer])
+    if float(buf[1].sum()) > 0:
+        out["routing_changed_frac"] = float(buf[0].sum() / buf[1].sum())
+    return out
+
+
+def train_on_batch(
+    state: TrainingState,
+    batch: ActorBatch,
+    alg: AlgorithmConfig,
+    *,
+    updates: int,
+    max_tokens: int,
+    chunk_tokens: int,
+    temperature: float,
+    vocab_size: int,
+    token_norm: float,
+    routing: RoutingReplay | None = None,
+    replay: bool = False,
+) -> list[dict[str, float]]:
+    """`updates` optimizer steps over consecutive mini-batches of `batch`; one metrics dict per step.
+
+    `batch` needs old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses
+    them); with `replay`, routed_experts (R2 recorded or R3 from the engine).
+    """
+    for name in ("old_log_probs", "advantages"):
+        if getattr(batch, name) is None:
+            raise ValueError(f"train: ActorBatch.{name} is required")
+    fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
+    config = get_model_config(state.model[0])
+    history = []
+    for indices in mini_batches(len(batch), updates):
+        sub = batch.subset(indices)
+        masks = [sub.loss_mask(i).view(1, -1) for i in range(len(sub))]
+        normalizer = global_normalizer(masks, token_norm=token_norm)
+        micro = plan_for_rank(sub.lengths, max_tokens)
+        inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
+        loss_fn = _loss_fn(alg, normalizer, loss_scale(len(inputs)), temperature, vocab_size, chunk_tokens, fields)
+        for chunk in state.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+        result = run_schedule(
+            state.model,
+            inputs,
+            loss_fn,
+            forward_only=False,
+            routing=routing if replay else None,
+            routing_mode="replay" if replay else None,
+            measure_routing=replay,
+        )
+        state.scheduler.step(increment=1)
+        ok, grad_norm, _ = state.optimizer.step()
+        state.step += 1
+        local = merge_metrics(result.extras) if is_output_owner() else None
+        metrics = finalize_metrics(reduce_metrics(local))
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(state.optimizer.param_groups[0]["lr"]),
+            update_skipped=0.0 if ok else 1.0,
+            micro_batches=float(len(inputs)),
+        )
+        if replay and routing is not None:
+            metrics.update(_routing_metrics(routing, config.num_layers))
+        history.append(metrics)
+    return history
