@@ -1,0 +1,1 @@
+"""The local engine: a `transformers` model served over SGLang's HTTP API (`megatron-rl serve`)."""

@@ -1,0 +1,267 @@
+"""Continuous batching over a `transformers` causal LM: prefill newcomers, decode all running rows.
+
+One `step()` admits waiting requests (prefilled together, identical prompts once), then runs one
+decode forward over every running request. Finished requests leave at once and their KV rows are
+reused, so a long response never holds back a short one. Routed experts are read from each
+router's own top-k output during the same forwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_rl.rollout.local.kv_cache import SlotKVCache
+from megatron_rl.rollout.local.model import ModelInfo
+from megatron_rl.rollout.local.sampling import sample_tokens
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One prompt being generated; the engine fills the fields below `row` as it runs."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: frozenset[int] = frozenset()
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    row: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    routed: list[np.ndarray] = field(default_factory=list)
+    finish_reason: dict | None = None
+    weight_versions: list[dict] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose K/V are in the cache: the prompt and every output token but the last."""
+        return len(self.input_ids) + max(len(self.output_ids) - 1, 0)
+
+
+class Generator:
+    """Batched generation with a shared slot KV cache; not thread-safe (one engine thread drives it)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        max_running: int = 256,
+        max_prefill_tokens: int = 16384,
+        seed: int = 0,
+    ):
+        self.model, self.info = model, info
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.cache = SlotKVCache(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device)
+        self.waiting: deque[GenRequest] = deque()
+        self.running: list[GenRequest] = []
+        self.weight_version = "default"
+        self.rng = torch.Generator(device=info.device)
+        self.rng.manual_seed(seed)
+        self._capture = False
+        self._captured: list[torch.Tensor] = []
+        self._hooks = [
+            model.model.layers[i].mlp.gate.register_forward_hook(self._record_routing) for i in info.moe_layers
+        ]
+        self._min_value = torch.finfo(info.dtype).min
+
+    # ---- queue ----
+    def add(self, req: GenRequest) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, match, message: str = "Abort request") -> list[GenRequest]:
+        """Finish every waiting or running request for which `match(req)` is true, keeping its output."""
+        done = [r for r in self.waiting if match(r)]
+        self.waiting = deque(r for r in self.waiting if not match(r))
+        done_rows = [r for r in self.running if match(r)]
+        for req in done + done_rows:
+            req.finish_reason = {"type": "abort", "message": message}
+        self._retire(done_rows)
+        return done + done_rows
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    # ---- one scheduling step ----
+    @torch.inference_mode()
+    def step(self) -> list[GenRequest]:
+        """Admit and prefill waiting requests, then decode one token for the running ones."""
+        finished: list[GenRequest] = []
+        newcomers = self._admit()
+        if newcomers:
+            finished += self._prefill(newcomers)
+        if self.running:
+            finished += self._decode()
+        if not self.running and not self.waiting:
+            self.cache.release()
+        return finished
+
+    def _admit(self) -> list[GenRequest]:
+        batch: list[GenRequest] = []
+        prompts: set[tuple[int, ...]] = set()
+        longest, unique = 0, 0
+        while self.waiting and len(self.running) + len(batch) < self.max_running:
+            req = self.waiting[0]
+            key = tuple(req.input_ids)
+            new_unique = unique + (key not in prompts)
+            new_longest = max(longest, len(req.input_ids))
+            if batch and new_unique * new_longest > self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            batch.append(req)
+            prompts.add(key)
+            longest, unique = new_longest, new_unique
+        return batch
+
+    def _prefill(self, batch: list[GenRequest]) -> list[GenRequest]:
+        first_of: dict[tuple[int, ...], int] = {}
+        uniques: list[GenRequest] = []
+        for req in batch:
+            key = tuple(req.input_ids)
+            if key not in first_of:
+                first_of[key] = len(uniques)
+                uniques.append(req)
+        dups = [r for r in batch if uniques[first_of[tuple(r.input_ids)]] is not r]
+        base = len(self.running)
+        ordered = uniques + dups
+        for i, req in enumerate(ordered):
+            req.row = base + i
+        self.running.extend(ordered)
+
+        dev = self.info.device
+        lengths = torch.tensor([len(r.input_ids) for r in uniques], device=dev)
+        width = int(lengths.max())
+        ids = torch.zeros(len(uniques), width, dtype=torch.long, device=dev)
+        for i, req in enumerate(uniques):
+            ids[i, : len(req.input_ids)] = torch.tensor(req.input_ids, device=dev)
+        pos = torch.arange(width, device=dev)
+        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+        mask = self._additive(allowed.unsqueeze(1))
+        self.cache.reserve(base + len(ordered), width)
+        self.cache.begin_prefill(base, base + len(uniques), width)
+        hidden = self._forward(ids, pos.expand(len(uniques), width), mask, any(r.return_routed_experts for r in batch))
+        last_hidden = hidden[torch.arange(len(uniques), device=dev), lengths - 1]
+        logits = self.model.lm_head(last_hidden)
+        src = [first_of[tuple(r.input_ids)] for r in ordered]
+        for req in dups:
+            self.cache.copy_row(base + first_of[tuple(req.input_ids)], req.row, len(req.input_ids))
+        routing = self._take_routing(len(uniques), width)
+        for req, s in zip(ordered, src, strict=True):
+            if routing is not None and req.return_routed_experts:
+                req.routed.append(routing[s, : len(req.input_ids)])
+            if req.return_logprob and req.logprob_start_len >= 0:
+                req.input_logprobs = self._input_logprobs(req, hidden[s])
+            req.weight_versions.append({"version": self.weight_version, "start": 0, "end": 0})
+        index = torch.tensor(src, device=dev)
+        return self._sample_and_finish(ordered, logits.index_select(0, index))
+
+    def _decode(self) -> list[GenRequest]:
+        rows = len(self.running)
+        dev = self.info.device
+        positions = torch.tensor([r.cached_len for r in self.running], device=dev)
+        kv_len = int(positions.max()) + 1
+        ids = torch.tensor([r.output_ids[-1] for r in self.running], device=dev).unsqueeze(1)
+        allowed = torch.arange(kv_len, device=dev)[None, :] <= positions[:, None]
+        mask = self._additive(allowed[:, None, None, :])
+        self.cache.begin_decode(rows, positions, kv_len)
+        hidden = self._forward(ids, positions.unsqueeze(1), mask, any(r.return_routed_experts for r in self.running))
+        logits = self.model.lm_head(hidden[:, 0])
+        routing = self._take_routing(rows, 1)
+        if routing is not None:
+            for i, req in enumerate(self.running):
+                if req.return_routed_experts:
+                    req.routed.append(routing[i])
+        return self._sample_and_finish(list(self.running), logits)
+
+    # ---- pieces ----
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.info.dtype, device=self.info.device)
+        return torch.where(allowed, zero, torch.full_like(zero, self._min_value))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, capture: bool) -> torch.Tensor:
+        self._capture, self._captured = capture and self.info.is_moe, []
+        try:
+            out = self.model.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+            )
+        finally:
+            self._capture = False
+        return out.last_hidden_state
+
+    def _record_routing(self, module, args, output) -> None:
+        if self._capture:
+            self._captured.append(output[2])  # the router's top-k expert indices, [tokens, top_k]
+
+    def _take_routing(self, rows: int, width: int) -> np.ndarray | None:
+        """Captured routing as int32 [rows, width, num_layers, top_k]; dense layers hold zeros."""
+        if not self._captured:
+            return None
+        info = self.info
+        stacked = torch.stack(self._captured, dim=1).to(torch.int32).cpu().numpy()  # [tokens, moe_layers, k]
+        out = np.zeros((rows * width, info.num_layers, info.top_k), dtype=np.int32)
+        out[:, list(info.moe_layers)] = stacked
+        self._captured = []
+        return out.reshape(rows, width, info.num_layers, info.top_k)
+
+    def _input_logprobs(self, req: GenRequest, hidden: torch.Tensor) -> list[float | None]:
+        start = min(req.logprob_start_len, len(req.input_ids))
+        values: list[float | None] = [None] if start == 0 else []
+        first = max(start, 1)
+        if first < len(req.input_ids):
+            logits = self.model.lm_head(hidden[first - 1 : len(req.input_ids) - 1]).float()
+            temp = req.temperature if req.temperature >= 1e-6 else 1.0
+            lp = torch.log_softmax(logits / temp, dim=-1)
+            targets = torch.tensor(req.input_ids[first:], device=lp.device)
+            values += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        return values
+
+    def _sample_and_finish(self, reqs: list[GenRequest], logits: torch.Tensor) -> list[GenRequest]:
+        dev = logits.device
+        temp = torch.tensor([r.temperature for r in reqs], device=dev, dtype=torch.float32)
+        top_p = torch.tensor([r.top_p for r in reqs], device=dev, dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in reqs], device=dev, dtype=torch.long)
+        tokens, logprobs = sample_tokens(logits, temp, top_p, top_k, self.rng)
+        finished = []
+        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            span = req.weight_versions[-1]
+            if span["version"] == self.weight_version:
+                span["end"] = len(req.output_ids)
+            else:
+                n = len(req.output_ids)
+                req.weight_versions.append({"version": self.weight_version, "start": n - 1, "end": n})
+            if tok in req.stop_token_ids:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif len(req.output_ids) >= req.max_new_tokens or req.cached_len + 1 >= self.info.max_positions:
+                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            if req.finish_reason is not None:
+                finished.append(req)
+        self._retire(finished)
+        return finished
+
+    def _retire(self, done: list[GenRequest]) -> None:
+        """Remove finished rows, moving the last live row into each freed slot."""
+        for req in sorted(done, key=lambda r: r.row, reverse=True):
+            last = self.running[-1]
+            if last is not req:
+                self.cache.copy_row(last.row, req.row, last.cached_len)
+                self.running[req.row] = last
+                last.row = req.row
+            self.running.pop()
+            req.row = -1

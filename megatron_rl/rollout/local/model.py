@@ -1,0 +1,102 @@
+"""Load a Hugging Face causal LM for the local engine and describe what the engine needs of it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model: shapes for the KV cache and routed experts, stop tokens."""
+
+    path: str
+    family: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    moe_layers: tuple[int, ...]  # indices of layers with a router, in order
+    num_experts: int  # 0 for dense models
+    top_k: int  # experts per token, 0 for dense models
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto` = float32 on CPU (exact log-probs), the checkpoint's dtype on GPU."""
+    if name == "auto":
+        if device.type == "cpu" or config_dtype is None:
+            return torch.float32
+        return config_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype {name!r}: allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _eos_ids(path: Path, config) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_cfg = path / "generation_config.json"
+    sources = [getattr(config, "eos_token_id", None)]
+    if gen_cfg.is_file():
+        sources.append(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+    for value in sources:
+        if value is None:
+            continue
+        for tok in value if isinstance(value, list) else [value]:
+            if int(tok) not in ids:
+                ids.append(int(tok))
+    return tuple(ids)
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[torch.nn.Module, ModelInfo]:
+    """The model in eval mode on `device`, with SDPA attention, and its `ModelInfo`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"--model {path}: no config.json (expected a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(folder)
+    family = getattr(config, "model_type", "")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"--model {path}: model_type {family!r} is not supported; allowed: {SUPPORTED_FAMILIES}")
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev, getattr(config, "dtype", None))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+    model.to(dev).eval()
+    model.requires_grad_(False)
+
+    moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
+    num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    info = ModelInfo(
+        path=str(folder),
+        family=family,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_positions=config.max_position_embeddings,
+        eos_token_ids=_eos_ids(folder, config),
+        moe_layers=moe_layers,
+        num_experts=num_experts if moe_layers else 0,
+        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
+        dtype=torch_dtype,
+        device=dev,
+    )
+    return model, info

@@ -1,0 +1,52 @@
+"""Next-token sampling with SGLang's log-prob convention.
+
+The log-prob returned for a sampled token is `log_softmax(logits / T)` taken before top-p/top-k
+filtering; for greedy rows (T == 0) it is the raw `log_softmax(logits)`. Top-k keeps the k most
+likely tokens (k <= 0 keeps all); top-p keeps the smallest prefix of the sorted distribution whose
+mass reaches p (a token is dropped when the mass before it already exceeds p), as SGLang does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of `logits` ([rows, vocab]); returns (token ids, their log-probs).
+
+    `temperature`, `top_p` (float) and `top_k` (long) hold one value per row, on the logits' device.
+    """
+    logits = logits.float()
+    greedy = temperature < GREEDY_EPS
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled_rows = ~greedy
+    if bool(sampled_rows.any()):
+        rows = sampled_rows.nonzero().squeeze(1)
+        probs = logprobs[rows].exp()
+        k, p = top_k[rows], top_p[rows]
+        vocab = probs.shape[1]
+        if bool(((k > 0) & (k < vocab)).any()) or bool((p < 1.0).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+            k_eff = torch.where(k > 0, k, torch.full_like(k, vocab)).unsqueeze(1)
+            drop = rank >= k_eff
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before > p.unsqueeze(1)
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
+            picked = order.gather(1, choice.unsqueeze(1)).squeeze(1)
+        else:
+            picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens = tokens.index_copy(0, rows, picked)
+    token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, token_logprobs

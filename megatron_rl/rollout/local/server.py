@@ -1,0 +1,549 @@
+"""`megatron-rl serve`: the local SGLang-compatible engine over HTTP.
+
+Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's field names and
+response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
+updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
+/update_weights_from_tensor), /pause_generation, /continue_generation, /abort_request,
+/flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from aiohttp import web
+
+from megatron_rl.rollout import transport
+from megatron_rl.rollout.local.engine_thread import EngineStateError, EngineThread
+from megatron_rl.rollout.local.generator import Generator, GenRequest
+from megatron_rl.rollout.local.model import ModelInfo, load_model
+from megatron_rl.rollout.local.protocol import (
+    DistributedUpdate,
+    FieldError,
+    UpdateOptions,
+    check_body,
+    get_field,
+    parse_generate,
+)
+from megatron_rl.rollout.local.weights import WeightUpdateError, apply_named_tensors, load_safetensors_dir
+
+log = logging.getLogger("megatron_rl.serve")
+
+HELP = "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)"
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _update_reply(ok: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise FieldError(f"body: not valid JSON ({err})") from None
+
+
+class LocalServer:
+    """The HTTP front of an `EngineThread`."""
+
+    def __init__(self, engine: EngineThread, info: ModelInfo, api_key: str | None, tokenizer: Any = None):
+        self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
+        self.groups: dict[str, Any] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 34)
+        post, get_post = ["POST", "PUT"], ["GET", "POST"]
+        routes = [
+            ("/generate", post, self.generate),
+            ("/abort_request", ["POST"], self.abort_request),
+            ("/pause_generation", ["POST"], self.pause_generation),
+            ("/continue_generation", ["POST"], self.continue_generation),
+            ("/flush_cache", get_post, self.flush_cache),
+            ("/release_memory_occupation", get_post, self.release_memory),
+            ("/resume_memory_occupation", get_post, self.resume_memory),
+            ("/health", ["GET"], self.health),
+            ("/health_generate", ["GET"], self.health_generate),
+            ("/get_model_info", ["GET"], self.model_info),
+            ("/model_info", ["GET"], self.model_info),
+            ("/get_server_info", ["GET"], self.server_info),
+            ("/server_info", ["GET"], self.server_info),
+            ("/update_weights_from_disk", ["POST"], self.update_from_disk),
+            ("/init_weights_update_group", ["POST"], self.init_group),
+            ("/destroy_weights_update_group", ["POST"], self.destroy_group),
+            ("/update_weights_from_distributed", ["POST"], self.update_from_distributed),
+            ("/update_weights_from_tensor", ["POST"], self.update_from_tensor),
+            ("/update_weight_version", ["POST"], self.update_weight_version),
+            ("/get_weights_by_name", get_post, self.get_weights_by_name),
+        ]
+        for path, methods, handler in routes:
+            for method in methods:
+                app.router.add_route(method, path, handler)
+        return app
+
+    # ---- middlewares ----
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except (FieldError, EngineStateError) as err:
+            return _error(400, str(err))
+
+    # ---- generation ----
+    async def generate(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        batch = parse_generate(await _json_body(request), self.info, self.tokenizer)
+        futures = [asyncio.wrap_future(f) for f in self.engine.submit(batch.requests)]
+        try:
+            done = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # the client went away: stop generating for it
+            ids = {r.rid for r in batch.requests}
+            self.engine.call(lambda e: e.abort(lambda r: r.rid in ids, "client disconnected"))
+            raise
+        latency = time.monotonic() - started
+        items = [self._generate_item(r, latency, batch.return_text_in_logprobs) for r in done]
+        return web.json_response(items if batch.is_batch else items[0])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _generate_item(self, req: GenRequest, latency: float, text_in_logprobs: bool) -> dict:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": req.weight_versions[-1]["version"] if req.weight_versions else self.engine.weight_version,
+            "weight_versions": req.weight_versions,
+            "num_retractions": 0,
+            "e2e_latency": latency,
+        }
+        if req.return_logprob:
+
+            def text(tok: int) -> str | None:
+                return self._decode([tok]) if text_in_logprobs and self.tokenizer is not None else None
+
+            meta["output_token_logprobs"] = [
+                [lp, tok, text(tok)] for lp, tok in zip(req.output_logprobs, req.output_ids, strict=True)
+            ]
+            start = len(req.input_ids) - len(req.input_logprobs)
+            meta["input_token_logprobs"] = [
+                [lp, tok, text(tok)] for lp, tok in zip(req.input_logprobs, req.input_ids[start:], strict=True)
+            ]
+        if req.return_routed_experts and req.routed:
+            routed = np.ascontiguousarray(np.concatenate(req.routed)[req.routed_experts_start_len :], dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
+        return {"text": self._decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
+
+    async def _engine(self, fn) -> Any:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        rid = get_field(body, "rid", "str", "")
+        abort_all = get_field(body, "abort_all", "bool", False)
+        if abort_all:
+            n = await self._engine(lambda e: e.abort(lambda r: True))
+        else:
+            n = await self._engine(lambda e: e.abort(lambda r: bool(rid) and r.rid.startswith(rid)))
+        log.info("aborted %d request(s) (rid=%r, abort_all=%s)", n, rid, abort_all)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        mode = get_field(body, "mode", "str", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise FieldError(f"mode: {mode!r}; allowed: abort, retract, in_place")
+
+        def pause(e: EngineThread) -> None:
+            if mode == "abort":
+                e.abort(lambda r: True)
+            e.paused = True
+
+        await self._engine(pause)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        check_body(await _json_body(request))
+
+        def resume(e: EngineThread) -> None:
+            e.paused = False
+
+        await self._engine(resume)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        def flush(e: EngineThread) -> bool:
+            return not e.generator.has_work
+
+        if not await self._engine(flush):
+            return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    # ---- memory ----
+    async def _tags(self, request: web.Request) -> list[str]:
+        body = check_body(await _json_body(request))
+        tags = get_field(body, "tags", "str_list", list(MEMORY_TAGS))
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise FieldError(f"tags: unknown {bad}; allowed: {list(MEMORY_TAGS)}")
+        return tags
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+
+        def release(e: EngineThread) -> None:
+            if e.generator.has_work:
+                raise EngineStateError("release_memory_occupation: requests are running; pause or abort them first")
+            if "weights" in tags and "weights" not in e.released and e.info.device.type == "cuda":
+                e.model.to("cpu")
+            if "kv_cache" in tags:
+                e.generator.cache.release()
+            e.released |= set(tags)
+            if e.info.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        await self._engine(release)
+        log.info("released memory: %s", tags)
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = await self._tags(request)
+
+        def resume(e: EngineThread) -> None:
+            if "weights" in tags and "weights" in e.released and e.info.device.type == "cuda":
+                e.model.to(e.info.device)
+                e.layout = type(e.layout)(e.model, e.info.family)
+            e.released -= set(tags)
+
+        await self._engine(resume)
+        log.info("resumed memory: %s", tags)
+        return web.json_response(None)
+
+    # ---- info ----
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.is_alive() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        probe = GenRequest(rid=f"HEALTH_CHECK_{time.monotonic_ns()}", input_ids=[0], max_new_tokens=1, temperature=0.0)
+        try:
+            (fut,) = self.engine.submit([probe])
+            await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
+        except (asyncio.TimeoutError, EngineStateError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        info = self.info
+        return web.json_response(
+            {
+                "model_path": info.path,
+                "tokenizer_path": info.path if self.tokenizer is not None else None,
+                "served_model_name": info.path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                # Not in SGLang's reply: what a client needs to decode routed experts.
+                "model_type": info.family,
+                "num_hidden_layers": info.num_layers,
+                "num_experts": info.num_experts,
+                "num_experts_per_tok": info.top_k,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        gen = self.engine.generator
+        return web.json_response(
+            {
+                "model_path": self.info.path,
+                "device": str(self.info.device),
+                "dtype": str(self.info.dtype).removeprefix("torch."),
+                "max_running_requests": gen.max_running,
+                "max_prefill_tokens": gen.max_prefill_tokens,
+                "weight_version": self.engine.weight_version,
+                "internal_states": [
+                    {"running": len(gen.running), "waiting": len(gen.waiting), "paused": self.engine.paused}
+                ],
+                "version": "megatron-rl-local",
+            }
+        )
+
+    # ---- weight updates ----
+    async def _apply(self, options: UpdateOptions, fn, what: str) -> web.Response:
+        def run(e: EngineThread) -> int:
+            if "weights" in e.released:
+                raise EngineStateError(f"{what}: weights are released; call /resume_memory_occupation first")
+            if options.abort_all_requests:
+                e.abort(lambda r: True)
+            nbytes = fn(e)
+            if options.weight_version is not None:
+                e.generator.set_weight_version(options.weight_version)
+            return nbytes
+
+        started = time.monotonic()
+        try:
+            nbytes = await self._engine(run)
+        except (WeightUpdateError, EngineStateError, ValueError) as err:
+            log.warning("%s rejected: %s", what, err)
+            return _update_reply(False, f"{what} failed: {err}")
+        seconds = time.monotonic() - started
+        log.info("%s: %.1f MB in %.2f s, weight version %s", what, nbytes / 1e6, seconds, self.engine.weight_version)
+        return _update_reply(True, f"Succeeded to update model weights ({what}).", num_paused_requests=0)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        path = get_field(body, "model_path", "str", required=True)
+        load_format = get_field(body, "load_format", "str")
+        if load_format not in (None, "auto", "safetensors"):
+            raise FieldError(f"load_format: {load_format!r}; the local engine reads safetensors (null, auto)")
+        return await self._apply(
+            UpdateOptions.parse(body), lambda e: load_safetensors_dir(e.layout, path), "update_weights_from_disk"
+        )
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        payloads = get_field(body, "serialized_named_tensors", "str_list", required=True)
+        if len(payloads) != 1:
+            raise FieldError(
+                f"serialized_named_tensors: expected 1 entry (the local engine has tp_size 1), got {len(payloads)}"
+            )
+        load_format = get_field(body, "load_format", "str")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct', 'flattened_bucket'")
+        try:
+            obj = transport.deserialize_named_tensors(payloads[0])
+        except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
+            raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
+        named = _named_tensors(obj, load_format == "flattened_bucket")
+        return await self._apply(
+            UpdateOptions.parse(body), lambda e: apply_named_tensors(e.layout, named), "update_weights_from_tensor"
+        )
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        address = get_field(body, "master_address", "str", required=True)
+        port = get_field(body, "master_port", "int", required=True)
+        rank_offset = get_field(body, "rank_offset", "int", required=True)
+        world_size = get_field(body, "world_size", "int", required=True)
+        group_name = get_field(body, "group_name", "str", "weight_update_group")
+        backend = get_field(body, "backend", "str", "nccl")
+        if backend not in ("nccl", "gloo"):
+            raise FieldError(f"backend: {backend!r}; allowed: nccl, gloo")
+        if backend == "nccl" and self.info.device.type != "cuda":
+            raise FieldError("backend: 'nccl' needs the engine on a GPU; this engine runs on the CPU, use 'gloo'")
+        if not 0 < rank_offset < world_size:
+            raise FieldError(
+                f"rank_offset: {rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
+            )
+        if group_name in self.groups:
+            return _update_reply(False, f"group {group_name!r} already exists; destroy it first")
+        log.info(
+            "joining weight-update group %r at %s:%d as rank %d of %d (%s)",
+            group_name,
+            address,
+            port,
+            rank_offset,
+            world_size,
+            backend,
+        )
+        try:
+            group = await asyncio.to_thread(
+                transport.init_weights_update_group, address, port, rank_offset, world_size, group_name, backend
+            )
+        except Exception as err:  # rendezvous failures: reported to the trainer, the server keeps running
+            return _update_reply(False, f"Failed to initialize custom process group: {err}.")
+        self.groups[group_name] = group
+        return _update_reply(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        name = get_field(body, "group_name", "str", "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return _update_reply(False, "The group to be destroyed does not exist.")
+        transport.destroy_weights_update_group(group)
+        return _update_reply(True, "Succeeded to destroy custom process group.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        spec = DistributedUpdate.parse(check_body(await _json_body(request)))
+        group = self.groups.get(spec.group_name)
+        if group is None:
+            raise FieldError(f"group_name: no group {spec.group_name!r}; call /init_weights_update_group first")
+        # Receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
+        named = await asyncio.to_thread(_receive, spec, group, self.info.device)
+        return await self._apply(
+            spec.options, lambda e: apply_named_tensors(e.layout, named), "update_weights_from_distributed"
+        )
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        version = get_field(body, "new_version", "str", required=True)
+        abort_all = get_field(body, "abort_all_requests", "bool", True)
+
+        def set_version(e: EngineThread) -> None:
+            if abort_all:
+                e.abort(lambda r: True)
+            e.generator.set_weight_version(version)
+
+        await self._engine(set_version)
+        return web.json_response({"success": True, "message": "Weight version updated", "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        if request.method == "GET":
+            body = dict(request.query)
+            if "truncate_size" in body:
+                body["truncate_size"] = int(body["truncate_size"])
+        name = get_field(body, "name", "str", required=True)
+        size = get_field(body, "truncate_size", "int", 100)
+
+        def read(e: EngineThread) -> list:
+            if name not in e.layout:
+                raise FieldError(f"name: unknown tensor {name!r}")
+            return e.layout.targets[name][:size].float().cpu().tolist()
+
+        return web.json_response(await self._engine(read))
+
+
+def _named_tensors(obj: Any, flattened: bool) -> list[tuple[str, torch.Tensor]]:
+    if flattened:
+        if not isinstance(obj, dict) or not {"flattened_tensor", "metadata"} <= set(obj):
+            raise FieldError("serialized_named_tensors[0]: a flattened bucket needs 'flattened_tensor' and 'metadata'")
+        try:
+            return transport.unflatten_tensors(obj["flattened_tensor"], list(obj["metadata"]))
+        except ValueError as err:
+            raise FieldError(f"serialized_named_tensors[0]: {err}") from None
+    if not isinstance(obj, (list, tuple)) or not all(
+        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) for item in obj
+    ):
+        raise FieldError("serialized_named_tensors[0]: expected a list of (name, tensor) pairs")
+    return [(name, tensor) for name, tensor in obj]
+
+
+def _receive(spec: DistributedUpdate, group: Any, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    import torch.distributed as dist
+
+    if spec.flattened:
+        meta = transport.flattened_layout(spec.names, spec.dtypes, spec.shapes)
+        flat = torch.empty(meta[-1].end_idx if meta else 0, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=group)
+        return transport.unflatten_tensors(flat, meta)
+    named = []
+    handles = []
+    for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        handles.append(dist.broadcast(tensor, src=0, group=group, async_op=True))
+        named.append((name, tensor))
+    for handle in handles:
+        handle.wait()
+    return named
+
+
+# ---- command line ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on (0 = any free port)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (one GPU)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's on GPU), float32, bfloat16, float16"
+    )
+    parser.add_argument("--max-running-requests", type=int, default=256, help="requests decoded together at most")
+    parser.add_argument("--max-prefill-tokens", type=int, default=16384, help="padded prompt tokens per prefill batch")
+    parser.add_argument("--random-seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--weight-version", default="default", help="initial weight version reported in meta_info")
+    parser.add_argument("--skip-tokenizer-init", action="store_true", help="do not load a tokenizer (input_ids only)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _tokenizer(path: str) -> Any:
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        log.info("no tokenizer files in %s; the engine accepts input_ids only", path)
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:  # a model folder without tokenizer files
+        log.info("no tokenizer loaded (%s); the engine accepts input_ids only", str(err).splitlines()[0][:120])
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    log.info("loading %s on %s (dtype %s)", args.model, args.device, args.dtype)
+    model, info = load_model(args.model, args.device, args.dtype)
+    params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "loaded %s: %d layers, %s, %.2fM parameters, %s on %s in %.1f s",
+        info.family,
+        info.num_layers,
+        f"{info.num_experts} experts top-{info.top_k} in {len(info.moe_layers)} layers" if info.is_moe else "dense",
+        params / 1e6,
+        str(info.dtype).removeprefix("torch."),
+        info.device,
+        time.monotonic() - started,
+    )
+    tokenizer = None if args.skip_tokenizer_init else _tokenizer(args.model)
+    generator = Generator(model, info, args.max_running_requests, args.max_prefill_tokens, args.random_seed)
+    generator.set_weight_version(args.weight_version)
+    engine = EngineThread(model, info, generator)
+    engine.start()
+    server = LocalServer(engine, info, args.api_key, tokenizer)
+    try:
+        asyncio.run(_serve(server, args.host, args.port, args.port_file))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+    return 0
+
+
+async def _serve(server: LocalServer, host: str, port: int, port_file: str | None) -> None:
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
+    if port_file:
+        with open(port_file, "w") as handle:
+            handle.write(str(bound))
+    log.info("serving on http://%s:%d%s", host, bound, " (API key required)" if server.api_key else "")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,147 @@
+"""Weight updates in Hugging Face checkpoint names, applied to the in-memory `transformers` model.
+
+Checkpoints (and SGLang's weight-update endpoints) name one tensor per expert
+(`...mlp.experts.{e}.gate_proj.weight`, Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`),
+while `transformers` 5.x keeps each layer's experts fused (`experts.gate_up_proj` [E, 2I, H] with
+the gate rows first, `experts.down_proj` [E, H, I]). `CheckpointLayout` maps every checkpoint name
+onto the view of the in-memory parameter it fills; `apply_named_tensors` validates a whole update
+(names, shapes, dtypes) before copying anything, so a rejected update leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+_FUSED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
+_FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+
+
+class WeightUpdateError(ValueError):
+    """An update that cannot be applied; the message names the tensor."""
+
+
+def _expert_names(family: str, prefix: str, expert: int) -> tuple[str, str, str]:
+    """Checkpoint names of one expert's (gate, up, down) weights."""
+    if family == "mixtral":
+        base = f"{prefix}.block_sparse_moe.experts.{expert}"
+        return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
+    base = f"{prefix}.mlp.experts.{expert}"
+    return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
+
+
+def _checkpoint_name(family: str, name: str) -> str:
+    if family == "mixtral":
+        return re.sub(r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight", name)
+    return name
+
+
+class CheckpointLayout:
+    """Checkpoint tensor name -> the in-memory tensor view it is copied into."""
+
+    def __init__(self, model: torch.nn.Module, family: str):
+        self.targets: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            match = _FUSED.fullmatch(name)
+            if match is None:
+                self.targets[_checkpoint_name(family, name)] = tensor.data
+                continue
+            prefix, kind = match["prefix"], match["kind"]
+            for e in range(tensor.shape[0]):
+                gate, up, down = _expert_names(family, prefix, e)
+                if kind == "down_proj":
+                    self.targets[down] = tensor.data[e]
+                else:
+                    half = tensor.shape[1] // 2
+                    self.targets[gate] = tensor.data[e, :half]
+                    self.targets[up] = tensor.data[e, half:]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.targets
+
+    def check(self, name: str, shape: Iterable[int], dtype: torch.dtype | None = None) -> None:
+        """Raise `WeightUpdateError` unless `name` exists here with this shape (and a float dtype)."""
+        target = self.targets.get(name)
+        if target is None:
+            close = [n for n in self.targets if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+            hint = f"; similar names: {close}" if close else ""
+            raise WeightUpdateError(f"unknown tensor {name!r}: the model has no such checkpoint name{hint}")
+        shape = tuple(int(s) for s in shape)
+        if shape != tuple(target.shape):
+            raise WeightUpdateError(
+                f"tensor {name!r}: shape {list(shape)} does not match the model's {list(target.shape)}"
+            )
+        if dtype is not None and dtype not in _FLOAT_DTYPES:
+            raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} is not a floating-point type")
+
+    def copy(self, name: str, value: torch.Tensor) -> None:
+        target = self.targets[name]
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def apply_named_tensors(layout: CheckpointLayout, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Validate every (name, tensor), then copy them all; returns the number of bytes copied."""
+    for name, value in named:
+        if not isinstance(value, torch.Tensor):
+            raise WeightUpdateError(f"tensor {name!r}: expected a torch.Tensor, got {type(value).__name__}")
+        layout.check(name, value.shape, value.dtype)
+    with torch.no_grad():
+        for name, value in named:
+            layout.copy(name, value)
+    return sum(v.numel() * v.element_size() for _, v in named)
+
+
+def safetensors_files(folder: str) -> list[Path]:
+    path = Path(folder)
+    if not path.is_dir():
+        raise WeightUpdateError(f"model_path {folder!r} is not a directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"model_path {folder!r} holds no *.safetensors file")
+    return files
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def check_safetensors_dir(layout: CheckpointLayout, folder: str) -> list[str]:
+    """Validate every tensor of a safetensors folder from the file headers; returns their names."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise WeightUpdateError(f"tensor {name!r} in {file.name}: dtype {piece.get_dtype()} is not float")
+                try:
+                    layout.check(name, piece.get_shape(), dtype)
+                except WeightUpdateError as err:
+                    raise WeightUpdateError(f"{err} (in {file})") from None
+                names.append(name)
+    return names
+
+
+def iter_safetensors_dir(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_safetensors_dir(layout: CheckpointLayout, folder: str) -> int:
+    """Validate a folder from its headers, then stream its tensors into the model; returns bytes."""
+    check_safetensors_dir(layout, folder)
+    total = 0
+    with torch.no_grad():
+        for name, value in iter_safetensors_dir(folder):
+            layout.copy(name, value)
+            total += value.numel() * value.element_size()
+    return total

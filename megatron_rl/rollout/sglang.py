@@ -1,0 +1,471 @@
+"""Async client for SGLang servers, an sglang-router, or the local engine (same HTTP API).
+
+- `/generate` with `input_ids` and explicit sampling parameters; log-probs of the output tokens,
+  routed experts (base64 int32 [prompt + output - 1, layers, top_k]) and the finish reason come
+  back as a `Sample`.
+- Concurrency is bounded (`max_concurrency` requests in flight per server); each request goes to
+  the server with the fewest in flight. Connection errors and 502/503/504 are retried with
+  exponential backoff, on another server when there are several; after the last try one
+  `SGLangError` names the server, the endpoint and the request. A 400 is raised at once as
+  `BadRequestError` with the server's message, a 401 as `UnauthorizedError`.
+- Control endpoints (pause, continue, abort, flush, memory, weight updates) go to every server.
+  Give worker addresses for those: a router forwards only /generate, /health and /flush_cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from megatron_rl.rollout.engine import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = (502, 503, 504)
+
+
+class SGLangError(RuntimeError):
+    """A request that failed for good; the message names the server, the endpoint and the request."""
+
+    def __init__(self, message: str, server: str = "", status: int | None = None):
+        super().__init__(message)
+        self.server, self.status = server, status
+
+
+class BadRequestError(SGLangError):
+    """HTTP 400: the server refused the request (the message is the server's)."""
+
+
+class UnauthorizedError(SGLangError):
+    """HTTP 401: missing or wrong API key."""
+
+
+def _server_message(text: str) -> str:
+    """The human part of an error body: SGLang's {"error": {"message"}}, {"message"}, or the text."""
+    import json
+
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return text.strip()[:2000]
+
+
+class SGLangClient:
+    """Talks to one or more SGLang-compatible servers; create and close it inside one event loop."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        connect_timeout_s: float = 10.0,
+        routed_experts_layout: tuple[int, int] | None = None,
+    ):
+        if not urls:
+            raise ValueError("SGLangClient needs at least one server address")
+        self.urls = [u.rstrip("/") for u in urls]
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server address {url!r} must start with http:// or https://")
+        self.api_key = api_key
+        self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
+        self.max_retries, self.backoff_s, self.connect_timeout_s = max_retries, backoff_s, connect_timeout_s
+        self.routed_experts_layout = routed_experts_layout
+        self._in_flight = dict.fromkeys(self.urls, 0)
+        self._order = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            connector = aiohttp.TCPConnector(limit=self.max_concurrency * len(self.urls) + 16)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+            self._slots = asyncio.Semaphore(self.max_concurrency * len(self.urls))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> SGLangClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---- transport ----
+    def _pick(self, exclude: set[str]) -> str:
+        candidates = [u for u in self.urls if u not in exclude] or self.urls
+        tick = next(self._order)
+        return min(candidates, key=lambda u: (self._in_flight[u], (self.urls.index(u) - tick) % len(self.urls)))
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        server: str | None = None,
+        retry: bool = True,
+        what: str = "",
+        timeout_s: float | None = None,
+    ) -> tuple[str, int, str]:
+        """Send one request (to `server`, or the least busy one); returns (server, status, body text)."""
+        await self.start()
+        assert self._session is not None
+        tries = self.max_retries + 1 if retry else 1
+        failed: set[str] = set()
+        last = ""
+        label = f"{method} {path}" + (f" ({what})" if what else "")
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
+        for attempt in range(tries):
+            url = server or self._pick(failed)
+            self._in_flight[url] += 1
+            try:
+                async with self._session.request(method, url + path, json=body, timeout=timeout) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            except asyncio.TimeoutError:
+                raise SGLangError(f"{label} to {url} timed out after {timeout.total:.0f} s", server=url) from None
+            except aiohttp.ClientError as err:
+                status, text = None, ""
+                last = f"{type(err).__name__}: {err}"
+            finally:
+                self._in_flight[url] -= 1
+            if status is not None:
+                if status < 400:
+                    return url, status, text
+                message = _server_message(text)
+                if status == 400:
+                    raise BadRequestError(f"{label} rejected by {url} (HTTP 400): {message}", url, status)
+                if status == 401:
+                    raise UnauthorizedError(f"{label} to {url}: HTTP 401 (missing or wrong API key)", url, status)
+                if status not in RETRY_STATUSES:
+                    raise SGLangError(f"{label} to {url} failed with HTTP {status}: {message}", url, status)
+                last = f"HTTP {status}: {message}"
+            failed.add(url)
+            if attempt + 1 < tries:
+                delay = self.backoff_s * 2**attempt
+                log.warning("%s to %s failed (%s); try %d of %d in %.1f s", label, url, last, attempt + 2, tries, delay)
+                await asyncio.sleep(delay)
+        raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}", server=url)
+
+    async def _json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+        import json
+
+        url, _, text = await self._call(method, path, body, **kwargs)
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            raise SGLangError(f"{method} {path} to {url}: the reply is not JSON: {text[:200]!r}", server=url) from None
+
+    async def _each(self, method: str, path: str, body: Any = None, retry: bool = True, **kwargs: Any) -> list[Any]:
+        """The same call to every server, concurrently; results in `urls` order."""
+        calls = [self._json(method, path, body, server=url, retry=retry, **kwargs) for url in self.urls]
+        return list(await asyncio.gather(*calls))
+
+    # ---- generation ----
+    def generate_body(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> dict[str, Any]:
+        """The /generate body for one prompt (explicit sampling parameters, output log-probs)."""
+        body: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": params.to_sglang(),
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,
+            "stream": False,
+        }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        return body
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        rid: str | None = None,
+    ) -> Sample:
+        """Generate one response for one prompt."""
+        if not input_ids:
+            raise ValueError("input_ids must not be empty")
+        rid = rid or uuid.uuid4().hex
+        body = self.generate_body(input_ids, params, rid, return_logprob, return_routed_experts)
+        await self.start()
+        assert self._slots is not None
+        async with self._slots:
+            try:
+                url, _, text = await self._call("POST", "/generate", body, what=f"rid={rid}")
+            except SGLangError as err:
+                if "timed out" in str(err) and err.server:
+                    await self._quiet_abort(err.server, rid)
+                raise
+        return self._sample(url, rid, list(input_ids), text, return_logprob, return_routed_experts)
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> list[Sample]:
+        """One response per prompt, in prompt order; requests run concurrently within the bound."""
+        tasks = [
+            asyncio.ensure_future(self.generate(p, params, return_logprob, return_routed_experts)) for p in prompts
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _quiet_abort(self, url: str, rid: str) -> None:
+        try:
+            await self._call("POST", "/abort_request", {"rid": rid}, server=url, retry=False, timeout_s=10)
+        except SGLangError as err:
+            log.warning("could not abort %s on %s: %s", rid, url, err)
+
+    def _sample(self, url: str, rid: str, prompt: list[int], text: str, want_lp: bool, want_routed: bool) -> Sample:
+        import json
+
+        where = f"/generate rid={rid} on {url}"
+        try:
+            reply = json.loads(text)
+            meta = reply["meta_info"]
+            output_ids = [int(t) for t in reply["output_ids"]]
+        except (ValueError, KeyError, TypeError) as err:
+            raise SGLangError(f"{where}: malformed reply ({err}): {text[:200]!r}", server=url) from None
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind not in ("stop", "length", "abort"):
+            raise SGLangError(f"{where}: unexpected finish_reason {finish!r}", server=url)
+        logprobs = None
+        if want_lp:
+            entries = meta.get("output_token_logprobs")
+            if entries is None or len(entries) != len(output_ids):
+                n = None if entries is None else len(entries)
+                raise SGLangError(f"{where}: {n} output log-probs for {len(output_ids)} output tokens", server=url)
+            if any(int(e[1]) != t for e, t in zip(entries, output_ids, strict=True)):
+                raise SGLangError(f"{where}: output log-probs do not follow output_ids", server=url)
+            logprobs = [float(e[0]) for e in entries]
+        routed = None
+        if want_routed and meta.get("routed_experts") is not None:
+            routed = self._decode_routed(meta["routed_experts"], len(prompt) + len(output_ids) - 1, where, url)
+        return Sample(
+            prompt_ids=prompt,
+            output_ids=output_ids,
+            logprobs=logprobs,
+            finish_reason=kind,
+            matched_stop=finish.get("matched"),
+            routed_experts=routed,
+            weight_version=meta.get("weight_version"),
+            rid=rid,
+            server=url,
+            meta_info=meta,
+        )
+
+    def _decode_routed(self, encoded: str, tokens: int, where: str, url: str) -> np.ndarray:
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+        if self.routed_experts_layout is None:
+            raise SGLangError(
+                f"{where}: cannot shape routed experts: call load_model_layout() or pass "
+                "routed_experts_layout=(num_hidden_layers, num_experts_per_tok)",
+                server=url,
+            )
+        layers, top_k = self.routed_experts_layout
+        if flat.size != tokens * layers * top_k:
+            raise SGLangError(
+                f"{where}: routed experts hold {flat.size} ids, expected {tokens} tokens x {layers} layers x {top_k}",
+                server=url,
+            )
+        return flat.reshape(tokens, layers, top_k)
+
+    async def load_model_layout(self) -> tuple[int, int] | None:
+        """Read (num_hidden_layers, num_experts_per_tok) from /get_model_info when the server reports it."""
+        info = await self.get_model_info()
+        if "num_hidden_layers" in info and info.get("num_experts_per_tok"):
+            self.routed_experts_layout = (int(info["num_hidden_layers"]), int(info["num_experts_per_tok"]))
+        return self.routed_experts_layout
+
+    # ---- control (every server) ----
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._each("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"mode {mode!r}: allowed abort, retract, in_place")
+        await self._each("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._each("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        for url in self.urls:
+            await self._call("POST", "/flush_cache", None, server=url)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._each("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._each("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def health(self) -> dict[str, bool]:
+        """Each server's /health (200 = healthy); never raises."""
+
+        async def one(url: str) -> bool:
+            try:
+                await self._call("GET", "/health", server=url, retry=False, timeout_s=30)
+                return True
+            except SGLangError:
+                return False
+
+        results = await asyncio.gather(*(one(u) for u in self.urls))
+        return dict(zip(self.urls, results, strict=True))
+
+    async def wait_healthy(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
+        """Wait until every server answers /health with 200."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            status = await self.health()
+            if all(status.values()):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                down = [u for u, ok in status.items() if not ok]
+                raise SGLangError(f"servers not healthy after {timeout_s:.0f} s: {down}", server=down[0])
+            await asyncio.sleep(interval_s)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_model_info", server=self.urls[0])
+
+    # ---- weight updates (every server; each reply must say success) ----
+    async def _update(self, path: str, body: dict, retry: bool, per_server: list[dict] | None = None) -> list[dict]:
+        async def one(i: int, url: str) -> dict:
+            payload = {**body, **(per_server[i] if per_server else {})}
+            try:
+                reply = await self._json("POST", path, payload, server=url, retry=retry)
+            except BadRequestError as err:
+                raise BadRequestError(f"{path} on {url} failed: {err}", url, 400) from None
+            if not isinstance(reply, dict) or not reply.get("success", False):
+                raise SGLangError(f"{path} on {url} failed: {reply}", server=url)
+            return reply
+
+        return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> list[dict]:
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        return await self._update("/update_weights_from_disk", body, retry=True)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        ranks_per_server: int = 1,
+    ) -> list[dict]:
+        """Ask every server to join the group; server i's first rank is 1 + i * ranks_per_server."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        offsets = [{"rank_offset": 1 + i * ranks_per_server} for i in range(len(self.urls))]
+        return await self._update("/init_weights_update_group", body, retry=False, per_server=offsets)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict]:
+        return await self._update("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flattened_bucket: bool = False,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> list[dict]:
+        """Announce the tensors the trainer (rank 0) is about to broadcast, in this order."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "load_format": "flattened_bucket" if flattened_bucket else None,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        return await self._update("/update_weights_from_distributed", body, retry=False)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> list[dict]:
+        """`serialized_named_tensors`: one payload per TP rank (see `transport.serialize_named_tensors`)."""
+        body = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        return await self._update("/update_weights_from_tensor", body, retry=False)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self._json(
+            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, server=self.urls[0]
+        )

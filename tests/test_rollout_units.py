@@ -1,0 +1,220 @@
+"""Local engine pieces without HTTP: sampling, checkpoint-name mapping, payloads, batched generation."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.rollout import transport
+from megatron_rl.rollout.local.generator import Generator, GenRequest
+from megatron_rl.rollout.local.model import load_model
+from megatron_rl.rollout.local.sampling import sample_tokens
+from megatron_rl.rollout.local.tiny import make_tiny_model
+from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny_model(str(root / f), f, seed=3) for f in ("qwen3_moe", "mixtral", "qwen3", "qwen2")}
+
+
+# ---- sampling ----
+
+
+def test_logprobs_are_taken_before_top_k_top_p_and_raw_for_greedy():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    temp = torch.tensor([0.5, 0.0, 2.0])
+    top_p = torch.tensor([1.0, 1.0, 1.0])
+    top_k = torch.tensor([1, -1, -1])
+    tokens, lps = sample_tokens(logits, temp, top_p, top_k, torch.Generator().manual_seed(0))
+    # row 0: top_k=1 forces token 0; its log-prob is log_softmax(logits / 0.5), not log(1)
+    assert tokens[0] == 0
+    assert lps[0].item() == pytest.approx(torch.log_softmax(logits[0] / 0.5, -1)[0].item(), abs=1e-6)
+    # row 1: greedy = argmax with the raw log_softmax
+    assert tokens[1] == 0
+    assert lps[1].item() == pytest.approx(torch.log_softmax(logits[1], -1)[0].item(), abs=1e-6)
+    expected = torch.log_softmax(logits[2] / 2.0, -1)[tokens[2]]
+    assert lps[2].item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # probabilities 0.5, 0.3, 0.15, 0.05: p=0.7 keeps {0, 1} (mass before token 2 is 0.8 > 0.7)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    rows = logits.shape[0]
+    tokens, _ = sample_tokens(
+        logits, torch.ones(rows), torch.full((rows,), 0.7), torch.full((rows,), -1), torch.Generator().manual_seed(1)
+    )
+    counts = torch.bincount(tokens, minlength=4).float() / rows
+    assert counts[2] == 0 and counts[3] == 0
+    assert counts[0].item() == pytest.approx(0.5 / 0.8, abs=0.03)
+    tokens, _ = sample_tokens(
+        logits, torch.ones(rows), torch.ones(rows), torch.full((rows,), 3), torch.Generator().manual_seed(2)
+    )
+    counts = torch.bincount(tokens, minlength=4).float() / rows
+    assert counts[3] == 0
+    assert counts[2].item() == pytest.approx(0.15 / 0.95, abs=0.03)
+
+
+# ---- checkpoint names <-> fused in-memory experts ----
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2"])
+def test_layout_covers_exactly_the_checkpoint_names(models, family):
+    from safetensors.torch import load_file
+
+    model, info = load_model(models[family])
+    layout = CheckpointLayout(model, info.family)
+    saved = load_file(os.path.join(models[family], "model.safetensors"))
+    assert set(saved) == set(layout.targets)
+    for name, value in saved.items():
+        assert torch.equal(layout.targets[name], value), name
+
+
+def test_expert_update_lands_in_the_fused_parameter(models):
+    model, info = load_model(models["qwen3_moe"])
+    layout = CheckpointLayout(model, info.family)
+    fused = model.model.layers[1].mlp.experts
+    inter = fused.down_proj.shape[2]
+    up = torch.full((inter, fused.gate_up_proj.shape[2]), 0.25)
+    down = torch.full(tuple(fused.down_proj.shape[1:]), -0.5)
+    apply_named_tensors(
+        layout,
+        [("model.layers.1.mlp.experts.5.up_proj.weight", up), ("model.layers.1.mlp.experts.5.down_proj.weight", down)],
+    )
+    assert torch.equal(fused.gate_up_proj[5, inter:], up)  # the up half follows the gate half
+    assert not torch.equal(fused.gate_up_proj[5, :inter], up)
+    assert torch.equal(fused.down_proj[5], down)
+
+
+def test_bad_update_names_the_tensor_and_changes_nothing(models):
+    model, info = load_model(models["mixtral"])
+    layout = CheckpointLayout(model, info.family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = ("model.layers.0.block_sparse_moe.experts.1.w2.weight", torch.zeros(32, 16))
+    with pytest.raises(
+        WeightUpdateError, match=r"'model.layers.0.self_attn.q_proj.weight': shape \[32, 31\].*\[32, 32\]"
+    ):
+        apply_named_tensors(layout, [good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 31))])
+    with pytest.raises(WeightUpdateError, match="unknown tensor 'model.layers.0.mlp.experts.1.down_proj.weight'"):
+        apply_named_tensors(layout, [good, ("model.layers.0.mlp.experts.1.down_proj.weight", torch.zeros(32, 16))])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+# ---- /update_weights_from_tensor payloads ----
+
+
+def test_tensor_payload_round_trip_and_flattened_bucket():
+    named = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5, dtype=torch.float64).to(torch.bfloat16))]
+    back = transport.deserialize_named_tensors(transport.serialize_named_tensors(named))
+    assert [n for n, _ in back] == ["a.weight", "b.weight"]
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(named, back, strict=True))
+    flat, meta = transport.flatten_tensors(named)
+    obj = transport.deserialize_named_tensors(
+        transport.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+    )
+    rebuilt = transport.unflatten_tensors(obj["flattened_tensor"], obj["metadata"])
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, rebuilt, strict=True))
+
+
+def test_payload_unpickling_refuses_other_globals():
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    buf = io.BytesIO()
+    pickle.Pickler(buf).dump([("x", Evil())])
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        transport.deserialize_named_tensors(base64.b64encode(buf.getvalue()).decode())
+
+
+# ---- batched generation against a plain forward ----
+
+
+def _check_against_forward(model, info, req: GenRequest) -> None:
+    full = torch.tensor([req.input_ids + req.output_ids])
+    out = model(full, output_router_logits=info.is_moe)
+    temp = req.temperature if req.temperature > 0 else 1.0
+    lp = torch.log_softmax(out.logits[0].float() / temp, -1)
+    p = len(req.input_ids)
+    expected = lp[p - 1 : -1].gather(1, torch.tensor(req.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(req.output_logprobs), expected, atol=1e-4), req.rid
+    if info.is_moe:
+        routed = np.concatenate(req.routed)
+        assert routed.shape == (full.shape[1] - 1, info.num_layers, info.top_k)
+        for j, layer in enumerate(info.moe_layers):
+            logits = out.router_logits[j][:-1]
+            top = torch.topk(logits, info.top_k + 1, dim=-1).values
+            clear = (top[:, info.top_k - 1] - top[:, info.top_k]) > 1e-5  # skip near-ties
+            ref = torch.topk(logits, info.top_k, dim=-1).indices.numpy()
+            assert clear.float().mean() > 0.9
+            assert (routed[clear.numpy(), layer] == ref[clear.numpy()]).all(), (req.rid, layer)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3"])
+def test_continuous_batching_matches_a_plain_forward(models, family):
+    model, info = load_model(models[family])
+    gen = Generator(model, info, max_running=4, max_prefill_tokens=64, seed=5)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [5, 6, 7], [20], [30, 31, 32, 33], [40, 41]]
+    settings = [(1.0, 1.0, -1), (0.7, 1.0, 7), (1.0, 1.0, -1), (0.0, 1.0, -1), (1.3, 0.9, -1), (1.0, 0.8, 20)]
+    reqs = []
+    for i, (prompt, (t, p, k)) in enumerate(zip(prompts, settings, strict=True)):
+        reqs.append(
+            GenRequest(
+                rid=str(i),
+                input_ids=prompt,
+                max_new_tokens=6 + 5 * i,
+                temperature=t,
+                top_p=p,
+                top_k=k,
+                return_logprob=True,
+                return_routed_experts=info.is_moe,
+            )
+        )
+    for req in reqs[:3]:
+        gen.add(req)
+    steps = 0
+    while gen.has_work:
+        gen.step()
+        steps += 1
+        if steps == 2:  # joins while others decode; max_running=4 makes the last ones wait for a free row
+            for req in reqs[3:]:
+                gen.add(req)
+    for req in reqs:
+        assert req.finish_reason == {"type": "length", "length": req.max_new_tokens}
+        assert len(req.output_ids) == req.max_new_tokens
+        _check_against_forward(model, info, req)
+    greedy = reqs[3]
+    ids = torch.tensor([greedy.input_ids + greedy.output_ids])
+    assert (
+        ids[0, 1:].tolist()[len(greedy.input_ids) - 1 :]
+        == model(ids).logits[0, :-1].argmax(-1).tolist()[len(greedy.input_ids) - 1 :]
+    )
+
+
+def test_stop_tokens_end_generation_and_are_kept(models):
+    model, info = load_model(models["qwen3"])
+    probe = GenRequest(rid="probe", input_ids=[9, 8, 7], max_new_tokens=5, temperature=0.0)
+    gen = Generator(model, info)
+    gen.add(probe)
+    while gen.has_work:
+        gen.step()
+    stop_at = probe.output_ids[2]
+    first = probe.output_ids.index(stop_at)
+    req = GenRequest(
+        rid="r", input_ids=[9, 8, 7], max_new_tokens=5, temperature=0.0, stop_token_ids=frozenset([stop_at])
+    )
+    gen.add(req)
+    while gen.has_work:
+        gen.step()
+    assert req.output_ids == probe.output_ids[: first + 1]
+    assert req.finish_reason == {"type": "stop", "matched": stop_at}
+    assert gen.cache.slots == 0  # the idle engine holds no KV memory
