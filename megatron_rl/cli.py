@@ -9,6 +9,7 @@ import sys
 # subcommand -> module exposing `HELP`, `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, str] = {
     "config": "megatron_rl.commands.config",
+    "serve": "megatron_rl.rollout.local.server",
 }
 
 
