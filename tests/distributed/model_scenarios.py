@@ -190,3 +190,33 @@ def logits_tp2_ep2_etp1(ctx) -> None:  # noqa: ANN001
 
 def logits_pp2_tp2(ctx) -> None:  # noqa: ANN001
     _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, pp=2))
+
+
+def cpu_compat_semantics(ctx) -> None:  # noqa: ANN001
+    """What the CPU patches promise, checked after init_distributed applied them (no CUDA here)."""
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+
+    from megatron_rl.parallel import cpu_compat, init_distributed
+
+    init_distributed(layout())
+    assert cpu_compat.is_applied() and cpu_compat.apply_cpu_compat()  # idempotent
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    assert torch.arange(3, device=torch.device("cuda", 0)).device.type == "cpu"
+    x = torch.ones(2)
+    assert x.cuda() is x and x.to("cuda").device.type == "cpu"
+    assert torch.cuda.current_device() == torch.device("cpu")
+    assert x.type() == "torch.FloatTensor"  # callers outside megatron.core.optimizer see the truth
+    spoofed = {}
+    exec("result = x.type()", vars(mcore_optimizer) | {"x": x}, spoofed)  # code whose module is the optimizer's
+    assert spoofed["result"] == "torch.cuda.FloatTensor", spoofed
+    assert (torch.cuda.Stream | None) is not None  # annotations in other libraries keep working
+    stream = torch.cuda.Stream()
+    assert torch.cuda.current_stream() == stream
+    with torch.cuda.stream(stream):
+        stream.record_event().synchronize()
+    torch.cuda.manual_seed(7)
+    first = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(first, torch.rand(3)), "the CUDA seed must seed the CPU generator"
+    state = torch.cuda.get_rng_state()
+    assert torch.equal(state, torch.get_rng_state())

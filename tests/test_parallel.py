@@ -1,0 +1,116 @@
+"""Launcher variables, layout checks and backend choice (no processes started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.parallel import LaunchError, check_layout, read_launch_env, resolve_backend
+
+RDV = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_torchrun_variables() -> None:
+    env = read_launch_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", **RDV})
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (5, 8, 1, "torchrun")
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 29500)
+
+
+def test_slurm_variables_and_torchrun_precedence() -> None:
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", **RDV}
+    env = read_launch_env(slurm)
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (3, 4, 3, "slurm")
+    env = read_launch_env({**slurm, "RANK": "0", "WORLD_SIZE": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (0, 1, 0, "torchrun")
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({}, "no launcher variables"),
+        ({"RANK": "0", **RDV}, "WORLD_SIZE is not set"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h"}, "launched by slurm but MASTER_PORT"),
+        ({"RANK": "x", "WORLD_SIZE": "2", **RDV}, "RANK='x' is not an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2", **RDV}, "RANK=2 is not a rank of WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "not a TCP port"),
+    ],
+)
+def test_launch_errors_name_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(LaunchError, match=needle.replace("(", r"\(")):
+        read_launch_env(env)
+
+
+def _par(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sp,
+    )
+
+
+def test_layout_sizes() -> None:
+    # 16 ranks, TP 2 x PP 2 -> DP 4; experts: ETP (= TP) 2 x EP 4 x PP 2 = 16 -> expert DP 1.
+    lay = check_layout(_par(tp=2, pp=2, ep=4), 16, ModelConfig(num_layers=4, num_experts=8))
+    assert (lay.data_parallel_size, lay.expert_tensor_parallel_size, lay.expert_data_parallel_size) == (4, 2, 1)
+    assert lay.sequence_parallel
+    lay = check_layout(_par(tp=2, ep=2, etp=1), 4)
+    assert (lay.data_parallel_size, lay.expert_data_parallel_size, lay.sequence_parallel) == (2, 2, True)
+    assert not check_layout(_par(), 1).sequence_parallel
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "model", "needle"),
+    [
+        (
+            _par(tp=2, pp=2),
+            6,
+            None,
+            "world size 6 is not divisible by parallel.tensor_model_parallel_size (2) x "
+            "parallel.pipeline_model_parallel_size (2)",
+        ),
+        (
+            _par(ep=4),
+            6,
+            None,
+            "world size 6 is not divisible by parallel.expert_tensor_parallel_size (1) x "
+            "parallel.expert_model_parallel_size (4)",
+        ),
+        (_par(sp=True), 2, None, "parallel.sequence_parallel = true needs parallel.tensor_model_parallel_size > 1"),
+        (
+            _par(ep=3),
+            3,
+            ModelConfig(num_experts=8),
+            "parallel.expert_model_parallel_size (3) must divide model.num_experts (8)",
+        ),
+        (
+            _par(tp=4),
+            4,
+            ModelConfig(num_attention_heads=6, num_query_groups=2),
+            "must divide model.num_attention_heads",
+        ),
+        (_par(tp=2), 2, ModelConfig(ffn_hidden_size=255), "must divide model.ffn_hidden_size (255)"),
+        (
+            _par(tp=2, etp=4),
+            4,
+            ModelConfig(moe_ffn_hidden_size=6),
+            "parallel.expert_tensor_parallel_size (4) must divide model.moe_ffn_hidden_size (6)",
+        ),
+    ],
+)
+def test_bad_layouts_name_the_keys(
+    parallel: ParallelConfig, world: int, model: ModelConfig | None, needle: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_layout(parallel, world, model)
+    assert needle in str(err.value)
+
+
+def test_backend_choice() -> None:
+    assert resolve_backend("auto", cuda_available=True) == "nccl"
+    assert resolve_backend("auto", cuda_available=False) == "gloo"
+    assert resolve_backend("gloo", cuda_available=True) == "gloo"
+    with pytest.raises(ConfigError, match="parallel.backend = 'nccl' needs CUDA"):
+        resolve_backend("nccl", cuda_available=False)
