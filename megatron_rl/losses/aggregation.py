@@ -65,27 +65,35 @@ def global_normalizer(
     for k, mask in enumerate(masks):
         if mask.dim() != 2:
             raise ValueError(f"global_normalizer: response_mask[{k}] must be [B, T], got shape {tuple(mask.shape)}")
-    num_tokens = sum(int(mask.bool().sum()) for mask in masks)
-    num_sequences = sum(int(mask.bool().any(dim=-1).sum()) for mask in masks)
-    norm = float(max(mask.shape[-1] for mask in masks)) if token_norm is None else float(token_norm)
-    if norm <= 0:
-        raise ValueError(f"global_normalizer: token_norm must be > 0, got {norm}")
-    return Normalizer(num_tokens=float(num_tokens), num_sequences=float(num_sequences), token_norm=norm)
+    lengths = torch.cat([mask.bool().sum(dim=-1).cpu() for mask in masks])
+    norm = max(mask.shape[-1] for mask in masks) if token_norm is None else token_norm
+    return normalizer_from_lengths(lengths, token_norm=norm)
+
+
+def normalizer_from_lengths(lengths: torch.Tensor, *, token_norm: float) -> Normalizer:
+    """The normaliser of a global batch whose rows have `lengths` [B] response tokens."""
+    if not float(token_norm) > 0:
+        raise ValueError(f"global_normalizer: token_norm must be > 0, got {token_norm}")
+    return Normalizer(
+        num_tokens=float(lengths.sum()), num_sequences=float((lengths > 0).sum()), token_norm=float(token_norm)
+    )
 
 
 def token_weights(
-    mask: torch.Tensor, mode: str, normalizer: Normalizer, dtype: torch.dtype = torch.float32
+    mask: torch.Tensor, lengths: torch.Tensor, mode: str, normalizer: Normalizer, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The constant weight W_it of every token (0 outside the bool `mask`), [B, T] of `dtype`."""
-    maskf = mask.to(dtype)
+    """The constant weight W_it of every token, [B, T] of `dtype`, 0 outside the bool `mask` (row sums `lengths`)."""
     if mode == "token-mean":
-        return maskf / max(normalizer.num_tokens, 1.0)
+        scale = torch.tensor(1.0 / max(normalizer.num_tokens, 1.0), dtype=dtype, device=mask.device)
+        return torch.where(mask, scale, 0.0)
     num_seq = max(normalizer.num_sequences, 1.0)
     if mode == "seq-mean-token-mean":
-        lengths = maskf.sum(dim=-1, keepdim=True).clamp_min(1.0)
-        return maskf / (lengths * num_seq)
+        scale = 1.0 / (lengths.clamp_min(1).to(dtype) * num_seq)
+        return torch.where(mask, scale.unsqueeze(-1), 0.0)
     if mode == "seq-mean-token-sum":
-        return maskf / num_seq
+        scale = torch.tensor(1.0 / num_seq, dtype=dtype, device=mask.device)
+        return torch.where(mask, scale, 0.0)
     if mode == "seq-mean-token-sum-norm":
-        return maskf / (num_seq * normalizer.token_norm)
+        scale = torch.tensor(1.0 / (num_seq * normalizer.token_norm), dtype=dtype, device=mask.device)
+        return torch.where(mask, scale, 0.0)
     raise ValueError(f"algorithm.loss_agg_mode = {mode!r} is not known; allowed: {list(AGGREGATION_MODES)}")

@@ -2,39 +2,63 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class ClipGate:
+    """value: the gate per token (differentiable); clip_low / clip_high / dual_clip: bool [B, T] of
+    the tokens whose gradient the clip zeroes (dual_clip is None when dual clip is off)."""
+
+    value: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    dual_clip: torch.Tensor | None
 
 
 def clip_gate(
     ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None
-) -> torch.Tensor:
+) -> ClipGate:
     """PPO/GSPO clip: min(r*A, clip(r, 1-eps_low, 1+eps_high)*A); with dual clip, max(that, c*A) for A < 0.
 
-    The gradient w.r.t. r is exactly 0 on the clipped side (r > 1+eps_high with A > 0,
-    r < 1-eps_low with A < 0, and r > c with A < 0 under dual clip), and A elsewhere.
+    Evaluated in the equivalent form A * (bound if clipped else r), bound = clip(r) (or c for the
+    dual clip), with `clipped` = (A > 0 and r > 1+eps_high) or (A < 0 and r < 1-eps_low) or
+    (A < 0 and r > c): the gradient w.r.t. r is exactly 0 on the clipped side and exactly A
+    elsewhere (also at the bounds), and the clip masks double as the clip-fraction metrics.
     """
-    gate = torch.minimum(ratio * advantages, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages)
-    if dual_clip_c is not None:
-        gate = torch.where(advantages < 0, torch.maximum(gate, dual_clip_c * advantages), gate)
-    return gate
+    with torch.no_grad():
+        r = ratio.detach()
+        clip_high = (r > 1.0 + eps_high) & (advantages > 0)
+        clip_low = (r < 1.0 - eps_low) & (advantages < 0)
+        clipped = clip_high | clip_low
+        bound = r.clamp(1.0 - eps_low, 1.0 + eps_high)
+        dual = None
+        if dual_clip_c is not None:
+            dual = (r > dual_clip_c) & (advantages < 0)
+            clipped |= dual
+            bound = torch.where(dual, dual_clip_c, bound)
+    return ClipGate(torch.where(clipped, bound, ratio) * advantages, clip_low, clip_high, dual)
 
 
-def soft_gate_tau(advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO temperature per token: tau_pos where A > 0, tau_neg elsewhere."""
-    return torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)
+@dataclass
+class SoftGate:
+    """value: the gate per token (differentiable); weight: its detached gradient weight sech^2(tau (r-1)/2)."""
+
+    value: torch.Tensor
+    weight: torch.Tensor
 
 
-def soft_gate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO: (4/tau) * sigmoid(tau * (r - 1)) * A, tau chosen by the sign of A.
+def soft_gate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> SoftGate:
+    """SAPO: (4/tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos where A > 0, else tau_neg.
 
-    d gate / d log r = sech^2(tau (r-1) / 2) * r * A: the plain policy gradient r*A at r = 1,
-    decaying smoothly as r leaves 1 (no hard clip).
+    d gate / d log r = 4 p (1-p) * r * A = sech^2(tau (r-1) / 2) * r * A with p = sigmoid(tau (r-1)):
+    the plain policy gradient r*A at r = 1, decaying smoothly as r leaves 1 (no hard clip).
     """
-    tau = soft_gate_tau(advantages, tau_pos, tau_neg)
-    return (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
-
-
-def soft_gate_weight(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO's gradient weight sech^2(tau (r-1) / 2) = 4 p (1 - p), p = sigmoid(tau (r-1)); 1 at r = 1."""
-    p = torch.sigmoid(soft_gate_tau(advantages, tau_pos, tau_neg) * (ratio - 1.0))
-    return 4.0 * p * (1.0 - p)
+    tau = torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)
+    p = torch.sigmoid(tau * (ratio - 1.0))
+    value = p * (4.0 * advantages / tau)
+    with torch.no_grad():
+        weight = 4.0 * p * (1.0 - p)
+    return SoftGate(value, weight)

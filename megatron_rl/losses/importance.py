@@ -6,7 +6,7 @@
 - mask: w = w where C_min <= w <= C_max (`is_mask_min`, `is_mask_max`), else 0: the token (or the
   whole sequence at sequence level) is dropped from the loss. Dropped tokens still count in the
   aggregation's normaliser (they are weight-0 tokens), which keeps micro-batch splits exact; a
-  trainer that wants them out of the denominator applies `keep` to the response mask before
+  trainer that wants them out of the denominator removes `dropped` from the response mask before
   building the normaliser.
 Level (`is_level`): token, or sequence with w_i = exp(mean_t log w_t) (geometric mean) for every
 token of row i. Log-weights are clamped to +-`max_log_ratio` before exp.
@@ -43,6 +43,7 @@ def importance_weights(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     mask: torch.Tensor,
+    lengths: torch.Tensor,
     *,
     mode: str,
     level: str,
@@ -51,12 +52,15 @@ def importance_weights(
     mask_max: float,
     max_log_ratio: float,
 ) -> ImportanceWeights:
-    """The detached weights of every token (see the module docstring); `mask` is the bool response mask."""
+    """The detached weights of every token (see the module docstring).
+
+    `mask`: the bool response mask [B, T]; `lengths`: its row sums [B].
+    """
     with torch.no_grad():
         log_w = torch.where(mask, old_log_probs - rollout_log_probs, 0.0)
         log_token = log_w.clamp(-max_log_ratio, max_log_ratio)
         if level == "sequence":
-            log_w = torch.where(mask, sequence_log_ratio(log_token, mask).unsqueeze(-1), 0.0)
+            log_w = torch.where(mask, sequence_log_ratio(log_token, lengths).unsqueeze(-1), 0.0)
         elif level == "token":
             log_w = log_token
         else:

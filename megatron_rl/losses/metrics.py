@@ -54,20 +54,20 @@ def finalize_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of `values` over `mask` in float64, detached."""
-    return torch.where(mask, values.detach(), 0.0).sum(dtype=torch.float64)
+    """Sum of `values` over the bool `mask`, detached, as float64."""
+    return torch.where(mask, values.detach(), 0.0).sum().to(torch.float64)
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max over `mask` (-inf when empty: the identity of MAX), float64, detached."""
+    """Max over the bool `mask` (-inf when empty: the identity of MAX), float64, detached."""
     return torch.where(mask, values.detach(), float("-inf")).amax().to(torch.float64)
 
 
 def masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Min over `mask` (+inf when empty: the identity of MIN), float64, detached."""
+    """Min over the bool `mask` (+inf when empty: the identity of MIN), float64, detached."""
     return torch.where(mask, values.detach(), float("inf")).amin().to(torch.float64)
 
 
 def count(mask: torch.Tensor) -> torch.Tensor:
-    """Number of true entries, float64."""
-    return mask.sum(dtype=torch.float64)
+    """Number of true entries of a bool tensor, float64."""
+    return mask.sum().to(torch.float64)

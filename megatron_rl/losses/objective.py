@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config import AlgorithmConfig, preset, validate_algorithm
-from megatron_rl.losses.aggregation import Normalizer, global_normalizer, token_weights
-from megatron_rl.losses.gates import clip_gate, soft_gate, soft_gate_weight
+from megatron_rl.losses.aggregation import Normalizer, normalizer_from_lengths, token_weights
+from megatron_rl.losses.gates import clip_gate, soft_gate
 from megatron_rl.losses.importance import importance_weights
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.losses.metrics import count, masked_max, masked_min, masked_sum
@@ -40,14 +40,18 @@ def policy_loss(
 
     Inputs are [B, T], aligned per response token: `log_probs` (log pi_theta of the sampled
     tokens, with grad), `old_log_probs` (pi_old), `advantages` (per token; broadcast a sequence
-    advantage over its tokens), `response_mask` (nonzero = response token; padding may hold any
-    value, even inf/NaN), optional `rollout_log_probs` (the engine's, for `algorithm.is_correction`)
-    and `ref_log_probs` (needed when `algorithm.kl_coef` > 0; when given with kl_coef = 0 the KL is
-    only reported). Each row must hold a whole response (sequence-level quantities are per row).
-    Computation is in float64 for float64 `log_probs`, else in float32 (bf16/fp16 inputs are upcast).
+    advantage over its tokens), `response_mask` (nonzero = response token; outside it every
+    input may hold any value, even inf/NaN), optional `rollout_log_probs` (the engine's, for
+    `algorithm.is_correction`) and `ref_log_probs` (needed when `algorithm.kl_coef` > 0; given
+    with kl_coef = 0, the KL is only reported). Each row must hold a whole response
+    (sequence-level quantities are per row). `config` is a preset name or an `algorithm` section
+    (validated, ConfigError naming the key). Computation is in float64 for float64 `log_probs`,
+    else in float32 (bf16/fp16 inputs are upcast; the loss is float32).
 
     Loss = sum_it W_it * (-gate_it * w_is_it + beta * KL_it), with W_it the aggregation weight
-    of `algorithm.loss_agg_mode` built from `normalizer` (see `losses.aggregation`).
+    of `algorithm.loss_agg_mode` built from `normalizer` (`losses.aggregation`), the ratio and
+    its +-`max_log_ratio` clamp from `losses.ratios`, the gate from `losses.gates`, w_is from
+    `losses.importance` (1 when `is_correction` is none) and KL from `losses.kl`.
 
     Split contract: build ONE normaliser for the whole global batch with
     `global_normalizer(whole_batch_response_mask, token_norm=rollout.max_new_tokens)` and pass it
@@ -86,22 +90,25 @@ def policy_loss(
 
     dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
     mask = response_mask.bool()
+    lengths = mask.sum(dim=-1)
     logp, old = log_probs.to(dtype), old_log_probs.detach().to(dtype)
-    adv = advantages.detach().to(dtype)
+    adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
     if normalizer is None:
-        normalizer = global_normalizer(mask)
-    weights = token_weights(mask, alg.loss_agg_mode, normalizer, dtype)
+        normalizer = normalizer_from_lengths(lengths, token_norm=mask.shape[-1])
+    weights = token_weights(mask, lengths, alg.loss_agg_mode, normalizer, dtype)
     log_r = token_log_ratio(logp, old, mask, alg.max_log_ratio)
-    r = ratio(log_r, mask, alg.ratio_level)
+    r = ratio(log_r, lengths, alg.ratio_level)
+    gate, soft = None, None
     if alg.gate == "clip":
         gate = clip_gate(r, adv, alg.clip_eps_low, alg.clip_eps_high, alg.dual_clip_c)
+        token_loss = -gate.value
     else:
-        gate = soft_gate(r, adv, alg.sapo_tau_pos, alg.sapo_tau_neg)
-    token_loss = -gate
+        soft = soft_gate(r, adv, alg.sapo_tau_pos, alg.sapo_tau_neg)
+        token_loss = -soft.value
     iw = None
     if rollout_log_probs is not None:
         iw = importance_weights(
-            old, rollout_log_probs.detach().to(dtype), mask, mode=alg.is_correction, level=alg.is_level,
+            old, rollout_log_probs.detach().to(dtype), mask, lengths, mode=alg.is_correction, level=alg.is_level,
             threshold=alg.is_threshold, mask_min=alg.is_mask_min, mask_max=alg.is_mask_max,
             max_log_ratio=alg.max_log_ratio,
         )  # fmt: skip
@@ -118,22 +125,23 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = {
-            "tokens": count(mask),
-            "sequences": count(mask.any(dim=-1)),
+            "tokens": lengths.sum().to(torch.float64),
+            "sequences": count(lengths > 0),
             "loss": loss.detach().to(torch.float64),
             "pg_loss": pg_loss.detach().to(torch.float64),
             "ratio_sum": masked_sum(r, mask),
             "ratio_max": masked_max(r, mask),
             "ratio_min": masked_min(r, mask),
-            "approx_kl_sum": masked_sum(torch.expm1(log_r) - log_r, mask),
+            # log_r is 0 outside the mask, where (r - 1) - log r vanishes too
+            "approx_kl_sum": (torch.expm1(log_r) - log_r).sum().to(torch.float64),
         }
-        if alg.gate == "clip":
-            metrics["clip_low_tokens"] = count(mask & (adv < 0) & (r < 1.0 - alg.clip_eps_low))
-            metrics["clip_high_tokens"] = count(mask & (adv > 0) & (r > 1.0 + alg.clip_eps_high))
-            if alg.dual_clip_c is not None:
-                metrics["dual_clip_tokens"] = count(mask & (adv < 0) & (r > alg.dual_clip_c))
-        else:
-            metrics["sapo_gate_sum"] = masked_sum(soft_gate_weight(r, adv, alg.sapo_tau_pos, alg.sapo_tau_neg), mask)
+        if gate is not None:
+            metrics["clip_low_tokens"] = count(gate.clip_low & mask)
+            metrics["clip_high_tokens"] = count(gate.clip_high & mask)
+            if gate.dual_clip is not None:
+                metrics["dual_clip_tokens"] = count(gate.dual_clip & mask)
+        if soft is not None:
+            metrics["sapo_gate_sum"] = masked_sum(soft.weight, mask)
         if kl is not None:
             metrics["kl_loss"] = kl_loss.detach().to(torch.float64)
             metrics["ref_kl_sum"] = masked_sum(kl, mask)
@@ -141,7 +149,7 @@ def policy_loss(
             metrics["is_weight_sum"] = masked_sum(iw.raw, mask)
             metrics["is_weight_max"] = masked_max(iw.raw, mask)
             metrics["is_weight_min"] = masked_min(iw.raw, mask)
-            metrics["rollout_kl_sum"] = masked_sum(torch.expm1(iw.log_token) - iw.log_token, mask)
+            metrics["rollout_kl_sum"] = (torch.expm1(iw.log_token) - iw.log_token).sum().to(torch.float64)
             if alg.is_correction == "truncate":
                 metrics["is_truncated_tokens"] = count(iw.truncated)
             elif alg.is_correction == "mask":

@@ -13,20 +13,24 @@ import torch
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 
 
-def token_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor, max_log_ratio: float):
+def token_log_ratio(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor, max_log_ratio: float
+) -> torch.Tensor:
     """Clamped log r_t = log pi_theta - log pi_old per token, 0 outside the mask; [B, T]."""
     delta = torch.where(mask, log_probs - old_log_probs.detach(), 0.0)
     return delta.clamp(-max_log_ratio, max_log_ratio)
 
 
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log s_i = mean of log r_t over the response tokens of row i (0 for an empty row); [B]."""
-    lengths = mask.sum(dim=-1).clamp_min(1).to(log_ratio.dtype)
-    return log_ratio.sum(dim=-1) / lengths
+def sequence_log_ratio(log_ratio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """log s_i = mean of log r_t over the `lengths[i]` response tokens of row i (0 for an empty row); [B].
+
+    `log_ratio` must be 0 outside the response mask (as `token_log_ratio` returns it).
+    """
+    return log_ratio.sum(dim=-1) / lengths.clamp_min(1).to(log_ratio.dtype)
 
 
-def ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The ratio each token's gate sees, [B, T], from the clamped token log-ratios.
+def ratio(log_ratio: torch.Tensor, lengths: torch.Tensor, level: str) -> torch.Tensor:
+    """The ratio each token's gate sees, [B, T], from the clamped token log-ratios and the response lengths [B].
 
     token: r_t = exp(log r_t).
     sequence: s_i = exp(mean_t log r_t) broadcast to the row (GSPO; the gradient reaches every
@@ -36,7 +40,7 @@ def ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tens
     """
     if level == "token":
         return log_ratio.exp()
-    log_s = sequence_log_ratio(log_ratio, mask).unsqueeze(-1)
+    log_s = sequence_log_ratio(log_ratio, lengths).unsqueeze(-1)
     if level == "sequence":
         return log_s.exp().expand_as(log_ratio)
     if level == "sequence_token":
