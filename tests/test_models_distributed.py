@@ -24,8 +24,11 @@ WORLD_2 = [
     "logits_ep2_alltoall",
     "logits_ep2_allgather",
     "logits_pp2",
+    "logits_pp2_tied",
 ]
 WORLD_4 = ["logits_tp2_ep2", "logits_tp2_ep2_etp1", "logits_pp2_tp2"]
+# On one GPU (NCCL; Transformer Engine specs when TE is installed).
+GPU_WORLD_1 = ["families_match_hf", "recompute_same_gradients", "bf16_params"]
 
 
 def _launch(world_size: int, names: list[str]) -> dict[str, ScenarioResult]:
@@ -61,3 +64,9 @@ def test_world_2(world_2: dict[str, ScenarioResult], name: str) -> None:
 @pytest.mark.parametrize("name", WORLD_4)
 def test_world_4(world_4: dict[str, ScenarioResult], name: str) -> None:
     world_4[name].check()
+
+
+@pytest.mark.gpu
+def test_gpu_world_1() -> None:
+    for result in _launch(1, GPU_WORLD_1).values():
+        result.check()

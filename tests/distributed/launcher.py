@@ -1,8 +1,9 @@
-"""Run many named multi-process scenarios in one launch of N processes (gloo, torchrun-style env).
+"""Run many named multi-process scenarios in one launch of N processes (torchrun-style env; gloo on
+CPUs, NCCL with one GPU per rank).
 
 Usage from a pytest module (one launch per world size, one pytest test per scenario):
 
-    from launcher import run_scenarios  # tests/distributed is on sys.path via tests/conftest.py
+    from distributed.launcher import run_scenarios  # tests/ is on sys.path (pytest rootdir import)
 
     SCENARIOS = ["model_scenarios:logits_tp2_sp", "model_scenarios:logits_ep2_alltoall"]
 
@@ -167,11 +168,11 @@ def _resolve(spec: str) -> Any:
 
 
 def _teardown() -> None:
-    try:
-        from megatron_rl.parallel import destroy_distributed
-    except ImportError:
+    if "megatron.core.parallel_state" not in sys.modules:  # the scenario never touched Megatron
         return
     from megatron.core import parallel_state as ps
+
+    from megatron_rl.parallel import destroy_distributed
 
     if ps.model_parallel_is_initialized():
         destroy_distributed(process_group=False)
@@ -183,8 +184,10 @@ def _worker(out: Path, scenarios: Sequence[str], collective_timeout_s: float) ->
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(
-        "gloo",
+        "nccl" if torch.cuda.is_available() else "gloo",
         init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         rank=rank,
         world_size=world_size,

@@ -21,6 +21,11 @@ _FAMILY_SWITCHES = {
 }
 
 
+def device() -> torch.device:
+    """Where the model lives: the current GPU when there is one (NCCL runs), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
     """A 4-layer model of `family` small enough for 4 ranks on 2 cores; MoE families get a dense first layer."""
     fields = dict(
@@ -76,7 +81,8 @@ def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = ids.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+    ids = ids.to(device())
+    positions = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
 
     def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract
         return model(next(data_iterator), positions, None), None
@@ -90,14 +96,14 @@ def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size:
         micro_batch_size=b,
         forward_only=True,
     )
-    full = torch.empty(b, s, vocab_size)
+    full = torch.empty(b, s, vocab_size, device=ids.device)
     if ps.is_pipeline_last_stage():
         local = outputs[0].float()
         parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
         dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
         full = torch.cat(parts, dim=-1)[..., :vocab_size].contiguous()
     dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return full
+    return full.cpu()
 
 
 def reference_logits(ctx, model: ModelConfig, ids: torch.Tensor, seed: int = 0) -> torch.Tensor:  # noqa: ANN001

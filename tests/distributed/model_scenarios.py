@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import torch
-from model_helpers import assert_close, forward_logits, layout, reference_logits, sample_batch, setup, tiny_model
+from model_helpers import (
+    assert_close,
+    device,
+    forward_logits,
+    layout,
+    reference_logits,
+    sample_batch,
+    setup,
+    tiny_model,
+)
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 
@@ -97,8 +106,8 @@ def recompute_same_gradients(ctx) -> None:  # noqa: ANN001
         model = tiny_model("qwen3_moe", recompute=recompute)
         chunks = setup(model, layout())
         assert chunks[0].config.recompute_granularity == ("full" if recompute else None)
-        ids = sample_batch(model)
-        logits = chunks[0](ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), None)
+        ids = sample_batch(model).to(device())
+        logits = chunks[0](ids, torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids), None)
         (logits[..., : model.vocab_size] ** 2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in chunks[0].named_parameters()})
         from megatron_rl.parallel import destroy_distributed
@@ -144,6 +153,11 @@ def logits_ep2_allgather(ctx) -> None:  # noqa: ANN001
 
 def logits_pp2(ctx) -> None:  # noqa: ANN001
     _equivalence(ctx, tiny_model("qwen3_moe"), layout(pp=2))
+
+
+def logits_pp2_tied(ctx) -> None:  # noqa: ANN001
+    """Tied embeddings across stages: the last stage's output layer holds the first stage's embedding."""
+    _equivalence(ctx, tiny_model("qwen3", tie_word_embeddings=True), layout(pp=2))
 
 
 def bad_layouts_fail_before_build(ctx) -> None:  # noqa: ANN001
