@@ -261,7 +261,7 @@ class LocalServer:
         return web.json_response(
             {
                 "model_path": info.path,
-                "tokenizer_path": info.path if self.tokenizer is not None else None,
+                "tokenizer_path": info.path,
                 "served_model_name": info.path,
                 "is_generation": True,
                 "preferred_sampling_params": None,

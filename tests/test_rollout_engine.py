@@ -1,0 +1,364 @@
+"""The local engine as a subprocess, driven by the SGLang client: generation, log-probs, routed
+experts, abort/pause, auth and validation, the three weight-update paths, and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.rollout import transport
+from megatron_rl.rollout.engine import RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.local.launcher import start_local_engine
+from megatron_rl.rollout.local.tiny import make_tiny_model
+from megatron_rl.rollout.sglang import BadRequestError, SGLangClient, SGLangError, UnauthorizedError
+
+KEY = "secret-key"
+ENV = {"OMP_NUM_THREADS": "1"}
+LONG = {"max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_model(str(root / name), "qwen3_moe", seed=i, **LONG) for i, name in enumerate("ABCD")}
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    proc = start_local_engine(models["A"], api_key=KEY, extra_args=["--threads", "1"], env=ENV)
+    yield proc
+    proc.stop()
+
+
+def client_for(*urls: str, **kwargs) -> SGLangClient:
+    kwargs.setdefault("api_key", KEY)
+    kwargs.setdefault("routed_experts_layout", (2, 2))
+    return SGLangClient(list(urls), **kwargs)
+
+
+_REFERENCE: dict[str, torch.nn.Module] = {}
+
+
+def reference(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if path not in _REFERENCE:
+        _REFERENCE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _REFERENCE[path]
+
+
+@torch.no_grad()
+def check_sample(sample: Sample, model_path: str, temperature: float, routed: bool = True) -> None:
+    """The engine's log-probs and routed experts equal a plain forward of prompt + response."""
+    model = reference(model_path)
+    ids = torch.tensor([sample.prompt_ids + sample.output_ids])
+    out = model(ids, output_router_logits=True)
+    lp = torch.log_softmax(out.logits[0].float() / (temperature or 1.0), -1)
+    p = len(sample.prompt_ids)
+    expected = lp[p - 1 : -1].gather(1, torch.tensor(sample.output_ids)[:, None])[:, 0]
+    assert len(sample.logprobs) == len(sample.output_ids)
+    assert (torch.tensor(sample.logprobs) - expected).abs().max().item() <= 1e-4
+    if routed:
+        assert sample.routed_experts.shape == (ids.shape[1] - 1, 2, 2)
+        for layer, logits in enumerate(out.router_logits):
+            logits = logits[:-1]
+            top = torch.topk(logits, 3, dim=-1).values
+            clear = ((top[:, 1] - top[:, 2]) > 1e-5).numpy()  # near-ties may flip between batchings
+            assert clear.mean() > 0.9
+            ref = torch.topk(logits, 2, dim=-1).indices.numpy()
+            assert (sample.routed_experts[clear, layer] == ref[clear]).all()
+
+
+def test_generate_logprobs_routed_experts_and_finish(engine, models):
+    settings = [
+        SamplingParams(temperature=1.0, max_new_tokens=12),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=9),
+        SamplingParams(temperature=0.0, max_new_tokens=7),
+    ]
+    prompts = [[5, 6, 7, 8]] * 4 + [[9, 10], [11, 12, 13, 14, 15, 16, 17], [3]]
+
+    async def go():
+        async with client_for(engine.url) as client:
+            jobs = [client.generate(p, settings[i % 3], return_routed_experts=True) for i, p in enumerate(prompts)]
+            return await asyncio.gather(*jobs)
+
+    samples = asyncio.run(go())
+    for i, sample in enumerate(samples):
+        params = settings[i % 3]
+        assert sample.prompt_ids == prompts[i]
+        assert sample.finish_reason == "length" and len(sample.output_ids) == params.max_new_tokens
+        assert sample.weight_version == "default" and sample.server == engine.url
+        check_sample(sample, models["A"], params.temperature)
+    greedy = samples[2]
+    logits = reference(models["A"])(torch.tensor([greedy.prompt_ids + greedy.output_ids])).logits[0]
+    assert greedy.output_ids == logits[len(greedy.prompt_ids) - 1 : -1].argmax(-1).tolist()
+
+    # a stop token ends generation at its first occurrence and is kept in output_ids
+    stop = greedy.output_ids[3]
+
+    async def stopped():
+        async with client_for(engine.url) as client:
+            params = SamplingParams(temperature=0.0, max_new_tokens=7, stop_token_ids=(stop,))
+            return await client.generate(greedy.prompt_ids, params, return_routed_experts=True)
+
+    sample = asyncio.run(stopped())
+    first = greedy.output_ids.index(stop)
+    assert sample.output_ids == greedy.output_ids[: first + 1]
+    assert sample.finish_reason == "stop" and sample.matched_stop == stop
+    assert sample.routed_experts.shape[0] == len(sample.prompt_ids) + first
+
+
+def test_abort_pause_and_continue(engine):
+    long = SamplingParams(temperature=1.0, max_new_tokens=3000, ignore_eos=True)
+
+    async def go():
+        async with client_for(engine.url) as client:
+            job = asyncio.ensure_future(client.generate([4, 5, 6], long, rid="long-1"))
+            await asyncio.sleep(0.5)
+            await client.abort_request(rid="long")  # a prefix of the rid
+            aborted = await job
+            job = asyncio.ensure_future(client.generate([4, 5, 6], long))
+            await asyncio.sleep(0.3)
+            await client.pause_generation(mode="abort")
+            paused_out = await job
+            waiting = asyncio.ensure_future(client.generate([7, 8], SamplingParams(max_new_tokens=5)))
+            await asyncio.sleep(0.5)
+            still_waiting = not waiting.done()
+            await client.continue_generation()
+            return aborted, paused_out, still_waiting, await waiting
+
+    aborted, paused_out, still_waiting, resumed = asyncio.run(go())
+    for sample in (aborted, paused_out):
+        assert sample.finish_reason == "abort" and 0 < len(sample.output_ids) < 3000
+        assert len(sample.logprobs) == len(sample.output_ids)
+    assert still_waiting, "a request sent while paused must wait for /continue_generation"
+    assert resumed.finish_reason == "length" and len(resumed.output_ids) == 5
+
+
+def test_api_key_and_malformed_requests(engine):
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            for path, method in [("/generate", "POST"), ("/health", "GET"), ("/update_weights_from_disk", "POST")]:
+                for headers in ({}, {"Authorization": "Bearer wrong"}):
+                    async with session.request(method, engine.url + path, json={}, headers=headers) as r:
+                        assert r.status == 401, (path, headers)
+            auth = {"Authorization": f"Bearer {KEY}"}
+            async with session.post(engine.url + "/generate", data=b"{not json", headers=auth) as r:
+                assert r.status == 400 and "body: not valid JSON" in (await r.json())["error"]["message"]
+            bad = {"input_ids": [1, 2], "sampling_params": {"top_p": 2.0}}
+            async with session.post(engine.url + "/generate", json=bad, headers=auth) as r:
+                assert r.status == 400 and "sampling_params.top_p" in (await r.json())["error"]["message"]
+            bad = {"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"temprature": 1}]}
+            async with session.post(engine.url + "/generate", json=bad, headers=auth) as r:
+                assert "sampling_params[1].temprature: unknown" in (await r.json())["error"]["message"]
+            async with session.post(
+                engine.url + "/update_weights_from_disk", json={"model_path": 3}, headers=auth
+            ) as r:
+                assert r.status == 400 and "model_path: expected str" in (await r.json())["error"]["message"]
+        async with client_for(engine.url, api_key="wrong") as client:
+            with pytest.raises(UnauthorizedError, match="401"):
+                await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+        async with client_for(engine.url, max_retries=3, backoff_s=5.0) as client:
+            started = time.monotonic()
+            with pytest.raises(BadRequestError, match=r"input_ids: token 999 is not an integer in \[0, 128\)"):
+                await client.generate([1, 999], SamplingParams(max_new_tokens=2))
+            assert time.monotonic() - started < 5.0  # a 400 is not retried (the first backoff is 5 s)
+
+    asyncio.run(go())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
+    return sorted(load_file(os.path.join(path, "model.safetensors")).items())
+
+
+def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_path):
+    params = SamplingParams(temperature=0.9, max_new_tokens=8)
+    prompts = [[5, 6, 7], [20, 21, 22, 23]]
+
+    async def generate(client) -> list[Sample]:
+        return await client.generate_batch(prompts, params, return_routed_experts=True)
+
+    def serves(samples: list[Sample], path: str, version: str) -> None:
+        for sample in samples:
+            assert sample.weight_version == version
+            check_sample(sample, path, params.temperature)
+
+    async def go():
+        async with client_for(engine.url) as client:
+            await client.update_weights_from_disk(models["B"], weight_version="v-disk")
+            serves(await generate(client), models["B"], "v-disk")
+
+            named = _checkpoint(models["C"])
+            payload = transport.serialize_named_tensors(named)
+            await client.update_weights_from_tensor([payload], weight_version="v-tensor")
+            serves(await generate(client), models["C"], "v-tensor")
+
+            port = _free_port()
+            joining = asyncio.ensure_future(client.init_weights_update_group("127.0.0.1", port, 2, backend="gloo"))
+            group = await asyncio.to_thread(transport.init_weights_update_group, "127.0.0.1", port, 0, 2)
+            await joining
+            for source, version, flat in (("D", "v-dist", False), ("A", "v-flat", True)):
+                named = _checkpoint(models[source])
+                names, dtypes, shapes = transport.tensor_specs(named)
+                reply = asyncio.ensure_future(
+                    client.update_weights_from_distributed(
+                        names, dtypes, shapes, weight_version=version, flattened_bucket=flat
+                    )
+                )
+                await asyncio.to_thread(transport.broadcast_named_tensors, group, named, flat, reply)
+                await reply
+                serves(await generate(client), models[source], version)
+
+            # rejected updates name the tensor and leave model A serving
+            wrong = [("model.layers.0.mlp.experts.3.up_proj.weight", torch.zeros(16, 31))]
+            with pytest.raises(
+                BadRequestError, match=r"up_proj.weight': shape \[16, 31\] does not match the model's \[16, 32\]"
+            ):
+                await client.update_weights_from_tensor(
+                    [transport.serialize_named_tensors(wrong)], weight_version="bad"
+                )
+            names, dtypes, shapes = transport.tensor_specs(
+                [("model.layers.0.mlp.experts.3.up.weight", torch.zeros(16, 32))]
+            )
+            reply = asyncio.ensure_future(
+                client.update_weights_from_distributed(names, dtypes, shapes, weight_version="bad")
+            )
+            await asyncio.to_thread(
+                transport.broadcast_named_tensors, group, [("x", torch.zeros(16, 32))], False, reply
+            )
+            with pytest.raises(BadRequestError, match="unknown tensor 'model.layers.0.mlp.experts.3.up.weight'"):
+                await reply
+            broken = dict(_checkpoint(models["B"]))
+            broken["model.norm.weight"] = torch.ones(7)
+            save_file(broken, str(tmp_path / "model.safetensors"))
+            with pytest.raises(
+                BadRequestError, match=r"'model.norm.weight': shape \[7\] does not match the model's \[32\]"
+            ):
+                await client.update_weights_from_disk(str(tmp_path), weight_version="bad")
+            serves(await generate(client), models["A"], "v-flat")
+            await client.destroy_weights_update_group()
+
+    asyncio.run(go())
+
+
+def test_engine_killed_mid_request(engine, models):
+    spare = start_local_engine(models["A"], api_key=KEY, extra_args=["--threads", "1"], env=ENV)
+    params = SamplingParams(temperature=1.0, max_new_tokens=300, ignore_eos=True)
+    try:
+
+        async def go():
+            async with client_for(spare.url, engine.url, backoff_s=0.1) as client:
+                jobs = [asyncio.ensure_future(client.generate([4, 5, 6, i], params)) for i in range(4)]
+                await asyncio.sleep(0.4)
+                spare.process.kill()
+                return await asyncio.gather(*jobs)
+
+        samples = asyncio.run(go())
+        assert all(s.server == engine.url and len(s.output_ids) == 300 for s in samples)
+
+        async def dead():
+            async with client_for(spare.url, max_retries=1, backoff_s=0.1) as client:
+                await client.generate([1, 2], params, rid="req-7")
+
+        with pytest.raises(
+            SGLangError, match=rf"POST /generate \(rid=req-7\) failed after 2 tries; last server {spare.url}"
+        ):
+            asyncio.run(dead())
+    finally:
+        spare.stop()
+
+
+def test_rollout_engine_facade(engine, models):
+    from megatron_rl.config import RolloutConfig
+
+    cfg = RolloutConfig(engine="sglang", sglang_urls=[engine.url], api_key=KEY, max_concurrency=8, max_retries=1)
+    rollout = RolloutEngine.from_config(cfg)
+    try:
+        assert rollout.run(rollout.client.load_model_layout()) == (2, 2)
+        samples = rollout.generate([[5, 6], [5, 6]], SamplingParams(temperature=1.0, max_new_tokens=4), True)
+        assert [len(s.output_ids) for s in samples] == [4, 4]
+        check_sample(samples[0], models["A"], 1.0)
+        rollout.run(rollout.client.flush_cache())
+        assert rollout.run(rollout.client.health()) == {engine.url: True}
+    finally:
+        rollout.close()
+
+
+def test_request_bodies_match_sglang_schema(engine, tmp_path_factory):
+    api = _sglang_api_types(tmp_path_factory)
+    client = client_for(engine.url)
+    bodies = [
+        client.generate_body([1, 2, 3], SamplingParams(), "r1"),
+        client.generate_body([1], SamplingParams(temperature=0.0, top_k=5, stop_token_ids=(1, 2)), "r2", True, True),
+    ]
+    for body in bodies:
+        api.GenerateRequest.from_json_value(body)
+    with pytest.raises(api.JsonContractError):  # the schema does reject what SGLang rejects
+        api.GenerateRequest.from_json_value({**bodies[0], "sampling_params": {"temprature": 1.0}})
+
+    async def replies():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+            out = []
+            for body in bodies:
+                async with session.post(engine.url + "/generate", json=body) as r:
+                    out.append(await r.json())
+            async with session.get(engine.url + "/get_model_info") as r:
+                out.append(await r.json())
+            return out
+
+    *gen_replies, info = asyncio.run(replies())
+    for reply in gen_replies:
+        parsed = api.GenerateResponse.from_json_value(reply)
+        assert parsed.meta_info.completion_tokens == len(reply["output_ids"])
+    api.GetModelInfoResponse.from_json_value(info)
+
+
+def _sglang_api_types(tmp_path_factory):
+    """SGLang 0.5.23's generated request schema, loaded by file path from the wheel (never committed)."""
+    import importlib.util
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("msgspec", reason="msgspec is needed to load sglang's api_types.py")
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "megatron-rl", "sglang-0.5.23")
+    target = os.path.join(cache, "api_types.py")
+    if not os.path.exists(target):
+        wheels = tmp_path_factory.mktemp("wheel")
+        cmd = [sys.executable, "-m", "pip", "download", "sglang==0.5.23", "--no-deps", "-d", str(wheels), "-q"]
+        try:
+            subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+            pytest.skip(f"sglang 0.5.23 wheel not downloadable here ({type(err).__name__})")
+        wheel = next(iter(wheels.glob("sglang-0.5.23-*.whl")))
+        os.makedirs(cache, exist_ok=True)
+        with zipfile.ZipFile(wheel) as zf, open(target, "wb") as out:
+            out.write(zf.read("sglang/api/v1/api_types.py"))
+    spec = importlib.util.spec_from_file_location("sglang_api_types", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_routed_experts_decode_checks_the_size():
+    client = client_for("http://127.0.0.1:9", routed_experts_layout=(2, 2))
+    import base64
+
+    ok = base64.b64encode(np.arange(12, dtype=np.int32).tobytes()).decode()
+    assert client._decode_routed(ok, 3, "w", "u").tolist()[2] == [[8, 9], [10, 11]]
+    with pytest.raises(SGLangError, match="hold 12 ids, expected 4 tokens x 2 layers x 2"):
+        client._decode_routed(ok, 4, "w", "u")
