@@ -39,10 +39,10 @@ def mini_batches(num_samples: int, updates: int) -> list[list[int]]:
     return [list(range(bounds[k], bounds[k + 1])) for k in range(updates)]
 
 
-def reduce_metrics(local: dict[str, Tensor] | None) -> dict[str, Tensor]:
-    """Reduce metric statistics over all ranks; only output owners (`is_output_owner`) contribute.
+def reduce_metrics(local: dict[str, Tensor] | None, contribute: bool) -> dict[str, Tensor]:
+    """Reduce metric statistics over all ranks, float64; only ranks with `contribute` add theirs.
 
-    The key set comes from the last rank (always on the last pipeline stage); float64 results.
+    `local` must be given on the last rank (always on the last pipeline stage): its key set is used.
     """
     world = dist.get_world_size()
     keys = [sorted(local) if local is not None else None]
@@ -54,7 +54,7 @@ def reduce_metrics(local: dict[str, Tensor] | None) -> dict[str, Tensor]:
         if not group:
             continue
         buf = torch.full((len(group),), _IDENTITY[op], dtype=torch.float64, device=comm_device())
-        if local is not None:
+        if contribute:
             buf.copy_(torch.stack([local[k].to(torch.float64) for k in group]))
         dist.all_reduce(buf, op=_OPS[op])
         out.update({k: v for k, v in zip(group, buf.cpu(), strict=True)})
@@ -156,8 +156,8 @@ def train_on_batch(
         state.scheduler.step(increment=1)
         ok, grad_norm, _ = state.optimizer.step()
         state.step += 1
-        local = merge_metrics(result.extras) if is_output_owner() else None
-        metrics = finalize_metrics(reduce_metrics(local))
+        local = merge_metrics(result.extras) if result.extras else None  # every last-stage rank
+        metrics = finalize_metrics(reduce_metrics(local, is_output_owner()))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(state.optimizer.param_groups[0]["lr"]),

@@ -1,0 +1,372 @@
+"""Scenarios for tests/test_actor_distributed.py (run by launcher.py, one process per rank).
+
+The world-size-1 launch computes the references (log-probs, entropy, recorded routing, R3
+log-probs, parameters after 2 and 4 optimizer steps, a checkpoint after 2) into the folder named by
+$MRL_ACTOR_REF_DIR; every other layout must reproduce them. The tiny policy has 4 layers (the
+first dense, so layer 0 has no router), 4 experts top-2, and a token budget that gives several
+micro-batches of different shapes per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from model_helpers import forward_logits, layout, tiny_model
+
+from megatron_rl.actor.actor import MegatronActor
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.forward import padded_shapes, plan_for_rank
+from megatron_rl.config import Config, ConfigError, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+
+TEMPERATURE = 0.7
+LOGPROB_TOL = 1e-5
+PARAM_TOL = 1e-6
+REF_ENV = "MRL_ACTOR_REF_DIR"
+
+LENGTHS = (22, 7, 15, 11, 19, 9, 13, 17)
+PROMPTS = (5, 3, 6, 2, 4, 3, 5, 6)
+MOE_LAYERS = (1, 2, 3)
+
+
+# --- set-up --------------------------------------------------------------------------------
+
+
+def actor_config(parallel: ParallelConfig, **model_overrides: object) -> Config:
+    """The tiny MoE policy with GRPO; Adam eps 1e-3 keeps fp32 rounding from being amplified."""
+    cfg = Config(
+        model=tiny_model("qwen3_moe", **model_overrides),
+        parallel=parallel,
+        rollout=RolloutConfig(temperature=TEMPERATURE, max_new_tokens=24),
+        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r2"),
+        train=TrainConfig(
+            steps=3,
+            updates_per_step=2,
+            max_tokens_per_micro_batch=48,
+            logprob_chunk_tokens=16,
+            lr=3e-3,
+            lr_warmup_steps=1,
+            lr_decay_style="linear",
+            min_lr=3e-4,
+            adam_eps=1e-3,
+            grad_clip=0.5,
+            seed=11,
+        ),
+    )
+    validate(cfg)
+    return cfg
+
+
+def make_batch(vocab_size: int, seed: int = 0) -> ActorBatch:
+    """8 samples of different lengths, the same on every rank; advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab_size, (n,), generator=gen) for n in LENGTHS]
+    adv = [torch.randn((), generator=gen) for _ in LENGTHS]
+    return ActorBatch(tokens=tokens, prompt_lengths=list(PROMPTS), advantages=adv)
+
+
+def random_routing(num_layers: int, top_k: int, num_experts: int, seed: int = 5) -> list[torch.Tensor]:
+    """R3 input in SGLang's layout: distinct random experts per token and layer."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in LENGTHS:
+        scores = torch.rand(n - 1, num_layers, num_experts, generator=gen)
+        out.append(scores.argsort(dim=-1)[..., :top_k].to(torch.int32))
+    return out
+
+
+def train_batch(batch: ActorBatch, log_probs: list[torch.Tensor], routing: list[torch.Tensor]) -> ActorBatch:
+    """Old log-probs a little off the current ones (ratios away from 1: clipping happens), R2 routing."""
+    gen = torch.Generator().manual_seed(3)
+    old = [lp + 0.2 * torch.randn(lp.shape, generator=gen) for lp in log_probs]
+    return batch.with_fields(old_log_probs=old, routed_experts=routing)
+
+
+def ref_dir() -> Path:
+    return Path(os.environ[REF_ENV])
+
+
+def save_ref(ctx, name: str, value: object) -> None:  # noqa: ANN001
+    if ctx.rank == 0:
+        torch.save(value, ref_dir() / f"{name}.pt")
+    dist.barrier()
+
+
+def load_ref(name: str) -> object:
+    return torch.load(ref_dir() / f"{name}.pt", weights_only=False)
+
+
+def diff(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    for a, e in zip(actual, expected, strict=True):
+        assert a.shape == e.shape, (a.shape, e.shape)
+    return max(float((a.double() - e.double()).abs().max()) for a, e in zip(actual, expected, strict=True))
+
+
+def assert_close(actual, expected, tol: float, what: str) -> None:  # noqa: ANN001
+    d = diff(actual, expected)
+    if not d <= tol:
+        raise AssertionError(f"{what}: max abs diff {d:.3e} > {tol:.0e}")
+
+
+def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    if set(actual) != set(expected):
+        raise AssertionError(f"{what}: parameter names differ: {sorted(set(actual) ^ set(expected))[:5]}")
+    worst = max(((actual[k] - expected[k]).abs().max().item(), k) for k in expected)
+    if not worst[0] <= PARAM_TOL:
+        raise AssertionError(f"{what}: {worst[1]} differs by {worst[0]:.3e} > {PARAM_TOL:.0e}")
+
+
+def plain_log_probs(actor: MegatronActor, batch: ActorBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Reference: each sample alone through the model, full-vocabulary log_softmax(logits / T) in fp64."""
+    vocab = actor.cfg.model.vocab_size
+    logp, ent = [], []
+    for tok, p in zip(batch.tokens, batch.prompt_lengths, strict=True):
+        logits = forward_logits(actor.state.model, tok.unsqueeze(0), vocab)[0].double() / TEMPERATURE
+        lsm = F.log_softmax(logits, dim=-1)
+        logp.append(lsm[p - 1 : -1].gather(-1, tok[p:].unsqueeze(-1)).squeeze(-1).float())
+        ent.append(-(lsm.exp() * lsm).sum(-1)[p - 1 : -1].float())
+    return logp, ent
+
+
+# --- routing checks ------------------------------------------------------------------------
+
+
+class RoutingCapture:
+    """Forward hooks that keep every router's routing map (this rank's tokens), per forward."""
+
+    def __init__(self, actor: MegatronActor) -> None:
+        self.maps: dict[int, list[torch.Tensor]] = {layer: [] for layer in actor.routing.layers}
+        self.handles = [router.register_forward_hook(self._hook(layer)) for layer, router in actor.routing.routers]
+
+    def _hook(self, layer: int):  # noqa: ANN202
+        def hook(module, args, output) -> None:  # noqa: ANN001
+            self.maps[layer].append(output[1].detach().cpu())
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def check_replayed_experts(actor: MegatronActor, batch: ActorBatch, routing: list[torch.Tensor]) -> None:
+    """Replay `routing` in a log-prob pass and check, token by token, that every router of every rank
+    dispatched each given token to exactly the given experts; every (token, MoE layer) is checked once."""
+    capture = RoutingCapture(actor)
+    try:
+        actor.compute_log_probs(batch.with_fields(routed_experts=routing), replay_routing=True)
+    finally:
+        capture.close()
+    micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
+    shapes = padded_shapes(micro, actor.chunks[0].config)
+    checked = 0
+    for layer, maps in capture.maps.items():
+        assert len(maps) == len(micro), f"layer {layer}: {len(maps)} forwards for {len(micro)} micro-batches"
+        for mb, (rows, max_len), routing_map in zip(micro, shapes, maps, strict=True):
+            sl = actor.routing.token_slice(rows, max_len)
+            local = routing_map.view(sl.stop - sl.start, rows, -1)
+            for row, (i, n) in enumerate(zip(mb.indices, mb.lengths, strict=True)):
+                for pos in range(sl.start, min(sl.stop, n - 1)):
+                    got = sorted(local[pos - sl.start, row].nonzero().flatten().tolist())
+                    want = sorted(routing[i][pos, layer].tolist())
+                    if got != want:
+                        raise AssertionError(f"sample {i} position {pos} layer {layer}: experts {got}, given {want}")
+                    checked += 1
+    total = torch.tensor([checked], dtype=torch.int64)
+    dist.all_reduce(total)
+    expected = sum(n - 1 for n in LENGTHS) * len(MOE_LAYERS)
+    if int(total) != expected:
+        raise AssertionError(f"checked {int(total)} (token, layer) pairs over all ranks, expected {expected}")
+
+
+def check_layout_against_reference(
+    ctx, parallel: ParallelConfig, *, direct_routing_check: bool, save_as: str = ""
+) -> None:  # noqa: ANN001
+    """Everything one layout must reproduce of the world-size-1 run (see the module docstring)."""
+    cfg = actor_config(parallel)
+    actor = MegatronActor(cfg)
+    batch = make_batch(cfg.model.vocab_size)
+    what = f"layout {parallel}"
+
+    out = actor.compute_log_probs(batch, record_routing=True)
+    assert_close(out.log_probs, load_ref("log_probs"), LOGPROB_TOL, f"log-probs, {what}")
+    assert_close(out.entropy, load_ref("entropy"), LOGPROB_TOL, f"entropy, {what}")
+    ref_routing = load_ref("routing")
+    moe = list(MOE_LAYERS)
+    mismatch = sum(
+        int((a[:, moe] != b[:, moe]).any(dim=-1).sum()) for a, b in zip(out.routed_experts, ref_routing, strict=True)
+    )
+    assert mismatch == 0, f"recorded routing differs from the reference at {mismatch} (token, layer) pairs, {what}"
+
+    replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
+    assert diff(replayed.log_probs, out.log_probs) == 0.0, f"R2 replay at unchanged weights moved log-probs, {what}"
+    assert diff(replayed.entropy, out.entropy) == 0.0, f"R2 replay at unchanged weights moved entropy, {what}"
+
+    r3 = random_routing(cfg.model.num_layers, cfg.model.moe_router_topk, cfg.model.num_experts)
+    r3_out = actor.compute_log_probs(batch.with_fields(routed_experts=r3), replay_routing=True)
+    assert_close(r3_out.log_probs, load_ref("r3_log_probs"), LOGPROB_TOL, f"R3 log-probs, {what}")
+    if direct_routing_check:
+        check_replayed_experts(actor, batch, r3)
+
+    history = actor.train(train_batch(batch, load_ref("log_probs"), ref_routing))
+    assert len(history) == 2 and actor.step == 2
+    expected_hist = load_ref("history")
+    for got, want in zip(history, expected_hist, strict=True):
+        for key in ("loss", "grad_norm", "lr", "tokens", "clip_high_frac", "routing_changed_frac"):
+            if abs(got[key] - want[key]) > 1e-5 * max(1.0, abs(want[key])):
+                raise AssertionError(f"metric {key}: {got[key]} vs reference {want[key]}, {what}")
+    assert_params_close(actor.full_params(), load_ref("params_2"), f"parameters after 2 steps, {what}")
+    if save_as:
+        actor.save(ref_dir() / save_as)
+
+    info = actor.load(ref_dir() / "ckpt_w1")
+    assert info["step"] == 2 and actor.step == 2 and not info["rng_restored"], info
+    after_load = actor.compute_log_probs(batch)
+    assert_close(after_load.log_probs, load_ref("log_probs_2"), LOGPROB_TOL, f"log-probs after loading, {what}")
+    history = actor.train(train_batch(batch, load_ref("log_probs"), ref_routing))
+    assert [h["lr"] for h in history] == [h["lr"] for h in load_ref("history_4")], "LR schedule after loading"
+    assert_params_close(actor.full_params(), load_ref("params_4"), f"parameters after loading + 2 steps, {what}")
+    actor.close()
+
+
+# --- world size 1 --------------------------------------------------------------------------
+
+
+def w1_reference(ctx) -> None:  # noqa: ANN001
+    """Log-probs/entropy equal a plain full-vocab log_softmax; R2 replay exact; R3 routes as given;
+    the references for the other layouts."""
+    cfg = actor_config(layout())
+    actor = MegatronActor(cfg)
+    batch = make_batch(cfg.model.vocab_size)
+    out = actor.compute_log_probs(batch, record_routing=True)
+    ref_lp, ref_ent = plain_log_probs(actor, batch)
+    assert_close(out.log_probs, ref_lp, LOGPROB_TOL, "log-probs vs full-vocab log_softmax")
+    assert_close(out.entropy, ref_ent, LOGPROB_TOL, "entropy vs full-vocab log_softmax")
+    assert [r.shape for r in out.routed_experts] == [(n - 1, 4, 2) for n in LENGTHS]
+    assert all(bool((r[:, 0] == -1).all()) for r in out.routed_experts), "dense layer 0 must read -1"
+
+    replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
+    assert diff(replayed.log_probs, out.log_probs) == 0.0 and diff(replayed.entropy, out.entropy) == 0.0
+
+    r3 = random_routing(cfg.model.num_layers, cfg.model.moe_router_topk, cfg.model.num_experts)
+    r3_out = actor.compute_log_probs(batch.with_fields(routed_experts=r3), replay_routing=True)
+    assert diff(r3_out.log_probs, out.log_probs) > 1e-2, "R3 replay of random routing must change log-probs"
+    check_replayed_experts(actor, batch, r3)
+
+    for name, value in (
+        ("log_probs", out.log_probs),
+        ("entropy", out.entropy),
+        ("routing", out.routed_experts),
+        ("r3_log_probs", r3_out.log_probs),
+    ):
+        save_ref(ctx, name, value)
+
+    history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
+    # warm-up over 1 step, then linear decay to 3e-4 at step 6: step 2 is 1/5 of the way
+    lrs = [h["lr"] for h in history]
+    assert abs(lrs[0] - 3e-3) < 1e-12 and abs(lrs[1] - (3e-3 - 0.2 * 2.7e-3)) < 1e-12, lrs
+    assert history[0]["routing_changed_frac"] == 0.0, "first update replays routing of unchanged weights"
+    assert history[1]["routing_changed_frac"] > 0.0, "the second update sees re-routed tokens"
+    save_ref(ctx, "history", history)
+    save_ref(ctx, "params_2", actor.full_params())
+    save_ref(ctx, "log_probs_2", actor.compute_log_probs(batch).log_probs)
+    actor.save(ref_dir() / "ckpt_w1")
+    draws = (torch.rand(4), torch.randn(2))
+    history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
+    save_ref(ctx, "history_4", history)
+    save_ref(ctx, "params_4", actor.full_params())
+
+    # the same layout also gets its RNG states back: the draws after saving repeat
+    info = actor.load(ref_dir() / "ckpt_w1")
+    assert info["rng_restored"] and info["step"] == 2 and actor.step == 2
+    assert torch.equal(torch.rand(4), draws[0]) and torch.equal(torch.randn(2), draws[1]), "RNG not restored"
+    actor.close()
+
+
+def recompute_replay(parallel: ParallelConfig) -> None:
+    """With activation recompute, replay also holds in backward (REPLAY_BACKWARD): the update equals
+    the one without recompute. Under 1F1B (PP = 2) several forwards precede the first backward, so
+    the recompute must take the routing of its own micro-batch."""
+    cfg = actor_config(parallel, recompute=True)
+    actor = MegatronActor(cfg)
+    assert actor.chunks[0].config.recompute_granularity == "full"
+    batch = make_batch(cfg.model.vocab_size)
+    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    assert_params_close(
+        actor.full_params(), load_ref("params_2"), f"parameters after 2 steps with recompute, {parallel}"
+    )
+    actor.close()
+
+
+def w1_recompute_replay(ctx) -> None:  # noqa: ANN001
+    recompute_replay(layout())
+
+
+# --- world size 2 --------------------------------------------------------------------------
+
+
+def w2_tp2_sp(ctx) -> None:  # noqa: ANN001
+    check_layout_against_reference(ctx, layout(tp=2, sp=True), direct_routing_check=True)
+
+
+def w2_ep2_alltoall(ctx) -> None:  # noqa: ANN001
+    check_layout_against_reference(ctx, layout(ep=2), direct_routing_check=False)
+
+
+def w2_pp2(ctx) -> None:  # noqa: ANN001
+    check_layout_against_reference(ctx, layout(pp=2), direct_routing_check=True, save_as="ckpt_pp2")
+
+
+def w2_pp2_recompute_replay(ctx) -> None:  # noqa: ANN001
+    recompute_replay(layout(pp=2))
+
+
+def w2_bad_layout(ctx) -> None:  # noqa: ANN001
+    """The actor refuses an impossible layout before building anything, naming the keys."""
+    from megatron.core import parallel_state as ps
+
+    cases = [
+        (
+            layout(ep=2),
+            dict(num_experts=3),
+            "parallel.expert_model_parallel_size (2) must divide model.num_experts (3)",
+        ),
+        (layout(tp=2), dict(num_attention_heads=6, num_query_groups=3), "parallel.tensor_model_parallel_size (2)"),
+        (layout(pp=4), {}, "world size 2 is not divisible"),
+    ]
+    for parallel, overrides, needle in cases:
+        cfg = actor_config(layout())
+        cfg.parallel = parallel
+        cfg.model = tiny_model("qwen3_moe", **overrides)
+        try:
+            MegatronActor(cfg)
+        except ConfigError as err:
+            assert needle in str(err), f"{needle!r} not in {err}"
+        else:
+            raise AssertionError(f"{parallel} with {overrides} was accepted")
+        assert not ps.model_parallel_is_initialized()
+
+
+# --- world size 4 --------------------------------------------------------------------------
+
+
+def w4_tp2_ep2(ctx) -> None:  # noqa: ANN001
+    check_layout_against_reference(ctx, layout(tp=2, ep=2), direct_routing_check=True)
+
+
+def w4_load_pp2_checkpoint(ctx) -> None:  # noqa: ANN001
+    """A checkpoint saved under PP=2 (world 2) loads under TP=2 x EP=2 (world 4)."""
+    cfg = actor_config(layout(tp=2, ep=2))
+    actor = MegatronActor(cfg)
+    batch = make_batch(cfg.model.vocab_size)
+    info = actor.load(ref_dir() / "ckpt_pp2")
+    assert info["saved_layout"]["pipeline_model_parallel_size"] == 2 and info["step"] == 2
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), LOGPROB_TOL, "after PP2 -> TP2xEP2")
+    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    assert_params_close(actor.full_params(), load_ref("params_4"), "PP2 checkpoint + 2 steps under TP2xEP2")
+    actor.close()
