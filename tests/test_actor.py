@@ -1,0 +1,144 @@
+"""Single-process parts of the actor: batch layout, routing layouts, mini-batches, the LR schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.actor.batch import ActorBatch, build_inputs
+from megatron_rl.actor.micro_batches import MicroBatch
+from megatron_rl.actor.optimizer import lr_scheduler
+from megatron_rl.actor.routing_replay import (
+    check_routing_values,
+    given_routing,
+    routed_token_mask,
+    token_slice,
+)
+from megatron_rl.actor.train_step import mini_batches
+from megatron_rl.config import TrainConfig
+
+
+def _batch() -> ActorBatch:
+    return ActorBatch(
+        tokens=[torch.tensor([5, 6, 7, 8, 9]), torch.tensor([1, 2, 3])],
+        prompt_lengths=[2, 1],
+        advantages=[torch.tensor(0.5), torch.tensor([1.0, -1.0])],
+        old_log_probs=[torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-4.0, -5.0])],
+        response_mask=[torch.tensor([True, False, True]), torch.tensor([True, True])],
+    )
+
+
+def test_build_inputs_places_targets_and_fields() -> None:
+    batch = _batch()
+    mb = MicroBatch(indices=(0, 1), lengths=(5, 3))
+    inp = build_inputs(batch, mb, torch.device("cpu"), pad_to=(3, 6), with_fields=("old_log_probs", "advantages"))
+    assert inp.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [1, 2, 3, 0, 0, 0], [0] * 6]
+    # logits at position t predict token t + 1
+    assert inp.target.tolist() == [[6, 7, 8, 9, 0, 0], [2, 3, 0, 0, 0, 0], [0] * 6]
+    # sample 0: prompt 2, response tokens 7 8 9 at target positions 1 2 3, the middle one masked out
+    assert inp.target_mask.tolist() == [
+        [False, True, False, True, False, False],
+        [True, True, False, False, False, False],
+        [False] * 6,
+    ]
+    assert inp.fields["old_log_probs"][0, 1:4].tolist() == [-1.0, -2.0, -3.0]
+    assert inp.fields["old_log_probs"][1, 0:2].tolist() == [-4.0, -5.0]
+    assert inp.fields["advantages"][0, 1:4].tolist() == [0.5, 0.5, 0.5]  # a 0-dim advantage broadcasts
+    assert inp.position_ids[2].tolist() == list(range(6))
+    assert inp.lengths == (5, 3, 0)
+    every = build_inputs(batch, mb, torch.device("cpu"), every_response_token=True)
+    assert every.target_mask[0].tolist() == [False, True, True, True, False]
+    rows = every.response_rows(torch.arange(10.0).view(2, 5))
+    assert [r.tolist() for r in rows] == [[1.0, 2.0, 3.0], [5.0, 6.0]]
+
+
+def test_batch_validate_names_field_and_shapes() -> None:
+    batch = _batch()
+    batch.validate(vocab_size=10, num_layers=2, top_k=2, num_experts=4)
+    bad = batch.with_fields(old_log_probs=[torch.zeros(3), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"old_log_probs\[1\] has shape \(3,\), expected \(2,\)"):
+        bad.validate(vocab_size=10, num_layers=2, top_k=2, num_experts=4)
+    with pytest.raises(ValueError, match=r"tokens\[0\] holds ids in \[5, 9\], outside \[0, 8\)"):
+        batch.validate(vocab_size=8, num_layers=2, top_k=2, num_experts=4)
+    routed = batch.with_fields(routed_experts=[torch.zeros(4, 2, 2, dtype=torch.int32), torch.zeros(3, 2, 2)])
+    with pytest.raises(ValueError, match=r"routed_experts\[1\] is torch.float32 \(3, 2, 2\), expected int \(2, 2, 2\)"):
+        routed.validate(vocab_size=10, num_layers=2, top_k=2, num_experts=4)
+    with pytest.raises(ValueError, match="prompt_lengths\\[1\\] = 4 is outside \\[1, 3\\]"):
+        ActorBatch(tokens=batch.tokens, prompt_lengths=[2, 4]).validate(
+            vocab_size=10, num_layers=2, top_k=2, num_experts=None
+        )
+    sub = batch.subset([1])
+    assert len(sub) == 1 and sub.tokens[0].tolist() == [1, 2, 3] and sub.old_log_probs[0].tolist() == [-4.0, -5.0]
+
+
+def test_token_slice_sequence_parallel() -> None:
+    sl = token_slice(2, 8, tp_rank=1, tp_size=2, sequence_parallel=True)
+    assert (sl.start, sl.stop, sl.tokens) == (4, 8, 8)
+    full = token_slice(2, 8, tp_rank=1, tp_size=2, sequence_parallel=False)
+    assert (full.start, full.stop, full.tokens) == (0, 8, 16)
+    with pytest.raises(ValueError, match="max_len \\(7\\) divisible by TP \\(2\\)"):
+        token_slice(2, 7, 0, 2, True)
+
+
+def test_given_routing_is_position_major_and_picks_layers() -> None:
+    # 2 rows, 3 layers, top-2; entry = 100*row + 10*pos + layer (+ slot)
+    routed = []
+    for row, n in enumerate((4, 3)):
+        r = torch.zeros(n - 1, 3, 2, dtype=torch.int32)
+        for pos in range(n - 1):
+            for layer in range(3):
+                r[pos, layer] = torch.tensor([100 * row + 10 * pos + layer, 1000])
+        routed.append(r)
+    sl = token_slice(2, 4, tp_rank=1, tp_size=2, sequence_parallel=True)  # positions 2, 3
+    per_layer = given_routing(routed, sl, layers=[2, 0], top_k=2)
+    assert len(per_layer) == 2
+    # token order: (pos 2, row 0), (pos 2, row 1), (pos 3, row 0), (pos 3, row 1); none given -> 0
+    assert per_layer[0][:, 0].tolist() == [22, 0, 0, 0]
+    assert per_layer[1][:, 0].tolist() == [20, 0, 0, 0]
+    mask = routed_token_mask([4, 3], sl)
+    assert mask.tolist() == [True, False, False, False]
+    sl0 = token_slice(2, 4, tp_rank=0, tp_size=2, sequence_parallel=True)  # positions 0, 1
+    assert given_routing(routed, sl0, layers=[1], top_k=2)[0][:, 0].tolist() == [1, 101, 11, 111]
+    assert routed_token_mask([4, 3], sl0).tolist() == [True, True, True, True]
+
+
+def test_check_routing_values() -> None:
+    ok = torch.tensor([[[0, 0], [1, 3]]], dtype=torch.int32)  # layer 0 dense (ignored), layer 1 MoE
+    check_routing_values([ok], layers=[1], num_experts=4)
+    with pytest.raises(ValueError, match=r"routed_experts\[0\] holds expert ids in \[1, 4\], outside \[0, 4\)"):
+        check_routing_values([torch.tensor([[[0, 0], [1, 4]]])], layers=[1], num_experts=4)
+    with pytest.raises(ValueError, match="repeats an expert"):
+        check_routing_values([torch.tensor([[[0, 0], [2, 2]]])], layers=[1], num_experts=4)
+
+
+def test_mini_batches() -> None:
+    assert mini_batches(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mini_batches(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    with pytest.raises(ValueError, match="updates_per_step = 3"):
+        mini_batches(2, 3)
+
+
+def _lrs(train: TrainConfig) -> list[float]:
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=train.lr)
+    sched = lr_scheduler(opt, train)
+    out = []
+    for _ in range(train.steps * train.updates_per_step):
+        sched.step(increment=1)  # before each optimizer step, as the train step does
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_lr_schedule_warmup_then_decay() -> None:
+    linear = TrainConfig(steps=3, updates_per_step=2, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="linear")
+    # warm-up k/2, then 1 - (k - 2)/4 * 0.9 down to min_lr at the last step
+    assert _lrs(linear) == pytest.approx([0.5, 1.0, 0.775, 0.55, 0.325, 0.1])
+    cosine = TrainConfig(steps=2, updates_per_step=2, lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="cosine")
+    assert _lrs(cosine) == pytest.approx([0.853553, 0.5, 0.146447, 0.0], abs=1e-6)
+    constant = TrainConfig(steps=2, updates_per_step=1, lr=0.3, lr_warmup_steps=4, lr_decay_style="constant")
+    assert _lrs(constant) == pytest.approx([0.075, 0.15])
+    with pytest.raises(ValueError, match="train.lr_warmup_steps \\(4\\) must be below"):
+        lr_scheduler(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+            TrainConfig(steps=2, updates_per_step=1, lr_warmup_steps=4, lr_decay_style="linear"),
+        )
