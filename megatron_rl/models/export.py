@@ -1,0 +1,203 @@
+"""Megatron model -> Hugging Face tensors, in buckets: used by weight sync and the converter.
+
+    for bucket in export_hf_weights(chunks, model, bucket_mb=512):   # on EVERY rank, to the end
+        send(bucket)                                                   # [(hf_name, tensor), ...]
+
+Every rank walks its parameters in the same order and takes part in the gathers: TP shards
+(and expert-TP shards) go to TP rank 0, experts of all EP ranks to EP rank 0 (named by their
+global id), and only data-parallel replica 0 takes part. The ranks that end up holding tensors,
+and the only ones the generator yields on, are the *senders*: the first rank of each pipeline
+stage (`is_export_sender`), each with its own stage's tensors; other ranks hold no gathered
+tensor and get an empty generator that must still be run to its end (it joins the collectives).
+
+Tensors are full HF checkpoint tensors on the parameters' device, vocabulary padding removed;
+a tensor needing no split or gather may be the parameter itself (read it, do not modify it).
+A bucket holds at most `bucket_mb` MiB, unless a single tensor is larger (then it is alone).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.utils import unwrap_model
+
+from megatron_rl.config import ModelConfig
+from megatron_rl.models.hf_io import ShardedSafetensorsWriter, copy_assets, finalize_hf_folder, write_hf_config
+from megatron_rl.models.hf_mapping import HFMapping
+from megatron_rl.models.init import ParamShard, _join_shards, iter_param_shards
+
+_EXPERT_ID = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _dense_sender() -> bool:
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _expert_sender() -> bool:
+    return (
+        ps.get_expert_tensor_parallel_rank() == 0
+        and ps.get_expert_model_parallel_rank() == 0
+        and ps.get_expert_data_parallel_rank() == 0
+    )
+
+
+def is_export_sender() -> bool:
+    """Whether `export_hf_weights` yields tensors on this rank (the first rank of its pipeline stage)."""
+    return _dense_sender()
+
+
+def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
+    """Every member's `tensor` on the group's first rank (in group-rank order); None elsewhere."""
+    if dist.get_world_size(group) == 1:
+        return [tensor]
+    first = dist.get_rank(group) == 0
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if first else None
+    dist.gather(tensor.detach().contiguous(), parts, group=group, group_dst=0)
+    return parts
+
+
+def _full_tensor(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """The unsplit parameter on (expert-)TP rank 0; None on the other (expert-)TP ranks."""
+    if shard.partition_dim is None:
+        return shard.param.detach() if dist.get_rank(group) == 0 else None
+    parts = _gather_to_first(shard.param, group)
+    return None if parts is None else _join_shards(parts, shard)
+
+
+def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global Megatron name, full tensor) of this stage, yielded on the stage's sender only."""
+    dense_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_replica = ps.get_expert_data_parallel_rank() == 0
+    ep_size = ps.get_expert_model_parallel_world_size()
+    local_experts = (model.num_experts or 0) // ep_size
+    for shard in iter_param_shards(chunks, model):
+        if shard.local_name.endswith("output_layer.weight") and shard.global_name != "output_layer.weight":
+            continue  # the tied output layer of the last stage is a copy of the first stage's embedding
+        if not shard.is_expert:
+            if dense_replica:
+                full = _full_tensor(shard, ps.get_tensor_model_parallel_group())
+                if full is not None:
+                    yield shard.global_name, full
+            continue
+        if not expert_replica:
+            continue
+        full = _full_tensor(shard, ps.get_expert_tensor_parallel_group())
+        if full is None:
+            continue
+        experts = _gather_to_first(full, ps.get_expert_model_parallel_group())
+        if experts is None:
+            continue
+        match = _EXPERT_ID.search(shard.global_name)
+        assert match is not None, shard.global_name
+        index = int(match.group(1))  # EP rank 0's local index == global id
+        for ep_rank, tensor in enumerate(experts):
+            expert = ep_rank * local_experts + index
+            name = (
+                shard.global_name[: match.start()]
+                + f".mlp.experts.local_experts.{expert}."
+                + shard.global_name[match.end() :]
+            )
+            yield name, tensor
+
+
+@torch.no_grad()
+def export_hf_weights(
+    chunks: list[torch.nn.Module],
+    model: ModelConfig,
+    *,
+    bucket_mb: float = 512,
+    dtype: torch.dtype | None = None,
+) -> Iterator[Bucket]:
+    """Buckets of (HF checkpoint name, full tensor) of this pipeline stage, on its sender (see the
+    module docstring); `dtype` casts every tensor. Run it to the end on every rank."""
+    if model.num_experts is not None and _dense_sender() != _expert_sender():
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: the first rank of the stage is not the same for dense and expert "
+            "parameters under this rank order; the exporter needs them to coincide"
+        )
+    mapping = HFMapping(model)
+    limit = int(bucket_mb * 2**20)
+    bucket: Bucket = []
+    size = 0
+    for megatron_name, full in _full_params([unwrap_model(c) for c in chunks], model):
+        for name, tensor in mapping.to_hf(megatron_name, full):
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def save_hf_folder(
+    chunks: list[torch.nn.Module],
+    model: ModelConfig,
+    out: str | os.PathLike,
+    hf_config: dict[str, Any],
+    *,
+    assets_from: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_mb: float = 512,
+    max_shard_mb: float = 5000,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write the model as a Hugging Face folder `out` (existing, empty; shared by all ranks):
+    sharded safetensors, index, `hf_config` as config.json, generation/tokenizer files of
+    `assets_from`. Collective; each stage's sender writes its own tensors, rank 0 names the files
+    and writes the index. Returns the safetensors file names (on every rank)."""
+    out = Path(out)
+    stage = ps.get_pipeline_model_parallel_rank()
+    writer = ShardedSafetensorsWriter(out, f"part-pp{stage:03d}", int(max_shard_mb * 2**20))
+    for bucket in export_hf_weights(chunks, model, bucket_mb=bucket_mb, dtype=dtype):
+        for name, tensor in bucket:
+            writer.add(name, tensor)
+        if progress is not None:
+            progress(len(bucket))
+    writer.flush()
+    written: list[tuple[int, list]] = [(-1, [])] * dist.get_world_size()
+    dist.all_gather_object(written, (stage, writer.files) if is_export_sender() else (-1, []))
+    files = [f for _, stage_files in sorted(w for w in written if w[0] >= 0) for f in stage_files]
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        result[0] = _finish_folder(out, files, model, hf_config, assets_from, dtype or _param_dtype(chunks))
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        raise RuntimeError(result[0])
+    return result[0]
+
+
+def _param_dtype(chunks: list[torch.nn.Module]) -> torch.dtype:
+    return next(iter(chunks[0].parameters())).dtype
+
+
+def _finish_folder(
+    out: Path,
+    files: list[tuple[str, list[str], int]],
+    model: ModelConfig,
+    hf_config: dict[str, Any],
+    assets_from: str | os.PathLike | None,
+    dtype: torch.dtype,
+) -> list[str] | str:
+    """Rank 0's part of `save_hf_folder`: the final file names, or an error message for all ranks."""
+    names = [n for _, file_names, _ in files for n in file_names]
+    expected = HFMapping(model).expected_hf_shapes()
+    if sorted(names) != sorted(expected):
+        missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+        return f"export wrote a wrong tensor set: missing {missing[:3]}, unexpected {extra[:3]}"
+    final = finalize_hf_folder(out, files)
+    write_hf_config(out, hf_config, dtype)
+    if assets_from is not None:
+        copy_assets(assets_from, out)
+    return final

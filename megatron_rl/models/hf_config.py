@@ -1,0 +1,208 @@
+"""The `model` config of a Hugging Face checkpoint (from its config.json), and the reverse.
+
+Every value the architecture needs is derived (family from `architectures`, layers, widths, heads,
+KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
+tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
+sliding-window attention, biases the family does not have) raises `ConversionError` naming the
+config.json key. Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight)
+keep the `ModelConfig` defaults unless passed as overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import ConfigError, ModelConfig
+
+ARCHITECTURES: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+_HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPE_NAMES = {short: long for long, short in _DTYPES.items()}
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message names the culprit."""
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of an HF model folder."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path}: not valid JSON: {err}") from None
+
+
+def family_of(hf: dict[str, Any], source: str = "config.json") -> str:
+    """The model family named by `architectures`."""
+    archs = hf.get("architectures") or []
+    if len(archs) != 1:
+        raise ConversionError(f"{source}: architectures = {archs!r}; expected one of {sorted(ARCHITECTURES)}")
+    if archs[0] not in ARCHITECTURES:
+        raise ConversionError(
+            f"{source}: architectures = {archs!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[archs[0]]
+
+
+def _get(hf: dict[str, Any], source: str, *keys: str, default: Any = ...) -> Any:
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    if default is ...:
+        raise ConversionError(f"{source}: missing key {keys[0]!r}")
+    return default
+
+
+def _rope_theta(hf: dict[str, Any], source: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        key = "rope_parameters" if params else "rope_scaling"
+        raise ConversionError(f"{source}: {key} rope_type = {kind!r} is not supported (only plain RoPE)")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise ConversionError(f"{source}: missing key 'rope_theta' (or rope_parameters.rope_theta)")
+    return float(theta)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConversionError(message)
+
+
+def _moe_fields(hf: dict[str, Any], family: str, source: str, num_layers: int) -> dict[str, Any]:
+    experts = int(_get(hf, source, "num_experts", "num_local_experts"))
+    fields: dict[str, Any] = dict(num_experts=experts, moe_router_topk=int(_get(hf, source, "num_experts_per_tok")))
+    if family == "mixtral":
+        fields.update(moe_ffn_hidden_size=int(_get(hf, source, "intermediate_size")), moe_router_norm_topk=True)
+        return fields
+    dense = sorted(int(i) for i in (hf.get("mlp_only_layers") or []))
+    _require(
+        dense == list(range(len(dense))),
+        f"{source}: mlp_only_layers = {dense} is not supported (only leading dense layers [0, ..., k-1])",
+    )
+    _require(len(dense) < num_layers, f"{source}: mlp_only_layers = {dense} leaves no MoE layer")
+    fields.update(
+        moe_ffn_hidden_size=int(_get(hf, source, "moe_intermediate_size")),
+        moe_router_norm_topk=bool(_get(hf, source, "norm_topk_prob", default=False)),
+        moe_layer_freq=int(_get(hf, source, "decoder_sparse_step", default=1)),
+        first_k_dense_layers=len(dense),
+    )
+    return fields
+
+
+def model_config_from_hf(
+    hf: dict[str, Any], *, hf_path: str | None = None, source: str = "config.json", **overrides: Any
+) -> ModelConfig:
+    """The `model` config of an HF config.json dict; `overrides` set other ModelConfig fields."""
+    family = family_of(hf, source)
+    act = hf.get("hidden_act", "silu")
+    _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
+    if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
+        key = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
+        raise ConversionError(f"{source}: {key} = {hf[key]!r}: sliding-window attention is not supported")
+    if family in ("qwen3", "qwen3_moe"):
+        _require(
+            not hf.get("attention_bias", False),
+            f"{source}: attention_bias = true is not supported for {family} (biases on q/k/v and o_proj)",
+        )
+    hidden = int(_get(hf, source, "hidden_size"))
+    heads = int(_get(hf, source, "num_attention_heads"))
+    head_dim = int(_get(hf, source, "head_dim", default=hidden // heads))
+    layers = int(_get(hf, source, "num_hidden_layers"))
+    fields: dict[str, Any] = dict(
+        family=family,
+        hf_path=hf_path,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=int(_get(hf, source, "intermediate_size")),
+        num_attention_heads=heads,
+        num_query_groups=int(_get(hf, source, "num_key_value_heads", default=heads)),
+        kv_channels=None if head_dim * heads == hidden else head_dim,
+        vocab_size=int(_get(hf, source, "vocab_size")),
+        max_position_embeddings=int(_get(hf, source, "max_position_embeddings")),
+        rope_theta=_rope_theta(hf, source),
+        norm_epsilon=float(_get(hf, source, "rms_norm_eps")),
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=family == "qwen2",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_experts=None,
+    )
+    if family in ("qwen3_moe", "mixtral"):
+        fields.update(_moe_fields(hf, family, source, layers))
+    dtype = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or ""))
+    if dtype is not None:
+        fields["params_dtype"] = dtype
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+    _require(not unknown, f"model_config_from_hf: unknown ModelConfig fields {unknown}")
+    fields.update(overrides)
+    model = ModelConfig(**fields)
+    from megatron_rl.models.families import check_family
+
+    try:
+        check_family(model)
+    except ConfigError as err:
+        raise ConversionError(f"{source}: {err}") from None
+    return model
+
+
+def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
+    """A config.json dict that `transformers` loads as the architecture of `model`."""
+    from megatron_rl.models.families import check_family
+
+    check_family(model)
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    hf: dict[str, Any] = dict(
+        architectures=[_HF_CLASS[model.family]],
+        model_type=model.family,
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_epsilon,
+        rope_theta=model.rope_theta,
+        tie_word_embeddings=model.tie_word_embeddings,
+        attention_dropout=0.0,
+        dtype=_DTYPE_NAMES[model.params_dtype],
+    )
+    if model.family in ("qwen3", "qwen3_moe"):
+        hf["attention_bias"] = False
+    if model.family == "qwen3_moe":
+        hf.update(
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.moe_router_topk,
+            moe_intermediate_size=model.moe_ffn_hidden_size,
+            norm_topk_prob=model.moe_router_norm_topk,
+            decoder_sparse_step=model.moe_layer_freq,
+            mlp_only_layers=list(range(model.first_k_dense_layers)),
+        )
+    elif model.family == "mixtral":
+        if (
+            model.moe_ffn_hidden_size != model.ffn_hidden_size
+            or model.first_k_dense_layers
+            or model.moe_layer_freq != 1
+        ):
+            raise ConversionError(
+                "mixtral has MoE in every layer and intermediate_size = the expert width: needs "
+                "model.moe_ffn_hidden_size == model.ffn_hidden_size, model.first_k_dense_layers = 0, "
+                "model.moe_layer_freq = 1"
+            )
+        hf.update(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk, sliding_window=None)
+    return hf

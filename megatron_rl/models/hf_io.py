@@ -1,0 +1,208 @@
+"""Hugging Face model folders on disk: read safetensors tensor by tensor, write sharded safetensors.
+
+`HFCheckpoint` knows every tensor's file, shape and dtype from the safetensors headers (nothing
+else is read until asked) and reads one tensor at a time. `ShardedSafetensorsWriter` writes
+tensors into files of at most `max_shard_bytes`; `finalize_hf_folder` names the files the way
+`save_pretrained` does and writes `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.models.hf_config import ConversionError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+# Files next to config.json that a Hugging Face folder needs besides the weights (tokenizer, chat template).
+ASSET_PATTERNS = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.*",
+    "*.tiktoken",
+)
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class HFCheckpoint:
+    """The safetensors tensors of an HF model folder, by checkpoint name."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise ConversionError(f"{folder} is not a directory")
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ConversionError(f"{folder} holds no *.safetensors file")
+        self._check_index(files)
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in self.files:
+                        raise ConversionError(f"tensor {name!r} is in both {self.files[name].name} and {file.name}")
+                    piece = handle.get_slice(name)
+                    self.files[name] = file
+                    self.shapes[name] = tuple(piece.get_shape())
+                    self.dtypes[name] = piece.get_dtype()
+        self._handles: dict[Path, Any] = {}
+
+    def _check_index(self, files: list[Path]) -> None:
+        index = self.folder / INDEX_NAME
+        if not index.is_file():
+            return
+        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(listed - {f.name for f in files})
+        if missing:
+            raise ConversionError(f"{index} lists files that are not in {self.folder}: {missing}")
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the safetensors files."""
+        return sum(f.stat().st_size for f in set(self.files.values()))
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, read from its file."""
+        from safetensors import safe_open
+
+        file = self.files.get(name)
+        if file is None:
+            raise ConversionError(f"tensor {name!r} is not in the checkpoint {self.folder}")
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def check_tensors(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """Raise ConversionError for the first missing tensor, unexpected tensor or wrong shape (names them)."""
+    missing = [n for n in expected if n not in ckpt.shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConversionError(f"{ckpt.folder}: missing tensor {missing[0]!r}{more}, expected by {what}")
+    unexpected = sorted(n for n in ckpt.shapes if n not in expected)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConversionError(
+            f"{ckpt.folder}: unexpected tensor {unexpected[0]!r}{more} in {ckpt.files[unexpected[0]].name}; "
+            f"{what} has no such tensor"
+        )
+    for name, shape in expected.items():
+        if ckpt.shapes[name] != shape:
+            raise ConversionError(
+                f"{ckpt.folder}: tensor {name!r} has shape {list(ckpt.shapes[name])} in "
+                f"{ckpt.files[name].name}, but {what} expects {list(shape)}"
+            )
+    bad = sorted({d for d in ckpt.dtypes.values() if d not in SAFETENSORS_DTYPES})
+    if bad:
+        name = next(n for n, d in ckpt.dtypes.items() if d in bad)
+        raise ConversionError(f"{ckpt.folder}: tensor {name!r} has dtype {ckpt.dtypes[name]}, not a float type")
+
+
+def prepare_output_dir(path: str | Path, force: bool) -> Path:
+    """`path` as an empty folder: created if absent; an existing non-empty one needs `force` (then it is emptied)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConversionError(f"output {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        if not force:
+            raise ConversionError(f"output folder {path} already exists and is not empty; pass --force to overwrite it")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def copy_assets(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy generation config and tokenizer files of an HF folder; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    copied: list[str] = []
+    for pattern in ASSET_PATTERNS:
+        for file in sorted(src.glob(pattern)):
+            if file.is_file() and file.name not in copied:
+                shutil.copy2(file, dst / file.name)
+                copied.append(file.name)
+    return copied
+
+
+def write_hf_config(folder: str | Path, hf: dict[str, Any], dtype: torch.dtype) -> None:
+    """config.json with the weights' dtype (both spellings `transformers` reads)."""
+    name = str(dtype).removeprefix("torch.")
+    out = dict(hf)
+    out["dtype"] = name
+    if "torch_dtype" in out:
+        out["torch_dtype"] = name
+    Path(folder, "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors into `{prefix}-{k}.safetensors` files of at most `max_shard_bytes` (a larger
+    tensor gets a file of its own); keeps only the current file's tensors in memory."""
+
+    def __init__(self, folder: str | Path, prefix: str, max_shard_bytes: int) -> None:
+        self.folder, self.prefix, self.max_bytes = Path(folder), prefix, max_shard_bytes
+        self.files: list[tuple[str, list[str], int]] = []  # (file name, tensor names, bytes)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._seen:
+            raise ConversionError(f"tensor {name!r} written twice")
+        self._seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._bytes + nbytes > self.max_bytes:
+            self.flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        file = f"{self.prefix}-{len(self.files):05d}.safetensors"
+        save_file(self._pending, str(self.folder / file), metadata={"format": "pt"})
+        self.files.append((file, list(self._pending), self._bytes))
+        self._pending, self._bytes = {}, 0
+
+
+def finalize_hf_folder(folder: str | Path, files: Iterable[tuple[str, list[str], int]]) -> list[str]:
+    """Rename the written files to `model.safetensors` (one) or `model-0000i-of-0000n.safetensors`
+    plus the index, in the given order; returns the final file names."""
+    folder = Path(folder)
+    files = list(files)
+    if len(files) == 1:
+        os.replace(folder / files[0][0], folder / "model.safetensors")
+        return ["model.safetensors"]
+    weight_map: dict[str, str] = {}
+    final: list[str] = []
+    for i, (file, names, _) in enumerate(files):
+        new = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(folder / file, folder / new)
+        final.append(new)
+        weight_map.update(dict.fromkeys(names, new))
+    index = {"metadata": {"total_size": sum(b for _, _, b in files)}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return final

@@ -1,0 +1,247 @@
+"""Hugging Face checkpoint names <-> Megatron parameter names, one declarative table per family.
+
+Megatron names here are *global* names (`models.init.iter_param_shards`): local-spec names
+(Transformer Engine's fused norms and grouped experts are mapped to them there), global layer
+numbers across pipeline stages, global expert ids across EP. HF names are the checkpoint names
+that `save_pretrained`, the Hub and SGLang use (one tensor per expert).
+
+A rule joins one Megatron tensor and one or more HF tensors:
+
+- `copy`: the same tensor.
+- `vocab`: the same rows; Megatron's vocabulary padding is cut on export and zero-filled on import.
+- `qkv`: Megatron's fused QKV rows are grouped per KV head, `[q of the group's heads, k, v]` per
+  group; HF has separate q, k, v projections (weights and biases alike).
+- `gate_up`: Megatron's SwiGLU `linear_fc1` is `[gate; up]` stacked on rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.config import ModelConfig
+from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.hf_config import ConversionError
+
+_L = "decoder.layers.{layer}."
+_P = "model.layers.{layer}."
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Megatron pattern <-> HF patterns; `{layer}` / `{expert}` are global indices.
+
+    `shapes` gives each HF tensor's shape in symbols (see `HFMapping.dims`); `layers` limits a
+    per-layer rule to dense or MoE layers; `requires` names the ModelConfig switch it needs
+    (`untied` = not `tie_word_embeddings`).
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    shapes: tuple[tuple[str, ...], ...]
+    kind: str = "copy"
+    layers: str = "all"
+    requires: str | None = None
+
+
+_COMMON: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), (("V", "H"),), "vocab"),
+    Rule("output_layer.weight", ("lm_head.weight",), (("V", "H"),), "vocab", requires="untied"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), (("H",),)),
+    Rule(_L + "input_layernorm.weight", (_P + "input_layernorm.weight",), (("H",),)),
+    Rule(
+        _L + "self_attention.linear_qkv.weight",
+        tuple(_P + f"self_attn.{x}_proj.weight" for x in "qkv"),
+        (("Q", "H"), ("KV", "H"), ("KV", "H")),
+        "qkv",
+    ),
+    Rule(
+        _L + "self_attention.linear_qkv.bias",
+        tuple(_P + f"self_attn.{x}_proj.bias" for x in "qkv"),
+        (("Q",), ("KV",), ("KV",)),
+        "qkv",
+        requires="add_qkv_bias",
+    ),
+    Rule(_L + "self_attention.linear_proj.weight", (_P + "self_attn.o_proj.weight",), (("H", "Q"),)),
+    Rule(
+        _L + "self_attention.q_layernorm.weight", (_P + "self_attn.q_norm.weight",), (("D",),), requires="qk_layernorm"
+    ),
+    Rule(
+        _L + "self_attention.k_layernorm.weight", (_P + "self_attn.k_norm.weight",), (("D",),), requires="qk_layernorm"
+    ),
+    Rule(_L + "pre_mlp_layernorm.weight", (_P + "post_attention_layernorm.weight",), (("H",),)),
+    Rule(
+        _L + "mlp.linear_fc1.weight",
+        (_P + "mlp.gate_proj.weight", _P + "mlp.up_proj.weight"),
+        (("F", "H"), ("F", "H")),
+        "gate_up",
+        layers="dense",
+    ),
+    Rule(_L + "mlp.linear_fc2.weight", (_P + "mlp.down_proj.weight",), (("H", "F"),), layers="dense"),
+)
+
+
+def _experts(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    mg = _L + "mlp.experts.local_experts.{expert}."
+    return (
+        Rule(_L + "mlp.router.weight", (_P + router,), (("E", "H"),), layers="moe"),
+        Rule(
+            mg + "linear_fc1.weight",
+            (_P + expert + gate, _P + expert + up),
+            (("M", "H"), ("M", "H")),
+            "gate_up",
+            layers="moe",
+        ),
+        Rule(mg + "linear_fc2.weight", (_P + expert + down,), (("H", "M"),), layers="moe"),
+    )
+
+
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "qwen3_moe": _COMMON
+    + _experts("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    "qwen3": _COMMON,
+    "qwen2": _COMMON,
+    "mixtral": _COMMON
+    + _experts(
+        "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"
+    ),
+}
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    escaped = re.escape(pattern).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+    return re.compile(escaped)
+
+
+class HFMapping:
+    """The name and tensor mapping of one model (`ModelConfig`) of a supported family."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        check_family(model)
+        self.model = model
+        self.rules = tuple(r for r in FAMILY_RULES[model.family] if self._enabled(r))
+        self._compiled = [(_regex(r.megatron), r) for r in self.rules]
+        self.moe_layers = moe_layer_pattern(model)
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        self.head_dim = head_dim
+        self.dims: dict[str, int] = {
+            "V": model.vocab_size,
+            "H": model.hidden_size,
+            "Q": model.num_attention_heads * head_dim,
+            "KV": model.num_query_groups * head_dim,
+            "D": head_dim,
+            "F": model.ffn_hidden_size,
+            "M": model.moe_ffn_hidden_size,
+            "E": model.num_experts or 0,
+        }
+
+    def _enabled(self, rule: Rule) -> bool:
+        if rule.requires is None:
+            return True
+        if rule.requires == "untied":
+            return not self.model.tie_word_embeddings
+        return bool(getattr(self.model, rule.requires))
+
+    def _applies(self, rule: Rule, layer: int | None) -> bool:
+        if rule.layers == "all" or layer is None:
+            return True
+        return bool(self.moe_layers[layer]) == (rule.layers == "moe")
+
+    def _match(self, megatron_name: str) -> tuple[Rule, dict[str, str]]:
+        for regex, rule in self._compiled:
+            found = regex.fullmatch(megatron_name)
+            if found is not None:
+                fields = found.groupdict()
+                layer = int(fields["layer"]) if "layer" in fields else None
+                if self._applies(rule, layer):
+                    return rule, fields
+        raise ConversionError(
+            f"Megatron parameter {megatron_name!r} has no Hugging Face name in the {self.model.family} mapping"
+        )
+
+    def hf_names(self, megatron_name: str) -> tuple[str, ...]:
+        """The HF checkpoint names one Megatron (global) parameter is made of."""
+        rule, fields = self._match(megatron_name)
+        return tuple(p.format(**fields) for p in rule.hf)
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF checkpoint tensor of this model and its shape, layer by layer."""
+        out: dict[str, tuple[int, ...]] = {}
+        experts = range(self.model.num_experts or 0)
+        for rule in self.rules:
+            if "{layer}" not in rule.megatron:
+                self._add(out, rule, {})
+                continue
+            for layer in range(self.model.num_layers):
+                if not self._applies(rule, layer):
+                    continue
+                if "{expert}" in rule.megatron:
+                    for e in experts:
+                        self._add(out, rule, {"layer": layer, "expert": e})
+                else:
+                    self._add(out, rule, {"layer": layer})
+        return out
+
+    def _add(self, out: dict[str, tuple[int, ...]], rule: Rule, fields: dict[str, int]) -> None:
+        for pattern, shape in zip(rule.hf, rule.shapes, strict=True):
+            out[pattern.format(**fields)] = tuple(self.dims[s] for s in shape)
+
+    def to_hf(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of one full (unsharded) Megatron parameter; split outputs are fresh
+        contiguous tensors, a `copy` output is `tensor` itself (no copy)."""
+        rule, fields = self._match(megatron_name)
+        names = [p.format(**fields) for p in rule.hf]
+        if rule.kind == "copy":
+            parts = [tensor]
+        elif rule.kind == "vocab":
+            parts = [tensor[: self.model.vocab_size]]
+        elif rule.kind == "qkv":
+            parts = [_own(p) for p in self._split_qkv(tensor)]
+        else:
+            parts = [_own(p) for p in tensor.chunk(2, dim=0)]
+        return list(zip(names, parts, strict=True))
+
+    def to_megatron(
+        self, megatron_name: str, read: Callable[[str], torch.Tensor], full_shape: Sequence[int]
+    ) -> torch.Tensor:
+        """The full Megatron parameter of shape `full_shape` built from the HF tensors `read(name)`."""
+        rule, fields = self._match(megatron_name)
+        parts = [read(p.format(**fields)) for p in rule.hf]
+        if rule.kind == "copy":
+            full = parts[0]
+        elif rule.kind == "vocab":
+            full = parts[0]
+            if full.shape[0] < full_shape[0]:  # Megatron's padding rows are zero
+                full = torch.cat([full, full.new_zeros(full_shape[0] - full.shape[0], *full.shape[1:])])
+        elif rule.kind == "qkv":
+            full = self._merge_qkv(*parts)
+        else:
+            full = torch.cat(parts, dim=0)
+        if tuple(full.shape) != tuple(full_shape):
+            raise ConversionError(
+                f"{megatron_name}: built from {[p.format(**fields) for p in rule.hf]} with shape "
+                f"{list(full.shape)}, but the Megatron model has {list(full_shape)}"
+            )
+        return full
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        groups = self.model.num_query_groups
+        per_group = self.model.num_attention_heads // groups
+        d, rest = self.head_dim, qkv.shape[1:]
+        grouped = qkv.reshape(groups, (per_group + 2) * d, *rest)
+        q, k, v = grouped.split([per_group * d, d, d], dim=1)
+        return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+    def _merge_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = self.model.num_query_groups
+        rest = q.shape[1:]
+        grouped = [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)]
+        return torch.cat(grouped, dim=1).reshape(-1, *rest)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor with its own storage (safetensors refuses tensors that share memory)."""
+    return t.clone(memory_format=torch.contiguous_format)

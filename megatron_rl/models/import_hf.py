@@ -1,0 +1,101 @@
+"""Stream a Hugging Face checkpoint into this rank's Megatron parameters, tensor by tensor.
+
+    hf = read_hf_config(folder); model = model_config_from_hf(hf)
+    ckpt = open_hf_checkpoint(folder, hf, model)       # validated from headers only
+    ... init_distributed, build_model ...
+    load_hf_weights(chunks, model, ckpt)               # each rank reads only what its shards need
+
+Validation happens before any Megatron state exists, so bad input fails fast and names the
+culprit: a config.json value the tensors contradict (key, both values, the tensor), then a
+missing or unexpected tensor (name), then a wrong shape (name and both shapes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_rl.config import ModelConfig
+from megatron_rl.models.hf_config import ConversionError
+from megatron_rl.models.hf_io import HFCheckpoint, check_tensors
+from megatron_rl.models.hf_mapping import HFMapping
+from megatron_rl.models.init import iter_param_shards, take_shard
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+
+
+def _contradiction(source: str, key: str, config_value: Any, evidence: str) -> ConversionError:
+    return ConversionError(f"{source}: {key} = {config_value} contradicts the checkpoint: {evidence}")
+
+
+def check_config_against_checkpoint(
+    model: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str = "config.json"
+) -> None:
+    """Raise ConversionError when a config.json value disagrees with the tensors' names or shapes."""
+    mapping = HFMapping(model)
+    dims = mapping.dims
+
+    def shape_check(key: str, value: int, name: str, dim: int, config_text: str | None = None) -> None:
+        shape = shapes.get(name)
+        if shape is not None and len(shape) > dim and shape[dim] != value:
+            raise _contradiction(source, key, config_text or value, f"{name} has shape {list(shape)}")
+
+    shape_check("vocab_size", dims["V"], "model.embed_tokens.weight", 0)
+    shape_check("hidden_size", dims["H"], "model.embed_tokens.weight", 1)
+    layers = {int(m.group(1)) for n in shapes if (m := _LAYER.match(n))}
+    if layers and max(layers) + 1 != model.num_layers:
+        raise _contradiction(
+            source, "num_hidden_layers", model.num_layers, f"it has layers {min(layers)}..{max(layers)}"
+        )
+    heads = f"{model.num_attention_heads} x {mapping.head_dim}"
+    shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
+    kv = f"{model.num_query_groups} x {mapping.head_dim}"
+    shape_check("num_key_value_heads x head_dim", dims["KV"], "model.layers.0.self_attn.k_proj.weight", 0, kv)
+    shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
+    if model.tie_word_embeddings and "lm_head.weight" in shapes:
+        raise _contradiction(source, "tie_word_embeddings", "true", "it has a separate lm_head.weight")
+    dense = [i for i, moe in enumerate(mapping.moe_layers) if not moe]
+    if dense and model.family != "mixtral":
+        shape_check("intermediate_size", dims["F"], f"model.layers.{dense[0]}.mlp.gate_proj.weight", 0)
+    if model.num_experts is None:
+        return
+    first_moe = mapping.moe_layers.index(1)
+    found = {int(m.group(2)) for n in shapes if (m := _EXPERT.match(n)) and int(m.group(1)) == first_moe}
+    key = "num_local_experts" if model.family == "mixtral" else "num_experts"
+    if found and max(found) + 1 != model.num_experts:
+        raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
+    width = "intermediate_size" if model.family == "mixtral" else "moe_intermediate_size"
+    gate = mapping.hf_names(f"decoder.layers.{first_moe}.mlp.experts.local_experts.0.linear_fc1.weight")[0]
+    shape_check(width, dims["M"], gate, 0)
+
+
+def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = None) -> HFCheckpoint:
+    """The checkpoint of `folder`, checked against `model` from the headers (no tensor is read)."""
+    ckpt = HFCheckpoint(folder)
+    check_config_against_checkpoint(model, ckpt.shapes, source or f"{folder}/config.json")
+    check_tensors(ckpt, HFMapping(model).expected_hf_shapes(), f"the {model.family} model of config.json")
+    return ckpt
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    model: ModelConfig,
+    ckpt: HFCheckpoint,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Copy this rank's share of every parameter from `ckpt` (cast to the parameter's dtype);
+    returns the number of parameters set. `progress(n)` is called after each parameter."""
+    mapping = HFMapping(model)
+    count = 0
+    for shard in iter_param_shards(chunks, model):
+        full = mapping.to_megatron(shard.global_name, ckpt.read, shard.full_shape)
+        shard.param.copy_(take_shard(full, shard))
+        count += 1
+        if progress is not None:
+            progress(1)
+    return count

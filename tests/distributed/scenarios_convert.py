@@ -1,0 +1,306 @@
+"""Scenarios for tests/test_convert_distributed.py (run by launcher.py, one process per rank).
+
+Tiny random `transformers` models of each family (fp32, weights O(1), norms not 1) are saved with
+`save_pretrained`, converted to Megatron under one layout and loaded under the same or another;
+logits must equal the HF model's, and the way back must give every tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from model_helpers import assert_close, forward_logits, layout
+
+from megatron_rl.config import ParallelConfig
+
+LOGIT_TOL = 1e-4
+VOCAB = 300  # Megatron pads it to 384 (TP=1) or 512 (TP=2): checkpoints must re-pad across TP
+SEQ = 12
+
+
+def _hf_config(family: str, **overrides: object):  # noqa: ANN202 - a transformers config
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        cls = transformers.Qwen3MoeConfig
+        common.update(
+            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0]
+        )
+    elif family == "mixtral":
+        cls = transformers.MixtralConfig
+        common.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen3":
+        cls = transformers.Qwen3Config
+        common.update(tie_word_embeddings=True)
+    else:
+        cls = transformers.Qwen2Config
+    common.update(overrides)
+    return cls(**common)
+
+
+@torch.no_grad()
+def make_hf_model(
+    folder: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object
+) -> Path:
+    """Save a random model of `family`: matrices N(0,1)/sqrt(fan_in), norms 1 + 0.1 N, biases 0.1 N."""
+    import transformers
+
+    config = _hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=gen)
+        if param.dim() == 1:
+            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
+        else:
+            values /= math.sqrt(param.shape[-1])
+        param.copy_(values)
+    model.to(dtype).save_pretrained(folder)
+    return folder
+
+
+def hf_folder(ctx, family: str, dtype: torch.dtype = torch.float32, **overrides: object) -> Path:  # noqa: ANN001
+    """The shared HF folder of `family` (written once by rank 0)."""
+    tag = "-".join([family, str(dtype).removeprefix("torch."), *(f"{k}={v}" for k, v in overrides.items())])
+    folder = ctx.shared_dir / f"hf-{tag}"
+    if ctx.rank == 0 and not folder.exists():
+        make_hf_model(folder, family, dtype, **overrides)
+    dist.barrier()
+    return folder
+
+
+def sample_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def hf_logits(ctx, folder: Path) -> torch.Tensor:  # noqa: ANN001
+    """Logits of the transformers model in `folder` (eager attention, fp32), cached per process."""
+    import transformers
+
+    key = f"hf-logits:{folder}"
+    if key not in ctx.cache:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+        ctx.cache[key] = model.float().eval()(input_ids=sample_ids()).logits
+    return ctx.cache[key]
+
+
+def megatron_logits(ckpt: Path, parallel: ParallelConfig) -> torch.Tensor:
+    """Logits of a converted checkpoint loaded under `parallel` (the model config from its hf_config/)."""
+    from megatron_rl.commands.convert import HF_CONFIG_DIR, NO_INIT_OVERRIDES
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.checkpoint_io import load_model_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+
+    model = model_config_from_hf(read_hf_config(ckpt / HF_CONFIG_DIR))
+    init_distributed(parallel, model)
+    chunks = build_model(model, parallel, config_overrides=NO_INIT_OVERRIDES)
+    load_model_weights(chunks, ckpt)
+    logits = forward_logits(chunks, sample_ids(), model.vocab_size)
+    destroy_distributed(process_group=False)
+    return logits
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def assert_same_tensors(actual: Path, expected: Path) -> None:
+    """Every tensor of `expected` is in `actual` with the same dtype and bits, and nothing else."""
+    a, b = read_all(actual), read_all(expected)
+    if set(a) != set(b):
+        raise AssertionError(
+            f"tensor names differ: missing {sorted(set(b) - set(a))[:3]}, extra {sorted(set(a) - set(b))[:3]}"
+        )
+    for name, value in b.items():
+        if a[name].dtype != value.dtype or not torch.equal(a[name], value):
+            raise AssertionError(f"{name}: not bit-identical ({a[name].dtype} vs {value.dtype})")
+
+
+def roundtrip(ctx, family: str, convert_with: ParallelConfig, load_with: ParallelConfig, tag: str) -> None:  # noqa: ANN001
+    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's; Megatron -> HF under
+    `load_with` gives the original tensors bit for bit, and transformers loads the folder as it is."""
+    from megatron_rl.commands.convert import hf_to_megatron, megatron_to_hf
+
+    src = hf_folder(ctx, family)
+    ckpt, back = ctx.shared_dir / f"mg-{family}-{tag}", ctx.shared_dir / f"back-{family}-{tag}"
+    hf_to_megatron(src, ckpt, parallel=convert_with)
+    assert_close(megatron_logits(ckpt, load_with), hf_logits(ctx, src), LOGIT_TOL, f"{family} {tag}: Megatron vs HF")
+    megatron_to_hf(ckpt, back, parallel=load_with, max_shard_mb=0.05)
+    assert_same_tensors(back, src)
+    if ctx.rank == 0:
+        assert_close(hf_logits(ctx, back), hf_logits(ctx, src), 0.0, f"{family} {tag}: exported folder in transformers")
+    dist.barrier()
+
+
+# --- world size 1 ---------------------------------------------------------------------------
+
+
+def w1_families(ctx) -> None:  # noqa: ANN001
+    """Every family: logits of the converted model equal HF's; the way back is bit-identical."""
+    for family in ("qwen3_moe", "mixtral", "qwen3", "qwen2"):
+        roundtrip(ctx, family, layout(), layout(), "w1")
+
+
+def w1_bf16(ctx) -> None:  # noqa: ANN001
+    """A bf16 checkpoint stays bf16 (Megatron weights and the exported tensors, bit for bit)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.commands.convert import hf_to_megatron, megatron_to_hf
+
+    src = hf_folder(ctx, "qwen3_moe", torch.bfloat16)
+    ckpt, back = ctx.shared_dir / "mg-bf16", ctx.shared_dir / "back-bf16"
+    hf_to_megatron(src, ckpt)
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    assert {t.dtype for t in meta.values()} == {torch.bfloat16}, {t.dtype for t in meta.values()}
+    megatron_to_hf(ckpt, back)
+    assert_same_tensors(back, src)
+    fp32 = ctx.shared_dir / "back-bf16-as-fp32"
+    megatron_to_hf(ckpt, fp32, dtype="fp32")
+    for name, value in read_all(fp32).items():
+        assert value.dtype == torch.float32 and torch.equal(value, read_all(src)[name].float()), name
+
+
+def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
+    """An existing output folder needs --force (then it is replaced); a checkpoint without hf_config/
+    needs --hf-config-from; a config that contradicts the checkpoint names the tensor and both shapes."""
+    import shutil
+
+    from megatron_rl.commands.convert import HF_CONFIG_DIR, hf_to_megatron, megatron_to_hf
+    from megatron_rl.models.hf_config import ConversionError
+
+    src = hf_folder(ctx, "qwen2")
+    out = ctx.shared_dir / "existing"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    try:
+        hf_to_megatron(src, out)
+    except ConversionError as err:
+        assert "already exists" in str(err) and "--force" in str(err) and str(out) in str(err), err
+    else:
+        raise AssertionError("an existing output folder was accepted without force")
+    assert (out / "old.txt").exists()
+    hf_to_megatron(src, out, force=True)
+    assert not (out / "old.txt").exists() and (out / "metadata.json").exists()
+
+    bare = ctx.shared_dir / "mg-no-hf-config"
+    shutil.copytree(out, bare)
+    shutil.rmtree(bare / HF_CONFIG_DIR)
+    try:
+        megatron_to_hf(bare, ctx.shared_dir / "never")
+    except ConversionError as err:
+        assert "--hf-config-from" in str(err), err
+    else:
+        raise AssertionError("a checkpoint without hf_config/ converted without --hf-config-from")
+    megatron_to_hf(bare, ctx.shared_dir / "back-from-config", hf_config_from=src)
+    assert_same_tensors(ctx.shared_dir / "back-from-config", src)
+
+    wider = hf_folder(ctx, "qwen2", intermediate_size=128)
+    try:
+        megatron_to_hf(bare, ctx.shared_dir / "never2", hf_config_from=wider)
+    except ConversionError as err:
+        text = str(err)
+        # Megatron stores the layers stacked: [layers, 2 x intermediate, hidden]
+        assert "decoder.layers.mlp.linear_fc1.weight" in text and "[4, 192, 64]" in text and "[4, 256, 64]" in text, (
+            text
+        )
+    else:
+        raise AssertionError("a config contradicting the checkpoint was accepted")
+
+
+# --- world size 2 ---------------------------------------------------------------------------
+
+
+def w2_tp2(ctx) -> None:  # noqa: ANN001
+    """TP=2 (with SP): the MoE family and the one with QKV biases."""
+    for family in ("qwen3_moe", "qwen2"):
+        roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
+
+
+def w2_ep2(ctx) -> None:  # noqa: ANN001
+    for family in ("qwen3_moe", "mixtral"):
+        roundtrip(ctx, family, layout(ep=2), layout(ep=2), "ep2")
+
+
+def w2_pp2(ctx) -> None:  # noqa: ANN001
+    """PP=2, including embeddings tied across the two stages (qwen3)."""
+    for family in ("qwen3", "qwen3_moe"):
+        roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
+
+
+def w2_across_layouts(ctx) -> None:  # noqa: ANN001
+    """Converted under PP=2 (vocab padded to 384), loaded and exported under TP=2 (512) and EP=2."""
+    roundtrip(ctx, "mixtral", layout(pp=2), layout(tp=2), "pp2-to-tp2")
+    roundtrip(ctx, "qwen3", layout(tp=2), layout(pp=2), "tp2-to-pp2")
+
+
+# --- world size 4 ---------------------------------------------------------------------------
+
+
+def _export(model, parallel: ParallelConfig, bucket_mb: float) -> list[list[tuple[str, torch.Tensor]]]:  # noqa: ANN001
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.export import export_hf_weights, is_export_sender
+    from megatron_rl.models.init import init_deterministic
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+
+    init_distributed(parallel, model)
+    chunks = build_model(model, parallel)
+    init_deterministic(chunks, model, seed=7)
+    buckets = [[(n, t.clone()) for n, t in b] for b in export_hf_weights(chunks, model, bucket_mb=bucket_mb)]
+    if not is_export_sender():
+        assert buckets == [], f"rank {dist.get_rank()} is no sender but got {len(buckets)} buckets"
+    destroy_distributed(process_group=False)
+    return buckets
+
+
+def w4_export_tp2_ep2(ctx) -> None:  # noqa: ANN001
+    """The exporter under TP=2 x EP=2 yields, on rank 0 only, exactly the single-rank export
+    (names, order-independent, bits); buckets respect the size limit."""
+    from model_helpers import tiny_model
+
+    model = tiny_model("qwen3_moe", vocab_size=VOCAB)
+    limit = 0.02  # MiB: several buckets, and single tensors above the limit
+    single = _export(model, layout(), limit)  # TP = EP = 1: a data-parallel copy of the whole model
+    split = _export(model, layout(tp=2, ep=2), limit)
+    if dist.get_rank() != 0:
+        assert single == [] and split == [], "only rank 0 sends"
+        return
+    for buckets in (single, split):
+        for bucket in buckets:
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert len(bucket) == 1 or size <= limit * 2**20, (len(bucket), size)
+    a = {n: t for b in single for n, t in b}
+    b = {n: t for b in split for n, t in b}
+    assert sum(len(x) for x in single) == len(a) and sum(len(x) for x in split) == len(b), "a name was yielded twice"
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), f"{name}: TP2xEP2 export differs from the single-rank export"
+    expert = "model.layers.1.mlp.experts.3.down_proj.weight"  # global expert 3 lives on EP rank 1
+    assert expert in b and b[expert].shape == (64, 32), expert
+
+
+def w4_tp2_ep2(ctx) -> None:  # noqa: ANN001
+    """HF -> Megatron -> HF under TP=2 x EP=2 (and expert-TP 1)."""
+    roundtrip(ctx, "qwen3_moe", layout(tp=2, ep=2), layout(tp=2, ep=2, etp=1), "tp2ep2")
