@@ -10,6 +10,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "config": "megatron_rl.commands.config",
     "serve": "megatron_rl.rollout.local.server",
+    "convert": "megatron_rl.commands.convert",
 }
 
 
