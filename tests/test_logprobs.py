@@ -272,9 +272,10 @@ def _check_tp_case(rank: int, world: int, seed: int, temperature: float, chunk: 
 
 
 def _check_tp_padded_vocab(rank: int, world: int) -> None:
-    """V/TP = 48 per rank; a real vocabulary of 60 leaves 36 padding columns on rank 1, 40 on rank 0 of 2."""
-    _, _, logits, target, mask, g_logp, g_ent = make_case(14)
+    """V/TP = 48 per rank; a real vocabulary of 60 leaves 36 padding columns on rank 1, one of 40 leaves rank 1 only padding."""
+    hidden, weight, logits, target, mask, g_logp, g_ent = make_case(14)
     for real in (60, 40):  # 40: rank 1 holds only padding
+        where = f"rank {rank}, vocab {real}"
         tgt = target.clamp(max=real - 1)
         x = _shard(logits, rank, world, -1).requires_grad_()
         out = vocab_parallel_logprobs(x, tgt, 0.8, mask=mask, chunk_tokens=6, vocab_size=real, group=dist.group.WORLD)
@@ -283,9 +284,22 @@ def _check_tp_padded_vocab(rank: int, world: int) -> None:
         ref = reference(xr, tgt, mask, 0.8)
         loss_of(*ref, g_logp, g_ent).backward()
         full_grad = torch.cat([xr.grad, torch.zeros(*xr.shape[:-1], logits.shape[-1] - real)], dim=-1)
-        assert max_diff(out.logprobs, ref[0]) <= TOL, f"rank {rank}, vocab {real}"
-        assert max_diff(out.entropy, ref[1]) <= TOL, f"rank {rank}, vocab {real}"
-        assert max_diff(x.grad, _shard(full_grad, rank, world, -1)) <= TOL, f"rank {rank}, vocab {real}"
+        assert max_diff(out.logprobs, ref[0]) <= TOL, where
+        assert max_diff(out.entropy, ref[1]) <= TOL, where
+        assert max_diff(x.grad, _shard(full_grad, rank, world, -1)) <= TOL, where
+
+        h, w = hidden.clone().requires_grad_(), _shard(weight, rank, world, 0).requires_grad_()
+        out = vocab_parallel_logprobs_from_hidden(
+            h, w, tgt, 0.8, mask=mask, chunk_tokens=6, vocab_size=real, group=dist.group.WORLD
+        )
+        loss_of(*out, g_logp, g_ent).backward()
+        hr, wr = hidden.clone().requires_grad_(), weight[:real].clone().requires_grad_()
+        ref = reference(hr @ wr.t(), tgt, mask, 0.8)
+        loss_of(*ref, g_logp, g_ent).backward()
+        full_grad_w = torch.cat([wr.grad, torch.zeros(weight.shape[0] - real, weight.shape[1])])
+        assert max_diff(out.logprobs, ref[0]) <= TOL, where
+        assert max_diff(h.grad, hr.grad) <= TOL, where
+        assert max_diff(w.grad, _shard(full_grad_w, rank, world, 0)) <= TOL, where
 
 
 def _check_tp_bf16(rank: int, world: int) -> None:

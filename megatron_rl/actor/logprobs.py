@@ -139,8 +139,27 @@ def _temper_(x: Tensor, shard: _Shard) -> Tensor:
     return x
 
 
-def _forward_chunk(x: Tensor, local: Tensor, owned: Tensor, shard: _Shard) -> tuple[Tensor, Tensor, Tensor]:
-    """x: this chunk's fp32 logits, a scratch buffer (overwritten). Returns (logp, log Z, entropy) per row."""
+class _Scratch:
+    """Two fp32 [chunk, width] buffers that every chunk reuses (no allocation, no page faults per chunk)."""
+
+    def __init__(self, n: int, shard: _Shard, device: torch.device) -> None:
+        rows = min(n, shard.chunk)
+        self.x = torch.empty(rows, shard.width, dtype=torch.float32, device=device)
+        self.tmp = torch.empty_like(self.x)
+
+    def take(self, c: slice) -> tuple[Tensor, Tensor]:
+        rows = c.stop - c.start
+        return self.x[:rows], self.tmp[:rows]
+
+
+def _chunks(n: int, shard: _Shard) -> list[slice]:
+    return [slice(s, min(s + shard.chunk, n)) for s in range(0, n, shard.chunk)]
+
+
+def _forward_chunk(
+    x: Tensor, tmp: Tensor, local: Tensor, owned: Tensor, shard: _Shard
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x: this chunk's fp32 logits; x and tmp are scratch (overwritten). Returns (logp, log Z, entropy) per row."""
     z = _temper_(x, shard)
     rows = z.shape[0]
     if shard.width > 0:
@@ -149,12 +168,10 @@ def _forward_chunk(x: Tensor, local: Tensor, owned: Tensor, shard: _Shard) -> tu
         zmax = torch.full((rows,), float("-inf"), dtype=z.dtype, device=z.device)
     shard.all_reduce(zmax, dist.ReduceOp.MAX)
     z.sub_(zmax.unsqueeze(-1))  # z - M <= 0, M the global max
-    e = torch.exp(z)
+    e = torch.exp(z, out=tmp)
     sums = torch.empty(3, rows, dtype=z.dtype, device=z.device)
     sums[0] = e.sum(dim=-1)
-    # sum_v e_v * (z_v - M), a batched dot product that allocates no [rows, V] temporary
-    sums[1] = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(rows)
-    del e
+    sums[1] = e.mul_(z).sum(dim=-1)  # sum_v e_v (z_v - M)
     if shard.width > 0:
         sums[2] = z.gather(1, local.unsqueeze(-1)).squeeze(-1) * owned
     else:
@@ -198,21 +215,19 @@ class _Backward:
         return self.g_logp is None and self.g_ent is None
 
 
-def _grad_chunk(x: Tensor, b: _Backward, shard: _Shard) -> Tensor:
-    """d(loss)/d(logits) of one chunk, computed in place in x (its fp32 logits, overwritten).
+def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
+    """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten).
 
     With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H).
     """
     q = _temper_(x, shard).sub_(b.lse.unsqueeze(-1))
-    p = torch.exp(q)
+    p = torch.exp(q, out=tmp)
     if b.g_ent is not None:
         q.add_(b.entropy.unsqueeze(-1)).mul_(b.g_ent.unsqueeze(-1))
         if b.g_logp is not None:
             q.add_(b.g_logp.unsqueeze(-1))
         grad = q.mul_(p).neg_()
-        del p
     else:  # then g_logp is set: backward runs only with at least one upstream gradient
-        del q
         grad = p.mul_(-b.g_logp.unsqueeze(-1))
     if b.g_logp is not None and shard.width > 0:
         grad.scatter_add_(1, b.local.unsqueeze(-1), (b.g_logp * b.owned).unsqueeze(-1))
@@ -228,10 +243,11 @@ class _FromLogits(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
         local, owned = _local_targets(target, mask, shard)
-        for s in range(0, n, shard.chunk):
-            c = slice(s, min(s + shard.chunk, n))
-            x = logits[c, : shard.width].to(torch.float32, copy=True)
-            logp[c], lse[c], entropy[c] = _forward_chunk(x, local[c], owned[c], shard)
+        scratch = _Scratch(n, shard, logits.device)
+        for c in _chunks(n, shard):
+            x, tmp = scratch.take(c)
+            x.copy_(logits[c, : shard.width])
+            logp[c], lse[c], entropy[c] = _forward_chunk(x, tmp, local[c], owned[c], shard)
         logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
         ctx.save_for_backward(logits, local, owned, mask, lse, entropy)
         ctx.shard = shard
@@ -247,11 +263,19 @@ class _FromLogits(torch.autograd.Function):
         if b.empty:
             return torch.zeros_like(logits), None, None, None
         grad = torch.zeros_like(logits) if shard.width < logits.shape[1] else torch.empty_like(logits)
-        for s in range(0, logits.shape[0], shard.chunk):
-            c = slice(s, min(s + shard.chunk, logits.shape[0]))
-            x = logits[c, : shard.width].to(torch.float32, copy=True)
-            grad[c, : shard.width] = _grad_chunk(x, b.rows(c), shard)
+        scratch = _Scratch(logits.shape[0], shard, logits.device)
+        for c in _chunks(logits.shape[0], shard):
+            x, tmp = scratch.take(c)
+            x.copy_(logits[c, : shard.width])
+            grad[c, : shard.width] = _grad_chunk(x, tmp, b.rows(c), shard)
         return grad, None, None, None
+
+
+def _project(h: Tensor, w: Tensor, out: Tensor) -> Tensor:
+    """out (fp32) = h @ w.T; in the parameters' dtype, as the output layer computes it."""
+    if h.dtype == torch.float32:
+        return torch.mm(h, w.t(), out=out)
+    return out.copy_(h @ w.t())
 
 
 class _FromHidden(torch.autograd.Function):
@@ -264,10 +288,11 @@ class _FromHidden(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
         local, owned = _local_targets(target, mask, shard)
-        for s in range(0, n, shard.chunk):
-            c = slice(s, min(s + shard.chunk, n))
-            x = (hidden[c] @ w.t()).to(torch.float32)  # a fresh buffer: fp32 matmul output or an fp32 copy
-            logp[c], lse[c], entropy[c] = _forward_chunk(x, local[c], owned[c], shard)
+        scratch = _Scratch(n, shard, hidden.device)
+        for c in _chunks(n, shard):
+            x, tmp = scratch.take(c)
+            _project(hidden[c], w, out=x)
+            logp[c], lse[c], entropy[c] = _forward_chunk(x, tmp, local[c], owned[c], shard)
         logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
         ctx.save_for_backward(hidden, weight, local, owned, mask, lse, entropy)
         ctx.shard = shard
@@ -283,15 +308,17 @@ class _FromHidden(torch.autograd.Function):
         b = _Backward.make(tuple(saved), g_logp, g_ent)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp32 = weight.dtype == torch.float32
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        # the weight gradient accumulates over chunks in fp32 whatever the parameter dtype
+        # every row of grad_h is written by one chunk; grad_w accumulates over chunks in fp32 whatever
+        # the parameter dtype
+        grad_h = (torch.zeros_like(hidden) if b.empty else torch.empty_like(hidden)) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         if not b.empty:
             w = weight[: shard.width]
-            for s in range(0, hidden.shape[0], shard.chunk):
-                c = slice(s, min(s + shard.chunk, hidden.shape[0]))
+            scratch = _Scratch(hidden.shape[0], shard, hidden.device)
+            for c in _chunks(hidden.shape[0], shard):
+                x, tmp = scratch.take(c)
                 h = hidden[c]
-                dx = _grad_chunk((h @ w.t()).to(torch.float32), b.rows(c), shard)
+                dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard)
                 if grad_w is not None:
                     grad_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
                 if grad_h is not None:
