@@ -23,16 +23,12 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
+from megatron_rl.actor.device import comm_device
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.micro_batches import MicroBatch, balance_across_ranks, plans_with_equal_count
 from megatron_rl.actor.routing_replay import RoutingReplay
 
 LossFn = Callable[[MicroBatchInputs, Tensor], tuple[Tensor, Any]]
-
-
-def comm_device() -> torch.device:
-    """Where collective buffers live: the current GPU with NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def plan_for_rank(lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:

@@ -33,6 +33,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
 
+from megatron_rl.actor.device import comm_device
+
 
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, TopKRouter]]:
     """(global 0-based layer index, router) of every MoE layer in this rank's model chunks, by layer."""
@@ -123,12 +125,11 @@ class RoutingReplay:
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.routers = moe_routers(chunks)
         self.layers = [layer for layer, _ in self.routers]
-        if not self.routers:
-            self.top_k, self.num_experts = 0, 0
-        else:
-            cfg = self.routers[0][1].config
-            self.top_k, self.num_experts = int(cfg.moe_router_topk), int(cfg.num_moe_experts)
-        self.sequence_parallel = bool(chunks[0].config.sequence_parallel) if chunks else False
+        cfg = chunks[0].config
+        if cfg.num_moe_experts is None:
+            raise ValueError("routing replay needs an MoE model (model.num_experts)")
+        self.top_k, self.num_experts = int(cfg.moe_router_topk), int(cfg.num_moe_experts)
+        self.sequence_parallel = bool(cfg.sequence_parallel)
         self._given: list[Tensor | None] = [None] * len(self.routers)
         self._has: Tensor | None = None
         self._measure = False
@@ -177,7 +178,7 @@ class RoutingReplay:
         if parts:
             local = torch.stack(parts, dim=2)  # [s_local, rows, L_local, K]
         else:
-            local = torch.zeros(width, rows, 0, max(self.top_k, 1), dtype=torch.int32)
+            local = torch.zeros(width, rows, 0, self.top_k, dtype=torch.int32, device=comm_device())
         if width != max_len:
             group = ps.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]

@@ -19,7 +19,8 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
-from megatron_rl.actor.forward import comm_device, is_output_owner, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.device import comm_device
+from megatron_rl.actor.forward import is_output_owner, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.optimizer import TrainingState, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
