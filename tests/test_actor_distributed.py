@@ -16,7 +16,7 @@ from distributed.launcher import ScenarioResult, run_scenarios
 
 REF_ENV = "MRL_ACTOR_REF_DIR"
 WORLD_1 = ["w1_reference", "w1_recompute_replay"]
-WORLD_2 = ["w2_tp2_sp", "w2_ep2_alltoall", "w2_pp2", "w2_pp2_recompute_replay", "w2_bad_layout"]
+WORLD_2 = ["w2_tp2_sp", "w2_ep2_alltoall", "w2_pp2", "w2_pp2_allgather", "w2_pp2_recompute_replay", "w2_bad_layout"]
 WORLD_4 = ["w4_tp2_ep2", "w4_load_pp2_checkpoint"]
 
 

@@ -281,6 +281,11 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
     save_ref(ctx, "history_4", history)
     save_ref(ctx, "params_4", actor.full_params())
 
+    # weights only: the model (and the optimizer's master copy) as saved, the optimizer state untouched
+    info = actor.load(ref_dir() / "ckpt_w1", load_optimizer=False)
+    assert actor.step == 4 and info["step"] == 2
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "weights-only load")
+
     # the same layout also gets its RNG states back: the draws after saving repeat
     info = actor.load(ref_dir() / "ckpt_w1")
     assert info["rng_restored"] and info["step"] == 2 and actor.step == 2
@@ -320,6 +325,22 @@ def w2_ep2_alltoall(ctx) -> None:  # noqa: ANN001
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     check_layout_against_reference(ctx, layout(pp=2), direct_routing_check=True, save_as="ckpt_pp2")
+
+
+def w2_pp2_allgather(ctx) -> None:  # noqa: ANN001
+    """PP = 2 with the allgather dispatcher: Megatron refuses variable shapes there, so every
+    micro-batch of a step is padded to one shape; results are unchanged."""
+    cfg = actor_config(layout(pp=2), moe_token_dispatcher="allgather")
+    actor = MegatronActor(cfg)
+    assert not actor.chunks[0].config.variable_seq_lengths
+    batch = make_batch(cfg.model.vocab_size)
+    out = actor.compute_log_probs(batch, record_routing=True)
+    assert_close(out.log_probs, load_ref("log_probs"), LOGPROB_TOL, "log-probs, PP2 allgather")
+    replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
+    assert diff(replayed.log_probs, out.log_probs) == 0.0, "R2 replay at unchanged weights, PP2 allgather"
+    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    assert_params_close(actor.full_params(), load_ref("params_2"), "parameters after 2 steps, PP2 allgather")
+    actor.close()
 
 
 def w2_pp2_recompute_replay(ctx) -> None:  # noqa: ANN001
