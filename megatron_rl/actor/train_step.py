@@ -5,7 +5,11 @@ mini-batches; each gets one global normaliser (`megatron_rl.losses.global_normal
 whole response mask), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
 and runs forward + backward (1F1B when PP > 1) with the policy loss, then one optimizer step with
 gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
-operation (`losses.metric_reduce_op`) and returned, the same, on every rank.
+operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
+`policy_loss` after `finalize_metrics`, plus entropy_mean (per loss token), grad_norm (before
+clipping), lr, update_skipped, micro_batches (per DP rank) and, when replaying routing,
+routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
+top-k expert set differs) and routing_changed_frac (all layers).
 """
 
 from __future__ import annotations
