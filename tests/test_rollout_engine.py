@@ -142,6 +142,16 @@ def test_abort_pause_and_continue(engine):
     assert still_waiting, "a request sent while paused must wait for /continue_generation"
     assert resumed.finish_reason == "length" and len(resumed.output_ids) == 5
 
+    async def memory():
+        async with client_for(engine.url) as client:
+            await client.release_memory_occupation()
+            with pytest.raises(BadRequestError, match="memory is released"):
+                await client.generate([7, 8], SamplingParams(max_new_tokens=2))
+            await client.resume_memory_occupation(["weights", "kv_cache"])
+            return await client.generate([7, 8], SamplingParams(max_new_tokens=2))
+
+    assert len(asyncio.run(memory()).output_ids) == 2
+
 
 def test_api_key_and_malformed_requests(engine):
     async def go():
@@ -296,6 +306,13 @@ def test_rollout_engine_facade(engine, models):
         assert rollout.run(rollout.client.health()) == {engine.url: True}
     finally:
         rollout.close()
+
+
+def test_local_engine_needs_a_model_folder():
+    from megatron_rl.config import RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.engine = local needs a model folder"):
+        RolloutEngine.from_config(RolloutConfig())
 
 
 def test_request_bodies_match_sglang_schema(engine, tmp_path_factory):

@@ -134,6 +134,20 @@ def test_payload_unpickling_refuses_other_globals():
     pickle.Pickler(buf).dump([("x", Evil())])
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
         transport.deserialize_named_tensors(base64.b64encode(buf.getvalue()).decode())
+    # tensors shared by file descriptor cannot reach an unrelated process: refused with a hint
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_descriptor")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("x", torch.ones(2))])
+    finally:
+        tmp.set_sharing_strategy(previous)
+    with pytest.raises(pickle.UnpicklingError, match="file_system strategy"):
+        transport.deserialize_named_tensors(buf.getvalue())
 
 
 # ---- batched generation against a plain forward ----

@@ -6,8 +6,9 @@
 - `serialize_named_tensors` / `deserialize_named_tensors`: the `/update_weights_from_tensor`
   payload, base64 of a `ForkingPickler` dump of `[(name, tensor), ...]` as SGLang's
   `MultiprocessingSerializer` writes it. CPU tensors travel through shared memory (file-system
-  strategy, so unrelated processes can open them) and must stay alive until the call returns.
-  Unpickling accepts only torch's tensor-rebuild functions and plain containers.
+  strategy, so unrelated processes can open them; file descriptors cannot cross unrelated
+  processes) and must stay alive until the call returns. Unpickling accepts only torch's
+  tensor-rebuild functions (shared-memory file, CUDA IPC), dtypes, sizes and plain containers.
 - `FlattenedTensorMetadata` / `flatten_tensors` / `unflatten_tensors`: the "flattened_bucket"
   layout: tensors' bytes back to back in one uint8 buffer.
 """
@@ -153,14 +154,11 @@ _ALLOWED: set[tuple[str, str]] = {
     ("torch", "Tensor"),
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
-    ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("multiprocessing.resource_sharer", "DupFd"),
 }
 _METADATA_CLASSES = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
@@ -176,7 +174,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight-update payload")
+        hint = ""
+        if name == "rebuild_storage_fd" or module == "multiprocessing.resource_sharer":
+            hint = " (CPU tensors must be shared with the file_system strategy: use serialize_named_tensors)"
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight-update payload{hint}")
 
 
 def deserialize_named_tensors(payload: str | bytes) -> Any:

@@ -28,10 +28,11 @@ def sample_tokens(
     greedy = temperature < GREEDY_EPS
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
-    sampled_rows = ~greedy
-    if bool(sampled_rows.any()):
-        rows = sampled_rows.nonzero().squeeze(1)
+    n_greedy = int(greedy.sum())
+    if n_greedy == len(greedy):
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        rows = (~greedy).nonzero().squeeze(1)
         probs = logprobs[rows].exp()
         k, p = top_k[rows], top_p[rows]
         vocab = probs.shape[1]
@@ -42,11 +43,24 @@ def sample_tokens(
             drop = rank >= k_eff
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before > p.unsqueeze(1)
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
-            picked = order.gather(1, choice.unsqueeze(1)).squeeze(1)
+            picked = order.gather(1, _inverse_cdf(sorted_probs.masked_fill(drop, 0.0), generator)).squeeze(1)
         else:
-            picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        tokens = tokens.index_copy(0, rows, picked)
+            picked = _inverse_cdf(probs, generator).squeeze(1)
+        if n_greedy:
+            tokens = torch.argmax(logits, dim=-1).index_copy(0, rows, picked)
+        else:
+            tokens = picked
     token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, token_logprobs
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row drawn with probability proportional to `weights` ([rows, n] >= 0): [rows, 1].
+
+    Inverse-transform sampling needs one uniform number per row, where `torch.multinomial` draws one
+    per vocabulary entry; a zero weight is never picked.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=torch.float64)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return index.clamp_(max=weights.shape[1] - 1)
