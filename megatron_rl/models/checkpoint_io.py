@@ -21,7 +21,12 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
 from megatron.core.utils import unwrap_model
 
 from megatron_rl.models.hf_config import ConversionError
@@ -145,7 +150,41 @@ def load_model_weights(chunks: list[torch.nn.Module], path: str | os.PathLike) -
                     value.key, torch.empty(shape, dtype=value.data.dtype, device=value.data.device), replica_id=0
                 )
                 repad[name] = tuple(value.global_shape)
+    factories = {k: v for k, v in sharded.items() if isinstance(v, ShardedTensorFactory)}
+    # Built factories are views of the parameters (e.g. the two SwiGLU halves of linear_fc1), and the
+    # reader fills the given tensors in place: no merge, no second copy.
+    apply_factories(sharded)
     loaded = dist_checkpointing.load({"model": sharded}, path, validate_access_integrity=not repad)["model"]
     for name, global_shape in repad.items():
         loaded[name] = _repad_vocab(loaded[name], global_shape[0])
-    chunk.load_state_dict(loaded)
+    _copy_unless_in_place(chunk, loaded, factories, path)
+
+
+def _inside(leaf: Any, target: torch.Tensor) -> bool:
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype != target.dtype or leaf.device != target.device:
+        return False
+    start, end = target.data_ptr(), target.data_ptr() + target.numel() * target.element_size()
+    return start <= leaf.data_ptr() and leaf.data_ptr() + leaf.numel() * leaf.element_size() <= end
+
+
+def _copy_unless_in_place(
+    chunk: torch.nn.Module, loaded: dict[str, Any], factories: dict[str, ShardedTensorFactory], path: str
+) -> None:
+    """Copy into each parameter what was not read into its memory directly (re-padded vocabulary,
+    another dtype); factory parts are merged first."""
+    pending: dict[str, Any] = {}
+    for name, target in chunk.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        if name not in loaded:
+            raise ConversionError(f"{path}: nothing was loaded for parameter {name!r}")
+        value = loaded[name]
+        leaves = list(nested_values(value)) if isinstance(value, (dict, list)) else [value]
+        if not all(_inside(leaf, target) for leaf in leaves):
+            pending[name] = value
+    if not pending:
+        return
+    merged = apply_factory_merges(pending, {k: f for k, f in factories.items() if k in pending})
+    params = chunk.state_dict(keep_vars=True)
+    for name, value in merged.items():
+        params[name].copy_(value)

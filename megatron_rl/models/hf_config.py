@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import ConfigError, ModelConfig
+from megatron_rl.config import Config, ConfigError, ModelConfig, validate
 
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -153,6 +153,7 @@ def model_config_from_hf(
 
     try:
         check_family(model)
+        validate(Config(model=model))
     except ConfigError as err:
         raise ConversionError(f"{source}: {err}") from None
     return model

@@ -18,13 +18,9 @@ from typing import Any
 import torch
 
 from megatron_rl.models.hf_config import ConversionError
+from megatron_rl.models.safetensors_io import MappedSafetensors, SafetensorsFormatError, read_header, write_safetensors
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Files next to config.json that a Hugging Face folder needs besides the weights (tokenizer, chat template).
 ASSET_PATTERNS = (
     "generation_config.json",
@@ -44,8 +40,6 @@ class HFCheckpoint:
     """The safetensors tensors of an HF model folder, by checkpoint name."""
 
     def __init__(self, folder: str | Path) -> None:
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise ConversionError(f"{folder} is not a directory")
@@ -57,15 +51,17 @@ class HFCheckpoint:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for file in files:
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    if name in self.files:
-                        raise ConversionError(f"tensor {name!r} is in both {self.files[name].name} and {file.name}")
-                    piece = handle.get_slice(name)
-                    self.files[name] = file
-                    self.shapes[name] = tuple(piece.get_shape())
-                    self.dtypes[name] = piece.get_dtype()
-        self._handles: dict[Path, Any] = {}
+            try:
+                entries, _ = read_header(file)
+            except SafetensorsFormatError as err:
+                raise ConversionError(str(err)) from None
+            for name, entry in entries.items():
+                if name in self.files:
+                    raise ConversionError(f"tensor {name!r} is in both {self.files[name].name} and {file.name}")
+                self.files[name] = file
+                self.shapes[name] = tuple(entry["shape"])
+                self.dtypes[name] = entry["dtype"]
+        self._maps: dict[Path, MappedSafetensors] = {}
 
     def _check_index(self, files: list[Path]) -> None:
         index = self.folder / INDEX_NAME
@@ -82,18 +78,17 @@ class HFCheckpoint:
         return sum(f.stat().st_size for f in set(self.files.values()))
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, read from its file."""
-        from safetensors import safe_open
-
+        """One tensor: a read-only view of its memory-mapped file (copy it before changing it)."""
         file = self.files.get(name)
         if file is None:
             raise ConversionError(f"tensor {name!r} is not in the checkpoint {self.folder}")
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(name)
+        if file not in self._maps:
+            self._maps[file] = MappedSafetensors(file)
+        return self._maps[file].get(name)
 
     def close(self) -> None:
-        self._handles.clear()
+        """Forget the mappings (each is unmapped once no tensor read from it is alive)."""
+        self._maps.clear()
 
 
 def check_tensors(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], what: str) -> None:
@@ -115,7 +110,7 @@ def check_tensors(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], what
                 f"{ckpt.folder}: tensor {name!r} has shape {list(ckpt.shapes[name])} in "
                 f"{ckpt.files[name].name}, but {what} expects {list(shape)}"
             )
-    bad = sorted({d for d in ckpt.dtypes.values() if d not in SAFETENSORS_DTYPES})
+    bad = sorted({d for d in ckpt.dtypes.values() if d not in FLOAT_DTYPES})
     if bad:
         name = next(n for n, d in ckpt.dtypes.items() if d in bad)
         raise ConversionError(f"{ckpt.folder}: tensor {name!r} has dtype {ckpt.dtypes[name]}, not a float type")
@@ -174,16 +169,14 @@ class ShardedSafetensorsWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._bytes + nbytes > self.max_bytes:
             self.flush()
-        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending[name] = tensor.detach()  # written from where it is (no copy on the CPU)
         self._bytes += nbytes
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._pending:
             return
         file = f"{self.prefix}-{len(self.files):05d}.safetensors"
-        save_file(self._pending, str(self.folder / file), metadata={"format": "pt"})
+        write_safetensors(self.folder / file, self._pending)
         self.files.append((file, list(self._pending), self._bytes))
         self._pending, self._bytes = {}, 0
 

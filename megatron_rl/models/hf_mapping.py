@@ -190,8 +190,8 @@ class HFMapping:
             out[pattern.format(**fields)] = tuple(self.dims[s] for s in shape)
 
     def to_hf(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The HF tensors of one full (unsharded) Megatron parameter; split outputs are fresh
-        contiguous tensors, a `copy` output is `tensor` itself (no copy)."""
+        """The HF tensors of one full (unsharded) Megatron parameter, contiguous. No copy is made
+        where none is needed: outputs may be views of `tensor` (and share its memory)."""
         rule, fields = self._match(megatron_name)
         names = [p.format(**fields) for p in rule.hf]
         if rule.kind == "copy":
@@ -199,33 +199,45 @@ class HFMapping:
         elif rule.kind == "vocab":
             parts = [tensor[: self.model.vocab_size]]
         elif rule.kind == "qkv":
-            parts = [_own(p) for p in self._split_qkv(tensor)]
+            parts = list(self._split_qkv(tensor))
         else:
-            parts = [_own(p) for p in tensor.chunk(2, dim=0)]
-        return list(zip(names, parts, strict=True))
+            parts = list(tensor.chunk(2, dim=0))
+        return [(n, p.contiguous()) for n, p in zip(names, parts, strict=True)]
 
     def to_megatron(
-        self, megatron_name: str, read: Callable[[str], torch.Tensor], full_shape: Sequence[int]
+        self,
+        megatron_name: str,
+        read: Callable[[str], torch.Tensor],
+        full_shape: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The full Megatron parameter of shape `full_shape` built from the HF tensors `read(name)`."""
+        """The full Megatron parameter of shape `full_shape` built from the HF tensors `read(name)`;
+        written into `out` (the full parameter itself, cast to its dtype) when given."""
         rule, fields = self._match(megatron_name)
-        parts = [read(p.format(**fields)) for p in rule.hf]
-        if rule.kind == "copy":
-            full = parts[0]
-        elif rule.kind == "vocab":
-            full = parts[0]
-            if full.shape[0] < full_shape[0]:  # Megatron's padding rows are zero
-                full = torch.cat([full, full.new_zeros(full_shape[0] - full.shape[0], *full.shape[1:])])
-        elif rule.kind == "qkv":
-            full = self._merge_qkv(*parts)
-        else:
-            full = torch.cat(parts, dim=0)
-        if tuple(full.shape) != tuple(full_shape):
+        names = [p.format(**fields) for p in rule.hf]
+        parts = [read(n) for n in names]
+        shape = _merged_shape(rule.kind, parts, full_shape, self.model.vocab_size)
+        if shape != tuple(full_shape):
             raise ConversionError(
-                f"{megatron_name}: built from {[p.format(**fields) for p in rule.hf]} with shape "
-                f"{list(full.shape)}, but the Megatron model has {list(full_shape)}"
+                f"{megatron_name}: built from {names} with shape {list(shape)}, "
+                f"but the Megatron model has {list(full_shape)}"
             )
-        return full
+        if out is None:
+            out = torch.empty(full_shape, dtype=parts[0].dtype, device=parts[0].device)
+        if rule.kind == "copy":
+            out.copy_(parts[0])
+        elif rule.kind == "vocab":  # Megatron's padding rows are zero
+            out[: parts[0].shape[0]].copy_(parts[0])
+            out[parts[0].shape[0] :].zero_()
+        else:
+            groups = self.model.num_query_groups if rule.kind == "qkv" else 1
+            dest = out.view(groups, -1, *out.shape[1:])
+            row = 0
+            for part in parts:  # each part's rows of every group, in place
+                part = part.view(groups, -1, *part.shape[1:])
+                dest[:, row : row + part.shape[1]].copy_(part)
+                row += part.shape[1]
+        return out
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         groups = self.model.num_query_groups
@@ -235,13 +247,14 @@ class HFMapping:
         q, k, v = grouped.split([per_group * d, d, d], dim=1)
         return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
-    def _merge_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        groups = self.model.num_query_groups
-        rest = q.shape[1:]
-        grouped = [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)]
-        return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor with its own storage (safetensors refuses tensors that share memory)."""
-    return t.clone(memory_format=torch.contiguous_format)
+def _merged_shape(kind: str, parts: list[torch.Tensor], full_shape: Sequence[int], vocab: int) -> tuple[int, ...]:
+    """The shape the Megatron tensor made of `parts` has (vocab: `vocab` rows padded to `full_shape`)."""
+    first = tuple(parts[0].shape)
+    if kind == "copy":
+        return first
+    if kind == "vocab":
+        return (full_shape[0], *first[1:]) if first and first[0] == vocab <= full_shape[0] else first
+    if any(tuple(p.shape[1:]) != first[1:] for p in parts):
+        return (-1, *first[1:])  # parts of different widths: reported as a mismatch
+    return (sum(p.shape[0] for p in parts), *first[1:])

@@ -93,8 +93,11 @@ def load_hf_weights(
     mapping = HFMapping(model)
     count = 0
     for shard in iter_param_shards(chunks, model):
-        full = mapping.to_megatron(shard.global_name, ckpt.read, shard.full_shape)
-        shard.param.copy_(take_shard(full, shard))
+        if shard.partition_dim is None:  # this rank holds the whole tensor: build it in place
+            mapping.to_megatron(shard.global_name, ckpt.read, shard.full_shape, out=shard.param.data)
+        else:
+            full = mapping.to_megatron(shard.global_name, ckpt.read, shard.full_shape)
+            shard.param.copy_(take_shard(full, shard))
         count += 1
         if progress is not None:
             progress(1)
