@@ -79,9 +79,9 @@ def check_sample(sample: Sample, model_path: str, temperature: float, routed: bo
 
 def test_generate_logprobs_routed_experts_and_finish(engine, models):
     settings = [
-        SamplingParams(temperature=1.0, max_new_tokens=12),
-        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=9),
-        SamplingParams(temperature=0.0, max_new_tokens=7),
+        SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True),
     ]
     prompts = [[5, 6, 7, 8]] * 4 + [[9, 10], [11, 12, 13, 14, 15, 16, 17], [3]]
 
@@ -106,7 +106,7 @@ def test_generate_logprobs_routed_experts_and_finish(engine, models):
 
     async def stopped():
         async with client_for(engine.url) as client:
-            params = SamplingParams(temperature=0.0, max_new_tokens=7, stop_token_ids=(stop,))
+            params = SamplingParams(temperature=0.0, max_new_tokens=7, stop_token_ids=(stop,), ignore_eos=True)
             return await client.generate(greedy.prompt_ids, params, return_routed_experts=True)
 
     sample = asyncio.run(stopped())
@@ -129,7 +129,7 @@ def test_abort_pause_and_continue(engine):
             await asyncio.sleep(0.3)
             await client.pause_generation(mode="abort")
             paused_out = await job
-            waiting = asyncio.ensure_future(client.generate([7, 8], SamplingParams(max_new_tokens=5)))
+            waiting = asyncio.ensure_future(client.generate([7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True)))
             await asyncio.sleep(0.5)
             still_waiting = not waiting.done()
             await client.continue_generation()
@@ -148,7 +148,7 @@ def test_abort_pause_and_continue(engine):
             with pytest.raises(BadRequestError, match="memory is released"):
                 await client.generate([7, 8], SamplingParams(max_new_tokens=2))
             await client.resume_memory_occupation(["weights", "kv_cache"])
-            return await client.generate([7, 8], SamplingParams(max_new_tokens=2))
+            return await client.generate([7, 8], SamplingParams(max_new_tokens=2, ignore_eos=True))
 
     assert len(asyncio.run(memory()).output_ids) == 2
 
@@ -267,7 +267,7 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
 
 def test_engine_killed_mid_request(engine, models):
     spare = start_local_engine(models["A"], api_key=KEY, extra_args=["--threads", "1"], env=ENV)
-    params = SamplingParams(temperature=1.0, max_new_tokens=300, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=500, ignore_eos=True)
     try:
 
         async def go():
@@ -278,7 +278,7 @@ def test_engine_killed_mid_request(engine, models):
                 return await asyncio.gather(*jobs)
 
         samples = asyncio.run(go())
-        assert all(s.server == engine.url and len(s.output_ids) == 300 for s in samples)
+        assert all(s.server == engine.url and len(s.output_ids) == 500 for s in samples)
 
         async def dead():
             async with client_for(spare.url, max_retries=1, backoff_s=0.1) as client:
@@ -292,20 +292,23 @@ def test_engine_killed_mid_request(engine, models):
         spare.stop()
 
 
-def test_rollout_engine_facade(engine, models):
+def test_rollout_engine_facade_starts_the_local_engine(models):
     from megatron_rl.config import RolloutConfig
 
-    cfg = RolloutConfig(engine="sglang", sglang_urls=[engine.url], api_key=KEY, max_concurrency=8, max_retries=1)
-    rollout = RolloutEngine.from_config(cfg)
+    cfg = RolloutConfig(api_key=KEY, max_concurrency=8, max_retries=1)  # engine = local, no SGLang address
+    rollout = RolloutEngine.from_config(cfg, models["A"], extra_args=["--threads", "1"], env=ENV)
     try:
-        assert rollout.run(rollout.client.load_model_layout()) == (2, 2)
-        samples = rollout.generate([[5, 6], [5, 6]], SamplingParams(temperature=1.0, max_new_tokens=4), True)
+        assert rollout.client.routed_experts_layout == (2, 2)  # read from the model's config.json
+        params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+        samples = rollout.generate([[5, 6], [5, 6]], params, return_routed_experts=True)
         assert [len(s.output_ids) for s in samples] == [4, 4]
         check_sample(samples[0], models["A"], 1.0)
+        url = rollout.local_process.url
         rollout.run(rollout.client.flush_cache())
-        assert rollout.run(rollout.client.health()) == {engine.url: True}
+        assert rollout.run(rollout.client.health()) == {url: True}
     finally:
         rollout.close()
+    assert not rollout.local_process.alive()
 
 
 def test_local_engine_needs_a_model_folder():

@@ -91,6 +91,17 @@ class Sample:
         return self.finish_reason == "abort"
 
 
+def moe_layout(model_path: str) -> tuple[int, int] | None:
+    """(num_hidden_layers, num_experts_per_tok) of a Hugging Face MoE folder; None for a dense model."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        return None
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
+
+
 class RolloutEngine:
     """Synchronous access to SGLang servers (or the local engine) for a trainer."""
 
@@ -101,6 +112,8 @@ class RolloutEngine:
         self.client = client
         self.local_process = local_process
         self.run(client.start())
+        if local_process is not None and client.routed_experts_layout is None:
+            self.run(client.load_model_layout())
 
     @classmethod
     def from_config(cls, rollout: Any, model_path: str | None = None, **local_kwargs: Any) -> RolloutEngine:
@@ -124,6 +137,7 @@ class RolloutEngine:
             max_concurrency=rollout.max_concurrency,
             timeout_s=rollout.request_timeout_s,
             max_retries=rollout.max_retries,
+            routed_experts_layout=moe_layout(model_path) if model_path else None,
         )
         return cls(client, process)
 

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -543,7 +544,15 @@ async def _serve(server: LocalServer, host: str, port: int, port_file: str | Non
         with open(port_file, "w") as handle:
             handle.write(str(bound))
     log.info("serving on http://%s:%d%s", host, bound, " (API key required)" if server.api_key else "")
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("shutting down")
     finally:
         await runner.cleanup()
+        # a gloo group left alive can abort the interpreter at exit
+        for group in server.groups.values():
+            transport.destroy_weights_update_group(group)
+        server.groups.clear()
