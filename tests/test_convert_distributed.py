@@ -12,7 +12,7 @@ import pytest
 from distributed.launcher import ScenarioResult, run_scenarios
 
 WORLD_1 = ["w1_families", "w1_bf16", "w1_output_folder_and_config"]
-WORLD_2 = ["w2_tp2", "w2_ep2", "w2_pp2", "w2_across_layouts"]
+WORLD_2 = ["w2_tp2", "w2_ep2", "w2_pp2", "w2_across_layouts", "w2_actor_loads_converted"]
 WORLD_4 = ["w4_export_tp2_ep2", "w4_tp2_ep2"]
 
 

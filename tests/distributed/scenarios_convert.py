@@ -304,3 +304,37 @@ def w4_export_tp2_ep2(ctx) -> None:  # noqa: ANN001
 def w4_tp2_ep2(ctx) -> None:  # noqa: ANN001
     """HF -> Megatron -> HF under TP=2 x EP=2 (and expert-TP 1)."""
     roundtrip(ctx, "qwen3_moe", layout(tp=2, ep=2), layout(tp=2, ep=2, etp=1), "tp2ep2")
+
+
+def w2_actor_loads_converted(ctx) -> None:  # noqa: ANN001
+    """The actor takes a converted checkpoint: through its own loader (weights only, another layout)
+    and as an initializer (`load_model_weights`); its parameters are then the HF tensors, bit for bit."""
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.commands.convert import HF_CONFIG_DIR, hf_to_megatron
+    from megatron_rl.config import Config, validate
+    from megatron_rl.models.checkpoint_io import load_model_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.models.hf_mapping import HFMapping
+    from megatron_rl.parallel import destroy_distributed
+
+    src = hf_folder(ctx, "qwen3_moe", vocab_size=256)  # the same padded vocabulary at TP = 1 and 2
+    ckpt = ctx.shared_dir / "mg-for-actor"
+    hf_to_megatron(src, ckpt, parallel=layout(ep=2))
+    model = model_config_from_hf(read_hf_config(ckpt / HF_CONFIG_DIR))
+    cfg = Config(model=model, parallel=layout(tp=2))
+    validate(cfg)
+    expected = read_all(src)
+    mapping = HFMapping(model)
+
+    def check(actor: MegatronActor, how: str) -> None:
+        got = {n: t for name, full in actor.full_params().items() for n, t in mapping.to_hf(name, full)}
+        assert set(got) == set(expected), f"{how}: {sorted(set(got) ^ set(expected))[:3]}"
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{how}: {name} differs"
+
+    actor = MegatronActor(cfg)
+    actor.load(ckpt, load_optimizer=False)
+    check(actor, "MegatronActor.load(load_optimizer=False)")
+    destroy_distributed(process_group=False)
+    actor = MegatronActor(cfg, initializer=lambda chunks: load_model_weights(chunks, ckpt))
+    check(actor, "initializer=load_model_weights")
