@@ -319,6 +319,23 @@ def test_shape_mismatch(moe_folder: tuple[Path, ModelConfig], tmp_path: Path) ->
         _open(folder)
 
 
+def test_tied_embeddings_with_a_stored_copy(tmp_path: Path) -> None:
+    """A tied model whose file also holds lm_head.weight: accepted when it equals the embedding."""
+    model = _family_model("qwen3")
+    src = _save_transformers_model(tmp_path / "tied", hf_config_from_model(model))
+
+    def add_head(same: bool) -> Path:
+        def edit(tensors: dict) -> None:
+            embed = tensors["model.embed_tokens.weight"]
+            tensors["lm_head.weight"] = embed.clone() if same else embed + 1
+
+        return _tampered(src, tmp_path / f"head-{same}", edit_tensors=edit)
+
+    assert "lm_head.weight" not in open_hf_checkpoint(str(add_head(True)), model).shapes
+    with pytest.raises(ConversionError, match="tie_word_embeddings = true contradicts the checkpoint"):
+        open_hf_checkpoint(str(add_head(False)), model)
+
+
 @pytest.mark.parametrize(
     "key, value, evidence",
     [

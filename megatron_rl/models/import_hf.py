@@ -57,7 +57,7 @@ def check_config_against_checkpoint(
     shape_check("num_key_value_heads x head_dim", dims["KV"], "model.layers.0.self_attn.k_proj.weight", 0, kv)
     shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
     if model.tie_word_embeddings and "lm_head.weight" in shapes:
-        raise _contradiction(source, "tie_word_embeddings", "true", "it has a separate lm_head.weight")
+        raise _contradiction(source, "tie_word_embeddings", "true", "it has an lm_head.weight unlike the embedding")
     dense = [i for i, moe in enumerate(mapping.moe_layers) if not moe]
     if dense and model.family != "mixtral":
         shape_check("intermediate_size", dims["F"], f"model.layers.{dense[0]}.mlp.gate_proj.weight", 0)
@@ -74,8 +74,13 @@ def check_config_against_checkpoint(
 
 
 def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = None) -> HFCheckpoint:
-    """The checkpoint of `folder`, checked against `model` from the headers (no tensor is read)."""
+    """The checkpoint of `folder`, checked against `model` from the headers. (The one tensor ever
+    read: an lm_head.weight stored next to tied embeddings, ignored when it equals them.)"""
     ckpt = HFCheckpoint(folder)
+    if model.tie_word_embeddings and "lm_head.weight" in ckpt.shapes and "model.embed_tokens.weight" in ckpt.shapes:
+        head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
+        if head.shape == embed.shape and torch.equal(head, embed):
+            del ckpt.shapes["lm_head.weight"], ckpt.files["lm_head.weight"], ckpt.dtypes["lm_head.weight"]
     check_config_against_checkpoint(model, ckpt.shapes, source or f"{folder}/config.json")
     check_tensors(ckpt, HFMapping(model).expected_hf_shapes(), f"the {model.family} model of config.json")
     return ckpt
