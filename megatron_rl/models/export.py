@@ -10,8 +10,9 @@ and the only ones the generator yields on, are the *senders*: the first rank of 
 stage (`is_export_sender`), each with its own stage's tensors; other ranks hold no gathered
 tensor and get an empty generator that must still be run to its end (it joins the collectives).
 
-Tensors are full HF checkpoint tensors on the parameters' device, vocabulary padding removed;
-a tensor needing no split or gather may be the parameter itself (read it, do not modify it).
+Tensors are full HF checkpoint tensors on the parameters' device, contiguous, vocabulary padding
+removed. No copy is made where none is needed: a tensor may be the parameter itself or a view of
+it (gate/up halves), so read them before the next optimizer step and never modify them.
 A bucket holds at most `bucket_mb` MiB, unless a single tensor is larger (then it is alone).
 """
 
