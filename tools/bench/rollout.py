@@ -6,14 +6,16 @@ request to the last reply. The baseline is one batched, left-padded `model.gener
 process on the same prompts, with the same sampling settings, stop tokens and thread count; its
 tokens are counted up to and including each row's first stop token (what a rollout would keep).
 Both use float32 on the CPU; each side runs --repeats times, alternating, and the median run is
-reported. One JSON line per scenario:
+reported. Wall-clock rates (`ratio`) suffer from other load on a shared machine, so the lines also
+give tokens per CPU-second of each side's process (`ratio_cpu`: the engine process, HTTP included,
+against this process during `generate`). One JSON line per scenario:
 
 - `fixed_length`: every response runs to --max-new-tokens (pure decode throughput);
 - `varied_length`: --stop-ids token ids end a response (about 2% chance per step with the default
   20 of 1024), so lengths vary as RL responses do and a finished row stops costing compute;
 - `groups`: --prompts/8 prompts x 8 samples each (GRPO groups), varied lengths.
 
-    python tools/bench/rollout.py [--requests 64] [--max-new-tokens 128] [--threads 2] [--repeats 3]
+    python tools/bench/rollout.py [--requests 64] [--max-new-tokens 128] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import tempfile
 import time
 
+import psutil
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
@@ -57,18 +60,28 @@ def make_prompts(n: int, group: int, seed: int) -> list[list[int]]:
     return [p for p in unique for _ in range(group)]
 
 
-def run_engine(url: str, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-    async def go() -> tuple[int, float]:
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def run_engine(url: str, pid: int, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float, float]:
+    """(tokens, wall seconds, CPU seconds of the engine process)."""
+    server = psutil.Process(pid)
+
+    async def go() -> tuple[int, float, float]:
         async with SGLangClient([url], max_concurrency=len(prompts)) as client:
             await client.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
-            started = time.perf_counter()
+            cpu, started = _cpu_seconds(server), time.perf_counter()
             samples = await client.generate_batch(prompts, params)
-            return sum(len(s.output_ids) for s in samples), time.perf_counter() - started
+            wall = time.perf_counter() - started
+            return sum(len(s.output_ids) for s in samples), wall, _cpu_seconds(server) - cpu
 
     return asyncio.run(go())
 
 
-def run_generate(model, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
+def run_generate(model, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float, float]:
+    """(tokens, wall seconds, CPU seconds of this process) of one batched `generate` call."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -81,21 +94,26 @@ def run_generate(model, prompts: list[list[int]], params: SamplingParams) -> tup
     stops = stops or None  # None: run to max_new_tokens
     kwargs = dict(do_sample=True, temperature=params.temperature, top_p=1.0, top_k=0, pad_token_id=0)
     model.generate(ids[:2, -4:], attention_mask=mask[:2, -4:], max_new_tokens=4, eos_token_id=stops, **kwargs)
-    started = time.perf_counter()
+    cpu, started = time.process_time(), time.perf_counter()
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=params.max_new_tokens, eos_token_id=stops, min_new_tokens=0, **kwargs
     )
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     tokens = 0
     for row in out[:, width:].tolist():
         ends = [i for i, t in enumerate(row) if t in (stops or ())]
         tokens += ends[0] + 1 if ends else len(row)
-    return tokens, seconds
+    return tokens, seconds, cpu
 
 
-def _median_run(runs: list[tuple[int, float]]) -> tuple[int, float]:
-    """The run with the median tokens/s."""
-    return sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
+def _median(runs: list[tuple[int, float, float]], column: int) -> tuple[int, float]:
+    """(tokens, seconds) of the run with the median tokens per second of `column` (1 wall, 2 CPU)."""
+    run = sorted(runs, key=lambda r: r[0] / r[column])[len(runs) // 2]
+    return run[0], run[column]
+
+
+def _rate(run: tuple[int, float]) -> float:
+    return run[0] / max(run[1], 1e-9)
 
 
 def main() -> None:
@@ -103,7 +121,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop-ids", type=int, default=20, help="stop tokens of the varied-length scenarios")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on each side (1: robust on a shared CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side per scenario (median reported)")
     args = parser.parse_args()
@@ -129,12 +147,14 @@ def main() -> None:
             prompts = make_prompts(args.requests, group, args.seed)
             engine_runs, hf_runs = [], []
             for _ in range(args.repeats):  # alternate, so that load from other processes hits both alike
-                engine_runs.append(run_engine(server.url, prompts, params))
+                engine_runs.append(run_engine(server.url, server.process.pid, prompts, params))
                 with torch.inference_mode():
                     hf_runs.append(run_generate(model, prompts, params))
-            eng_tokens, eng_s = _median_run(engine_runs)
-            hf_tokens, hf_s = _median_run(hf_runs)
+            eng_tokens, eng_s = _median(engine_runs, 1)
+            hf_tokens, hf_s = _median(hf_runs, 1)
             engine_rate, hf_rate = eng_tokens / eng_s, hf_tokens / hf_s
+            engine_cpu_rate = _rate(_median(engine_runs, 2))
+            hf_cpu_rate = _rate(_median(hf_runs, 2))
             print(
                 json.dumps(
                     {
@@ -148,6 +168,9 @@ def main() -> None:
                         "local_engine": round(engine_rate, 1),
                         "baseline_hf_generate": round(hf_rate, 1),
                         "ratio": round(engine_rate / hf_rate, 3),
+                        "local_engine_per_cpu_s": round(engine_cpu_rate, 1),
+                        "baseline_per_cpu_s": round(hf_cpu_rate, 1),
+                        "ratio_cpu": round(engine_cpu_rate / hf_cpu_rate, 3),
                         "engine_tokens": eng_tokens,
                         "baseline_tokens": hf_tokens,
                         "engine_s": round(eng_s, 3),
