@@ -23,10 +23,11 @@ setup(
         "tqdm",
         "psutil",
         "pyarrow",
+        "aiohttp",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
-        "test": ["pytest>=8", "ruff"],
+        "test": ["pytest>=8", "ruff", "msgspec"],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
     },
