@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
-        "test": ["pytest>=8", "ruff", "msgspec"],
+        "test": ["pytest>=8", "ruff", "msgspec", "math-verify>=0.9"],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
     },
