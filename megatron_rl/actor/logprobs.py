@@ -6,13 +6,15 @@ The full vocabulary is never gathered: per chunk of tokens the ranks all-reduce 
 three sums per token. Temperature follows SGLang: `log_softmax(logits / T)`, no division for
 T = 0 (greedy) and T = 1.
 
-Memory: both paths work on `chunk_tokens` rows at a time in fp32 (at most two fp32 buffers of
-chunk_tokens x V/TP alive at once, in forward and in backward). Backward recomputes each chunk
-from what forward saved (the caller's input tensors, plus log Z and the entropy per token), so
-no [tokens, V/TP] fp32 tensor is ever materialised. `vocab_parallel_logprobs` still has to
-return a gradient the shape of its input logits; `vocab_parallel_logprobs_from_hidden` takes
-the output layer's input and weight instead, computes each chunk's logits itself, and never
-holds more than one chunk of logits, at the price of one more matmul (the recompute) in backward.
+Memory: both paths work on `chunk_tokens` rows at a time in fp32, in two scratch buffers of
+chunk_tokens x V/TP that every chunk reuses, in forward and in backward. Backward recomputes each
+chunk from what forward saved (the caller's input tensors, plus log Z and the entropy per token),
+so no [tokens, V/TP] fp32 tensor is ever materialised. `vocab_parallel_logprobs` still returns a
+gradient the shape (and dtype) of its input logits. `vocab_parallel_logprobs_from_hidden` takes
+the output layer's input and weight instead and computes each chunk's logits itself (plus one
+chunk in the weight dtype when it is not fp32, and an fp32 weight-gradient accumulator), so no
+[tokens, V/TP] tensor exists at all, at the price of one more matmul (the recompute) in backward:
+four matmuls of tokens x H x V/TP instead of three.
 
 Both outputs are differentiable: the log-probs (the policy loss) and the entropy (an entropy
 bonus). Backward needs no communication except, on the hidden path, the TP all-reduce of the

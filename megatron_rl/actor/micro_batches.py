@@ -90,9 +90,12 @@ class MicroBatchPlan:
         return out  # type: ignore[return-value]
 
 
-def _check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
+def _check_budget(max_tokens: int) -> None:
     if max_tokens < 1:
         raise ValueError(f"max_tokens (train.max_tokens_per_micro_batch) must be >= 1, got {max_tokens}")
+
+
+def _check_lengths(lengths: Sequence[int]) -> None:
     for i, n in enumerate(lengths):
         if int(n) != n or n < 1:
             raise ValueError(f"lengths[{i}] = {n}: every sample needs a positive integer length")
@@ -127,7 +130,8 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batche
     With `num_micro_batches`, exactly that many: the largest micro-batches are halved until the
     count is reached; fewer samples than that, or a budget that needs more, raise ValueError.
     """
-    _check_lengths(lengths, max_tokens)
+    _check_budget(max_tokens)
+    _check_lengths(lengths)
     batches = _pack(lengths, max_tokens)
     if num_micro_batches is not None:
         if len(batches) > num_micro_batches:
@@ -144,8 +148,9 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batche
 
 def plans_with_equal_count(lengths_per_rank: Sequence[Sequence[int]], max_tokens: int) -> list[MicroBatchPlan]:
     """One plan per DP rank, all with the count of the rank that needs the most micro-batches."""
+    _check_budget(max_tokens)
     for r, lengths in enumerate(lengths_per_rank):
-        _check_lengths(lengths, max_tokens)
+        _check_lengths(lengths)
         if not lengths:
             raise ValueError(f"DP rank {r} has no samples")
     count = max(len(_pack(lengths, max_tokens)) for lengths in lengths_per_rank)
@@ -171,7 +176,7 @@ def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[in
     """Sample indices per DP rank with near-equal token totals (longest first to the lightest rank)."""
     if num_ranks < 1 or len(lengths) < num_ranks:
         raise ValueError(f"cannot split {len(lengths)} samples over {num_ranks} ranks (each needs at least one)")
-    _check_lengths(lengths, 1)
+    _check_lengths(lengths)
     load = [0] * num_ranks
     shares: list[list[int]] = [[] for _ in range(num_ranks)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
