@@ -23,13 +23,63 @@ from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import LogProbResult, compute_log_probs
 from megatron_rl.actor.optimizer import build_training_state
 from megatron_rl.actor.routing_replay import RoutingReplay, check_routing_values
-from megatron_rl.actor.train_step import train_on_batch
-from megatron_rl.config import Config
+from megatron_rl.actor.train_step import TokenLoss, train_on_batch
+from megatron_rl.config import Config, ConfigError, ModelConfig
 from megatron_rl.models.builder import build_model
+from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
 from megatron_rl.models.init import gather_full_params, init_deterministic
 from megatron_rl.parallel import ParallelContext, init_distributed
 
 Initializer = Callable[[list[torch.nn.Module]], None]
+
+# ModelConfig fields that a Hugging Face config.json determines (the rest are training choices).
+_HF_ARCHITECTURE_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "rope_theta",
+    "norm_epsilon",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "tie_word_embeddings",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_norm_topk",
+    "moe_layer_freq",
+    "first_k_dense_layers",
+)
+
+
+def _head_dim(model: ModelConfig) -> int:
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def hf_initializer(model: ModelConfig) -> Initializer:
+    """Loads this rank's shard of every weight from the HF folder `model.hf_path` (read lazily).
+
+    Raises ConfigError naming the `model.*` key whose value differs from the folder's config.json,
+    and ConversionError for a checkpoint whose tensors do not fit (name and both shapes)."""
+    folder = str(model.hf_path)
+    source = f"{folder}/config.json (model.hf_path)"
+    expected = model_config_from_hf(read_hf_config(folder), source=source)
+    pairs = [(name, getattr(model, name), getattr(expected, name)) for name in _HF_ARCHITECTURE_FIELDS]
+    pairs.append(("kv_channels", _head_dim(model), _head_dim(expected)))
+    if model.num_experts is None or model.first_k_dense_layers > 0:  # otherwise no layer has a dense MLP
+        pairs.append(("ffn_hidden_size", model.ffn_hidden_size, expected.ffn_hidden_size))
+    for name, have, want in pairs:
+        if have != want:
+            raise ConfigError(f"model.{name} = {have!r}, but {source} describes {want!r}")
+    checkpoint = open_hf_checkpoint(folder, model, source)
+
+    def load(chunks: list[torch.nn.Module]) -> None:
+        load_hf_weights(chunks, model, checkpoint)
+
+    return load
 
 
 class MegatronActor:
@@ -39,10 +89,13 @@ class MegatronActor:
         """Start (or join) the parallel layout of `cfg.parallel`, build and initialise the model.
 
         A layout that cannot run raises ConfigError naming the keys before any model exists.
-        `initializer(chunks)` sets the weights; default: layout-independent values from
-        `train.seed` (`models.init.init_deterministic`). `checkpoint.load`, when set, is loaded after.
+        `initializer(chunks)` sets the weights; default: the Hugging Face checkpoint `model.hf_path`
+        (converted in memory; its config.json must describe `model`), else layout-independent values
+        from `train.seed` (`models.init.init_deterministic`). `checkpoint.load`, when set, is loaded after.
         """
         self.cfg = cfg
+        if initializer is None and cfg.model.hf_path:
+            initializer = hf_initializer(cfg.model)  # checks config.json before any process group exists
         self.context: ParallelContext = init_distributed(cfg.parallel, cfg.model, seed=cfg.train.seed)
         moe = cfg.model.num_experts is not None
         overrides: dict[str, Any] = {}
@@ -104,10 +157,13 @@ class MegatronActor:
             routing_mode=mode,
         )
 
-    def train(self, batch: ActorBatch, *, replay_routing: bool | None = None) -> list[dict[str, float]]:
+    def train(
+        self, batch: ActorBatch, *, replay_routing: bool | None = None, loss: TokenLoss | None = None
+    ) -> list[dict[str, float]]:
         """`train.updates_per_step` optimizer steps on `batch`; metrics per step, the same on every rank.
 
-        `replay_routing`: None = `algorithm.routing_replay != 'none'`.
+        `replay_routing`: None = `algorithm.routing_replay != 'none'`. `loss`: None = the policy loss
+        of `algorithm` (see `train_step.train_on_batch`), else e.g. `megatron_rl.sft.cross_entropy_loss`.
         """
         replay = self._replay_default(replay_routing)
         self._validate(batch, replay)
@@ -123,6 +179,7 @@ class MegatronActor:
             token_norm=float(self.cfg.rollout.max_new_tokens),
             routing=self.routing,
             replay=replay,
+            loss=loss,
         )
 
     def save(self, path: str | os.PathLike) -> None:

@@ -3,7 +3,8 @@
 Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
 mini-batches; each gets one global normaliser (`megatron_rl.losses.global_normalizer` over its
 whole response mask), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
-and runs forward + backward (1F1B when PP > 1) with the policy loss, then one optimizer step with
+and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
+the SFT cross-entropy), then one optimizer step with
 gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics`, plus entropy_mean (per loss token), grad_norm (before
@@ -14,8 +15,7 @@ top-k expert set differs) and routing_changed_frac (all layers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,14 @@ from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.optimizer import TrainingState, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.config import AlgorithmConfig
-from megatron_rl.losses import finalize_metrics, global_normalizer, merge_metrics, metric_reduce_op, policy_loss
+from megatron_rl.losses import (
+    Normalizer,
+    finalize_metrics,
+    global_normalizer,
+    merge_metrics,
+    metric_reduce_op,
+    policy_loss,
+)
 from megatron_rl.losses.metrics import masked_sum
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -66,30 +73,40 @@ def reduce_metrics(local: dict[str, Tensor] | None, contribute: bool) -> dict[st
     return out
 
 
-def _loss_fn(
-    alg: AlgorithmConfig,
-    normalizer: Any,
-    scale: float,
-    temperature: float,
-    vocab_size: int,
-    chunk_tokens: int,
-    fields: Sequence[str],
-):
-    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        out = vocab_parallel_logprobs(
-            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
-        )
-        f = mb.fields
-        loss, metrics = policy_loss(
-            out.logprobs,
+# (log-probs [rows, max_len] at the target positions, response fields there, loss mask, global
+# normaliser) -> (loss to back-propagate, metric statistics reduced with `metric_reduce_op`, holding
+# "tokens"). The loss must be the micro-batch's share of the whole-batch loss (see `losses.aggregation`).
+TokenLoss = Callable[[Tensor, dict[str, Tensor], Tensor, Normalizer], tuple[Tensor, dict[str, Tensor]]]
+
+
+def policy_token_loss(alg: AlgorithmConfig) -> TokenLoss:
+    """The RL objective of `alg` (`losses.policy_loss`); needs old_log_probs and advantages."""
+
+    def loss(
+        logprobs: Tensor, f: dict[str, Tensor], mask: Tensor, normalizer: Normalizer
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return policy_loss(
+            logprobs,
             f["old_log_probs"],
             f["advantages"],
-            mb.target_mask,
+            mask,
             alg,
             rollout_log_probs=f.get("rollout_log_probs"),
             ref_log_probs=f.get("ref_log_probs"),
             normalizer=normalizer,
         )
+
+    return loss
+
+
+def _loss_fn(
+    token_loss: TokenLoss, normalizer: Normalizer, scale: float, temperature: float, vocab_size: int, chunk_tokens: int
+):
+    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        out = vocab_parallel_logprobs(
+            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
+        )
+        loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
         return loss * scale, metrics
 
@@ -126,15 +143,19 @@ def train_on_batch(
     token_norm: float,
     routing: RoutingReplay | None = None,
     replay: bool = False,
+    loss: TokenLoss | None = None,
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`; one metrics dict per step.
 
-    `batch` needs old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses
-    them); with `replay`, routed_experts (R2 recorded or R3 from the engine).
+    `loss`: None = the policy loss of `alg`, for which `batch` needs old_log_probs and advantages
+    (plus rollout/ref log-probs when the algorithm uses them); any other `TokenLoss` (e.g. the SFT
+    cross-entropy) gets the fields the batch has. With `replay`, routed_experts (R2 recorded or R3).
     """
-    for name in ("old_log_probs", "advantages"):
-        if getattr(batch, name) is None:
-            raise ValueError(f"train: ActorBatch.{name} is required")
+    if loss is None:
+        for name in ("old_log_probs", "advantages"):
+            if getattr(batch, name) is None:
+                raise ValueError(f"train: ActorBatch.{name} is required")
+        loss = policy_token_loss(alg)
     fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
     config = get_model_config(state.model[0])
     history = []
@@ -144,7 +165,7 @@ def train_on_batch(
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, max_tokens)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
-        loss_fn = _loss_fn(alg, normalizer, loss_scale(len(inputs)), temperature, vocab_size, chunk_tokens, fields)
+        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), temperature, vocab_size, chunk_tokens)
         for chunk in state.model:
             chunk.train()
             chunk.zero_grad_buffer()
