@@ -31,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 1024
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    sampling_seed: int | None = None  # the request's own random stream: same seed, same tokens
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (all tokens) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
+            raise ValueError(f"sampling_seed must be in [0, 2**63), got {self.sampling_seed}")
 
     @classmethod
     def from_config(cls, rollout: Any, **overrides: Any) -> SamplingParams:
@@ -64,6 +67,8 @@ class SamplingParams:
         }
         if self.stop_token_ids:
             params["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.sampling_seed is not None:
+            params["sampling_seed"] = int(self.sampling_seed)
         return params
 
 
@@ -150,9 +155,13 @@ class RolloutEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, return_routed_experts: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        return_routed_experts: bool = False,
     ) -> list[Sample]:
-        """Generate one response per prompt (repeat a prompt for a group), in prompt order."""
+        """Generate one response per prompt (repeat a prompt for a group), in prompt order; `params`
+        is shared or one per prompt (e.g. a `sampling_seed` each)."""
         return self.run(self.client.generate_batch(prompts, params, return_routed_experts=return_routed_experts))
 
     def close(self) -> None:

@@ -237,13 +237,18 @@ class SGLangClient:
     async def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         return_logprob: bool = True,
         return_routed_experts: bool = False,
     ) -> list[Sample]:
-        """One response per prompt, in prompt order; requests run concurrently within the bound."""
+        """One response per prompt, in prompt order; requests run concurrently within the bound.
+        `params`: shared, or one per prompt."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"generate_batch: {len(per_prompt)} sampling params for {len(prompts)} prompts")
         tasks = [
-            asyncio.ensure_future(self.generate(p, params, return_logprob, return_routed_experts)) for p in prompts
+            asyncio.ensure_future(self.generate(p, sp, return_logprob, return_routed_experts))
+            for p, sp in zip(prompts, per_prompt, strict=True)
         ]
         try:
             return list(await asyncio.gather(*tasks))

@@ -35,6 +35,7 @@ class GenRequest:
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    sampling_seed: int | None = None  # the request's own random stream (SGLang's sampling_seed)
     row: int = -1
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -43,6 +44,7 @@ class GenRequest:
     finish_reason: dict | None = None
     weight_versions: list[dict] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
+    rng: torch.Generator | None = field(default=None, repr=False)
 
     @property
     def cached_len(self) -> int:
@@ -235,7 +237,11 @@ class Generator:
         temp = torch.tensor([r.temperature for r in reqs], device=dev, dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in reqs], device=dev, dtype=torch.float32)
         top_k = torch.tensor([r.top_k for r in reqs], device=dev, dtype=torch.long)
-        tokens, logprobs = sample_tokens(logits, temp, top_p, top_k, self.rng)
+        generator: torch.Generator | list[torch.Generator] = self.rng
+        if any(r.sampling_seed is not None for r in reqs):
+            # seeded requests draw from their own streams: their tokens do not depend on the batch
+            generator = [self._request_rng(r) for r in reqs]
+        tokens, logprobs = sample_tokens(logits, temp, top_p, top_k, generator)
         finished = []
         for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
             req.output_ids.append(tok)
@@ -254,6 +260,14 @@ class Generator:
                 finished.append(req)
         self._retire(finished)
         return finished
+
+    def _request_rng(self, req: GenRequest) -> torch.Generator:
+        if req.sampling_seed is None:
+            return self.rng
+        if req.rng is None:
+            req.rng = torch.Generator(device=self.info.device)
+            req.rng.manual_seed(req.sampling_seed)
+        return req.rng
 
     def _retire(self, done: list[GenRequest]) -> None:
         """Remove finished rows, moving the last live row into each freed slot."""

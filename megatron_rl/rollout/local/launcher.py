@@ -12,6 +12,14 @@ import urllib.request
 from pathlib import Path
 
 
+def _die_with_parent() -> None:
+    """Linux: the engine gets SIGTERM when the thread that started it dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
 class LocalEngineProcess:
     """A running `megatron-rl serve` child; `stop()` ends it."""
 
@@ -62,7 +70,13 @@ def start_local_engine(
         cmd += ["--api-key", api_key]
     cmd += list(extra_args or [])
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -38,14 +38,21 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "ebnf": None,
     "structural_tag": None,
     "logit_bias": None,
-    "sampling_seed": None,
     "custom_params": None,
     "beam_width": None,
     "watermark": None,
     "choice": None,
 }
 _HARMLESS_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
-_SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+_SUPPORTED_SAMPLING = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+}
 SAMPLING_KEYS = set(_UNSUPPORTED_SAMPLING_DEFAULTS) | _HARMLESS_SAMPLING | _SUPPORTED_SAMPLING
 
 
@@ -129,6 +136,9 @@ def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
         raise FieldError(f"{w}top_k: must be -1 (all tokens) or >= 1, got {req.top_k}")
     if req.top_k >= info.vocab_size:
         req.top_k = -1
+    req.sampling_seed = get_field(raw, "sampling_seed", "int", None, where=w)
+    if req.sampling_seed is not None and not 0 <= req.sampling_seed < 2**63:
+        raise FieldError(f"{w}sampling_seed: must be in [0, 2**63), got {req.sampling_seed}")
     stops = set(get_field(raw, "stop_token_ids", "int_list", [], where=w))
     if not get_field(raw, "ignore_eos", "bool", False, where=w):
         stops |= set(info.eos_token_ids)

@@ -8,6 +8,8 @@ mass reaches p (a token is dropped when the mass before it already exceeds p), a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
@@ -18,11 +20,12 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` ([rows, vocab]); returns (token ids, their log-probs).
 
     `temperature`, `top_p` (float) and `top_k` (long) hold one value per row, on the logits' device.
+    `generator`: one for all rows, or one per row (a request's own seeded stream, `sampling_seed`).
     """
     logits = logits.float()
     greedy = temperature < GREEDY_EPS
@@ -33,6 +36,8 @@ def sample_tokens(
         tokens = torch.argmax(logits, dim=-1)
     else:
         rows = (~greedy).nonzero().squeeze(1)
+        if isinstance(generator, Sequence):
+            generator = [generator[i] for i in rows.tolist()]
         probs = logprobs[rows].exp()
         k, p = top_k[rows], top_p[rows]
         vocab = probs.shape[1]
@@ -54,13 +59,18 @@ def sample_tokens(
     return tokens, token_logprobs
 
 
-def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
     """One index per row drawn with probability proportional to `weights` ([rows, n] >= 0): [rows, 1].
 
     Inverse-transform sampling needs one uniform number per row, where `torch.multinomial` draws one
-    per vocabulary entry; a zero weight is never picked.
+    per vocabulary entry; a zero weight is never picked. A list of generators draws row i's number
+    from generator i.
     """
     cdf = weights.double().cumsum(dim=-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=torch.float64)
+    if isinstance(generator, Sequence):
+        draws = [torch.rand(1, generator=g, device=weights.device, dtype=torch.float64) for g in generator]
+        u = torch.cat(draws).view(-1, 1)
+    else:
+        u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=torch.float64)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return index.clamp_(max=weights.shape[1] - 1)
