@@ -11,6 +11,8 @@ COMMANDS: dict[str, str] = {
     "config": "megatron_rl.commands.config",
     "serve": "megatron_rl.rollout.local.server",
     "convert": "megatron_rl.commands.convert",
+    "train": "megatron_rl.commands.train",
+    "plot": "megatron_rl.commands.plot",
 }
 
 

@@ -1,0 +1,253 @@
+"""One step's training batch from the rollout engine: generate, reward, shape, filter, advantages.
+
+`RolloutCollector.collect(step)` runs on the rank that drives the engine (rank 0):
+
+1. take prompts from the sampler (`train.prompts_per_step`, times `algorithm.oversample_factor`
+   with dynamic sampling) and generate `rollout.n_samples_per_prompt` responses for each, every
+   request with its own `sampling_seed` derived from (train.seed, step, round, index), so the
+   responses do not depend on the engine's history (a resumed run samples what the uninterrupted
+   one did);
+2. reward them (`reward.*`; a failing reward function gives `reward.failure_reward` and is counted),
+   add DAPO's soft overlong penalty when enabled;
+3. with `algorithm.dynamic_sampling`, keep only groups whose rule rewards differ and go on
+   generating until `train.prompts_per_step` groups are kept or `algorithm.max_gen_rounds` rounds
+   ran; then the kept groups are used as they are and `groups/target_missed` is 1 (the warning);
+4. group advantages of the shaped rewards, and the `ActorBatch` (prompt + response tokens, engine
+   log-probs, routed experts for R3, the overlong-filter mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.algorithms import DynamicSamplingAccumulator, group_advantages, soft_overlong_penalty
+from megatron_rl.algorithms.dynamic_sampling import filter_groups
+from megatron_rl.config import Config, ConfigError
+from megatron_rl.data import Prompt
+from megatron_rl.rewards import RewardScorer, RewardStats
+from megatron_rl.rollout.engine import Sample, SamplingParams
+
+
+def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
+    """The rollout seed of request `index` of generation round `round_` of `step`: in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{base}/{step}/{round_}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def check_loop_config(cfg: Config) -> None:
+    """Settings the RL loop needs beyond `config.validate`; raises ConfigError naming the key."""
+    if not cfg.data.train_path:
+        raise ConfigError("data.train_path: megatron-rl train needs the training prompts (.jsonl or .parquet)")
+    if not cfg.model.hf_path and not cfg.checkpoint.load:
+        raise ConfigError("model.hf_path or checkpoint.load: megatron-rl train needs a policy to start from")
+    alg, ro = cfg.algorithm, cfg.rollout
+    if alg.soft_overlong_punishment and alg.overlong_buffer_len > ro.max_new_tokens:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) exceeds rollout.max_new_tokens "
+            f"({ro.max_new_tokens}): the soft overlong penalty zone must fit in the response length"
+        )
+    if alg.old_logprob_source == "rollout" and alg.is_correction != "none":
+        raise ConfigError(
+            "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
+            "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
+        )
+    if cfg.eval.every and not cfg.data.eval_path:
+        raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")
+    samples = cfg.train.prompts_per_step * ro.n_samples_per_prompt
+    if cfg.train.updates_per_step > samples:
+        raise ConfigError(
+            f"train.updates_per_step ({cfg.train.updates_per_step}) exceeds the samples of a step "
+            f"(train.prompts_per_step x rollout.n_samples_per_prompt = {samples})"
+        )
+
+
+@dataclass
+class Group:
+    """One prompt's responses: `scores` from the reward rule, `rewards` after overlong shaping."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    scores: list[float]
+    rewards: list[float]
+
+
+@dataclass
+class StepBatch:
+    """The batch to train on (None when no group was usable) and the rollout metrics of the step."""
+
+    batch: ActorBatch | None
+    metrics: dict[str, float]
+
+
+class RolloutCollector:
+    """Builds each step's batch from `engine` (anything with `generate(prompts, params, return_routed_experts)`)."""
+
+    def __init__(self, cfg: Config, engine: Any, tokenizer: Any, scorer: RewardScorer, sampler: Any) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.sampler = sampler
+
+    # ---- pieces ----
+    def generate(self, prompts: Sequence[Prompt], step: int, round_: int) -> list[list[Sample]]:
+        """`rollout.n_samples_per_prompt` seeded responses per prompt, grouped by prompt."""
+        ro = self.cfg.rollout
+        g = ro.n_samples_per_prompt
+        requests = [list(p.input_ids) for p in prompts for _ in range(g)]
+        params = [
+            SamplingParams.from_config(ro, sampling_seed=sampling_seed(self.cfg.train.seed, step, round_, i))
+            for i in range(len(requests))
+        ]
+        samples = self.engine.generate(requests, params, return_routed_experts=ro.return_routed_experts)
+        for i, sample in enumerate(samples):
+            if sample.logprobs is None or len(sample.logprobs) != len(sample.output_ids):
+                raise RuntimeError(f"rollout engine: request {i} of step {step} returned no log-prob per output token")
+        return [samples[k * g : (k + 1) * g] for k in range(len(prompts))]
+
+    def score(self, prompts: Sequence[Prompt], grouped: Sequence[Sequence[Sample]]) -> tuple[list[Group], RewardStats]:
+        """Rule rewards and shaped rewards of every group."""
+        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        flat = [s for group in grouped for s in group]
+        texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
+        answers = [p.answer for p, group in zip(prompts, grouped, strict=True) for _ in group]
+        result = self.scorer.score(texts, answers)
+        shaped = torch.tensor(result.rewards, dtype=torch.float32)
+        if alg.soft_overlong_punishment:
+            lengths = torch.tensor([len(s.output_ids) for s in flat])
+            penalty = soft_overlong_penalty(
+                lengths, ro.max_new_tokens, alg.overlong_buffer_len, alg.overlong_penalty_factor
+            )
+            shaped = shaped + penalty
+        groups, start = [], 0
+        for prompt, group in zip(prompts, grouped, strict=True):
+            end = start + len(group)
+            groups.append(Group(prompt, list(group), result.rewards[start:end], shaped[start:end].tolist()))
+            start = end
+        return groups, result.stats
+
+    def to_batch(self, groups: Sequence[Group]) -> ActorBatch:
+        """The actor batch of `groups`: group advantages of the shaped rewards on every response token."""
+        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        advantages = group_advantages(rewards, ro.n_samples_per_prompt, norm_std=alg.adv_norm_std, eps=alg.adv_eps)
+        samples = [s for g in groups for s in g.samples]
+        tokens = [torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in samples]
+        mask = None
+        if alg.overlong_filter:
+            mask = [torch.full((len(s.output_ids),), not s.truncated, dtype=torch.bool) for s in samples]
+        routed = None
+        if ro.return_routed_experts:
+            missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
+            if missing:
+                raise RuntimeError(
+                    f"rollout.return_routed_experts: the engine returned no routed experts for {len(missing)} "
+                    f"responses (first: {missing[0]}); does the server run with --enable-return-routed-experts?"
+                )
+            routed = [torch.tensor(s.routed_experts, dtype=torch.int32) for s in samples]
+        return ActorBatch(
+            tokens=tokens,
+            prompt_lengths=[len(s.prompt_ids) for s in samples],
+            response_mask=mask,
+            advantages=list(advantages.unbind(0)),
+            rollout_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+            routed_experts=routed,
+        )
+
+    # ---- one step ----
+    def collect(self, step: int) -> StepBatch:
+        """Generate, reward and filter until the step's batch is complete (see the module doc)."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        g, target = cfg.rollout.n_samples_per_prompt, cfg.train.prompts_per_step
+        dynamic = alg.dynamic_sampling
+        per_round = math.ceil(target * alg.oversample_factor) if dynamic else target
+        acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds) if dynamic else None
+        stats, generated = RewardStats(), []
+        seconds = {"generate": 0.0, "reward": 0.0}
+        informative, rounds = 0, 0
+        used: list[Group] = []
+        while True:
+            prompts = self.sampler.next(per_round)
+            began = time.perf_counter()
+            grouped = self.generate(prompts, step, rounds)
+            scored = time.perf_counter()
+            groups, round_stats = self.score(prompts, grouped)
+            seconds["generate"] += scored - began
+            seconds["reward"] += time.perf_counter() - scored
+            rounds += 1
+            stats = stats.merge(round_stats)
+            generated += [s for group in grouped for s in group]
+            scores = torch.tensor([r for grp in groups for r in grp.scores], dtype=torch.float32)
+            if acc is None:
+                informative, used = filter_groups(scores, g).kept, groups
+                break
+            informative += acc.add(scores, groups).kept
+            if acc.done:
+                break
+        if acc is not None:
+            result = acc.result()
+            used = result.groups
+            group_metrics = {f"groups/{k}": v for k, v in result.metrics.items()}
+        else:
+            group_metrics = {
+                "groups/rounds": float(rounds),
+                "groups/groups_generated": float(len(used)),
+                "groups/groups_used": float(len(used)),
+                "groups/target_missed": 0.0,
+            }
+        group_metrics["groups/informative"] = float(informative)
+        group_metrics["groups/filtered"] = group_metrics["groups/groups_generated"] - informative
+        metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(generated)}
+        metrics["time/generate"] = seconds["generate"]
+        metrics["time/reward"] = seconds["reward"]
+        tokens = metrics["response/tokens"]
+        metrics["throughput/generate_tokens_per_s"] = tokens / seconds["generate"] if seconds["generate"] else 0.0
+        if not used:
+            return StepBatch(None, metrics)
+        batch = self.to_batch(used)
+        metrics["reward/train_mean"] = sum(r for grp in used for r in grp.rewards) / (len(used) * g)
+        return StepBatch(batch, metrics)
+
+    def _response_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
+        lengths = [len(s.output_ids) for s in samples]
+        n = max(len(samples), 1)
+        return {
+            "response/length_mean": sum(lengths) / n,
+            "response/length_max": float(max(lengths, default=0)),
+            "response/clipped_frac": sum(s.truncated for s in samples) / n,
+            "response/aborted": float(sum(s.aborted for s in samples)),
+            "response/tokens": float(sum(lengths)),
+        }
+
+
+def evaluate(
+    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+) -> dict[str, float]:
+    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling."""
+    temperature = cfg.eval.temperature
+    params = [
+        SamplingParams.from_config(
+            cfg.rollout,
+            temperature=temperature,
+            sampling_seed=sampling_seed(cfg.train.seed, step, "eval", i) if temperature > 0 else None,
+        )
+        for i in range(len(prompts))
+    ]
+    samples = engine.generate([list(p.input_ids) for p in prompts], params)
+    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+    result = scorer.score(texts, [p.answer for p in prompts])
+    name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
+    return {
+        name: result.stats.correct / len(prompts),
+        "eval/reward_mean": result.stats.reward_sum / len(prompts),
+        "eval/length_mean": sum(len(s.output_ids) for s in samples) / len(prompts),
+        "eval/prompts": float(len(prompts)),
+    }

@@ -1,0 +1,160 @@
+"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events when installed, and a console progress bar.
+
+One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Sections: `reward/`,
+`response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
+`weight_sync/`, and the machine-dependent `time/` (seconds per stage) and `throughput/`
+(tokens per second); `TIMING_PREFIXES` names the latter two (what a reproducibility check leaves out).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.losses import metric_reduce_op
+
+METRICS_FILE = "metrics.jsonl"
+TIMING_PREFIXES = ("time/", "throughput/")
+_BAR_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "eval/greedy_accuracy": "eval"}
+
+
+def summarize_updates(history: Sequence[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:
+    """One step's record of its optimizer updates: `_max` keys by max, `_min` by min, `lr` the last,
+    the rest the mean over updates; `approx_kl_mean` (KL(old || new)) also of the first update alone,
+    which sees the old policy itself (0 when old log-probs are recomputed exactly)."""
+    if not history:
+        raise ValueError("summarize_updates: no updates")
+    out: dict[str, float] = {}
+    for key in history[0]:
+        values = [h[key] for h in history if key in h]
+        op = metric_reduce_op(key)
+        if op == "max":
+            value = max(values)
+        elif op == "min":
+            value = min(values)
+        elif key == "lr":
+            value = values[-1]
+        else:
+            value = sum(values) / len(values)
+        out[prefix + key] = float(value)
+    if "approx_kl_mean" in history[0]:
+        out[prefix + "approx_kl_mean_first_update"] = float(history[0]["approx_kl_mean"])
+    out[prefix + "updates"] = float(len(history))
+    return out
+
+
+def _json_value(value: Any) -> Any:
+    """Floats as JSON accepts them: NaN and infinities as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl, in file order (NaN/inf strings back as floats)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run folder?)")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from None
+        records.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in record.items()})
+    return records
+
+
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """Drop the records of steps after `last_step` (written before a run was killed); returns how many."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    return len(lines) - len(kept)
+
+
+class MetricsLogger:
+    """Writes step records on the logging rank (others get a disabled logger that does nothing)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        append: bool = False,
+    ) -> None:
+        self.enabled = enabled
+        self.file = None
+        self.writer: Any = None
+        self.bar: Any = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (run_dir / METRICS_FILE).open("a" if append else "w", encoding="utf-8")
+        if tensorboard and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if append else None)
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="rl", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
+
+    def log(self, record: dict[str, Any], *, advance: bool = True) -> None:
+        """Append one record (it must hold "step"); `advance` moves the progress bar by one step."""
+        if not self.enabled:
+            return
+        step = int(record["step"])
+        assert self.file is not None
+        self.file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        if self.bar is not None:
+            shown = {name: f"{record[key]:.3f}" for key, name in _BAR_KEYS.items() if key in record}
+            if shown:
+                self.bar.set_postfix(shown, refresh=False)
+            if advance:
+                self.bar.update(1)
+            else:
+                self.bar.refresh()
+
+    def message(self, text: str) -> None:
+        """A console line that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
