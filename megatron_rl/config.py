@@ -169,7 +169,7 @@ class TrainConfig:
     updates_per_step: int = _f(1, "mini-batches (optimizer steps) per RL step", ge=1)
     max_tokens_per_micro_batch: int = _f(8192, "token budget of one micro-batch (prompt + response, padded)", ge=1)
     logprob_chunk_tokens: int = _f(512, "tokens per chunk of the vocab-parallel log-prob/entropy path", ge=1)
-    lr: float = _f(1e-6, "peak learning rate", gt=0)
+    lr: float = _f(1e-6, "peak learning rate (0 = a frozen policy, for diagnostics)", ge=0)
     min_lr: float = _f(0.0, "final learning rate of the decay", ge=0)
     lr_warmup_steps: int = _f(0, "linear warm-up in optimizer steps", ge=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule after warm-up")

@@ -60,7 +60,7 @@ def test_override_can_switch_preset_of_yaml(tmp_path):
         (["algorithm.clip_eps_low=1.0"], r"algorithm\.clip_eps_low .*allowed: float >= 0, < 1"),
         (["algorithm.colour=1"], r"algorithm\.colour: .*allowed: keys of algorithm are \[.*'clip_eps_high'"),
         (["trian.lr=1"], r"trian: .*allowed: keys of the root are \[.*'train'"),
-        (["train.lr=fast"], r"train\.lr: .*'fast'.*allowed: float > 0"),
+        (["train.lr=fast"], r"train\.lr: .*'fast'.*allowed: float >= 0"),
         (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: .*allowed: \['token-mean'"),
         (["algorithm.name=ppo"], r"algorithm\.name: unknown objective 'ppo'; allowed: \['dapo', 'grpo'"),
         (
