@@ -2,7 +2,7 @@
 
 One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Sections: `reward/`,
 `response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
-`weight_sync/`, and the machine-dependent `time/` (seconds per stage) and `throughput/`
+`weight_sync/`, `sft/` (the SFT stage's loss metrics), and the machine-dependent `time/` (seconds per stage) and `throughput/`
 (tokens per second); `TIMING_PREFIXES` names the latter two (what a reproducibility check leaves out).
 """
 
@@ -20,7 +20,7 @@ from megatron_rl.losses import metric_reduce_op
 
 METRICS_FILE = "metrics.jsonl"
 TIMING_PREFIXES = ("time/", "throughput/")
-_BAR_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "eval/greedy_accuracy": "eval"}
+_BAR_KEYS = {"reward/mean": "reward", "reward/accuracy": "acc", "eval/greedy_accuracy": "eval", "sft/loss": "loss"}
 
 
 def summarize_updates(history: Sequence[dict[str, float]], prefix: str = "actor/") -> dict[str, float]:
@@ -96,6 +96,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: bool = True,
         append: bool = False,
+        desc: str = "rl",
     ) -> None:
         self.enabled = enabled
         self.file = None
@@ -114,7 +115,7 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total_steps, initial=start_step, desc="rl", unit="step", file=sys.stderr, dynamic_ncols=True
+                total=total_steps, initial=start_step, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True
             )
 
     def log(self, record: dict[str, Any], *, advance: bool = True) -> None:
