@@ -1,0 +1,187 @@
+"""What every weight-sync mode shares: the report, the error, and the collective frame of `sync`.
+
+`sync(version)` is collective: every trainer rank calls it. Global rank 0 (the *controller*,
+which is also the export sender of pipeline stage 0) is the only rank that talks to the engine.
+An engine error does not stop the transfer midway, because every rank must still run the
+exporter's collectives to the end. The error is remembered, later engine calls are skipped,
+and at the end rank 0 shares the outcome. So every rank returns the same `SyncReport` or raises
+the same `WeightSyncError`.
+
+Colocated runs can hand the engine's memory back between rollout and training with
+`release_engine_memory()`. The next `sync` then resumes the weights before writing them and
+everything else afterwards (SGLang's order: weights, update, KV cache).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch.distributed as dist
+
+from megatron_rl.rollout.sglang import SGLangError
+
+if TYPE_CHECKING:
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.config import Config
+    from megatron_rl.rollout.engine import RolloutEngine
+
+log = logging.getLogger("megatron_rl.weight_sync")
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+ENGINE_ERRORS = (SGLangError, TimeoutError, concurrent.futures.TimeoutError)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One finished sync: weight bytes moved, wall-clock seconds on rank 0 (export included), and
+    the version the engine now reports."""
+
+    mode: str
+    bytes: int
+    seconds: float
+    weight_version: str
+
+
+class WeightSyncError(RuntimeError):
+    """A sync the engine did not complete; raised on every rank with the same message."""
+
+
+def shared_outcome(value: Any) -> Any:
+    """Rank 0's `value`, on every rank (collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class WeightSync(ABC):
+    """Pushes the actor's current weights to the rollout engine; see the module docstring."""
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: RolloutEngine | None,
+        actor: MegatronActor,
+        *,
+        bucket_mb: float | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("weight sync needs torch.distributed running (build the MegatronActor first)")
+        self.cfg = cfg
+        self.model = cfg.model
+        self.chunks = actor.chunks
+        self.bucket_mb = float(cfg.rollout.bucket_mb if bucket_mb is None else bucket_mb)
+        if not self.bucket_mb > 0:
+            raise ValueError(f"weight sync bucket_mb must be > 0, got {self.bucket_mb}")
+        self.timeout_s = float(cfg.rollout.request_timeout_s)
+        self.is_controller = dist.get_rank() == 0
+        if self.is_controller and engine is None:
+            raise ValueError(
+                "make_weight_sync: global rank 0 talks to the engine and needs its RolloutEngine (got None)"
+            )
+        self.engine = engine if self.is_controller else None
+        self._released: list[str] = []
+        self._error: str | None = None
+        self._version = ""
+
+    @property
+    def client(self) -> Any:
+        """The engine's `SGLangClient` (rank 0 only)."""
+        assert self.engine is not None, "only global rank 0 talks to the engine"
+        return self.engine.client
+
+    # ---- the collective frame ----
+
+    def sync(self, version: int | str) -> SyncReport:
+        """Send the current weights; the engine serves them as `str(version)` afterwards. Collective."""
+        version = str(version)
+        if not version:
+            raise ValueError("weight sync: the version must not be empty")
+        started = time.perf_counter()
+        self._error, self._version = None, version
+        if self.is_controller:
+            self._prepare_engine()
+        nbytes = self._transfer(version)
+        if self.is_controller:
+            self._restore_engine()
+            if self._error is None:
+                self._check_version(version)
+        error, nbytes, seconds = shared_outcome((self._error, int(nbytes), time.perf_counter() - started))
+        if error is not None:
+            raise WeightSyncError(error)
+        if self.is_controller:
+            log.info("weight sync (%s): %.1f MB in %.3f s, version %s", self.mode, nbytes / 1e6, seconds, version)
+        return SyncReport(self.mode, nbytes, seconds, version)
+
+    @abstractmethod
+    def _transfer(self, version: str) -> int:
+        """Move the weights (every rank takes part; rank 0 talks to the engine and skips that once
+        `self._error` is set); returns the weight bytes sent (rank 0)."""
+
+    def _prepare_engine(self) -> None:
+        """Rank 0, before the transfer: bring back released weights (they are about to be written)."""
+        if "weights" in self._released:
+            self._resume(["weights"])
+
+    def _restore_engine(self) -> None:
+        """Rank 0, after the transfer: bring back the rest of the released memory (KV cache, graphs)."""
+        if self._error is None and self._released:
+            self._resume(list(self._released))
+
+    def close(self) -> None:  # noqa: B027 - most modes hold nothing
+        """Release what the mode holds (groups, buffers); call on every rank."""
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- engine calls (rank 0) ----
+
+    def _fail(self, message: str) -> None:
+        if self._error is None:
+            self._error = f"weight sync ({self.mode}) to version {self._version!r} failed: {message}"
+            log.error("%s", self._error)
+
+    def _call(self, coro: Coroutine[Any, Any, Any], what: str) -> Any:
+        """Run a client call; on an engine error record it (see `_fail`) and return None."""
+        try:
+            return self.engine.run(coro, timeout=self.timeout_s)
+        except ENGINE_ERRORS as err:
+            self._fail(f"{what}: {err}")
+            return None
+
+    def _check_version(self, version: str) -> None:
+        info = self._call(self.client.get_model_info(), "GET /get_model_info")
+        reported = info.get("weight_version") if isinstance(info, dict) else None
+        if reported is not None and str(reported) != version:
+            self._fail(f"the engine reports weight_version {reported!r} after the update, expected {version!r}")
+
+    # ---- colocated memory ----
+
+    def release_engine_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the engine's memory (default: weights, KV cache, CUDA graphs) between rollout and
+        training; the next `sync` resumes it. Call on every rank (rank 0 acts); requests must be done."""
+        tags = list(MEMORY_TAGS if tags is None else tags)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"release_engine_memory: unknown tags {bad}; allowed {list(MEMORY_TAGS)}")
+        if not self.is_controller:
+            return
+        new = [t for t in tags if t not in self._released]
+        if new:
+            self.engine.run(self.client.release_memory_occupation(new), timeout=self.timeout_s)
+            self._released += new
+
+    def _resume(self, tags: list[str]) -> None:
+        self._call(self.client.resume_memory_occupation(tags), f"resume_memory_occupation {tags}")
+        if self._error is None:
+            self._released = [t for t in self._released if t not in tags]

@@ -1,0 +1,176 @@
+"""`rollout.weight_sync = distributed`: broadcast buckets over a process group joined by the engines.
+
+The group is built once, when the sync is made, the way SGLang builds its side
+(`transport.init_weights_update_group`). Global rank 0 is rank 0 of the group, and engine
+server i holds ranks 1 + i * rollout.engine_gpus onwards. The backend is nccl when the model is
+on a GPU and gloo otherwise. For every bucket, rank 0 first posts `/update_weights_from_distributed`
+(names, dtypes, shapes) asynchronously, then broadcasts. A bucket of one dtype goes as one
+flattened uint8 buffer; otherwise it goes tensor by tensor. With PP > 1 the other stages'
+buckets reach rank 0 first (`buckets.rank0_buckets`). The new version and the cache flush go
+with the last bucket only.
+
+If the engine refuses a bucket after receiving it, the group is still in step and is kept. If
+the broadcast itself fails, the group is abandoned (its peer may be stuck mid-broadcast, so it
+is not destroyed) and a new one is built at the next sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+from megatron_rl.rollout import transport
+from megatron_rl.rollout.sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
+from megatron_rl.rollout.sync.buckets import (
+    Bucket,
+    broadcasts_flat,
+    params_device,
+    rank0_buckets,
+    stage_senders,
+    with_last,
+)
+
+log = logging.getLogger("megatron_rl.weight_sync")
+
+
+def reachable_address(url: str) -> str:
+    """This machine's address on the route to the server at `url` (what the server can connect back to)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)  # UDP: picks the route, sends nothing
+        return sock.getsockname()[0]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> Future:
+    """Run `fn(*args)` on a daemon thread (a rendezvous that never completes must not block exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="weight-update-group", daemon=True).start()
+    return future
+
+
+class DistributedSync(WeightSync):
+    mode = "distributed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.senders = stage_senders()
+        self.backend = "nccl" if params_device(self.chunks).type == "cuda" else "gloo"
+        self.engine_ranks = int(self.cfg.rollout.engine_gpus)
+        self._group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._groups_made = 0
+        self._abandoned: list[dist.ProcessGroup] = []
+        problem = self._connect() if self.is_controller else None
+        problem = shared_outcome(problem)
+        if problem is not None:
+            raise WeightSyncError(problem)
+
+    def _connect(self) -> str | None:
+        """Rank 0: build the weight-update group with every engine; an error message or None."""
+        urls = self.client.urls
+        world_size = 1 + len(urls) * self.engine_ranks
+        self._groups_made += 1
+        name = f"megatron-rl-{os.getpid()}-{self._groups_made}"
+        try:
+            address, port = reachable_address(urls[0]), free_port()
+        except OSError as err:
+            return f"cannot find this machine's address towards {urls[0]}: {err}"
+        joining = self.engine.submit(
+            self.client.init_weights_update_group(
+                address, port, world_size, name, self.backend, ranks_per_server=self.engine_ranks
+            )
+        )
+        ours = _in_daemon_thread(
+            transport.init_weights_update_group, address, port, 0, world_size, name, self.backend, self.timeout_s
+        )
+        done, _ = wait([joining, ours], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        for future, side in ((joining, "the engine"), (ours, "the trainer")):
+            if future in done and future.exception() is not None:
+                return f"{side} could not join weight-update group {name!r} at {address}:{port}: {future.exception()}"
+        if len(done) < 2:
+            return f"weight-update group {name!r} at {address}:{port} not formed within {self.timeout_s:.0f} s"
+        self._group, self._group_name = ours.result(), name
+        log.info("weight-update group %r: %d ranks (%s) at %s:%d", name, world_size, self.backend, address, port)
+        return None
+
+    def _transfer(self, version: str) -> int:
+        if self.is_controller and self._group is None and self._error is None:
+            problem = self._connect()
+            if problem is not None:
+                self._fail(problem)
+        total = 0
+        for bucket, last in with_last(rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)):
+            if self._error is None:
+                total += self._send(bucket, version if last else None)
+        return total
+
+    def _send(self, bucket: Bucket, version: str | None) -> int:
+        names, dtypes, shapes = transport.tensor_specs(bucket)
+        flattened = broadcasts_flat(bucket)
+        reply = self.engine.submit(
+            self.client.update_weights_from_distributed(
+                names,
+                dtypes,
+                shapes,
+                group_name=self._group_name,
+                weight_version=version,
+                flattened_bucket=flattened,
+                flush_cache=version is not None,
+            )
+        )
+        what = f"bucket of {len(bucket)} tensors from {names[0]!r}"
+        try:
+            sent = transport.broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
+        except (RuntimeError, TimeoutError) as err:
+            self._fail(f"broadcast of the {what}: {err}")
+            self._abandon_group()
+            return 0
+        try:
+            reply.result(timeout=self.timeout_s)
+        except ENGINE_ERRORS as err:
+            self._fail(f"POST /update_weights_from_distributed ({what}): {err}")
+            return 0
+        return sent
+
+    def _abandon_group(self) -> None:
+        """Forget a group that is out of step (kept referenced: destroying it could wait on the stuck peer)."""
+        if self._group is None:
+            return
+        self._abandoned.append(self._group)
+        self._group = None
+        try:
+            self.engine.run(self.client.destroy_weights_update_group(self._group_name), timeout=30)
+        except ENGINE_ERRORS as err:
+            log.warning("could not destroy weight-update group %r on the engine: %s", self._group_name, err)
+
+    def close(self) -> None:
+        if not self.is_controller or self._group is None:
+            return
+        group, self._group = self._group, None
+        try:
+            self.engine.run(self.client.destroy_weights_update_group(self._group_name), timeout=30)
+        except ENGINE_ERRORS as err:
+            log.warning("could not destroy weight-update group %r on the engine: %s", self._group_name, err)
+        transport.destroy_weights_update_group(group)

@@ -1,0 +1,52 @@
+"""Weight sync: the actor's Megatron weights -> Hugging Face names -> the rollout engine.
+
+    sync = make_weight_sync(cfg, engine, actor)    # every trainer rank (collective)
+    report = sync.sync(step)                        # every rank; the engine then serves version str(step)
+    sync.release_engine_memory()                    # colocated, optional: after rollout, before training
+    sync.close()                                    # every rank
+
+`engine` is the `RolloutEngine` on global rank 0, the only rank that talks to the engine. Other
+ranks may pass None. Modes (`rollout.weight_sync`):
+
+- `disk`: each stage's sender writes safetensors into `rollout.sync_dir` (default
+  `logging.run_dir/weights`) / v-<version>, then `/update_weights_from_disk` (`sync.disk`).
+- `distributed`: buckets broadcast over a group of rank 0 and every engine rank, built once (gloo
+  on CPU, nccl on GPU; `sync.distributed`).
+- `tensor`: colocated; buckets by shared-memory / CUDA-IPC handle through
+  `/update_weights_from_tensor`, with generation paused (`sync.tensor`).
+
+With PP > 1, disk mode writes from every stage. The other two modes first gather each stage's
+buckets on rank 0, point to point (`sync.buckets`). Every rank gets the same `SyncReport`, or the
+same `WeightSyncError`, and a refused update names the tensor. The engine validates each request
+whole. So a refused disk update, or a refused first bucket, leaves the old weights serving. After
+a later bucket is refused, the earlier buckets are already loaded. The version stays the old one,
+because it only goes with the last bucket.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_rl.rollout.sync.base import SyncReport, WeightSync, WeightSyncError
+from megatron_rl.rollout.sync.disk import DiskSync
+from megatron_rl.rollout.sync.distributed import DistributedSync
+from megatron_rl.rollout.sync.tensor import TensorSync
+
+if TYPE_CHECKING:
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.config import Config
+    from megatron_rl.rollout.engine import RolloutEngine
+
+MODES: dict[str, type[WeightSync]] = {"disk": DiskSync, "distributed": DistributedSync, "tensor": TensorSync}
+
+__all__ = ["MODES", "SyncReport", "WeightSync", "WeightSyncError", "make_weight_sync"]
+
+
+def make_weight_sync(
+    cfg: Config, engine: RolloutEngine | None, actor: MegatronActor, *, bucket_mb: float | None = None
+) -> WeightSync:
+    """The sync of `cfg.rollout.weight_sync` (collective); `bucket_mb` overrides `rollout.bucket_mb`."""
+    mode = cfg.rollout.weight_sync
+    if mode not in MODES:
+        raise ValueError(f"rollout.weight_sync = {mode!r}; allowed: {sorted(MODES)}")
+    return MODES[mode](cfg, engine, actor, bucket_mb=bucket_mb)

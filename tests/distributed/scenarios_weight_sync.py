@@ -1,0 +1,468 @@
+"""Scenarios for tests/test_weight_sync.py (run by launcher.py, one process per rank).
+
+One local engine (started by the pytest module, address in $MRL_SYNC_ENGINE) serves the tiny MoE
+policy in $MRL_SYNC_MODEL for every launch. Each scenario builds a Megatron actor from that HF
+folder (the import path), and global rank 0 holds the RolloutEngine. Then, for each sync mode:
+one optimizer step on the engine's own rollouts (the weights move: the actor's log-probs of
+those tokens change by far more than the tolerance), a sync, fresh rollouts, and THE INVARIANT:
+
+- the engine's log-probs of its sampled tokens equal the actor's (fp32, max abs diff <= 1e-4);
+- the actor's free routing picks the engine's experts on every token that is not a near-tie
+  (router top-k margin > 1e-4), and near-ties are rare;
+- with R3 replay of the engine's routed experts, every router dispatches every token to exactly
+  the engine's experts, and the log-probs again equal the engine's.
+
+Buckets are small (50 KiB), so every sync sends many buckets, and the reports must give the exact
+weight bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import Config, ParallelConfig, RolloutConfig, TrainConfig, validate
+
+MODEL_ENV = "MRL_SYNC_MODEL"
+ENGINE_ENV = "MRL_SYNC_ENGINE"
+TEMPERATURE = 0.8
+NEW_TOKENS = 10
+LOGPROB_TOL = 1e-4
+TIE = 1e-4  # router logits: top-k margin below this is a near-tie (engine/actor rounding may flip it)
+BUCKET_MB = 0.05
+PROMPT_LENGTHS = (3, 9, 5, 12, 7, 4)
+
+
+# --- set-up --------------------------------------------------------------------------------
+
+
+def layout(tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelConfig:
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+
+
+def policy_config(ctx, parallel: ParallelConfig, mode: str = "disk") -> Config:  # noqa: ANN001
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+    folder = os.environ[MODEL_ENV]
+    cfg = Config(
+        model=model_config_from_hf(read_hf_config(folder), hf_path=folder),
+        parallel=parallel,
+        rollout=RolloutConfig(
+            engine="sglang",
+            sglang_urls=[os.environ[ENGINE_ENV]],
+            temperature=TEMPERATURE,
+            max_new_tokens=NEW_TOKENS,
+            return_routed_experts=True,
+            request_timeout_s=120.0,
+            max_retries=1,
+            sync_dir=str(ctx.shared_dir / "weights"),
+        ),
+        train=TrainConfig(steps=10, lr=3e-3, max_tokens_per_micro_batch=48, logprob_chunk_tokens=32, seed=5),
+    )
+    validate(cfg)
+    return with_mode(cfg, mode)
+
+
+def with_mode(cfg: Config, mode: str) -> Config:
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, weight_sync=mode, colocate=mode == "tensor")
+    )
+
+
+def build_actor(cfg: Config):  # noqa: ANN201 - MegatronActor
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
+
+    folder = cfg.model.hf_path
+    return MegatronActor(
+        cfg, initializer=lambda chunks: load_hf_weights(chunks, cfg.model, open_hf_checkpoint(folder, cfg.model))
+    )
+
+
+def connect(cfg: Config):  # noqa: ANN201 - RolloutEngine on rank 0, None elsewhere
+    from megatron_rl.rollout.engine import RolloutEngine
+
+    return RolloutEngine.from_config(cfg.rollout, cfg.model.hf_path) if dist.get_rank() == 0 else None
+
+
+def weight_bytes(cfg: Config) -> int:
+    from megatron_rl.models.hf_mapping import HFMapping
+
+    return sum(int(torch.Size(shape).numel()) * 4 for shape in HFMapping(cfg.model).expected_hf_shapes().values())
+
+
+def on_every_rank(value: object) -> object:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rollout(engine, cfg: Config, seed: int, greedy: bool = False) -> list[dict]:  # noqa: ANN001
+    """Rank 0 samples one response per prompt (routed experts included); every rank gets them."""
+    from megatron_rl.rollout.engine import SamplingParams
+
+    samples = None
+    if engine is not None:
+        gen = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, cfg.model.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+        if greedy:
+            params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        else:
+            params = SamplingParams.from_config(cfg.rollout, ignore_eos=True)
+        got = engine.generate(prompts, params, return_routed_experts=not greedy)
+        samples = [
+            dict(
+                prompt=s.prompt_ids,
+                output=s.output_ids,
+                logprobs=s.logprobs,
+                routed=None if s.routed_experts is None else torch.from_numpy(s.routed_experts.copy()),
+                version=s.weight_version,
+            )
+            for s in got
+        ]
+    return on_every_rank(samples)
+
+
+def as_batch(samples: list[dict]):  # noqa: ANN201 - ActorBatch
+    from megatron_rl.actor.batch import ActorBatch
+
+    return ActorBatch(
+        tokens=[torch.tensor(s["prompt"] + s["output"]) for s in samples],
+        prompt_lengths=[len(s["prompt"]) for s in samples],
+        routed_experts=[s["routed"] for s in samples] if samples[0]["routed"] is not None else None,
+    )
+
+
+def engine_log_probs(samples: list[dict]) -> list[torch.Tensor]:
+    return [torch.tensor(s["logprobs"], dtype=torch.float32) for s in samples]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b], ([x.shape for x in a], [y.shape for y in b])
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def train_step(actor, samples: list[dict]) -> None:  # noqa: ANN001
+    """One optimizer step on the engine's rollouts (its log-probs as the old ones, advantages +-1),
+    then check that the weights moved: the actor's log-probs of those tokens are far from the engine's."""
+    batch = as_batch(samples).with_fields(routed_experts=None)
+    advantages = [torch.tensor(1.0 if i % 2 else -1.0) for i in range(len(samples))]
+    history = actor.train(batch.with_fields(old_log_probs=engine_log_probs(samples), advantages=advantages))
+    assert len(history) == 1, history
+    moved = max_diff(actor.compute_log_probs(batch).log_probs, engine_log_probs(samples))
+    assert moved > 100 * LOGPROB_TOL, f"one optimizer step moved the log-probs by only {moved:.2e}"
+
+
+# --- routing probe -------------------------------------------------------------------------
+
+
+class RouterProbe:
+    """Hooks on every router of this rank: per forward, the top-k margin of the router logits
+    (k-th minus (k+1)-th largest) and the experts each token was dispatched to; `take` maps them
+    to SGLang's layout [n - 1, num_layers] / [n - 1, num_layers, top_k] on every rank."""
+
+    def __init__(self, actor) -> None:  # noqa: ANN001
+        self.actor = actor
+        cfg = actor.chunks[0].config
+        self.top_k, self.num_experts = int(cfg.moe_router_topk), int(cfg.num_moe_experts)
+        self.margins: dict[int, list[torch.Tensor]] = {layer: [] for layer in actor.routing.layers}
+        self.experts: dict[int, list[torch.Tensor]] = {layer: [] for layer in actor.routing.layers}
+        self.handles = []
+        for layer, router in actor.routing.routers:
+            self.handles.append(router.register_forward_pre_hook(self._pre(layer)))
+            self.handles.append(router.register_forward_hook(self._post(layer)))
+
+    def _pre(self, layer: int):  # noqa: ANN202
+        def hook(router, args) -> None:  # noqa: ANN001
+            with torch.no_grad():
+                logits = router.gating(args[0]).view(-1, self.num_experts).double()
+            top = logits.topk(self.top_k + 1, dim=-1).values
+            self.margins[layer].append((top[:, self.top_k - 1] - top[:, self.top_k]).cpu())
+
+        return hook
+
+    def _post(self, layer: int):  # noqa: ANN202
+        def hook(router, args, output) -> None:  # noqa: ANN001
+            routing_map = output[1].detach().cpu()
+            self.experts[layer].append(routing_map.nonzero()[:, 1].view(-1, self.top_k))
+
+        return hook
+
+    def take(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.actor.forward import padded_shapes, plan_for_rank
+
+        actor = self.actor
+        config = actor.chunks[0].config
+        micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
+        shapes = padded_shapes(micro, config)
+        sizes = [n - 1 for n in batch.lengths]
+        layers = actor.cfg.model.num_layers
+        margins = torch.zeros(sum(sizes), layers, dtype=torch.float64)
+        experts = torch.zeros(sum(sizes), layers, self.top_k, dtype=torch.int64)
+        m_parts, e_parts = list(margins.split(sizes)), list(experts.split(sizes))
+        owner = bool(config.sequence_parallel) or ps.get_tensor_model_parallel_rank() == 0
+        for layer in self.margins:
+            assert len(self.margins[layer]) == len(micro), f"layer {layer}: {len(self.margins[layer])} forwards"
+            for mb, (rows, max_len), m, e in zip(micro, shapes, self.margins[layer], self.experts[layer], strict=True):
+                if not owner:
+                    continue
+                sl = actor.routing.token_slice(rows, max_len)
+                width = sl.stop - sl.start
+                m, e = m.view(width, rows), e.view(width, rows, self.top_k)
+                for row, (i, n) in enumerate(zip(mb.indices, mb.lengths, strict=True)):
+                    stop = min(sl.stop, n - 1)
+                    if stop > sl.start:
+                        m_parts[i][sl.start : stop, layer] = m[: stop - sl.start, row]
+                        e_parts[i][sl.start : stop, layer] = e[: stop - sl.start, row] + 1
+        dist.all_reduce(margins)
+        dist.all_reduce(experts)
+        experts -= 1  # 0 marked "not this rank's"; layers without a router stay -1
+        for values in (*self.margins.values(), *self.experts.values()):
+            values.clear()
+        return list(margins.split(sizes)), list(experts.split(sizes))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def probe(actor) -> Iterator[RouterProbe]:  # noqa: ANN001
+    p = RouterProbe(actor)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def sorted_experts(routed: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    return routed[:, layers].to(torch.int64).sort(dim=-1).values
+
+
+def check_invariant(actor, samples: list[dict], what: str) -> None:  # noqa: ANN001
+    """The engine's log-probs and routing of its own samples against the actor (module docstring)."""
+    batch = as_batch(samples)
+    engine_lp = engine_log_probs(samples)
+    with probe(actor) as p:
+        free = actor.compute_log_probs(batch.with_fields(routed_experts=None), record_routing=True)
+        margins, dispatched = p.take(batch)
+    d = max_diff(free.log_probs, engine_lp)
+    assert d <= LOGPROB_TOL, f"{what}: engine vs actor log-probs differ by {d:.3e} > {LOGPROB_TOL:.0e}"
+
+    moe = [layer for layer in range(actor.cfg.model.num_layers) if int(free.routed_experts[0][0, layer, 0]) >= 0]
+    assert moe == list(range(actor.cfg.model.first_k_dense_layers, actor.cfg.model.num_layers)), moe
+    ties = total = 0
+    for i, s in enumerate(samples):
+        mine, theirs = sorted_experts(free.routed_experts[i], moe), sorted_experts(s["routed"], moe)
+        assert torch.equal(sorted_experts(dispatched[i], moe), mine), f"{what}: probe and recorded routing differ"
+        clear = margins[i][:, moe] > TIE
+        wrong = (mine != theirs).any(dim=-1) & clear
+        if bool(wrong.any()):
+            pos, layer = (int(v) for v in wrong.nonzero()[0])
+            raise AssertionError(
+                f"{what}: sample {i} position {pos} layer {moe[layer]}: actor routes to {mine[pos, layer].tolist()}, "
+                f"engine to {theirs[pos, layer].tolist()} (margin {float(margins[i][pos, moe[layer]]):.2e})"
+            )
+        ties += int((~clear).sum())
+        total += clear.numel()
+    assert ties <= 0.05 * total, f"{what}: {ties} of {total} routing choices are near-ties"
+
+    with probe(actor) as p:
+        replayed = actor.compute_log_probs(batch, replay_routing=True)
+        _, used = p.take(batch)
+    for i, s in enumerate(samples):
+        mine, theirs = sorted_experts(used[i], moe), sorted_experts(s["routed"], moe)
+        mismatch = int((mine != theirs).any(dim=-1).sum())
+        assert mismatch == 0, f"{what}: R3 replay dispatched {mismatch} (token, layer) pairs of sample {i} elsewhere"
+    d = max_diff(replayed.log_probs, engine_lp)
+    assert d <= LOGPROB_TOL, f"{what}: R3-replayed vs engine log-probs differ by {d:.3e} > {LOGPROB_TOL:.0e}"
+
+
+# --- rounds --------------------------------------------------------------------------------
+
+
+def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], step: int) -> list[dict]:  # noqa: ANN001
+    """Train one step on `samples`, sync in `mode`, sample again and check the invariant; returns the new samples."""
+    from megatron_rl.rollout.weight_sync import make_weight_sync
+
+    cfg = with_mode(cfg, mode)
+    train_step(actor, samples)
+    sync = make_weight_sync(cfg, engine, actor, bucket_mb=BUCKET_MB)
+    try:
+        if mode == "tensor":
+            sync.release_engine_memory()  # colocated: the sync must bring weights and KV cache back
+        version = f"{mode}-{step}"
+        report = sync.sync(version)
+    finally:
+        sync.close()
+    assert (report.mode, report.weight_version) == (mode, version), report
+    expected = weight_bytes(cfg)
+    if mode == "disk":  # files: the tensors plus safetensors headers
+        assert expected < report.bytes < expected + 64 * 1024, (report.bytes, expected)
+    else:
+        assert report.bytes == expected, (report.bytes, expected)
+    fresh = rollout(engine, cfg, seed=step)
+    assert {s["version"] for s in fresh} == {version}, [s["version"] for s in fresh]
+    check_invariant(actor, fresh, f"{mode} sync, layout {actor.cfg.parallel}")
+    return fresh
+
+
+def run_modes(ctx, parallel: ParallelConfig, modes: tuple[str, ...]) -> tuple:  # noqa: ANN001
+    """Build the actor; sync its initial weights (first mode) and check; then one round per mode."""
+    from megatron_rl.rollout.weight_sync import make_weight_sync
+
+    cfg = policy_config(ctx, parallel, modes[0])
+    actor = build_actor(cfg)
+    engine = connect(cfg)
+    with make_weight_sync(cfg, engine, actor, bucket_mb=BUCKET_MB) as sync:
+        sync.sync("init")
+    samples = rollout(engine, cfg, seed=100)
+    check_invariant(actor, samples, f"initial weights, layout {parallel}")
+    for step, mode in enumerate(modes, start=1):
+        samples = sync_round(ctx, actor, engine, cfg, mode, samples, step)
+    return cfg, actor, engine, samples
+
+
+@contextlib.contextmanager
+def corrupt_export(name: str, kind: str) -> Iterator[None]:
+    """Make the exporter rename ("name") or cut a row off ("shape") the tensor `name`."""
+    import megatron_rl.models.export as export_module
+    import megatron_rl.rollout.sync.buckets as buckets_module
+
+    original = export_module.export_hf_weights
+
+    def corrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        for bucket in original(*args, **kwargs):
+            out = []
+            for n, t in bucket:
+                if n == name:
+                    n, t = (n + "_renamed", t) if kind == "name" else (n, t[:-1])
+                out.append((n, t))
+            yield out
+
+    export_module.export_hf_weights = buckets_module.export_hf_weights = corrupted
+    try:
+        yield
+    finally:
+        export_module.export_hf_weights = buckets_module.export_hf_weights = original
+
+
+def expect_refused(sync, version: str, pattern: str) -> None:  # noqa: ANN001
+    import re
+
+    from megatron_rl.rollout.weight_sync import WeightSyncError
+
+    try:
+        sync.sync(version)
+    except WeightSyncError as err:
+        assert re.search(pattern, str(err)), f"error does not match {pattern!r}: {err}"
+        assert f"version {version!r}" in str(err), err
+    else:
+        raise AssertionError(f"a corrupted {sync.mode} sync was accepted")
+
+
+def greedy_changed(a: list[dict], b: list[dict]) -> bool:
+    """Whether two greedy rollouts of the same prompts come from visibly different weights."""
+    if [s["output"] for s in a] != [s["output"] for s in b]:
+        return True
+    return max_diff(engine_log_probs(a), engine_log_probs(b)) > 1e-3
+
+
+def engine_version(engine) -> str | None:  # noqa: ANN001
+    return on_every_rank(None if engine is None else engine.run(engine.client.get_model_info())["weight_version"])
+
+
+# --- world size 1 --------------------------------------------------------------------------
+
+
+def w1_three_modes(ctx) -> None:  # noqa: ANN001
+    """The invariant after disk, distributed and tensor syncs (tensor after releasing engine memory)."""
+    _, _, engine, _ = run_modes(ctx, layout(), ("disk", "distributed", "tensor"))
+    if engine is not None:
+        engine.close()
+
+
+EMBED = "model.embed_tokens.weight"  # the exporter's first tensor: a corrupted first bucket applies nothing
+REFUSALS = (
+    ("disk", "shape", r"'model\.embed_tokens\.weight': shape \[255, 64\] does not match the model's \[256, 64\]"),
+    ("distributed", "name", r"unknown tensor 'model\.embed_tokens\.weight_renamed'"),
+    ("tensor", "shape", r"'model\.embed_tokens\.weight': shape \[255, 64\] does not match the model's \[256, 64\]"),
+)
+
+
+def w1_refused_updates(ctx) -> None:  # noqa: ANN001
+    """Per mode, an export with a wrong name or shape is refused on every rank with an error that
+    names the tensor; the engine keeps serving the old weights (greedy outputs and log-probs
+    unchanged, old version); the next good sync of the same sync object works."""
+    from megatron_rl.rollout.weight_sync import make_weight_sync
+
+    cfg = policy_config(ctx, layout())
+    actor = build_actor(cfg)
+    engine = connect(cfg)
+    samples = rollout(engine, cfg, seed=7)
+    for step, (mode, kind, pattern) in enumerate(REFUSALS):
+        with make_weight_sync(with_mode(cfg, mode), engine, actor, bucket_mb=BUCKET_MB) as sync:
+            good = f"{mode}-good"
+            sync.sync(good)
+            before = rollout(engine, cfg, seed=50 + step, greedy=True)
+            samples = rollout(engine, cfg, seed=60 + step)
+            train_step(actor, samples)
+            with corrupt_export(EMBED, kind):
+                expect_refused(sync, f"{mode}-bad", pattern)
+            after = rollout(engine, cfg, seed=50 + step, greedy=True)
+            assert engine_version(engine) == good
+            assert [s["output"] for s in after] == [s["output"] for s in before], f"{mode}: outputs changed"
+            # the engine's batching of concurrent requests moves log-probs by ~1e-6; new weights by > 1e-3
+            assert max_diff(engine_log_probs(after), engine_log_probs(before)) <= 1e-5, f"{mode}: weights changed"
+            assert {s["version"] for s in after} == {good}
+            sync.sync(f"{mode}-fixed")
+            fixed = rollout(engine, cfg, seed=50 + step, greedy=True)
+            assert greedy_changed(fixed, before), f"{mode}: the good sync after the refused one changed nothing"
+    check_invariant(actor, rollout(engine, cfg, seed=99), "after refused updates")
+    if engine is not None:
+        engine.close()
+
+
+# --- world size 2 --------------------------------------------------------------------------
+
+
+def w2_tp2(ctx) -> None:  # noqa: ANN001
+    """TP=2 with sequence parallelism: TP shards gathered on rank 0; all three modes."""
+    _, _, engine, _ = run_modes(ctx, layout(tp=2), ("disk", "distributed", "tensor"))
+    if engine is not None:
+        engine.close()
+
+
+def w2_ep2(ctx) -> None:  # noqa: ANN001
+    """EP=2 (and DP=2): experts of both EP ranks named by their global id."""
+    _, _, engine, _ = run_modes(ctx, layout(ep=2), ("disk", "distributed"))
+    if engine is not None:
+        engine.close()
+
+
+def w2_pp2(ctx) -> None:  # noqa: ANN001
+    """PP=2: disk writes from both stages; distributed and tensor gather stage 1's buckets on rank 0.
+    A tensor of stage 1 refused mid-stream: the error reaches both ranks, the version stays, the
+    group stays usable, and the next sync restores the invariant."""
+    from megatron_rl.rollout.weight_sync import make_weight_sync
+
+    cfg, actor, engine, samples = run_modes(ctx, layout(pp=2), ("distributed", "tensor", "disk"))
+    with make_weight_sync(with_mode(cfg, "distributed"), engine, actor, bucket_mb=BUCKET_MB) as sync:
+        sync.sync("pp-good")
+        train_step(actor, rollout(engine, cfg, seed=11))
+        with corrupt_export("model.norm.weight", "name"):
+            expect_refused(sync, "pp-bad", r"unknown tensor 'model\.norm\.weight_renamed'")
+        assert engine_version(engine) == "pp-good"
+        sync.sync("pp-fixed")
+    fresh = rollout(engine, cfg, seed=12)
+    assert {s["version"] for s in fresh} == {"pp-fixed"}
+    check_invariant(actor, fresh, "PP=2 after a refused distributed sync")
+    if engine is not None:
+        engine.close()
