@@ -1,4 +1,4 @@
-"""The exported weights as one stream of buckets on rank 0, and buckets packed for transport.
+"""The exported weights as one stream of buckets on rank 0.
 
 `export_hf_weights` yields each pipeline stage's tensors on that stage's sender. The distributed
 and tensor modes talk to the engine from global rank 0 only. So with PP > 1, every other stage's
@@ -11,8 +11,7 @@ interconnect.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,11 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron_rl.config import ModelConfig
 from megatron_rl.models.export import export_hf_weights, is_export_sender
 from megatron_rl.rollout import transport
-from megatron_rl.rollout.transport import FlattenedTensorMetadata
-
-Bucket = list[tuple[str, torch.Tensor]]
-T = TypeVar("T")
-ALIGN = 16  # bytes: every packed tensor starts at a multiple of this (and so of its item size)
+from megatron_rl.rollout.sync.packing import Bucket
 
 
 def stage_senders() -> list[int]:
@@ -96,71 +91,3 @@ def _receive_buckets(src: int, device: torch.device) -> Iterator[Bucket]:
         for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src) for t in tensors]):
             work.wait()
         yield list(zip(names, tensors, strict=True))
-
-
-def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
-    """(item, is_last) for each item: one item of look-ahead."""
-    it = iter(items)
-    try:
-        previous = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield previous, False
-        previous = item
-    yield previous, True
-
-
-def bucket_bytes(bucket: Bucket) -> int:
-    return sum(t.numel() * t.element_size() for _, t in bucket)
-
-
-def broadcasts_flat(bucket: Bucket) -> bool:
-    """Whether the bucket fits SGLang's distributed "flattened_bucket" layout (tensors back to back,
-    each at a multiple of its item size, which holds for one dtype); otherwise send tensor by tensor."""
-    names, _, shapes = transport.tensor_specs(bucket)
-    try:
-        transport.flattened_layout(names, [t.dtype for _, t in bucket], shapes)
-    except ValueError:
-        return False
-    return True
-
-
-class PackingBuffer:
-    """One reusable uint8 buffer that holds a bucket in SGLang's flattened-bucket form.
-
-    The receiver views bytes [start_idx, end_idx) of each tensor as its dtype, so each tensor
-    starts at an ALIGN-byte offset, whatever the dtypes. A CPU buffer lives in shared memory
-    (file-system strategy), so the engine maps it instead of copying it through the pickle. The
-    buffer is rewritten by the next `pack`: use a packed bucket only until the engine's reply.
-    """
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    def pack(self, bucket: Bucket) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-        if not bucket:
-            raise ValueError("cannot pack an empty bucket")
-        meta, offset = [], 0
-        for name, tensor in bucket:
-            offset = -(-offset // ALIGN) * ALIGN
-            size = tensor.numel() * tensor.element_size()
-            meta.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + size, size))
-            offset += size
-        buffer = self._reserve(offset, bucket[0][1].device)
-        for (_, tensor), m in zip(bucket, meta, strict=True):
-            buffer[m.start_idx : m.end_idx].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        return buffer[:offset], meta
-
-    def _reserve(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        buffer = self._buffer
-        if buffer is None or buffer.device != device or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            if device.type == "cpu":
-                with transport._file_system_sharing():
-                    buffer.share_memory_()
-            self._buffer = buffer
-        return buffer
-
-    def close(self) -> None:
-        self._buffer = None

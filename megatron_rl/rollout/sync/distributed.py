@@ -16,58 +16,22 @@ is not destroyed) and a new one is built at the next sync.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import socket
-import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
 from megatron_rl.rollout import transport
 from megatron_rl.rollout.sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
-from megatron_rl.rollout.sync.buckets import (
-    Bucket,
-    broadcasts_flat,
-    params_device,
-    rank0_buckets,
-    stage_senders,
-    with_last,
-)
+from megatron_rl.rollout.sync.buckets import params_device, rank0_buckets, stage_senders
+from megatron_rl.rollout.sync.packing import Bucket, broadcasts_flat, with_last
+from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
 
 log = logging.getLogger("megatron_rl.weight_sync")
-
-
-def reachable_address(url: str) -> str:
-    """This machine's address on the route to the server at `url` (what the server can connect back to)."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)  # UDP: picks the route, sends nothing
-        return sock.getsockname()[0]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _in_daemon_thread(fn: Any, *args: Any) -> Future:
-    """Run `fn(*args)` on a daemon thread (a rendezvous that never completes must not block exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="weight-update-group", daemon=True).start()
-    return future
+_GROUP_IDS = itertools.count(1)  # group names stay unique within a process
 
 
 class DistributedSync(WeightSync):
@@ -80,7 +44,6 @@ class DistributedSync(WeightSync):
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
-        self._groups_made = 0
         self._abandoned: list[dist.ProcessGroup] = []
         problem = self._connect() if self.is_controller else None
         problem = shared_outcome(problem)
@@ -91,8 +54,7 @@ class DistributedSync(WeightSync):
         """Rank 0: build the weight-update group with every engine; an error message or None."""
         urls = self.client.urls
         world_size = 1 + len(urls) * self.engine_ranks
-        self._groups_made += 1
-        name = f"megatron-rl-{os.getpid()}-{self._groups_made}"
+        name = f"megatron-rl-{os.getpid()}-{next(_GROUP_IDS)}"
         try:
             address, port = reachable_address(urls[0]), free_port()
         except OSError as err:
@@ -102,7 +64,7 @@ class DistributedSync(WeightSync):
                 address, port, world_size, name, self.backend, ranks_per_server=self.engine_ranks
             )
         )
-        ours = _in_daemon_thread(
+        ours = in_daemon_thread(
             transport.init_weights_update_group, address, port, 0, world_size, name, self.backend, self.timeout_s
         )
         done, _ = wait([joining, ours], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)

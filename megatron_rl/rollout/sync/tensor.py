@@ -17,7 +17,8 @@ from typing import Any
 
 from megatron_rl.rollout import transport
 from megatron_rl.rollout.sync.base import WeightSync
-from megatron_rl.rollout.sync.buckets import Bucket, PackingBuffer, rank0_buckets, stage_senders, with_last
+from megatron_rl.rollout.sync.buckets import rank0_buckets, stage_senders
+from megatron_rl.rollout.sync.packing import Bucket, PackingBuffer, with_last
 
 
 class TensorSync(WeightSync):

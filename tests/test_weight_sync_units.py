@@ -1,0 +1,82 @@
+"""Weight-sync pieces without Megatron or an engine: bucket packing, the flattened-broadcast test,
+look-ahead, and the rendezvous helpers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_rl.rollout import transport
+from megatron_rl.rollout.sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
+from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
+
+
+def test_with_last_looks_one_item_ahead() -> None:
+    assert list(with_last([])) == []
+    assert list(with_last(["a"])) == [("a", True)]
+    assert list(with_last("abc")) == [("a", False), ("b", False), ("c", True)]
+    pulled = []
+
+    def source():
+        for i in range(3):
+            pulled.append(i)
+            yield i
+
+    stream = with_last(source())
+    assert next(stream) == (0, False) and pulled == [0, 1]  # item 0 is known not to be last once 1 exists
+
+
+def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bucket = [
+        ("a", torch.randn(3, generator=gen)),  # 12 bytes at 0
+        ("b", torch.randn(5, generator=gen).to(torch.bfloat16)),  # 10 bytes at 16
+        ("c", torch.randn(2, 2, generator=gen)),  # 16 bytes at 32
+        ("d", torch.randn(4, 3, generator=gen).t()),  # a non-contiguous view: 48 bytes at 48
+    ]
+    packer = PackingBuffer()
+    flat, meta = packer.pack(bucket)
+    assert ALIGN == 16
+    assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in meta] == [
+        ("a", 0, 12, 12),
+        ("b", 16, 26, 10),
+        ("c", 32, 48, 16),
+        ("d", 48, 96, 48),
+    ]
+    assert flat.dtype == torch.uint8 and flat.numel() == 96 and flat.is_shared()
+    received = transport.deserialize_named_tensors(
+        transport.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+    )
+    got = transport.unflatten_tensors(received["flattened_tensor"], list(received["metadata"]))
+    for (name, want), (got_name, value) in zip(bucket, got, strict=True):
+        assert got_name == name and value.dtype == want.dtype and torch.equal(value, want), name
+
+    # the next bucket reuses the same shared buffer when it fits, and a larger one gets a new buffer
+    again, _ = packer.pack(bucket[:2])
+    assert again.data_ptr() == flat.data_ptr() and again.numel() == 26
+    bigger, _ = packer.pack([("e", torch.zeros(100))])
+    assert bigger.numel() == 400 and bigger.data_ptr() != flat.data_ptr() and bigger.is_shared()
+    with pytest.raises(ValueError, match="empty bucket"):
+        packer.pack([])
+
+
+def test_flattened_broadcast_needs_natural_alignment() -> None:
+    fp32, bf16 = torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)
+    assert broadcasts_flat([("a", fp32), ("b", torch.zeros(2, 2))])
+    assert broadcasts_flat([("a", fp32), ("b", bf16)])  # bf16 at byte 12: aligned to 2
+    assert not broadcasts_flat([("a", bf16), ("b", fp32)])  # fp32 at byte 6: not aligned to 4
+
+
+def test_rendezvous_helpers() -> None:
+    assert reachable_address("http://127.0.0.1:30000") == "127.0.0.1"
+    assert 0 < free_port() < 65536
+    done = in_daemon_thread(lambda x: (x * 2, threading.current_thread().daemon), 21)
+    assert done.result(timeout=10) == (42, True)
+
+    def boom() -> None:
+        raise OSError("rendezvous failed")
+
+    with pytest.raises(OSError, match="rendezvous failed"):
+        in_daemon_thread(boom).result(timeout=10)
