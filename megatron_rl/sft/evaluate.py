@@ -1,0 +1,46 @@
+"""Held-out accuracy of a warm start: greedy (the loop's `evaluate`) and pass@n of seeded samples.
+
+A warm start is useful for RL when greedy accuracy is low while some of n samples are right
+(pass@n high): RL then has informative groups from the first step on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.config import Config
+from megatron_rl.data import Prompt
+from megatron_rl.loop.collect import evaluate, sampling_seed
+from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.engine import SamplingParams
+
+
+def pass_at_n(
+    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, n: int, step: int
+) -> dict[str, float]:
+    """`eval/pass@n`: the share of prompts with at least one correct answer among n samples at
+    `rollout.temperature` (seeded per request from `train.seed` and `step`); `eval/sampled_accuracy`:
+    the share of correct samples."""
+    if not prompts or n < 1:
+        raise ValueError(f"pass_at_n: needs prompts and n >= 1 (got {len(prompts)} prompts, n = {n})")
+    params = [
+        SamplingParams.from_config(cfg.rollout, sampling_seed=sampling_seed(cfg.train.seed, step, "pass@n", i))
+        for i in range(len(prompts) * n)
+    ]
+    samples = engine.generate([list(p.input_ids) for p in prompts for _ in range(n)], params)
+    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+    correct = scorer.score(texts, [p.answer for p in prompts for _ in range(n)]).correct
+    hits = sum(any(correct[i * n : (i + 1) * n]) for i in range(len(prompts)))
+    return {f"eval/pass@{n}": hits / len(prompts), "eval/sampled_accuracy": sum(correct) / len(correct)}
+
+
+def warm_start_scores(
+    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+) -> dict[str, float]:
+    """Greedy accuracy (`eval.temperature` 0) and pass@`rollout.n_samples_per_prompt`."""
+    greedy = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=0.0))
+    scores = evaluate(engine, prompts, tokenizer, scorer, greedy, step)
+    scores.update(pass_at_n(engine, prompts, tokenizer, scorer, cfg, cfg.rollout.n_samples_per_prompt, step))
+    return scores

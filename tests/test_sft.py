@@ -1,0 +1,187 @@
+"""`megatron-rl sft`: examples and loss by hand, config errors, and one 2-rank (EP=2) run of the CLI.
+
+The launch runs the real command under torchrun on the tiny_math assets (few rows, few steps) and
+checks it against `transformers`: the first step's loss is the token-mean NLL of the starting HF
+model on that step's rows (same rows, prompt masked, EOS included, normalised over both ranks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.cli import main as cli_main
+from megatron_rl.config import ConfigError, DataConfig, ModelConfig, load_config
+from megatron_rl.data import PromptSampler
+from megatron_rl.losses import Normalizer
+from megatron_rl.sft import cross_entropy_loss, load_sft_examples, sft_batch
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny_math"
+sys.path.insert(0, str(EXAMPLE))
+tiny_tokenizer = importlib.import_module("tiny_tokenizer")
+tiny_model = importlib.import_module("tiny_model")
+prepare = importlib.import_module("prepare")
+
+STEPS, ROWS = 4, 16
+
+
+def test_cross_entropy_by_hand_and_split_invariant() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -3.0, -9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    norm = Normalizer(num_tokens=3.0, num_sequences=2.0, token_norm=32.0)
+    loss, metrics = cross_entropy_loss(logprobs, {}, mask, norm)
+    assert loss.item() == pytest.approx((1.0 + 2.0 + 0.5) / 3)
+    assert metrics["tokens"].item() == 3 and metrics["loss"].item() == pytest.approx(3.5 / 3)
+    halves = [cross_entropy_loss(logprobs[i : i + 1], {}, mask[i : i + 1], norm)[0] for i in range(2)]
+    assert (halves[0] + halves[1]).item() == pytest.approx(loss.item())  # micro-batch shares add up
+    grad = torch.zeros_like(logprobs, requires_grad=True)
+    cross_entropy_loss(grad, {}, mask, norm)[0].backward()
+    assert torch.equal(grad.grad, -mask.float() / 3)  # d loss / d logp = -1/N on loss tokens only
+
+
+def test_examples_from_rows(tmp_path: Path) -> None:
+    tokenizer = tiny_tokenizer.build_tokenizer()
+    good = {"prompt": [{"role": "user", "content": "2+4*5="}], "reward_model": {"ground_truth": "22"}}
+    lines = [
+        json.dumps({**good, "response": "4*5=20\nAnswer: 22"}),
+        json.dumps(good),  # no response
+        json.dumps({**good, "response": " "}),  # blank response
+        "{not json",
+        json.dumps({**good, "prompt": "3+2*2=", "response": "7"}),  # a plain-string prompt is a user message
+    ]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    examples, report = load_sft_examples(path, tokenizer, DataConfig())
+    user, assistant, eos = 4, 5, 1
+    ids = tokenizer.get_vocab()
+    chars = lambda text: tuple(ids[c] for c in text)  # noqa: E731
+    assert [(e.prompt_ids, e.response_ids) for e in examples] == [
+        ((user, *chars("2+4*5="), assistant), (*chars("4*5=20\nAnswer: 22"), eos)),
+        ((user, *chars("3+2*2="), assistant), (*chars("7"), eos)),
+    ]
+    assert report.counts == {"invalid_json": 1, "missing_key": 1, "empty_answer": 1}
+    assert [s.location.number for s in report.skipped] == [2, 3, 4]
+    batch = sft_batch(load_sft_examples(path, tokenizer, DataConfig())[0])
+    assert batch.prompt_lengths == [8, 8]
+    assert batch.tokens[1].tolist() == [user, *chars("3+2*2="), assistant, *chars("7"), eos]
+    assert [batch.response_length(i) for i in range(2)] == [18, 2]
+    with pytest.raises(ValueError, match="no examples"):
+        sft_batch([])
+
+
+def test_response_key_is_configurable(tmp_path: Path) -> None:
+    row = {"prompt": "2+4*5=", "target": {"text": "22"}}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    tokenizer = tiny_tokenizer.build_tokenizer()
+    examples, _ = load_sft_examples(tmp_path / "rows.jsonl", tokenizer, DataConfig(response_key="target.text"))
+    assert examples[0].response_ids == (8, 8, 1)
+
+
+def test_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(EXAMPLE / "sft.yaml")
+    assert cli_main(["sft", config, "data.train_path=null"]) == 2
+    assert "data.train_path" in capsys.readouterr().err
+    assert cli_main(["sft", config, "model.hf_path=null"]) == 2
+    assert "model.hf_path or checkpoint.load" in capsys.readouterr().err
+    assert cli_main(["sft", config, "train.stepz=3"]) == 2
+    assert "train.stepz" in capsys.readouterr().err
+
+
+def test_model_section_is_checked_against_the_hf_folder(tmp_path: Path) -> None:
+    from megatron_rl.actor.actor import hf_initializer
+
+    tiny_model.build_model(tmp_path / "model")
+    model = ModelConfig(**tiny_model.MEGATRON_MODEL, hf_path=str(tmp_path / "model"))
+    hf_initializer(model)  # matches: no error, nothing read yet
+    with pytest.raises(ConfigError, match=r"model\.rope_theta = 1000000\.0, but .*config\.json.* describes 10000\.0"):
+        hf_initializer(ModelConfig(**{**tiny_model.MEGATRON_MODEL, "rope_theta": 1e6}, hf_path=str(tmp_path / "model")))
+    with pytest.raises(ConfigError, match=r"model\.num_experts = 4"):
+        hf_initializer(ModelConfig(**{**tiny_model.MEGATRON_MODEL, "num_experts": 4}, hf_path=str(tmp_path / "model")))
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
+    """`megatron-rl sft` on 2 ranks (EP=2): STEPS steps of ROWS rows, evaluation on 16 held-out prompts."""
+    tmp = tmp_path_factory.mktemp("sft")
+    assets = tmp / "assets"
+    assert prepare.main(["--out", str(assets), "--sft-rows", "512"]) == 0
+    overrides = [
+        f"model.hf_path={assets / 'model'}",
+        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
+        f"data.eval_path={assets / 'data' / 'heldout.jsonl'}",
+        f"logging.run_dir={tmp / 'run'}",
+        f"train.steps={STEPS}",
+        f"train.prompts_per_step={ROWS}",
+        "train.lr_warmup_steps=1",
+        "eval.max_prompts=16",
+        "rollout.n_samples_per_prompt=2",
+        "logging.progress=false",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return assets, tmp / "run", overrides
+
+
+def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) -> float:
+    """Token-mean NLL of the response tokens of step 1's rows under the HF model in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(EXAMPLE / "sft.yaml", cfg_overrides)
+    tokenizer = tiny_tokenizer.build_tokenizer()
+    examples, _ = load_sft_examples(assets / "data" / "sft.jsonl", tokenizer, cfg.data)
+    rows = PromptSampler.from_config(examples, cfg.data).next(ROWS)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row.prompt_ids + row.response_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            targets = ids[0, 1:]
+            picked = logp.gather(-1, targets[:, None])[:, 0][len(row.prompt_ids) - 1 :]
+            total -= float(picked.sum())
+            count += len(row.response_ids)
+    return total / count
+
+
+def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
+    from megatron_rl.loop.metrics import read_metrics
+
+    assets, run, overrides = sft_run
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records if "eval/greedy_accuracy" in r] == [STEPS]  # eval.every = 0: the end only
+    final = records[-1]
+    assert final["eval/prompts"] == 16 and 0 <= final["eval/greedy_accuracy"] <= final["eval/pass@2"] <= 1
+    assert records[0]["sft/lr"] == pytest.approx(2e-3)  # a warm-up of 1 step reaches the peak at once
+    assert records[-1]["sft/lr"] == pytest.approx(0.0, abs=1e-12)  # cosine to min_lr = 0 at the last step
+    assert all(r["sft/tokens"] > ROWS and r["sft/updates"] == 1 for r in records)
+    assert (run / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    assert load_config(run / "config.yaml").train.steps == STEPS
+    # The first step's loss is the HF model's token-mean NLL on the same 16 rows (both ranks' tokens).
+    assert records[0]["sft/loss"] == pytest.approx(_nll_of_first_step(assets / "model", assets, overrides), abs=1e-5)
+
+
+def test_sft_exports_a_loadable_trained_folder(sft_run: tuple[Path, Path, list[str]]) -> None:
+    from safetensors.torch import load_file
+
+    assets, run, _ = sft_run
+    hf = run / "hf"
+    assert (hf / "tokenizer.json").is_file() and (hf / "config.json").is_file()
+    before = load_file(str(assets / "model" / "model.safetensors"))
+    after: dict[str, torch.Tensor] = {}
+    for file in hf.glob("*.safetensors"):
+        after.update(load_file(str(file)))
+    assert set(after) == set(before)
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
