@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -142,3 +145,23 @@ def test_lr_schedule_warmup_then_decay() -> None:
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
             TrainConfig(steps=2, updates_per_step=1, lr_warmup_steps=4, lr_decay_style="linear"),
         )
+
+
+def test_package_exports_megatron_parts_lazily() -> None:
+    """`import megatron_rl.actor` (and ActorBatch) leaves Megatron-Core unimported; MegatronActor and
+    LogProbResult import it on first use and are the defining modules' classes."""
+    code = (
+        "import sys\n"
+        "from megatron_rl.actor import ActorBatch, vocab_parallel_logprobs\n"
+        "assert 'megatron.core' not in sys.modules, 'eager Megatron import'\n"
+        "import megatron_rl.actor as actor\n"
+        "assert {'MegatronActor', 'LogProbResult', 'ActorBatch'} <= set(dir(actor)) <= set(vars(actor)) | set(actor.__all__)\n"
+        "from megatron_rl.actor import LogProbResult, MegatronActor\n"
+        "from megatron_rl.actor.actor import MegatronActor as defined\n"
+        "from megatron_rl.actor.forward import LogProbResult as result\n"
+        "assert MegatronActor is defined and LogProbResult is result and 'megatron.core' in sys.modules\n"
+        "try:\n    actor.NoSuchName\nexcept AttributeError as err:\n    assert 'NoSuchName' in str(err)\n"
+        "else:\n    raise AssertionError('unknown attribute resolved')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

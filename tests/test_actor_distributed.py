@@ -3,7 +3,9 @@
 The world-size-1 launch computes the references (log-probs and entropy against a plain full-vocab
 log_softmax, recorded routing, parameters after optimizer steps, a checkpoint); TP=2 with SP,
 EP=2 (alltoall), PP=2 and TP=2 x EP=2 must reproduce them: log-probs/entropy within 1e-5,
-parameters after two Adam steps within 1e-6, routing replay exact, checkpoints loadable across layouts.
+parameters after two Adam steps within 1e-6, routing replay exact, checkpoints loadable across layouts
+(also across vocabulary paddings: TP1 <-> TP2, model and optimizer tensors bit for bit) and
+`checkpoint.load` taking both a full and a weights-only checkpoint.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ import pytest
 from distributed.launcher import ScenarioResult, run_scenarios
 
 REF_ENV = "MRL_ACTOR_REF_DIR"
-WORLD_1 = ["w1_reference", "w1_recompute_replay"]
-WORLD_2 = ["w2_tp2_sp", "w2_ep2_alltoall", "w2_pp2", "w2_pp2_allgather", "w2_pp2_recompute_replay", "w2_bad_layout"]
+WORLD_1 = ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds"]
+WORLD_2 = [
+    "w2_tp2_sp",
+    "w2_ep2_alltoall",
+    "w2_pp2",
+    "w2_pp2_allgather",
+    "w2_pp2_recompute_replay",
+    "w2_bad_layout",
+    "w2_vocab_padding_tp1_tp2_tp1",
+]
 WORLD_4 = ["w4_tp2_ep2", "w4_load_pp2_checkpoint"]
 
 

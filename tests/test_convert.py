@@ -379,14 +379,3 @@ def test_cli_errors(moe_folder: tuple[Path, ModelConfig], tmp_path: Path, capsys
     assert tool_main("megatron-to-hf", ["--ckpt", str(moe_folder[0]), "--out", str(tmp_path / "o3")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a Megatron distributed checkpoint" in err[0], err
-
-
-def test_checkpoint_format_matches_the_actor() -> None:
-    """The converter writes what the actor's checkpoint loader reads."""
-    from megatron_rl.actor import checkpoint as actor_checkpoint
-    from megatron_rl.models import checkpoint_io
-
-    assert checkpoint_io.FORMAT_VERSION == actor_checkpoint.FORMAT_VERSION
-    assert checkpoint_io.SHARDING_METADATA == {
-        k: v for k, v in actor_checkpoint.SHARDING_METADATA.items() if k != "dp_cp_group"
-    }

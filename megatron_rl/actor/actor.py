@@ -91,7 +91,8 @@ class MegatronActor:
         A layout that cannot run raises ConfigError naming the keys before any model exists.
         `initializer(chunks)` sets the weights; default: the Hugging Face checkpoint `model.hf_path`
         (converted in memory; its config.json must describe `model`), else layout-independent values
-        from `train.seed` (`models.init.init_deterministic`). `checkpoint.load`, when set, is loaded after.
+        from `train.seed` (`models.init.init_deterministic`). `checkpoint.load`, when set, is loaded after
+        (a training checkpoint, or a weights-only one such as the converter's: see `checkpoint.load_checkpoint`).
         """
         self.cfg = cfg
         if initializer is None and cfg.model.hf_path:

@@ -1,10 +1,14 @@
-"""Actor checkpoints with Megatron's distributed checkpointing: model, optimizer, LR schedule, step, RNG.
+"""Actor checkpoints: model, optimizer, LR schedule, step and RNG, through `megatron_rl.models.checkpoint_io`.
 
-Model and optimizer state are saved as sharded tensors in the layout-independent form
-(`fully_reshardable` distributed-optimizer state), so a checkpoint saved under one TP/EP/PP/DP
-layout loads under another. RNG states are per rank and only restored when the layout is the
-same (they have no meaning on another one). Saving starts a spawned helper process that
-re-imports `__main__`: scripts must keep their start-up under `if __name__ == "__main__":`.
+The format, the writer and the model-weights reader are `checkpoint_io`'s (one path for both
+kinds of checkpoint); this module adds the training state. Model and optimizer state are saved as
+sharded tensors in the layout-independent form (`fully_reshardable` distributed-optimizer state,
+in model space), so a checkpoint saved under one TP/EP/PP/DP layout loads under another, also
+when the padded vocabulary differs (see `checkpoint_io`). RNG states are per rank and only
+restored under the same layout (they have no meaning on another one). A weights-only checkpoint
+(the converter's) loads under any layout, with the optimizer state, schedule, step and RNG left
+as they are. Saving starts a spawned helper process that re-imports `__main__`: scripts must keep
+their start-up under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -12,38 +16,23 @@ from __future__ import annotations
 import copy
 import os
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.utils import unwrap_model
 
 from megatron_rl.actor.optimizer import TrainingState
-
-FORMAT_VERSION = 1
-SHARDING_METADATA = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "singleton_local_shards": False,
-    "chained_optim_avoid_prefix": True,
-}
-
-
-def parallel_layout() -> dict[str, int]:
-    """The running layout, stored with the checkpoint."""
-    return {
-        "world_size": dist.get_world_size(),
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
-        "data_parallel_size": ps.get_data_parallel_world_size(),
-    }
+from megatron_rl.models.checkpoint_io import (
+    load_model_weights,
+    model_sharded_state_dict,
+    running_layout,
+    sharding_metadata,
+    write_checkpoint,
+)
 
 
 def rng_state() -> dict[str, Any]:
@@ -150,64 +139,60 @@ def _without_sharded(tree: Any) -> Any:
     return tree
 
 
-def _sharded_state(state: TrainingState, *, is_loading: bool, optimizer: bool, rng: bool) -> dict[str, Any]:
-    if len(state.model) != 1:
-        raise NotImplementedError(f"checkpoints of {len(state.model)} model chunks (virtual pipeline stages)")
-    # Megatron adds this layout's DP group to the metadata it is given: hand it a fresh copy.
-    model_sd = unwrap_model(state.model[0]).sharded_state_dict(metadata=dict(SHARDING_METADATA))
-    out: dict[str, Any] = {"model": model_sd}
-    if optimizer:
-        for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-            init_torch_adam_state(opt)
-        out["optimizer"] = state.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=dict(SHARDING_METADATA)
-        )
-    if rng:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        out["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
-    return out
+def _optimizer_sharded_state(state: TrainingState, model: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        init_torch_adam_state(opt)
+    return state.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=sharding_metadata())
+
+
+def _rng_sharded_state() -> ShardedObject:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
 
 
 def save_checkpoint(state: TrainingState, path: str | os.PathLike) -> None:
     """Write `state` to the folder `path` (created; collective over all ranks)."""
-    path = Path(path)
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    sharded = _sharded_state(state, is_loading=False, optimizer=True, rng=True)
-    sharded.update(
-        format_version=FORMAT_VERSION,
-        step=state.step,
-        scheduler=state.scheduler.state_dict(),
-        layout=parallel_layout(),
-    )
-    dist_checkpointing.save(sharded, str(path), content_metadata=dict(SHARDING_METADATA))
-    dist.barrier()
+    model = model_sharded_state_dict(state.model)
+    extra = {
+        "optimizer": _optimizer_sharded_state(state, model, is_loading=False),
+        "rng_state": _rng_sharded_state(),
+        "scheduler": state.scheduler.state_dict(),
+    }
+    write_checkpoint(path, model, step=state.step, weights_only=False, extra=extra)
 
 
 def load_checkpoint(state: TrainingState, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
-    """Load `path` into `state` under the running layout; returns {"step", "saved_layout", "rng_restored"}.
+    """Load `path` (either kind, see the module doc) into `state` under the running layout; collective.
 
-    Without `load_optimizer`, only the weights (the optimizer's master copy is refreshed from them).
+    Without `load_optimizer`, or from a weights-only checkpoint, only the weights (the optimizer's
+    master copy is refreshed from them; its moments, the schedule and the step stay). Returns
+    {"step": of the checkpoint, "saved_layout", "weights_only", "optimizer_loaded", "rng_restored"}.
     """
-    path = Path(path)
-    if not (path / "common.pt").exists() and not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
-        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint (checkpoint.load)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
-    if common.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {common.get('format_version')}, this code reads {FORMAT_VERSION}")
-    same_layout = common["layout"] == parallel_layout()
-    sharded = _sharded_state(state, is_loading=True, optimizer=load_optimizer, rng=same_layout)
-    own_optimizer = copy.deepcopy(_without_sharded(sharded.get("optimizer", {})))
-    loaded = dist_checkpointing.load(sharded, str(path))
-    unwrap_model(state.model[0]).load_state_dict(loaded["model"])
-    if load_optimizer:
-        load_optimizer_state(state.optimizer, own_optimizer, loaded["optimizer"], int(common["step"]))
+    common = load_model_weights(state.model, path)
+    weights_only = bool(common.get("weights_only", False))
+    with_optimizer = load_optimizer and not weights_only
+    same_layout = not weights_only and common["layout"] == running_layout()
+    request: dict[str, Any] = {}
+    if with_optimizer:
+        request["optimizer"] = _optimizer_sharded_state(state, model_sharded_state_dict(state.model), is_loading=True)
+        own_optimizer = copy.deepcopy(_without_sharded(request["optimizer"]))
+    if same_layout:
+        request["rng_state"] = _rng_sharded_state()
+    loaded = dist_checkpointing.load(request, str(path)) if request else {}
+    step = int(common["step"])
+    if with_optimizer:
+        load_optimizer_state(state.optimizer, own_optimizer, loaded["optimizer"], step)
         state.scheduler.num_steps = 0  # Megatron's load adds the saved count to the current one
         state.scheduler.load_state_dict(common["scheduler"])
-        state.step = int(common["step"])
+        state.step = step
     else:
         state.optimizer.reload_model_params()
     if same_layout:
         set_rng_state(loaded["rng_state"])
-    return {"step": int(common["step"]), "saved_layout": common["layout"], "rng_restored": same_layout}
+    return {
+        "step": step,
+        "saved_layout": common["layout"],
+        "weights_only": weights_only,
+        "optimizer_loaded": with_optimizer,
+        "rng_restored": same_layout,
+    }

@@ -1,13 +1,20 @@
-"""Model weights as a Megatron distributed checkpoint (no optimizer), loadable under any layout.
+"""The one reader and writer of Megatron distributed checkpoints in this package, loadable under any layout.
 
-The format is the actor's (`megatron_rl.actor.checkpoint`): the model's `sharded_state_dict`
-with the same sharding metadata under the key `model`, plus `format_version`, `step` and
-`layout` in the common state; `weights_only = True` marks a checkpoint without optimizer,
-schedule or RNG state. `load_model_weights` reads the `model` part of either kind.
+A checkpoint holds the model's `sharded_state_dict` (with `SHARDING_METADATA`) under the key
+`model`, and in its common state `format_version`, `step`, `layout` (the writer's, informational)
+and `weights_only`. Two kinds share this format:
+
+- weights only (`save_model_weights`: the HF -> Megatron converter): `weights_only = True`, step 0;
+- training state (`megatron_rl.actor.checkpoint`): also `optimizer` (fully reshardable
+  distributed-optimizer state in model space), `scheduler`, per-rank `rng_state`.
+
+`load_model_weights` reads the `model` part of either kind; the actor reads the rest itself.
 
 Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by x TP`, so the
-embedding and output layer of a checkpoint saved under one TP can have more or fewer padding rows
-than the model loading it; they are read whole and re-padded (padding rows are not tokens).
+embedding and output layer (and their optimizer moments) of a checkpoint saved under one TP can
+have more or fewer padding rows than the model loading it. Megatron marks those tensors
+`allow_shape_mismatch`: its loader zero-fills them and reads the rows both have. Padding rows are
+no tokens, so nothing else may differ: every other dimension and every other tensor must match.
 """
 
 from __future__ import annotations
@@ -31,23 +38,22 @@ from megatron.core.utils import unwrap_model
 
 from megatron_rl.models.hf_config import ConversionError
 
-FORMAT_VERSION = 1  # == megatron_rl.actor.checkpoint.FORMAT_VERSION
-SHARDING_METADATA = {  # == megatron_rl.actor.checkpoint.SHARDING_METADATA (tests check both)
+FORMAT_VERSION = 1
+SHARDING_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "singleton_local_shards": False,
     "chained_optim_avoid_prefix": True,
 }
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _metadata() -> dict[str, Any]:
-    """A fresh copy: Megatron's `sharded_state_dict` adds the current data-parallel group to the
-    dict it is given, and a module-level dict would keep the group of an earlier layout."""
+def sharding_metadata() -> dict[str, Any]:
+    """A fresh copy of `SHARDING_METADATA` for one `sharded_state_dict` call: Megatron adds the current
+    data-parallel group to the dict it is given, and a shared dict would keep the group of an earlier layout."""
     return dict(SHARDING_METADATA)
 
 
 def running_layout() -> dict[str, int]:
-    """The parallel layout of this process (stored in the checkpoint, informational)."""
+    """The parallel layout of this process (stored in the checkpoint)."""
     return {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
@@ -58,26 +64,52 @@ def running_layout() -> dict[str, int]:
     }
 
 
-def _single_chunk(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+def model_chunk(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+    """The one model chunk of this rank, without its DDP / Float16Module wrappers."""
     if len(chunks) != 1:
         raise NotImplementedError(f"checkpoints of {len(chunks)} model chunks (virtual pipeline stages)")
     return unwrap_model(chunks[0])
 
 
-def save_model_weights(
-    chunks: list[torch.nn.Module], path: str | os.PathLike, extra: dict[str, Any] | None = None
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The `model` part of a checkpoint, as written and as the optimizer's sharded state refers to it."""
+    return model_chunk(chunks).sharded_state_dict(metadata=sharding_metadata())
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    model: dict[str, Any],
+    *,
+    step: int,
+    weights_only: bool,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write the weights of `chunks` to the (existing, empty) folder `path`; collective over all ranks.
-    `extra` adds plain values to the common state (e.g. the source of a conversion)."""
-    sharded: dict[str, Any] = {"model": _single_chunk(chunks).sharded_state_dict(metadata=_metadata())}
-    sharded.update(format_version=FORMAT_VERSION, step=0, layout=running_layout(), weights_only=True)
+    """Write a checkpoint folder `path` (created if missing); collective over all ranks.
+
+    `model`: a `model_sharded_state_dict`; `extra`: more top-level entries, sharded (optimizer, RNG)
+    or plain values that go to the common state (scheduler, the source of a conversion).
+    """
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sharded: dict[str, Any] = {"model": model}
     sharded.update(extra or {})
-    dist_checkpointing.save(sharded, str(path), content_metadata=_metadata())
+    sharded.update(format_version=FORMAT_VERSION, step=step, layout=running_layout(), weights_only=weights_only)
+    dist_checkpointing.save(sharded, str(path), content_metadata=sharding_metadata())
     dist.barrier()
 
 
+def save_model_weights(
+    chunks: list[torch.nn.Module], path: str | os.PathLike, extra: dict[str, Any] | None = None
+) -> None:
+    """Write the weights of `chunks` as a weights-only checkpoint to `path`; collective over all ranks.
+    `extra` adds plain values to the common state (e.g. the source of a conversion)."""
+    write_checkpoint(path, model_sharded_state_dict(chunks), step=0, weights_only=True, extra=extra)
+
+
 def read_common_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The common (non-sharded) state of a checkpoint folder; ConversionError if it is not one."""
+    """The common (non-sharded) state of a checkpoint folder; ConversionError if it is not one of ours."""
     path = Path(path)
     if not path.is_dir() or not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
         raise ConversionError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
@@ -101,12 +133,13 @@ def _model_tensors(chunk: torch.nn.Module) -> list[ShardedTensor]:
             elif isinstance(value, ShardedTensor):
                 out.append(value)
 
-    visit(chunk.sharded_state_dict(metadata=_metadata()))
+    visit(chunk.sharded_state_dict(metadata=sharding_metadata()))
     return out
 
 
 def check_checkpoint_tensors(chunk: torch.nn.Module, path: str, saved: dict[str, Any]) -> None:
-    """Raise ConversionError naming the first tensor the model needs that `saved` lacks or shapes otherwise."""
+    """Raise ConversionError naming the first tensor the model needs that `saved` (the checkpoint's
+    tensor metadata) lacks or shapes otherwise; the padded vocabulary rows may differ."""
     for tensor in _model_tensors(chunk):
         stored = saved.get(tensor.key)
         if stored is None:
@@ -114,7 +147,7 @@ def check_checkpoint_tensors(chunk: torch.nn.Module, path: str, saved: dict[str,
                 f"{path}: the checkpoint has no tensor {tensor.key!r} (the model has shape {list(tensor.global_shape)})"
             )
         want, have = tuple(tensor.global_shape), tuple(stored.global_shape)
-        if tensor.key in VOCAB_KEYS:
+        if tensor.allow_shape_mismatch:  # the vocabulary dimension, padded for the saving TP
             want, have = want[1:], have[1:]
         if want != have:
             raise ConversionError(
@@ -123,41 +156,22 @@ def check_checkpoint_tensors(chunk: torch.nn.Module, path: str, saved: dict[str,
             )
 
 
-def _repad_vocab(full: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    rows = min(full.shape[0], padded_rows)
-    out = full.new_zeros(padded_rows, *full.shape[1:])
-    out[:rows] = full[:rows]
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    return out.chunk(tp, dim=0)[rank]
-
-
 @torch.no_grad()
-def load_model_weights(chunks: list[torch.nn.Module], path: str | os.PathLike) -> None:
-    """Load the `model` part of a distributed checkpoint (this package's converter's or the actor's)
-    into `chunks` under the running layout; collective."""
+def load_model_weights(chunks: list[torch.nn.Module], path: str | os.PathLike) -> dict[str, Any]:
+    """Load the `model` part of a checkpoint of either kind into `chunks` under the running layout
+    (vocabulary re-padded for this TP); collective. Returns the checkpoint's common state."""
     path = str(path)
-    read_common_state(path)
-    chunk = _single_chunk(chunks)
-    saved = dist_checkpointing.load_tensors_metadata(path)
-    check_checkpoint_tensors(chunk, path, saved)
-    sharded = chunk.sharded_state_dict(metadata=_metadata())
-    repad: dict[str, tuple[int, ...]] = {}
-    for name, value in list(sharded.items()):
-        if isinstance(value, ShardedTensor) and value.key in VOCAB_KEYS:
-            shape = tuple(saved[value.key].global_shape)
-            if shape != tuple(value.global_shape):
-                sharded[name] = ShardedTensor.from_rank_offsets(
-                    value.key, torch.empty(shape, dtype=value.data.dtype, device=value.data.device), replica_id=0
-                )
-                repad[name] = tuple(value.global_shape)
+    common = read_common_state(path)
+    chunk = model_chunk(chunks)
+    check_checkpoint_tensors(chunk, path, dist_checkpointing.load_tensors_metadata(path))
+    sharded = chunk.sharded_state_dict(metadata=sharding_metadata())
     factories = {k: v for k, v in sharded.items() if isinstance(v, ShardedTensorFactory)}
     # Built factories are views of the parameters (e.g. the two SwiGLU halves of linear_fc1), and the
     # reader fills the given tensors in place: no merge, no second copy.
     apply_factories(sharded)
-    loaded = dist_checkpointing.load({"model": sharded}, path, validate_access_integrity=not repad)["model"]
-    for name, global_shape in repad.items():
-        loaded[name] = _repad_vocab(loaded[name], global_shape[0])
+    loaded = dist_checkpointing.load({"model": sharded}, path)["model"]
     _copy_unless_in_place(chunk, loaded, factories, path)
+    return common
 
 
 def _inside(leaf: Any, target: torch.Tensor) -> bool:
@@ -170,8 +184,8 @@ def _inside(leaf: Any, target: torch.Tensor) -> bool:
 def _copy_unless_in_place(
     chunk: torch.nn.Module, loaded: dict[str, Any], factories: dict[str, ShardedTensorFactory], path: str
 ) -> None:
-    """Copy into each parameter what was not read into its memory directly (re-padded vocabulary,
-    another dtype); factory parts are merged first."""
+    """Copy into each parameter what was not read into its memory directly (e.g. another dtype);
+    factory parts are merged first."""
     pending: dict[str, Any] = {}
     for name, target in chunk.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):

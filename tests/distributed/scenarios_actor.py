@@ -1,8 +1,9 @@
 """Scenarios for tests/test_actor_distributed.py (run by launcher.py, one process per rank).
 
 The world-size-1 launch computes the references (log-probs, entropy, recorded routing, R3
-log-probs, parameters after 2 and 4 optimizer steps, a checkpoint after 2) into the folder named by
-$MRL_ACTOR_REF_DIR; every other layout must reproduce them. The tiny policy has 4 layers (the
+log-probs, parameters after 2 and 4 optimizer steps, a checkpoint and a weights-only checkpoint
+after 2) into the folder named by $MRL_ACTOR_REF_DIR; every other layout must reproduce them. The
+vocabulary (300) pads to 384 rows at TP = 1 and 512 at TP = 2, so checkpoints cross paddings. The tiny policy has 4 layers (the
 first dense, so layer 0 has no router), 4 experts top-2, and a token budget that gives several
 micro-batches of different shapes per rank.
 """
@@ -22,6 +23,8 @@ from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.forward import padded_shapes, plan_for_rank
 from megatron_rl.config import Config, ConfigError, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+from megatron_rl.models.checkpoint_io import save_model_weights
+from megatron_rl.parallel import destroy_distributed
 
 TEMPERATURE = 0.7
 LOGPROB_TOL = 1e-5
@@ -275,8 +278,10 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
     save_ref(ctx, "history", history)
     save_ref(ctx, "params_2", actor.full_params())
     save_ref(ctx, "log_probs_2", actor.compute_log_probs(batch).log_probs)
+    save_model_weights(actor.chunks, ref_dir() / "weights_w1")  # what the HF -> Megatron converter writes
     actor.save(ref_dir() / "ckpt_w1")
     draws = (torch.rand(4), torch.randn(2))
+    save_ref(ctx, "draws_after_save", draws)
     history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
     save_ref(ctx, "history_4", history)
     save_ref(ctx, "params_4", actor.full_params())
@@ -310,6 +315,34 @@ def recompute_replay(parallel: ParallelConfig) -> None:
 
 def w1_recompute_replay(ctx) -> None:  # noqa: ANN001
     recompute_replay(layout())
+
+
+def w1_checkpoint_load_both_kinds(ctx) -> None:  # noqa: ANN001
+    """`checkpoint.load` at start-up takes a weights-only checkpoint saved under the same layout (no
+    RNG or optimizer state is asked for) and a full one; `load` of a weights-only checkpoint keeps
+    the optimizer state, schedule and step."""
+    batch = make_batch(actor_config(layout()).model.vocab_size)
+    cfg = actor_config(layout())
+    cfg.checkpoint.load = str(ref_dir() / "weights_w1")
+    actor = MegatronActor(cfg)
+    assert actor.step == 0
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "checkpoint.load, weights")
+    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    lrs = [g["lr"] for g in actor.state.optimizer.param_groups]
+    info = actor.load(ref_dir() / "weights_w1")
+    assert info["weights_only"] and not info["optimizer_loaded"] and not info["rng_restored"], info
+    assert actor.step == 2 and [g["lr"] for g in actor.state.optimizer.param_groups] == lrs, "schedule moved"
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "load of weights")
+    actor.close()
+    destroy_distributed(process_group=False)
+
+    cfg.checkpoint.load = str(ref_dir() / "ckpt_w1")
+    actor = MegatronActor(cfg)
+    assert actor.step == 2 and torch.equal(torch.rand(4), load_ref("draws_after_save")[0]), "RNG not restored"
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "checkpoint.load, full")
+    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    assert_params_close(actor.full_params(), load_ref("params_4"), "checkpoint.load, full, + 2 steps")
+    actor.close()
 
 
 # --- world size 2 --------------------------------------------------------------------------
@@ -371,6 +404,60 @@ def w2_bad_layout(ctx) -> None:  # noqa: ANN001
         else:
             raise AssertionError(f"{parallel} with {overrides} was accepted")
         assert not ps.model_parallel_is_initialized()
+
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def vocab_rows(path: Path) -> set[int]:
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    return {meta[k].global_shape[0] for k in VOCAB_KEYS}
+
+
+def assert_same_training_state(actual: Path, expected: Path) -> None:
+    """The checkpoints hold the same model and optimizer tensors (Adam moments, master weights), bit
+    for bit; a vocabulary tensor padded to more rows holds the other's rows and then zeros. Collective."""
+    from megatron.core import dist_checkpointing
+
+    a, e = (
+        {k: v for k, v in dist_checkpointing.load_plain_tensors(str(p)).items() if isinstance(v, torch.Tensor)}
+        for p in (actual, expected)
+    )
+    assert set(a) == set(e), sorted(set(a) ^ set(e))[:5]
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in e), sorted(e)[:5]
+    for key, want in e.items():
+        got = a[key]
+        rows = min(got.shape[0], want.shape[0])
+        if got.shape[1:] != want.shape[1:] or not torch.equal(got[:rows], want[:rows]):
+            raise AssertionError(f"{key}: {list(got.shape)} in {actual.name} differs from {list(want.shape)}")
+        assert not got[rows:].any() and not want[rows:].any(), f"{key}: nonzero rows past {rows}"
+    ca, ce = (dist_checkpointing.load_common_state_dict(str(p)) for p in (actual, expected))
+    assert ca["step"] == ce["step"] and ca["scheduler"] == ce["scheduler"], (ca["scheduler"], ce["scheduler"])
+
+
+def w2_vocab_padding_tp1_tp2_tp1(ctx) -> None:  # noqa: ANN001
+    """The world-size-1 checkpoint (vocabulary padded to 384 rows) loads under TP = 2 (512 rows) and
+    the TP = 2 re-save loads back under TP = 1 (DP = 2): log-probs as the reference, model and
+    optimizer tensors of both re-saves identical to the original's, 2 more steps as the reference's."""
+    batch = make_batch(actor_config(layout()).model.vocab_size)
+    original, as_tp2, back = ref_dir() / "ckpt_w1", ctx.shared_dir / "ckpt_tp2", ctx.shared_dir / "ckpt_back_tp1"
+    for parallel, source, target in ((layout(tp=2), original, as_tp2), (layout(), as_tp2, back)):
+        actor = MegatronActor(actor_config(parallel))
+        info = actor.load(source)
+        assert info["optimizer_loaded"] and info["step"] == 2 and actor.step == 2, info
+        lp = actor.compute_log_probs(batch).log_probs
+        assert_close(lp, load_ref("log_probs_2"), LOGPROB_TOL, f"log-probs, {source.name} under {parallel}")
+        actor.save(target)
+        if parallel.tensor_model_parallel_size == 1:
+            actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+            assert_params_close(actor.full_params(), load_ref("params_4"), "TP1 -> TP2 -> TP1 + 2 steps")
+        actor.close()
+        destroy_distributed(process_group=False)
+    assert vocab_rows(original) == {384} and vocab_rows(as_tp2) == {512} and vocab_rows(back) == {384}
+    assert_same_training_state(as_tp2, original)
+    assert_same_training_state(back, original)
 
 
 # --- world size 4 --------------------------------------------------------------------------

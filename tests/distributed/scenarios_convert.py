@@ -307,8 +307,10 @@ def w4_tp2_ep2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_actor_loads_converted(ctx) -> None:  # noqa: ANN001
-    """The actor takes a converted checkpoint: through its own loader (weights only, another layout)
-    and as an initializer (`load_model_weights`); its parameters are then the HF tensors, bit for bit."""
+    """The actor takes a converted (weights-only) checkpoint: through `checkpoint.load` at start-up under
+    the converting layout (no RNG or optimizer state asked for), through `load` under TP = 2 (vocabulary
+    padded to 512 rows instead of 384) and as an initializer (`load_model_weights`); its parameters are
+    then the HF tensors, bit for bit."""
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.commands.convert import HF_CONFIG_DIR, hf_to_megatron
     from megatron_rl.config import Config, validate
@@ -317,12 +319,10 @@ def w2_actor_loads_converted(ctx) -> None:  # noqa: ANN001
     from megatron_rl.models.hf_mapping import HFMapping
     from megatron_rl.parallel import destroy_distributed
 
-    src = hf_folder(ctx, "qwen3_moe", vocab_size=256)  # the same padded vocabulary at TP = 1 and 2
+    src = hf_folder(ctx, "qwen3_moe")
     ckpt = ctx.shared_dir / "mg-for-actor"
     hf_to_megatron(src, ckpt, parallel=layout(ep=2))
     model = model_config_from_hf(read_hf_config(ckpt / HF_CONFIG_DIR))
-    cfg = Config(model=model, parallel=layout(tp=2))
-    validate(cfg)
     expected = read_all(src)
     mapping = HFMapping(model)
 
@@ -331,10 +331,19 @@ def w2_actor_loads_converted(ctx) -> None:  # noqa: ANN001
         assert set(got) == set(expected), f"{how}: {sorted(set(got) ^ set(expected))[:3]}"
         for name, value in expected.items():
             assert torch.equal(got[name], value), f"{how}: {name} differs"
+        actor.close()
+        destroy_distributed(process_group=False)
 
+    same = Config(model=model, parallel=layout(ep=2))
+    same.checkpoint.load = str(ckpt)
+    validate(same)
+    actor = MegatronActor(same)
+    assert actor.step == 0
+    check(actor, "checkpoint.load under the converting layout")
+    cfg = Config(model=model, parallel=layout(tp=2))
+    validate(cfg)
     actor = MegatronActor(cfg)
-    actor.load(ckpt, load_optimizer=False)
-    check(actor, "MegatronActor.load(load_optimizer=False)")
-    destroy_distributed(process_group=False)
-    actor = MegatronActor(cfg, initializer=lambda chunks: load_model_weights(chunks, ckpt))
-    check(actor, "initializer=load_model_weights")
+    info = actor.load(ckpt)
+    assert info["weights_only"] and not info["optimizer_loaded"] and not info["rng_restored"], info
+    check(actor, "MegatronActor.load under TP = 2")
+    check(MegatronActor(cfg, initializer=lambda chunks: load_model_weights(chunks, ckpt)), "initializer")
