@@ -241,17 +241,21 @@ class Trainer:
         if cfg.eval.every and self.start_step == 0:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
+        checkpoint_s = None
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             record = self._step(step)
             last = step == cfg.train.steps
             if cfg.eval.every and (step % cfg.eval.every == 0 or last):
                 record.update(self._evaluate(step))
+            if checkpoint_s is not None:
+                record["time/checkpoint"], checkpoint_s = checkpoint_s, None
+            record["time/elapsed"] = time.perf_counter() - started
+            # logged before the checkpoint: resuming from step k keeps the records up to k
+            self.log.log(record)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
                 began = time.perf_counter()
                 self._checkpoint(step)
-                record["time/checkpoint"] = time.perf_counter() - began
-            record["time/elapsed"] = time.perf_counter() - started
-            self.log.log(record)
+                checkpoint_s = time.perf_counter() - began
         if cfg.checkpoint.export_hf:
             self._export(self.run_dir / "hf")
             self.log.message(f"final policy: {self.run_dir / 'hf'}")

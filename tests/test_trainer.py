@@ -1,0 +1,237 @@
+"""End to end: `megatron-rl train` with the local engine on the tiny_math model (2 trainer ranks, EP=2).
+
+- lr 0: the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
+  (<= 1e-4) before and after a weight sync, the exported HF folder holds the starting weights, bad
+  data rows and reward failures are counted, the engine is gone after the run.
+- kill -9 during a step after a checkpoint, `--resume`: the metrics equal an uninterrupted run's.
+- dynamic sampling on a task the policy always fails stops at the round limit with the warning
+  metric; SIGTERM (torchrun) and SIGINT (a single process) end the run with no process left.
+
+The policy is the example's randomly initialised tiny Qwen3-MoE; a custom reward (the share of
+digits in the response, failing on prompts with an odd answer) gives varied rewards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.loop.metrics import TIMING_PREFIXES, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "tiny_math"))
+tiny_model = importlib.import_module("tiny_model")
+tiny_task = importlib.import_module("tiny_task")
+
+STEP_TIMEOUT_S = 240
+GOOD_ROWS = 8  # train.prompts_per_step 4 x 2 steps: one epoch, every row once
+BAD_ROWS = {"invalid_json": 1, "missing_key": 1, "empty_prompt": 1, "too_long": 1}
+REWARD = """
+def digits(response: str, answer: str) -> float:
+    if int(answer) % 2:
+        raise ValueError("odd answers are not scored")
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trainer")
+    tiny_model.build_model(root / "model", seed=0)
+    train, heldout = tiny_task.split_problems(seed=0)
+    rows = [json.dumps(tiny_task.task_row(p, i, "train")) for i, p in enumerate(train[:GOOD_ROWS])]
+    rows.insert(2, "{not json")
+    rows.insert(4, json.dumps({"prompt": "1+2*3="}))  # no reward_model.ground_truth
+    rows.insert(6, json.dumps({"prompt": "", "reward_model": {"ground_truth": "7"}}))
+    rows.append(json.dumps({"prompt": "1+2*3=" * 20, "reward_model": {"ground_truth": "7"}}))  # > 64 tokens
+    (root / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "heldout.jsonl").write_text(
+        "".join(json.dumps(tiny_task.task_row(p, i, "heldout")) + "\n" for i, p in enumerate(heldout[:4]))
+    )
+    (root / "rewards.py").write_text(REWARD)
+    (root / "odd_answers").write_text(str(sum(p.answer % 2 for p in train[:GOOD_ROWS])))
+    config = {
+        "model": {"hf_path": str(root / "model")},
+        "parallel": {"expert_model_parallel_size": 2},
+        "data": {
+            "train_path": str(root / "train.jsonl"),
+            "eval_path": str(root / "heldout.jsonl"),
+            "max_prompt_tokens": 64,
+        },
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 12, "max_concurrency": 1},
+        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits"},
+        "algorithm": {"name": "grpo"},
+        "train": {"steps": 2, "prompts_per_step": 4, "lr": 1e-3, "seed": 7},
+        "eval": {"every": 2, "max_prompts": 4},
+        "checkpoint": {"every": 1},
+        "logging": {"progress": False, "tensorboard": False},
+    }
+    (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return root
+
+
+def command(work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    if ranks == 1:
+        launcher = [sys.executable]
+        overrides = ("parallel.expert_model_parallel_size=1", *overrides)
+    cmd = [*launcher, "-m", "megatron_rl.cli", "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
+    return cmd + list(overrides) + (["--resume"] if resume else [])
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    handle = log.open("w")
+    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"the run did not end within {timeout} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert process.returncode == 0, text[-5000:]
+    return text
+
+
+def train(work: Path, run_dir: Path, *overrides: str, **kwargs) -> list[dict]:
+    log = run_dir.with_suffix(".log")
+    finish(start(command(work, run_dir, *overrides, **kwargs), log), log)
+    return read_metrics(run_dir)
+
+
+def leftovers(work: Path) -> list[str]:
+    """Processes whose command line names a file of this test (trainers, torchrun, the engine)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(work) in cmdline:
+            found.append(f"{proc.pid}: {cmdline[:200]}")
+    return found
+
+
+def wait_for(predicate, process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended early ({process.returncode}):\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"timed out:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def steps_logged(run_dir: Path) -> list[dict]:
+    try:
+        return [r for r in read_metrics(run_dir) if r["step"] > 0]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "lr0"
+    records = train(work, run_dir, "train.lr=0", "checkpoint.every=0")  # saves only at the end
+    by_step = {r["step"]: r for r in records}
+    assert sorted(by_step) == [0, 1, 2]
+    for step in (1, 2):  # step 2 generates after a weight sync of the unchanged weights
+        r = by_step[step]
+        assert r["actor/approx_kl_mean_first_update"] == 0.0 and r["actor/lr"] == 0.0
+        assert r["logprob_gap/abs_max"] <= 1e-4, r["logprob_gap/abs_max"]
+        assert r["groups/groups_used"] == 4 and r["actor/tokens"] == r["response/tokens"]
+        assert r["data/train_rows_kept"] == GOOD_ROWS and r["data/train_rows_skipped"] == sum(BAD_ROWS.values())
+        assert all(r[f"data/train_skipped_{reason}"] == n for reason, n in BAD_ROWS.items())
+    failures = by_step[1]["reward/failures"] + by_step[2]["reward/failures"]
+    assert failures == 4 * int((work / "odd_answers").read_text())  # every response to an odd answer
+    assert by_step[2]["eval/greedy_accuracy"] == by_step[0]["eval/greedy_accuracy"]
+    assert by_step[2]["eval/length_mean"] == by_step[0]["eval/length_mean"]
+    exported, start_weights = (
+        load_file(run_dir / "hf" / "model.safetensors"),
+        load_file(work / "model" / "model.safetensors"),
+    )
+    assert sorted(exported) == sorted(start_weights)
+    assert all(torch.equal(exported[k], start_weights[k]) for k in start_weights)  # lr 0: nothing moved
+    assert leftovers(work) == []
+    from megatron_rl.loop.plot import plot_run
+
+    assert (run_dir / "plots" / "overview.png") in plot_run(run_dir)
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+
+def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(work: Path, tmp_path: Path) -> None:
+    overrides = ("train.steps=3", "train.updates_per_step=2", "eval.every=0", "checkpoint.every=2")
+    reference = train(work, tmp_path / "straight", *overrides)
+    run_dir = tmp_path / "killed"
+    log = tmp_path / "killed.log"
+    process = start(command(work, run_dir, *overrides), log)
+    saved = run_dir / "checkpoints" / "step_000002" / "loop_state.pt"
+    wait_for(saved.is_file, process, log)
+    os.killpg(process.pid, signal.SIGKILL)  # kill -9 every process of the run, in step 3
+    process.wait()
+    assert len(steps_logged(run_dir)) == 2
+    resumed = train(work, run_dir, *overrides, resume=True)
+    assert "resuming from" in (run_dir.with_suffix(".log")).read_text()
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert comparable(resumed) == comparable(reference)
+    assert reference[-1]["actor/approx_kl_mean"] > 0.0  # the second update moved the policy: not vacuous
+    assert leftovers(work) == []
+
+
+ALL_WRONG = (
+    "algorithm.name=dapo",
+    "algorithm.overlong_buffer_len=4",
+    "algorithm.max_gen_rounds=2",
+    "reward.type=dapo",  # the untrained policy never writes "Answer: <right number>"
+    "train.steps=50",
+    "eval.every=0",
+    "checkpoint.every=0",
+)
+
+
+@pytest.mark.parametrize(("ranks", "sig"), [(2, signal.SIGTERM), (1, signal.SIGINT)])
+def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
+    work: Path, tmp_path: Path, ranks: int, sig: signal.Signals
+) -> None:
+    run_dir = tmp_path / "all_wrong"
+    log = tmp_path / "all_wrong.log"
+    process = start(command(work, run_dir, *ALL_WRONG, ranks=ranks), log)
+    wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
+    first = steps_logged(run_dir)[0]
+    assert (first["groups/rounds"], first["groups/target_missed"], first["groups/groups_used"]) == (2.0, 1.0, 0.0)
+    assert (first["groups/groups_generated"], first["reward/accuracy"], first["actor/skipped"]) == (8.0, 0.0, 1.0)
+    assert any("serve" in p.cmdline() for p in _tree(process.pid))  # the engine runs
+    os.kill(process.pid, sig)
+    try:
+        process.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
+    assert process.returncode != 0
+    assert "dynamic sampling kept 0 informative groups of 4 in 2 rounds" in log.read_text()
+    deadline = time.monotonic() + 30
+    while leftovers(work) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftovers(work) == []
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []

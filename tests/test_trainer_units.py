@@ -1,0 +1,314 @@
+"""The RL loop's pieces without Megatron: rollout collection (fake engine), metrics, loop state, model source, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.data import Prompt, PromptSampler, RowLocation
+from megatron_rl.loop.collect import RolloutCollector, check_loop_config, evaluate, sampling_seed
+from megatron_rl.loop.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
+from megatron_rl.loop.model_source import resolve_model
+from megatron_rl.loop.state import (
+    LoopState,
+    capture_rng,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_loop_state,
+    prune_checkpoints,
+    restore_rng,
+    save_loop_state,
+)
+from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.engine import Sample
+from megatron_rl.rollout.local.sampling import sample_tokens
+from megatron_rl.trainer import logprob_gap
+
+
+class CharTokenizer:
+    """ids are code points; decoding drops id 0 (the 'special' EOS)."""
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return ["".join(chr(i) for i in row if not (skip_special_tokens and i == 0)) for row in ids]
+
+
+class ScriptedEngine:
+    """Answers each prompt (by its first token) with the next of its scripted responses, in turn."""
+
+    def __init__(self, script: dict[int, list[str]], max_new_tokens: int) -> None:
+        self.script = script
+        self.max_new_tokens = max_new_tokens
+        self.turn: dict[int, int] = {}
+        self.calls: list[list] = []
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        self.calls.append(list(params))
+        out = []
+        for prompt in prompts:
+            key = prompt[0]
+            k = self.turn.get(key, 0)
+            self.turn[key] = k + 1
+            text = self.script[key][k % len(self.script[key])]
+            ids = [ord(c) for c in text][: self.max_new_tokens]
+            finish = "length" if len(text) >= self.max_new_tokens else "stop"
+            if finish == "stop":
+                ids.append(0)
+            lps = [-0.5] * len(ids)
+            out.append(Sample(list(prompt), ids, lps, finish, weight_version="0"))
+        return out
+
+
+def prompt(index: int, answer: str) -> Prompt:
+    return Prompt(index, (100 + index, 61), f"q{index}", answer, {}, RowLocation("t.jsonl", "line", index + 1))
+
+
+def make_cfg(**over: object) -> Config:
+    base = {
+        "model.hf_path": "unused",
+        "data.train_path": "unused",
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 12,
+        "train.prompts_per_step": 2,
+        "data.shuffle": False,
+    }
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def collector(
+    cfg: Config, script: dict[int, list[str]], prompts: list[Prompt]
+) -> tuple[RolloutCollector, ScriptedEngine]:
+    engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
+    sampler = PromptSampler(prompts, shuffle=False)
+    return RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward), sampler), engine
+
+
+RIGHT, WRONG = "Answer: 7", "Answer: 3"
+
+
+def test_sampling_seeds_are_stable_distinct_and_63_bit() -> None:
+    seeds = {sampling_seed(1234, s, r, i) for s in range(3) for r in range(3) for i in range(50)}
+    assert len(seeds) == 450 and all(0 <= x < 2**63 for x in seeds)
+    assert sampling_seed(1234, 2, 1, 7) == sampling_seed(1234, 2, 1, 7) != sampling_seed(1235, 2, 1, 7)
+
+
+def test_per_row_generators_draw_like_separate_calls() -> None:
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    temp, top_p, top_k = torch.tensor([1.0, 0.0, 0.7]), torch.ones(3), torch.full((3,), -1)
+    seeds = [5, 6, 7]
+    tokens, _ = sample_tokens(logits, temp, top_p, top_k, [torch.Generator().manual_seed(s) for s in seeds])
+    for row in (0, 2):  # each sampled row equals that row sampled alone with its own generator
+        alone, _ = sample_tokens(
+            logits[row : row + 1], temp[row : row + 1], top_p[:1], top_k[:1], torch.Generator().manual_seed(seeds[row])
+        )
+        assert int(tokens[row]) == int(alone[0])
+    assert int(tokens[1]) == int(logits[1].argmax())
+
+
+def test_dynamic_sampling_all_wrong_stops_at_the_round_limit_with_the_warning() -> None:
+    cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.max_gen_rounds": 3, "algorithm.overlong_buffer_len": 4})
+    prompts = [prompt(i, "7") for i in range(10)]
+    col, engine = collector(cfg, {100 + i: [WRONG] for i in range(10)}, prompts)
+    plan = col.collect(step=1)
+    assert plan.batch is None
+    m = plan.metrics
+    assert (m["groups/rounds"], m["groups/target_missed"], m["groups/groups_used"]) == (3.0, 1.0, 0.0)
+    assert (m["groups/groups_generated"], m["groups/filtered"], m["reward/count"]) == (6.0, 6.0, 24.0)
+    assert col.sampler.position == 6 and len(engine.calls) == 3
+    # every request of the step has its own seed, derived from (train.seed, step, round, index)
+    seeds = [p.sampling_seed for call in engine.calls for p in call]
+    assert seeds[:4] == [sampling_seed(cfg.train.seed, 1, 0, i) for i in range(4)] and len(set(seeds)) == 24
+
+
+def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages() -> None:
+    cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.overlong_buffer_len": 4})
+    script = {100: [WRONG], 101: [RIGHT, WRONG, WRONG, WRONG], 102: [RIGHT, RIGHT, WRONG, WRONG], 103: [WRONG]}
+    col, _ = collector(cfg, script, [prompt(i, "7") for i in range(4)])
+    plan = col.collect(step=1)
+    m = plan.metrics
+    assert (m["groups/rounds"], m["groups/groups_kept"], m["groups/target_missed"]) == (2.0, 2.0, 0.0)
+    batch = plan.batch
+    assert len(batch) == 8
+    # every response is 9 characters + EOS = 10 tokens > L_max - L_cache = 12 - 4: the same -0.5 penalty
+    # on every reward, which group advantages cancel
+    adv = torch.stack(batch.advantages)
+    std1 = math.sqrt((1.5**2 + 3 * 0.5**2) / 3) + 1e-6  # rewards [1, -1, -1, -1]: mean -0.5, unbiased std 1
+    std2 = math.sqrt(4 / 3) + 1e-6  # rewards [1, 1, -1, -1]
+    want = [1.5 / std1, -0.5 / std1, -0.5 / std1, -0.5 / std1, 1 / std2, 1 / std2, -1 / std2, -1 / std2]
+    torch.testing.assert_close(adv, torch.tensor(want))
+    assert plan.metrics["reward/train_mean"] == pytest.approx((-2 + 0) / 8 - 0.5)
+    assert batch.prompt_lengths == [2] * 8 and batch.response_mask is None
+    assert batch.tokens[0].tolist() == [101, 61, *[ord(c) for c in RIGHT], 0]
+    assert batch.rollout_log_probs[0].tolist() == [-0.5] * 10
+
+
+def test_without_dynamic_sampling_one_round_is_used_whole() -> None:
+    cfg = make_cfg()
+    col, _ = collector(cfg, {100: [WRONG], 101: [RIGHT, WRONG]}, [prompt(0, "7"), prompt(1, "7")])
+    plan = col.collect(step=3)
+    m = plan.metrics
+    assert (m["groups/rounds"], m["groups/groups_used"], m["groups/informative"], m["groups/filtered"]) == (1, 2, 1, 1)
+    assert len(plan.batch) == 8
+    assert torch.stack(plan.batch.advantages[:4]).abs().max() == 0  # the uninformative group trains on nothing
+    assert m["reward/accuracy"] == 2 / 8 and m["reward/mean"] == (2 - 6) / 8
+
+
+def test_overlong_shaping_filtering_and_reward_failures() -> None:
+    def rule(response: str, answer: str) -> float:
+        if "x" in response:
+            raise ValueError("x is not allowed")
+        return float(len(response))
+
+    cfg = make_cfg(
+        **{
+            "algorithm.soft_overlong_punishment": True,
+            "algorithm.overlong_buffer_len": 4,
+            "algorithm.overlong_filter": True,
+            "reward.type": "custom",
+            "reward.custom_function": "unused:unused",
+        }
+    )
+    short, mid, long_, bad = "ab", "abcdefghi", "abcdefghijklmnop", "x"
+    engine = ScriptedEngine({100: [short, mid, long_, bad]}, cfg.rollout.max_new_tokens)
+    col = RolloutCollector(
+        cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), PromptSampler([prompt(0, "1")])
+    )
+    cfg.train.prompts_per_step = 1
+    plan = col.collect(step=1)
+    groups, stats = col.score([prompt(0, "1")], [engine.generate([[100, 61]] * 4, [None] * 4)])
+    # lengths: 3, 10 (9 + EOS), 12 (truncated, no EOS), 2 tokens; L_max 12, L_cache 4: penalty zone above 8
+    assert groups[0].scores == [2.0, 9.0, 12.0, -1.0]
+    assert groups[0].rewards == pytest.approx([2.0, 9.0 - 2 / 4, 12.0 - 1.0, -1.0])
+    assert stats.failed == 1 and plan.metrics["reward/failures"] == 1.0
+    assert [m.tolist() for m in plan.batch.response_mask] == [[True] * 3, [True] * 10, [False] * 12, [True] * 2]
+    assert plan.metrics["response/clipped_frac"] == 0.25 and plan.metrics["response/length_max"] == 12
+
+
+def test_evaluate_is_greedy_accuracy() -> None:
+    cfg = make_cfg(**{"eval.temperature": 0.0})
+    engine = ScriptedEngine({100: [RIGHT], 101: [WRONG], 102: [RIGHT]}, 12)
+    out = evaluate(engine, [prompt(i, "7") for i in range(3)], CharTokenizer(), RewardScorer(cfg.reward), cfg, 5)
+    assert out["eval/greedy_accuracy"] == pytest.approx(2 / 3) and out["eval/prompts"] == 3
+    assert all(p.temperature == 0.0 and p.sampling_seed is None for p in engine.calls[0])
+
+
+def test_loop_config_checks_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="data.train_path"):
+        check_loop_config(load_config(None, ["model.hf_path=x"]))
+    with pytest.raises(ConfigError, match="overlong_buffer_len"):
+        check_loop_config(make_cfg(**{"algorithm.name": "dapo"}))  # 256 > max_new_tokens 12
+    with pytest.raises(ConfigError, match="data.eval_path"):
+        check_loop_config(make_cfg(**{"eval.every": 2}))
+    with pytest.raises(ConfigError, match="updates_per_step"):
+        check_loop_config(make_cfg(**{"train.updates_per_step": 9}))
+
+
+def test_summarize_updates_reduces_each_key_by_its_kind() -> None:
+    history = [
+        {"approx_kl_mean": 0.0, "ratio_max": 1.5, "ratio_min": 0.9, "lr": 1e-3, "loss": 2.0},
+        {"approx_kl_mean": 0.2, "ratio_max": 1.1, "ratio_min": 0.7, "lr": 2e-3, "loss": 4.0},
+    ]
+    out = summarize_updates(history)
+    assert out == {
+        "actor/approx_kl_mean": 0.1,
+        "actor/ratio_max": 1.5,
+        "actor/ratio_min": 0.7,
+        "actor/lr": 2e-3,
+        "actor/loss": 3.0,
+        "actor/approx_kl_mean_first_update": 0.0,
+        "actor/updates": 2.0,
+    }
+
+
+def test_logprob_gap_by_hand() -> None:
+    out = logprob_gap(
+        [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])], [torch.tensor([-1.0, -1.5]), torch.tensor([-1.0])]
+    )
+    diffs = [0.0, -0.5, 0.5]
+    assert out["logprob_gap/abs_mean"] == pytest.approx(1 / 3) and out["logprob_gap/abs_max"] == 0.5
+    assert out["logprob_gap/kl_k3"] == pytest.approx(sum(math.expm1(d) - d for d in diffs) / 3)
+
+
+def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    for step in range(4):
+        log.log({"step": step, "reward/mean": step / 2, "actor/grad_norm": float("nan") if step == 2 else 1.0})
+    log.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and math.isnan(records[2]["actor/grad_norm"])
+    assert truncate_metrics(tmp_path, 1) == 2
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    MetricsLogger(tmp_path, enabled=False, total_steps=3).log({"step": 9})  # other ranks write nothing
+    assert len(read_metrics(tmp_path)) == 2
+
+
+def test_loop_state_round_trip_latest_and_pruning(tmp_path: Path) -> None:
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    rng = capture_rng()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for step in (1, 2, 3):
+        folder = checkpoint_dir(tmp_path, step)
+        folder.mkdir()
+        save_loop_state(folder, LoopState(step=step, sampler={"position": step}, rollout_seed=7, rng=rng))
+    checkpoint_dir(tmp_path, 4).mkdir()  # a save that was killed half-way: no loop_state.pt
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
+    state = load_loop_state(latest_checkpoint(tmp_path))
+    assert (state.step, state.sampler, state.rollout_seed) == (3, {"position": 3}, 7)
+    restore_rng(state.rng)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["step_000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003", "step_000004"]
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_model_config_comes_from_config_json(tmp_path: Path) -> None:
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "vocab_size": 50,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(None, [f"model.hf_path={tmp_path}", "model.num_layers=9", "model.recompute=true"])
+    model = resolve_model(cfg).model
+    assert (model.num_layers, model.hidden_size, model.num_experts, model.vocab_size) == (3, 64, 4, 50)
+    assert model.recompute and model.params_dtype == "fp32"  # training choices stay the run's
+    with pytest.raises(ConfigError, match="expert_model_parallel_size"):
+        resolve_model(load_config(None, [f"model.hf_path={tmp_path}", "parallel.expert_model_parallel_size=8"]))
+
+
+def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from megatron_rl.loop.plot import plot_run
+
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    log.log({"step": 0, "eval/greedy_accuracy": 0.1}, advance=False)
+    for step in (1, 2, 3):
+        log.log({"step": step, "reward/mean": step, "reward/accuracy": step / 4, "time/generate": 0.5})
+    log.close()
+    written = plot_run(tmp_path)
+    assert sorted(p.name for p in written) == ["accuracy.png", "overview.png", "reward.png", "stage_times.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
