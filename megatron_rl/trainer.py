@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import Config, ConfigError, to_yaml
+from megatron_rl.config import Config, to_yaml
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, check_loop_config, evaluate
 from megatron_rl.loop.metrics import MetricsLogger, summarize_updates, truncate_metrics
 from megatron_rl.loop.model_source import assets_folder, hf_config_for_export, resolve_model, tokenizer_source
@@ -135,10 +135,6 @@ class Trainer:
         from megatron_rl.parallel import read_launch_env
 
         check_loop_config(cfg)
-        if cfg.algorithm.kl_coef > 0:
-            raise ConfigError(
-                f"algorithm.kl_coef = {cfg.algorithm.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
-            )
         self.cfg = cfg = resolve_model(cfg)
         self.rank = read_launch_env().rank
         self.run_dir = Path(cfg.logging.run_dir)
@@ -208,6 +204,12 @@ class Trainer:
         self.actor.load(resume_from / ACTOR_DIR)
         state = load_loop_state(resume_from)
         self.start_step = state.step
+        if state.rollout_seed != cfg.train.seed:
+            logger.warning(
+                "resuming with train.seed = %d, saved with %d: the rollouts will differ from the original run's",
+                cfg.train.seed,
+                state.rollout_seed,
+            )
         if self.rank == 0:
             self.sampler.load_state_dict(state.sampler)
             restore_rng(state.rng)

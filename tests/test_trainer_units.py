@@ -206,6 +206,8 @@ def test_loop_config_checks_name_the_key() -> None:
         check_loop_config(make_cfg(**{"algorithm.name": "dapo"}))  # 256 > max_new_tokens 12
     with pytest.raises(ConfigError, match="data.eval_path"):
         check_loop_config(make_cfg(**{"eval.every": 2}))
+    with pytest.raises(ConfigError, match="algorithm.kl_coef"):
+        check_loop_config(make_cfg(**{"algorithm.kl_coef": 0.1}))
     with pytest.raises(ConfigError, match="updates_per_step"):
         check_loop_config(make_cfg(**{"train.updates_per_step": 9}))
 

@@ -59,6 +59,10 @@ def check_loop_config(cfg: Config) -> None:
             "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
             "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
         )
+    if alg.kl_coef > 0:
+        raise ConfigError(
+            f"algorithm.kl_coef = {alg.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
+        )
     if cfg.eval.every and not cfg.data.eval_path:
         raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")
     samples = cfg.train.prompts_per_step * ro.n_samples_per_prompt

@@ -4,6 +4,8 @@ One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Section
 `response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
 `weight_sync/`, `sft/` (the SFT stage's loss metrics), and the machine-dependent `time/` (seconds per stage) and `throughput/`
 (tokens per second); `TIMING_PREFIXES` names the latter two (what a reproducibility check leaves out).
+A step's record is written before that step's checkpoint is taken (so resuming from step k keeps
+the records up to k); the checkpoint's seconds appear as `time/checkpoint` in the next record.
 """
 
 from __future__ import annotations
