@@ -3,6 +3,7 @@ look-ahead, and the rendezvous helpers."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -10,7 +11,13 @@ import torch
 
 from megatron_rl.rollout import transport
 from megatron_rl.rollout.sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
-from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
+from megatron_rl.rollout.sync.rendezvous import (
+    AGENT_STORE_ENV,
+    free_port,
+    hosting_store,
+    in_daemon_thread,
+    reachable_address,
+)
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -69,7 +76,7 @@ def test_flattened_broadcast_needs_natural_alignment() -> None:
     assert not broadcasts_flat([("a", bf16), ("b", fp32)])  # fp32 at byte 6: not aligned to 4
 
 
-def test_rendezvous_helpers() -> None:
+def test_rendezvous_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reachable_address("http://127.0.0.1:30000") == "127.0.0.1"
     assert 0 < free_port() < 65536
     done = in_daemon_thread(lambda x: (x * 2, threading.current_thread().daemon), 21)
@@ -80,3 +87,8 @@ def test_rendezvous_helpers() -> None:
 
     with pytest.raises(OSError, match="rendezvous failed"):
         in_daemon_thread(boom).result(timeout=10)
+
+    # under torchrun the trainer's rank 0 must still host the group's store: the agent-store switch is hidden
+    monkeypatch.setenv(AGENT_STORE_ENV, "True")
+    seen = hosting_store(lambda: os.environ.get(AGENT_STORE_ENV))()
+    assert seen is None and os.environ[AGENT_STORE_ENV] == "True"
