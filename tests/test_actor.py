@@ -148,20 +148,17 @@ def test_lr_schedule_warmup_then_decay() -> None:
 
 
 def test_package_exports_megatron_parts_lazily() -> None:
-    """`import megatron_rl.actor` (and ActorBatch) leaves Megatron-Core unimported; MegatronActor and
-    LogProbResult import it on first use and are the defining modules' classes."""
-    code = (
-        "import sys\n"
-        "from megatron_rl.actor import ActorBatch, vocab_parallel_logprobs\n"
-        "assert 'megatron.core' not in sys.modules, 'eager Megatron import'\n"
-        "import megatron_rl.actor as actor\n"
-        "assert {'MegatronActor', 'LogProbResult', 'ActorBatch'} <= set(dir(actor)) <= set(vars(actor)) | set(actor.__all__)\n"
-        "from megatron_rl.actor import LogProbResult, MegatronActor\n"
-        "from megatron_rl.actor.actor import MegatronActor as defined\n"
-        "from megatron_rl.actor.forward import LogProbResult as result\n"
-        "assert MegatronActor is defined and LogProbResult is result and 'megatron.core' in sys.modules\n"
-        "try:\n    actor.NoSuchName\nexcept AttributeError as err:\n    assert 'NoSuchName' in str(err)\n"
-        "else:\n    raise AssertionError('unknown attribute resolved')\n"
-    )
+    """`import megatron_rl.actor` leaves Megatron-Core unimported (checked in a fresh interpreter);
+    MegatronActor and LogProbResult resolve on first use to the defining modules' classes."""
+    import megatron_rl.actor as actor
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.forward import LogProbResult
+
+    code = "import sys, megatron_rl.actor; assert 'megatron.core' not in sys.modules, 'eager Megatron import'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert actor.MegatronActor is MegatronActor and actor.LogProbResult is LogProbResult
+    assert actor.ActorBatch is ActorBatch
+    assert {"MegatronActor", "LogProbResult", "ActorBatch"} <= set(actor.__all__) <= set(dir(actor))
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        _ = actor.NoSuchName
