@@ -48,7 +48,13 @@ import torch.distributed as dist
 from megatron_rl.config import Config, to_yaml
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, check_loop_config, evaluate
 from megatron_rl.loop.metrics import MetricsLogger, summarize_updates, truncate_metrics
-from megatron_rl.loop.model_source import assets_folder, hf_config_for_export, resolve_model, tokenizer_source
+from megatron_rl.loop.model_source import (
+    assets_folder,
+    hf_config_folder,
+    hf_config_for_export,
+    resolve_model,
+    tokenizer_source,
+)
 from megatron_rl.loop.state import (
     ACTOR_DIR,
     LoopState,
@@ -218,8 +224,9 @@ class Trainer:
         """Rank 0 starts (or connects to) the engine; a policy without an HF folder is exported first."""
         cfg = self.cfg
         local = cfg.rollout.engine == "local" or not cfg.rollout.sglang_urls
-        model_path = cfg.model.hf_path
-        if model_path is None and local:
+        folder = hf_config_folder(cfg)  # SGLang servers: only read for the routed-experts layout
+        model_path = str(folder) if folder is not None else None
+        if cfg.model.hf_path is None and local:
             model_path = str(self.run_dir / "hf_start")
             self._export(Path(model_path))
 
