@@ -1,0 +1,474 @@
+"""What a Slurm job runs where: the helper behind slurm/train.sbatch and slurm/train_colocated.sbatch.
+
+    python slurm/jobplan.py plan --mode disaggregated --nodes node1,node2 --addrs 10.0.0.1,10.0.0.2 \
+        --gpus-per-node 8 --job-id 123 CONFIG [key=value ...]      # bash assignments on stdout
+    python slurm/jobplan.py free-port                               # a free TCP port of this machine
+    python slurm/jobplan.py wait-healthy --timeout 600 --pids 11,12 URL ...
+    python slurm/jobplan.py weight-versions --out FILE URL ...      # what each engine serves now
+
+`plan` checks the whole submission before anything starts (the config file, the config itself, the
+node split, the engines' GPUs and the trainer's parallel layout on the world the job gives it) and
+prints one error naming the problem (exit 2) or shell assignments for `eval`. Its layout:
+
+- disaggregated: the first `train_nodes` nodes train (one rank per GPU; on CPU the smallest world
+  the parallel layout accepts), the others serve rollouts: `gpus_per_node / rollout.engine_gpus`
+  SGLang servers per node (a server of more GPUs than a node has spans several nodes), or one
+  local engine (`megatron-rl serve`) per node on CPU. Weights go over a NCCL (gloo on CPU) group.
+- colocated: every node trains and serves; the engines release their memory while the trainer
+  updates. Weights go by handle (`rollout.weight_sync=tensor`) on one node, over a group on more.
+
+Anything the user set explicitly in the YAML or the overrides wins over these defaults, unless the
+placement makes it impossible (then the error says which key and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A submission that cannot run; the message names the setting (variable, flag or config key)."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One rollout server: its nodes (the first serves HTTP), the GPUs it takes on each, its command
+    without `--port` (added on the node, where a free port is picked)."""
+
+    index: int
+    nodes: tuple[str, ...]
+    addr: str
+    base_gpu: int
+    command: tuple[str, ...]
+
+
+@dataclass
+class JobPlan:
+    mode: str
+    device: str  # "gpu" or "cpu"
+    run_dir: str
+    log_dir: str
+    train_nodes: list[str]
+    ranks_per_node: int
+    master_addr: str
+    engines: list[Engine]
+    trainer_overrides: list[str] = field(default_factory=list)
+    router: bool = False
+    api_key: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.train_nodes) * self.ranks_per_node
+
+
+def _explicit_keys(config_path: str, overrides: Sequence[str]) -> set[str]:
+    """Dotted keys set in the YAML file or on the command line (as opposed to defaults)."""
+    from omegaconf import OmegaConf
+
+    keys: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            keys.add(prefix.rstrip("."))
+
+    walk(OmegaConf.to_container(OmegaConf.load(config_path)) or {}, "")
+    keys.update(item.split("=", 1)[0].lstrip("+~") for item in overrides if "=" in item)
+    return keys
+
+
+def _min_world(cfg: Any) -> int:
+    """The smallest trainer world the parallel layout accepts (TP x PP times the least data parallelism)."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.parallel.layout import check_layout
+
+    par = cfg.parallel
+    step = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    last: ConfigError | None = None
+    for dp in range(1, 1025):
+        try:
+            check_layout(par, step * dp, cfg.model)
+            return step * dp
+        except ConfigError as err:
+            last = err
+    raise PlanError(f"no trainer world size up to {step * 1024} fits the parallel layout: {last}")
+
+
+def _engine_layout(
+    mode: str, gpus_per_node: int, engine_gpus: int, rollout_nodes: list[str]
+) -> list[list[tuple[str, int]]]:
+    """Per engine, its (node, first GPU) pairs."""
+    if gpus_per_node == 0:
+        return [[(node, 0)] for node in rollout_nodes]
+    if engine_gpus <= gpus_per_node:
+        if gpus_per_node % engine_gpus:
+            raise PlanError(
+                f"rollout.engine_gpus ({engine_gpus}) must divide the GPUs per node ({gpus_per_node}): "
+                "every GPU of a rollout node serves"
+            )
+        return [[(node, k * engine_gpus)] for node in rollout_nodes for k in range(gpus_per_node // engine_gpus)]
+    if engine_gpus % gpus_per_node:
+        raise PlanError(
+            f"rollout.engine_gpus ({engine_gpus}) spans several nodes and must be a multiple of the GPUs per node "
+            f"({gpus_per_node})"
+        )
+    span = engine_gpus // gpus_per_node
+    if len(rollout_nodes) % span:
+        what = "nodes" if mode == "colocated" else "rollout nodes"
+        raise PlanError(
+            f"rollout.engine_gpus ({engine_gpus}) needs {span} nodes per engine, which does not divide the "
+            f"{len(rollout_nodes)} {what}"
+        )
+    return [[(node, 0) for node in rollout_nodes[i : i + span]] for i in range(0, len(rollout_nodes), span)]
+
+
+def _engine_command(
+    cfg: Any, gpu: bool, python: str, bind: str, base_gpu: int, nnodes: int, dist_init: str, extra: Sequence[str]
+) -> tuple[str, ...]:
+    ro = cfg.rollout
+    model = str(Path(cfg.model.hf_path).resolve())
+    if not gpu:
+        cmd = [python, "-m", "megatron_rl.cli", "serve", "--model", model, "--host", bind, "--device", "cpu"]
+        cmd += ["--max-running-requests", str(ro.max_concurrency)]
+    else:
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", bind]
+        cmd += ["--tp-size", str(ro.engine_gpus), "--base-gpu-id", str(base_gpu)]
+        if ro.colocate:
+            cmd.append("--enable-memory-saver")
+        if ro.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        if nnodes > 1:
+            cmd += ["--nnodes", str(nnodes), "--dist-init-addr", dist_init]  # --node-rank: per node, in engine.sh
+    if ro.api_key:
+        cmd += ["--api-key", ro.api_key]
+    return tuple(cmd + list(extra))
+
+
+def make_plan(
+    mode: str,
+    config_path: str,
+    overrides: Sequence[str],
+    nodes: Sequence[str],
+    addrs: Sequence[str],
+    gpus_per_node: int,
+    job_id: str,
+    train_nodes: int | None = None,
+    ranks_per_node: int | None = None,
+    python: str = sys.executable,
+    bind: str = "0.0.0.0",
+    engine_args: Sequence[str] = (),
+    router: bool = False,
+) -> JobPlan:
+    """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError."""
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.loop.collect import check_loop_config
+    from megatron_rl.parallel.layout import check_layout
+
+    if mode not in ("disaggregated", "colocated"):
+        raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
+    if not nodes or len(nodes) != len(addrs):
+        raise PlanError(f"{len(nodes)} node names but {len(addrs)} addresses")
+    if gpus_per_node < 0:
+        raise PlanError(f"GPUS_PER_NODE={gpus_per_node} must be >= 0")
+    if not Path(config_path).is_file():
+        raise PlanError(f"config file {config_path} does not exist (relative paths start at {os.getcwd()})")
+    placement = ["rollout.colocate=true"] if mode == "colocated" else []
+    cfg = load_config(config_path, [*overrides, *placement])
+    explicit = _explicit_keys(config_path, overrides)
+    gpu = gpus_per_node > 0
+    nnodes = len(nodes)
+    addr_of = dict(zip(nodes, addrs, strict=True))
+    forced: list[str] = ["rollout.engine=sglang"]
+
+    if mode == "disaggregated":
+        if nnodes < 2:
+            raise PlanError(
+                f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
+                "--nodes=2 or more, or use slurm/train_colocated.sbatch"
+            )
+        n_train = nnodes // 2 if train_nodes is None else train_nodes
+        if not 1 <= n_train < nnodes:
+            raise PlanError(
+                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): from 1 to "
+                f"{nnodes - 1} can train, the others serve rollouts"
+            )
+        if cfg.rollout.colocate:
+            raise PlanError(
+                "rollout.colocate = true, but train.sbatch runs the engines on their own nodes: "
+                "submit slurm/train_colocated.sbatch, or set rollout.colocate=false"
+            )
+        if "rollout.weight_sync" not in explicit:
+            forced.append("rollout.weight_sync=distributed")
+        rollout_nodes = list(nodes[n_train:])
+    else:
+        if train_nodes is not None and train_nodes != nnodes:
+            raise PlanError(
+                f"TRAIN_NODES={train_nodes}, but train_colocated.sbatch trains on all {nnodes} nodes of the job: "
+                "unset it, or use slurm/train.sbatch to split nodes"
+            )
+        n_train = nnodes
+        forced += placement
+        if "rollout.weight_sync" not in explicit:
+            forced.append("rollout.weight_sync=" + ("tensor" if nnodes == 1 else "distributed"))
+        elif cfg.rollout.weight_sync == "tensor" and nnodes > 1:
+            raise PlanError(
+                f"rollout.weight_sync = tensor hands tensors over by handle on one machine, and only global rank 0 "
+                f"sends: engines on the other {nnodes - 1} node(s) could not open them. Use "
+                "rollout.weight_sync=distributed, or --nodes=1"
+            )
+        rollout_nodes = list(nodes)
+    if not gpu:
+        forced.append("rollout.engine_gpus=1")  # the local engine is one process
+
+    # the config as the trainer will see it: user settings, the placement's, the servers' addresses (known later)
+    cfg = load_config(config_path, [*overrides, *forced, 'rollout.sglang_urls=["http://servers.pending:1"]'])
+    check_loop_config(cfg)
+    if not cfg.model.hf_path:
+        raise PlanError(
+            "model.hf_path is not set: the rollout engines load a Hugging Face folder "
+            "(on a filesystem every node sees), then receive the trainer's weights"
+        )
+    if not Path(cfg.model.hf_path, "config.json").is_file():
+        raise PlanError(f"model.hf_path = {cfg.model.hf_path}: no config.json there (a Hugging Face model folder)")
+
+    if gpu:
+        rpn = gpus_per_node if ranks_per_node is None else ranks_per_node
+        if not 1 <= rpn <= gpus_per_node:
+            raise PlanError(f"RANKS_PER_NODE={rpn} must be between 1 and the {gpus_per_node} GPUs per node")
+    else:
+        rpn = ranks_per_node if ranks_per_node is not None else _min_world(cfg)
+        if rpn < 1:
+            raise PlanError(f"RANKS_PER_NODE={rpn} must be >= 1")
+    world = n_train * rpn
+    try:
+        check_layout(cfg.parallel, world, cfg.model)
+    except ConfigError as err:
+        raise PlanError(f"{err} (trainer world = {n_train} training node(s) x {rpn} ranks per node)") from None
+
+    layout = _engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes)
+    engines = []
+    base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+    for i, placed in enumerate(layout):
+        first, base_gpu = placed[0]
+        dist_init = f"{addr_of[first]}:{base_port + i}"
+        command = _engine_command(cfg, gpu, python, bind, base_gpu, len(placed), dist_init, engine_args)
+        engines.append(Engine(i, tuple(n for n, _ in placed), addr_of[first], base_gpu, command))
+
+    run_dir = str(Path(cfg.logging.run_dir).resolve())
+    return JobPlan(
+        mode=mode,
+        device="gpu" if gpu else "cpu",
+        run_dir=run_dir,
+        log_dir=str(Path(run_dir, "logs", f"job-{job_id}")),
+        train_nodes=list(nodes[:n_train]),
+        ranks_per_node=rpn,
+        master_addr=addr_of[nodes[0]],
+        engines=engines,
+        trainer_overrides=forced,
+        router=router,
+        api_key=cfg.rollout.api_key,
+    )
+
+
+def to_shell(plan: JobPlan) -> str:
+    """Bash assignments (scalars and arrays) for `eval`."""
+    q = shlex.quote
+
+    def array(name: str, items: Sequence[str]) -> str:
+        return f"{name}=({' '.join(q(str(x)) for x in items)})"
+
+    lines = [
+        f"PLAN_MODE={q(plan.mode)}",
+        f"PLAN_DEVICE={q(plan.device)}",
+        f"RUN_DIR={q(plan.run_dir)}",
+        f"LOG_DIR={q(plan.log_dir)}",
+        array("TRAIN_HOSTS", plan.train_nodes),
+        f"RANKS_PER_NODE={plan.ranks_per_node}",
+        f"WORLD_SIZE_PLANNED={plan.world_size}",
+        f"MASTER_ADDR={q(plan.master_addr)}",
+        array("TRAINER_OVERRIDES", plan.trainer_overrides),
+        f"ENGINE_COUNT={len(plan.engines)}",
+        f"START_ROUTER={int(plan.router)}",
+        f"ENGINE_API_KEY={q(plan.api_key or '')}",
+    ]
+    for e in plan.engines:
+        lines += [
+            array(f"ENGINE_NODES_{e.index}", e.nodes),
+            f"ENGINE_ADDR_{e.index}={q(e.addr)}",
+            array(f"ENGINE_CMD_{e.index}", e.command),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def describe(plan: JobPlan) -> str:
+    """A few human lines for the job's output."""
+    out = [
+        f"{plan.mode} on {plan.device}: trainer {len(plan.train_nodes)} node(s) x {plan.ranks_per_node} ranks "
+        f"= world {plan.world_size} on {','.join(plan.train_nodes)}, master {plan.master_addr}",
+        f"{len(plan.engines)} engine(s): "
+        + "; ".join(f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.engines),
+        f"run folder {plan.run_dir}, logs {plan.log_dir}",
+        "trainer overrides: " + " ".join(plan.trainer_overrides),
+    ]
+    return "\n".join(out)
+
+
+# ---- small tools for the job script ----
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _health(url: str, api_key: str | None, timeout: float = 5.0) -> int | None:
+    request = urllib.request.Request(url.rstrip("/") + "/health")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_healthy(
+    urls: Sequence[str], timeout_s: float, pids: Sequence[int] = (), api_key: str | None = None, interval_s: float = 1.0
+) -> None:
+    """Until every URL's /health answers 200; PlanError when a watched process ends or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        dead = [p for p in pids if not _pid_alive(p)]
+        if dead:
+            raise PlanError(f"a server process ended before answering /health (pid {dead[0]}); see its log")
+        pending = [u for u in pending if _health(u, api_key) != 200]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise PlanError(f"no healthy answer from {', '.join(pending)} within {timeout_s:.0f} s")
+        time.sleep(interval_s)
+
+
+def weight_versions(urls: Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
+    """Each engine's /get_model_info weight_version (None with the error when it does not answer)."""
+    out = []
+    for url in urls:
+        request = urllib.request.Request(url.rstrip("/") + "/get_model_info")
+        if api_key:
+            request.add_header("Authorization", f"Bearer {api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                out.append({"url": url, "weight_version": json.loads(reply.read()).get("weight_version")})
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            out.append({"url": url, "weight_version": None, "error": str(err)})
+    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jobplan.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="check the submission and print the job's layout as bash assignments")
+    p.add_argument("--mode", required=True, choices=["disaggregated", "colocated"])
+    p.add_argument("--nodes", required=True, help="the job's node names, comma-separated, in order")
+    p.add_argument("--addrs", required=True, help="their addresses (NodeAddr), comma-separated")
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--job-id", default="0")
+    p.add_argument("--train-nodes", default="", help="nodes that train (disaggregated); empty = half")
+    p.add_argument("--ranks-per-node", default="", help="trainer ranks per node; empty = GPUs (CPU: the least)")
+    p.add_argument("--bind", default="0.0.0.0", help="address the engines bind")
+    p.add_argument("--engine-args", default="", help="extra engine arguments (shell words)")
+    p.add_argument("--router", action="store_true", help="start an sglang-router in front of the engines")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    sub.add_parser("free-port", help="print a free TCP port of this machine")
+    w = sub.add_parser("wait-healthy", help="wait until every URL's /health answers 200")
+    w.add_argument("--timeout", type=float, default=600.0)
+    w.add_argument("--pids", default="", help="processes that must stay alive meanwhile, comma-separated")
+    w.add_argument("--api-key", default=None)
+    w.add_argument("urls", nargs="+")
+    v = sub.add_parser("weight-versions", help="print and save each engine's weight version")
+    v.add_argument("--out", required=True)
+    v.add_argument("--api-key", default=None)
+    v.add_argument("urls", nargs="+")
+    args = parser.parse_args(argv)
+
+    if args.command == "free-port":
+        print(free_port())
+        return 0
+    try:
+        if args.command == "plan":
+            plan = make_plan(
+                args.mode,
+                args.config,
+                args.overrides,
+                [n for n in args.nodes.split(",") if n],
+                [a for a in args.addrs.split(",") if a],
+                args.gpus_per_node,
+                args.job_id,
+                train_nodes=_int_or_none(args.train_nodes, "TRAIN_NODES"),
+                ranks_per_node=_int_or_none(args.ranks_per_node, "RANKS_PER_NODE"),
+                bind=args.bind,
+                engine_args=shlex.split(args.engine_args),
+                router=args.router,
+            )
+            print(describe(plan), file=sys.stderr)
+            print(to_shell(plan), end="")
+        elif args.command == "wait-healthy":
+            pids = [int(p) for p in args.pids.split(",") if p]
+            wait_healthy(args.urls, args.timeout, pids, args.api_key)
+        else:
+            found = weight_versions(args.urls, args.api_key)
+            Path(args.out).write_text(json.dumps(found, indent=1) + "\n")
+            for item in found:
+                print(f"engine {item['url']}: weight_version {item['weight_version']}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - one line naming the problem is the job's whole report
+        from megatron_rl.config import ConfigError
+
+        if not isinstance(err, (PlanError, ConfigError)):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _int_or_none(text: str, name: str) -> int | None:
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanError(f"{name}={text!r} is not an integer") from None
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,338 @@
+# shellcheck shell=bash
+# The body of the sbatch scripts: `run_job MODE CONFIG [key=value ...]` (train.sbatch: disaggregated,
+# train_colocated.sbatch: colocated) and `run_convert ARGS...` (convert.sbatch).
+#
+# run_job:
+# 1. plan (slurm/jobplan.py): check the config, the node split and the trainer's parallel layout;
+#    fail at once with one message naming the problem;
+# 2. start the rollout servers as background job steps (one srun each), wait for their /health,
+#    then an sglang-router in front of them when there is one;
+# 3. run the trainer (one srun: one task per GPU, on CPU the least ranks the layout takes) with
+#    rollout.engine=sglang rollout.sglang_urls=[the servers] and --resume;
+# 4. record each server's final weight version (LOG_DIR/engines.json), stop every step, exit with
+#    the trainer's status.
+# Every step runs in a process group of its own and is stopped (SIGTERM to its tasks, SIGKILL after
+# STOP_GRACE seconds) when the job ends, fails, or is cancelled (scancel, time limit, preemption).
+#
+# Environment (all optional):
+#   TRAIN_NODES        disaggregated: nodes that train, the first ones of the job (default: half)
+#   RANKS_PER_NODE     trainer ranks per node (default: the GPUs per node; CPU: the least the layout takes)
+#   GPUS_PER_NODE      GPUs per node (default: Slurm's count, else nvidia-smi's; 0 = CPU run)
+#   RESUME             1 (default): --resume from the newest checkpoint; 0: start over
+#   ROUTER             1/0: sglang-router in front of the engines (default: 1 on GPUs when sglang_router imports)
+#   ROUTER_POLICY      the router's --policy (default cache_aware)
+#   SGLANG_ARGS        extra sglang.launch_server arguments (e.g. "--mem-fraction-static 0.7 --ep-size 8")
+#   LOCAL_ENGINE_ARGS  extra `megatron-rl serve` arguments (CPU runs)
+#   ENGINE_BIND        address the servers bind (default 0.0.0.0)
+#   ENGINE_TIMEOUT     seconds for the servers to answer /health (default 1800)
+#   STOP_GRACE         seconds between SIGTERM and SIGKILL when stopping steps (default 30)
+#   PYTHON             interpreter with megatron-rl installed (default: python on PATH)
+#   DRY_RUN            1: print the plan and the commands, start nothing
+
+say() { echo "[$(date '+%F %T')] $*"; }
+die() {
+  say "error: $*" >&2
+  exit 2
+}
+join_by() {
+  local IFS=$1
+  shift
+  echo "$*"
+}
+
+# ---- steps and their end ----
+BG_PIDS=()
+BG_NAMES=()
+CLEANED=0
+
+# start_step NAME CMD...: CMD (an srun) in the background, in a process group of its own.
+start_step() {
+  local name=$1
+  shift
+  setsid "$@" </dev/null &
+  BG_PIDS+=("$!")
+  BG_NAMES+=("$name")
+}
+
+# The step's srun or anything of its process group still runs (zombies aside: srun leaves a child
+# that PID 1 may reap late; right after the fork the group may not exist yet).
+group_alive() {
+  ps -eo pid=,pgid=,stat= | awk -v g="$1" '($1 == g || $2 == g) && $3 !~ /^Z/ {found = 1} END {exit !found}'
+}
+
+# The id (JOB.STEP) of this job's running step named NAME, if any.
+step_id() { squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk -v n="$1" '$2 == n {print $1; exit}'; }
+
+# Stop every step, the newest first (the trainer before the servers it uses): SIGTERM to the step's
+# tasks (srun itself would turn a SIGTERM into SIGKILL for them), SIGKILL after STOP_GRACE seconds.
+stop_steps() {
+  local grace=${STOP_GRACE:-30} i pid sid alive deadline
+  for ((i = ${#BG_PIDS[@]} - 1; i >= 0; i--)); do
+    pid=${BG_PIDS[$i]}
+    group_alive "$pid" || continue
+    say "stopping ${BG_NAMES[$i]}"
+    sid=$(step_id "${BG_NAMES[$i]}")
+    if [[ -n $sid ]]; then
+      scancel --signal=TERM "$sid" 2>/dev/null || true
+    else
+      kill -TERM -- "-$pid" 2>/dev/null || true
+    fi
+  done
+  deadline=$((SECONDS + grace))
+  while :; do
+    alive=0
+    for pid in "${BG_PIDS[@]}"; do group_alive "$pid" && alive=1; done
+    ((alive == 0 || SECONDS >= deadline)) && break
+    sleep 0.2
+  done
+  for i in "${!BG_PIDS[@]}"; do
+    pid=${BG_PIDS[$i]}
+    group_alive "$pid" || continue
+    say "${BG_NAMES[$i]} still running after ${grace} s: killing it"
+    sid=$(step_id "${BG_NAMES[$i]}")
+    [[ -n $sid ]] && scancel "$sid" 2>/dev/null
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+  wait 2>/dev/null || true
+}
+
+cleanup() {
+  ((CLEANED)) && return 0
+  CLEANED=1
+  stop_steps
+}
+
+on_signal() {
+  say "received SIG$1: stopping the job's steps"
+  trap - TERM INT HUP USR1
+  cleanup
+  exit $((128 + $2))
+}
+
+install_traps() {
+  trap cleanup EXIT
+  trap 'on_signal TERM 15' TERM
+  trap 'on_signal INT 2' INT
+  trap 'on_signal HUP 1' HUP
+  trap 'on_signal USR1 10' USR1
+}
+
+# ---- the job's nodes ----
+job_nodes() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
+
+# Slurm's NodeAddr of a node: what the other nodes connect to.
+node_addr() {
+  local addr
+  addr=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  echo "${addr:-$1}"
+}
+
+detect_gpus() {
+  if [[ -n ${GPUS_PER_NODE:-} ]]; then
+    echo "$GPUS_PER_NODE"
+  elif [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+    echo "$SLURM_GPUS_ON_NODE"
+  elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    nvidia-smi -L | grep -c '^GPU'
+  else
+    echo 0
+  fi
+}
+
+require_job() {
+  [[ -n ${SLURM_JOB_ID:-} ]] || die "submit this script with sbatch (no SLURM_JOB_ID)"
+  PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+  export PYTHON
+}
+
+show_tail() {
+  local file
+  for file in "$@"; do
+    [[ -s $file ]] || continue
+    echo "---- last lines of $file"
+    tail -n 30 "$file"
+  done
+}
+
+# ---- servers ----
+# wait_url NAME PID: the URL a server step publishes in LOG_DIR/endpoints once it has a port.
+wait_url() {
+  local name=$1 pid=$2 file="$LOG_DIR/endpoints/$1.url" deadline=$((SECONDS + ${ENGINE_TIMEOUT:-1800}))
+  until [[ -s $file ]]; do
+    if ! group_alive "$pid"; then
+      show_tail "$LOG_DIR/$name"-*.log >&2
+      die "$name ended before it started serving (logs: $LOG_DIR/$name-*.log)"
+    fi
+    ((SECONDS < deadline)) || die "$name published no address within ${ENGINE_TIMEOUT:-1800} s"
+    sleep 0.2
+  done
+  cat "$file"
+}
+
+# start_server NAME ADDR NODES(comma) EXTRA_SRUN_ARGS... -- CMD...
+start_server() {
+  local name=$1 addr=$2 hosts=$3
+  shift 3
+  local -a srun_args=()
+  while [[ $1 != -- ]]; do
+    srun_args+=("$1")
+    shift
+  done
+  shift
+  local count
+  count=$(tr ',' '\n' <<<"$hosts" | wc -l)
+  start_step "$name" srun --kill-on-bad-exit=1 --export=ALL "${srun_args[@]}" --nodes="$count" \
+    --ntasks-per-node=1 --nodelist="$hosts" --job-name="$name" \
+    bash "$SLURM_DIR/task.sh" serve "$name" "$addr" "$LOG_DIR" -- "$@"
+}
+
+# Starts every engine and waits for them; sets ENGINE_URLS.
+start_engines() {
+  local i url
+  local -a pids=()
+  ENGINE_URLS=()
+  for ((i = 0; i < ENGINE_COUNT; i++)); do
+    local -n cmd="ENGINE_CMD_$i" hosts="ENGINE_NODES_$i" addr="ENGINE_ADDR_$i"
+    start_server "engine$i" "$addr" "$(join_by , "${hosts[@]}")" "${OVERLAP[@]}" -- "${cmd[@]}"
+    pids+=("${BG_PIDS[-1]}")
+    unset -n cmd hosts addr
+  done
+  for ((i = 0; i < ENGINE_COUNT; i++)); do
+    url=$(wait_url "engine$i" "${pids[$i]}") || exit 2
+    ENGINE_URLS+=("$url")
+  done
+  say "waiting for ${ENGINE_URLS[*]} to answer /health"
+  "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout "${ENGINE_TIMEOUT:-1800}" --pids "$(join_by , "${pids[@]}")" \
+    "${KEY_ARG[@]}" "${ENGINE_URLS[@]}" || {
+    show_tail "$LOG_DIR"/engine*.log
+    die "the rollout servers did not start"
+  }
+}
+
+start_router() {
+  local -n hosts="ENGINE_NODES_0" addr="ENGINE_ADDR_0"
+  start_server router "$addr" "${hosts[0]}" --overlap -- "$PYTHON" -m sglang_router.launch_router \
+    --worker-urls "${ENGINE_URLS[@]}" --host "${ENGINE_BIND:-0.0.0.0}" --policy "${ROUTER_POLICY:-cache_aware}"
+  local url pid=${BG_PIDS[-1]}
+  url=$(wait_url router "$pid") || exit 2
+  "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout 300 --pids "$pid" "$url" || {
+    show_tail "$LOG_DIR"/router-*.log
+    die "the sglang-router did not start"
+  }
+  say "router $url in front of the servers (for clients besides the trainer, which updates every server itself)"
+}
+
+# ---- the training job ----
+run_job() {
+  local mode=$1
+  shift
+  require_job
+  local script=train
+  [[ $mode == colocated ]] && script=train_colocated
+  (($# >= 1)) || die "usage: sbatch [options] slurm/$script.sbatch CONFIG [key=value ...]"
+  local config=$1
+  shift
+  local -a overrides=("$@") nodes=() addrs=()
+  local started=$SECONDS n gpus router engine_args plan
+  mapfile -t nodes < <(job_nodes)
+  for n in "${nodes[@]}"; do addrs+=("$(node_addr "$n")"); done
+  gpus=$(detect_gpus)
+  router=${ROUTER:-}
+  if [[ -z $router ]]; then
+    router=0
+    ((gpus > 0)) && "$PYTHON" -c "import sglang_router" 2>/dev/null && router=1
+  fi
+  engine_args=${LOCAL_ENGINE_ARGS:-}
+  ((gpus > 0)) && engine_args=${SGLANG_ARGS:-}
+  local -a plan_args=(--mode "$mode" --job-id "$SLURM_JOB_ID" --gpus-per-node "$gpus"
+    --nodes "$(join_by , "${nodes[@]}")" --addrs "$(join_by , "${addrs[@]}")"
+    --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}"
+    --bind "${ENGINE_BIND:-0.0.0.0}" --engine-args "$engine_args")
+  ((router)) && plan_args+=(--router)
+
+  say "job $SLURM_JOB_ID ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
+  plan=$("$PYTHON" "$SLURM_DIR/jobplan.py" plan "${plan_args[@]}" "$config" "${overrides[@]}") || exit 2
+  eval "$plan"
+  OVERLAP=()
+  [[ $PLAN_MODE == colocated ]] && OVERLAP=(--overlap) # engines and trainer share the nodes' CPUs and GPUs
+  KEY_ARG=()
+  [[ -n $ENGINE_API_KEY ]] && KEY_ARG=(--api-key "$ENGINE_API_KEY")
+  local -a resume=()
+  [[ ${RESUME:-1} == 1 ]] && resume=(--resume)
+  local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
+  if [[ ${DRY_RUN:-0} == 1 ]]; then
+    local i
+    for ((i = 0; i < ENGINE_COUNT; i++)); do
+      local -n cmd="ENGINE_CMD_$i" hosts="ENGINE_NODES_$i"
+      say "engine$i on $(join_by , "${hosts[@]}"): ${cmd[*]}"
+      unset -n cmd hosts
+    done
+    ((START_ROUTER)) && say "router on ${ENGINE_NODES_0[0]}: sglang_router.launch_router --worker-urls ..."
+    say "trainer on $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks: ${trainer[*]} rollout.sglang_urls=[...] ${resume[*]}"
+    return 0
+  fi
+  mkdir -p "$LOG_DIR/endpoints"
+  rm -f "$LOG_DIR"/endpoints/*.url
+  install_traps
+
+  start_engines
+  say "$ENGINE_COUNT rollout server(s) healthy after $((SECONDS - started)) s"
+  ((START_ROUTER)) && start_router
+
+  # the trainer talks to each server itself: weight updates must reach every one
+  trainer+=("rollout.sglang_urls=[$(printf '"%s",' "${ENGINE_URLS[@]}" | sed 's/,$//')]" "${resume[@]}")
+  MASTER_PORT=$("$PYTHON" "$SLURM_DIR/jobplan.py" free-port)
+  export MASTER_ADDR MASTER_PORT
+  unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK # Slurm's variables give the ranks
+  local cpus=1
+  if [[ $PLAN_MODE == disaggregated && -n ${SLURM_CPUS_ON_NODE:-} ]]; then
+    cpus=$((SLURM_CPUS_ON_NODE / RANKS_PER_NODE))
+    ((cpus >= 1)) || cpus=1
+  fi
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$cpus}
+  say "trainer: $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks, master $MASTER_ADDR:$MASTER_PORT: ${trainer[*]}"
+  start_step trainer srun --kill-on-bad-exit=1 --export=ALL "${OVERLAP[@]}" --nodes="${#TRAIN_HOSTS[@]}" \
+    --ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$cpus" --nodelist="$(join_by , "${TRAIN_HOSTS[@]}")" \
+    --job-name=trainer bash "$SLURM_DIR/task.sh" train "$LOG_DIR" -- "${trainer[@]}"
+  local rc=0
+  wait "${BG_PIDS[-1]}" || rc=$?
+  if ((rc == 0)); then
+    say "trainer finished after $((SECONDS - started)) s"
+  else
+    show_tail "$LOG_DIR"/train-*-rank0.log
+    say "trainer failed (exit $rc); logs in $LOG_DIR"
+  fi
+  "$PYTHON" "$SLURM_DIR/jobplan.py" weight-versions --out "$LOG_DIR/engines.json" "${KEY_ARG[@]}" \
+    "${ENGINE_URLS[@]}" 2>&1 || true
+  cleanup
+  return "$rc"
+}
+
+# ---- conversion ----
+# run_convert ARGS...: `megatron-rl convert ARGS` on every node of the job, one rank per GPU
+# (RANKS_PER_NODE; CPU default 1); the ranks spread the model (--tp/--pp/--ep), not the result.
+run_convert() {
+  require_job
+  (($# >= 1)) || die "usage: sbatch [options] slurm/convert.sbatch hf-to-megatron|megatron-to-hf ARGS (see megatron-rl convert --help)"
+  local -a nodes=()
+  mapfile -t nodes < <(job_nodes)
+  local gpus ranks
+  gpus=$(detect_gpus)
+  ranks=${RANKS_PER_NODE:-$gpus}
+  [[ $ranks =~ ^[0-9]+$ ]] || die "RANKS_PER_NODE=$ranks is not an integer"
+  ((ranks >= 1)) || ranks=1
+  MASTER_ADDR=$(node_addr "${nodes[0]}")
+  MASTER_PORT=$("$PYTHON" "$SLURM_DIR/jobplan.py" free-port)
+  export MASTER_ADDR MASTER_PORT
+  unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  install_traps
+  say "job $SLURM_JOB_ID: convert on ${#nodes[@]} node(s) x $ranks ranks: megatron-rl convert $*"
+  start_step convert srun --kill-on-bad-exit=1 --export=ALL --label --nodes="${#nodes[@]}" --ntasks-per-node="$ranks" \
+    --job-name=convert "$PYTHON" -m megatron_rl.cli convert "$@"
+  local rc=0
+  wait "${BG_PIDS[-1]}" || rc=$?
+  say "convert exited with $rc"
+  cleanup
+  return "$rc"
+}

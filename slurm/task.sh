@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One task of a job step (started by srun from slurm/lib.sh): its own log file, then the command.
+#
+#   task.sh train LOG_DIR -- CMD...               # log LOG_DIR/train-NODE-rankR.log
+#   task.sh serve NAME ADDR LOG_DIR -- CMD...     # a server (engine or router): on the step's first
+#                                                 # node pick a free port, append --port P, publish
+#                                                 # http://ADDR:P in LOG_DIR/endpoints/NAME.url; on
+#                                                 # the other nodes of a multi-node engine append
+#                                                 # --node-rank (SGLang serves HTTP from node rank 0)
+set -euo pipefail
+
+node=${SLURMD_NODENAME:-$(hostname -s)}
+role=$1
+shift
+case "$role" in
+train)
+  log_dir=$1
+  shift
+  [[ $1 == -- ]] && shift
+  exec >>"$log_dir/train-$node-rank${SLURM_PROCID:-0}.log" 2>&1
+  echo "[$(date '+%F %T')] rank ${SLURM_PROCID:-0} of ${SLURM_NTASKS:-1} on $node: $*"
+  exec "$@"
+  ;;
+serve)
+  name=$1 addr=$2 log_dir=$3
+  shift 3
+  [[ $1 == -- ]] && shift
+  exec >>"$log_dir/$name-$node.log" 2>&1
+  node_rank=${SLURM_NODEID:-0}
+  args=("$@")
+  if ((node_rank == 0)); then
+    port=$("${PYTHON:-python3}" "$(dirname "$0")/jobplan.py" free-port)
+    args+=(--port "$port")
+    mkdir -p "$log_dir/endpoints"
+    echo "http://$addr:$port" >"$log_dir/endpoints/$name.url.tmp"
+    mv "$log_dir/endpoints/$name.url.tmp" "$log_dir/endpoints/$name.url"
+  fi
+  if ((${SLURM_NNODES:-1} > 1)); then
+    args+=(--node-rank "$node_rank")
+  fi
+  echo "[$(date '+%F %T')] $name on $node (node rank $node_rank): ${args[*]}"
+  exec "${args[@]}"
+  ;;
+*)
+  echo "task.sh: unknown role '$role' (train or serve)" >&2
+  exit 2
+  ;;
+esac

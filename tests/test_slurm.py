@@ -1,0 +1,409 @@
+"""The sbatch scripts (slurm/) on a real two-node Slurm cluster, and the job planner on its own.
+
+The cluster is tests/support/slurm_cluster.sh: Debian's Slurm 22.05, node1 and node2 on this one
+machine (installed and started by the session fixture when missing, stopped again if it started it).
+Every job is the real script running the tiny_math example's model and task on the CPU:
+
+- train.sbatch, 2 nodes: node1 trains with 2 ranks (EP 2, gloo), node2 serves the local engine;
+  the job exits 0, metrics.jsonl has the steps, the engine ends on the last step's weight version,
+  and its log-probs match the trainer's after a sync (the weights, not only the version, arrived);
+- a job chained with --dependency=afterany resumes from the checkpoint and continues the step
+  count; cancelled mid-run it leaves no process behind;
+- train_colocated.sbatch, 1 node: trainer and engine share the node, weights by handle, the
+  engine's memory released and resumed around the update;
+- convert.sbatch converts the tiny model under srun;
+- misconfigured submissions fail within seconds, naming the problem.
+
+The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
+offsets, multi-node engines, the weight-sync defaults and every refusal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
+sys.path.insert(0, str(ROOT / "slurm"))
+sys.path.insert(0, str(ROOT / "examples" / "tiny_math"))
+jobplan = importlib.import_module("jobplan")
+
+JOB_TIMEOUT_S = 420  # a hang guard only
+REWARD = "def digits(response: str, answer: str) -> float:\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny_math model, 16 training problems, a reward with varied values and a config."""
+    tiny_model = importlib.import_module("tiny_model")
+    tiny_task = importlib.import_module("tiny_task")
+    root = tmp_path_factory.mktemp("slurm")
+    tiny_model.build_model(root / "model", seed=0)
+    train, _ = tiny_task.split_problems(seed=0)
+    (root / "train.jsonl").write_text(
+        "".join(json.dumps(tiny_task.task_row(p, i, "train")) + "\n" for i, p in enumerate(train[:16]))
+    )
+    (root / "rewards.py").write_text(REWARD)
+    config = {
+        "model": {"hf_path": str(root / "model")},
+        "parallel": {"expert_model_parallel_size": 2},
+        "data": {"train_path": str(root / "train.jsonl"), "max_prompt_tokens": 64},
+        "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 8, "max_concurrency": 1},
+        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits"},
+        "algorithm": {"name": "grpo"},
+        "train": {"steps": 2, "prompts_per_step": 2, "lr": 1e-3, "seed": 3},
+        "checkpoint": {"every": 1, "export_hf": False},
+        "logging": {"progress": False, "tensorboard": False},
+    }
+    (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return root
+
+
+def _cluster(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), command], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The local two-node cluster: used when already up, else started here (and stopped afterwards)."""
+    if shutil.which("sinfo") and _cluster("status").returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (to install Debian's slurm packages and run the daemons)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("Slurm is not installed and apt-get is not available to install it")
+    started = _cluster("start")
+    if started.returncode != 0:
+        pytest.fail(f"could not start the local Slurm cluster:\n{started.stdout}\n{started.stderr}")
+    try:
+        yield
+    finally:
+        _cluster("stop")
+
+
+# ---------------------------------------------------------------- job helpers
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STOP_GRACE="10")
+    env.update(extra)
+    return env
+
+
+def submit(
+    script: str, args: list[str], out_dir: Path, nodes: int, env: dict[str, str] | None = None, *sbatch: str
+) -> int:
+    """`sbatch --nodes=N slurm/SCRIPT ARGS` from the repository root; the job id."""
+    cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={out_dir}/slurm-%j.out", *sbatch]
+    done = subprocess.run(
+        [*cmd, str(ROOT / "slurm" / script), *args], capture_output=True, text=True, env=env or job_env(), cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().split(";")[0])
+
+
+def job_fields(job_id: int) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def wait_job(job_id: int, out_dir: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[str, int, str]:
+    """(JobState, exit code, output) once the job has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = job_fields(job_id)
+        state = fields.get("JobState", "")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state, int(fields["ExitCode"].split(":")[0]), job_output(job_id, out_dir)
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", str(job_id)])
+            pytest.fail(f"job {job_id} still {state} after {timeout} s:\n{job_output(job_id, out_dir)[-4000:]}")
+        time.sleep(0.5)
+
+
+def job_output(job_id: int, out_dir: Path) -> str:
+    path = out_dir / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def leftovers(job_id: int, marker: str) -> list[str]:
+    """Live processes of the job (SLURM_JOB_ID in their environment) or naming `marker` (its run folder)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if proc.environ().get("SLURM_JOB_ID") == str(job_id) or marker in cmdline:
+                found.append(f"{proc.pid}: {cmdline[:160]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def train_args(work: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [str(work / "rl.yaml"), f"logging.run_dir={run_dir}", *overrides]
+
+
+# ---------------------------------------------------------------- the planner (no cluster)
+NODES4 = ["gpu1", "gpu2", "gpu3", "gpu4"]
+ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
+
+
+def plan(work: Path, mode: str, *overrides: str, nodes: int = 4, gpus: int = 8, **kwargs) -> jobplan.JobPlan:
+    return jobplan.make_plan(
+        mode, str(work / "rl.yaml"), list(overrides), NODES4[:nodes], ADDRS4[:nodes], gpus, "77", **kwargs
+    )
+
+
+def test_plan_disaggregated_gpu_layout(work: Path) -> None:
+    p = plan(
+        work,
+        "disaggregated",
+        "rollout.engine_gpus=4",
+        "rollout.return_routed_experts=true",
+        "algorithm.routing_replay=r3",
+        "algorithm.old_logprob_source=rollout",
+        train_nodes=2,
+        engine_args=["--mem-fraction-static", "0.7"],
+    )
+    assert p.train_nodes == ["gpu1", "gpu2"] and p.ranks_per_node == 8 and p.world_size == 16
+    assert p.master_addr == "10.1.0.1" and p.device == "gpu"
+    assert [(e.nodes, e.addr, e.base_gpu) for e in p.engines] == [
+        (("gpu3",), "10.1.0.3", 0),
+        (("gpu3",), "10.1.0.3", 4),
+        (("gpu4",), "10.1.0.4", 0),
+        (("gpu4",), "10.1.0.4", 4),
+    ]
+    cmd = p.engines[1].command
+    assert cmd[1:3] == ("-m", "sglang.launch_server")
+    assert cmd[cmd.index("--tp-size") + 1] == "4" and cmd[cmd.index("--base-gpu-id") + 1] == "4"
+    assert "--enable-return-routed-experts" in cmd and "--enable-memory-saver" not in cmd
+    assert cmd[-2:] == ("--mem-fraction-static", "0.7") and "--port" not in cmd and "--nnodes" not in cmd
+    assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed"]
+    assert p.log_dir == str(Path(p.run_dir) / "logs" / "job-77")
+    shell = jobplan.to_shell(p)
+    assert "ENGINE_COUNT=4\n" in shell and "TRAIN_HOSTS=(gpu1 gpu2)\n" in shell
+
+
+def test_plan_defaults_multi_node_engines_and_explicit_sync(work: Path) -> None:
+    p = plan(work, "disaggregated", "rollout.engine_gpus=16", "rollout.weight_sync=disk")
+    assert p.train_nodes == ["gpu1", "gpu2"]  # half of the nodes by default
+    assert len(p.engines) == 1 and p.engines[0].nodes == ("gpu3", "gpu4")
+    cmd = p.engines[0].command
+    assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--dist-init-addr") + 1] == "10.1.0.3:20077"
+    assert "rollout.weight_sync=distributed" not in p.trainer_overrides  # the user's disk sync is kept
+
+
+def test_plan_colocated(work: Path) -> None:
+    one = plan(work, "colocated", "rollout.engine_gpus=8", nodes=1)
+    assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
+    assert "--enable-memory-saver" in one.engines[0].command
+    assert one.trainer_overrides == ["rollout.engine=sglang", "rollout.colocate=true", "rollout.weight_sync=tensor"]
+    two = plan(work, "colocated", "rollout.engine_gpus=8", nodes=2)
+    assert two.world_size == 16 and [e.nodes for e in two.engines] == [("gpu1",), ("gpu2",)]
+    assert "rollout.weight_sync=distributed" in two.trainer_overrides
+    with pytest.raises(jobplan.PlanError, match=r"rollout.weight_sync = tensor .* other 1 node"):
+        plan(work, "colocated", "rollout.weight_sync=tensor", nodes=2)
+
+
+def test_plan_cpu_uses_the_least_world_and_the_local_engine(work: Path) -> None:
+    p = plan(work, "disaggregated", nodes=2, gpus=0)
+    assert p.device == "cpu" and p.ranks_per_node == 2  # EP 2: the smallest world
+    (engine,) = p.engines
+    assert engine.command[1:4] == ("-m", "megatron_rl.cli", "serve") and engine.nodes == ("gpu2",)
+    assert engine.command[engine.command.index("--model") + 1] == str(work / "model")
+    assert "rollout.engine_gpus=1" in p.trainer_overrides
+    assert plan(work, "disaggregated", "parallel.expert_model_parallel_size=1", nodes=2, gpus=0).ranks_per_node == 1
+
+
+@pytest.mark.parametrize(
+    "mode, overrides, kwargs, message",
+    [
+        ("disaggregated", [], {"train_nodes": 4}, r"TRAIN_NODES=4 but the job has 4 nodes \(sbatch --nodes=4\)"),
+        ("disaggregated", [], {"nodes": 1}, r"the job has 1 node; train.sbatch needs at least 2"),
+        ("disaggregated", ["rollout.colocate=true", "rollout.weight_sync=tensor"], {}, r"train_colocated.sbatch"),
+        ("colocated", [], {"train_nodes": 1}, r"TRAIN_NODES=1, but train_colocated.sbatch trains on all 4"),
+        (
+            "disaggregated",
+            ["rollout.engine_gpus=3"],
+            {},
+            r"rollout.engine_gpus \(3\) must divide the GPUs per node \(8\)",
+        ),
+        ("disaggregated", ["rollout.engine_gpus=24"], {}, r"needs 3 nodes per engine"),
+        ("disaggregated", ["model.hf_path=/nonexistent"], {}, r"model.hf_path = /nonexistent: no config.json"),
+        ("disaggregated", [], {"ranks_per_node": 9}, r"RANKS_PER_NODE=9 must be between 1 and the 8 GPUs"),
+        (
+            "disaggregated",
+            ["parallel.expert_model_parallel_size=8"],
+            {"train_nodes": 1, "ranks_per_node": 4},
+            r"world size 4 is not divisible .* \(trainer world = 1 training node\(s\) x 4 ranks per node\)",
+        ),
+    ],
+)
+def test_plan_refusals(work: Path, mode: str, overrides: list[str], kwargs: dict, message: str) -> None:
+    nodes = kwargs.pop("nodes", 4)
+    with pytest.raises(jobplan.PlanError, match=message):
+        plan(work, mode, *overrides, nodes=nodes, **kwargs)
+
+
+def test_plan_cli_reports_a_missing_config_in_one_line(work: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = jobplan._main(["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "1,2", str(work / "nope.yaml")])
+    assert rc == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: config file {work / 'nope.yaml'} does not exist (relative paths start at {os.getcwd()})"
+    )
+
+
+# ---------------------------------------------------------------- on the cluster
+@pytest.mark.slurm
+def test_misconfigured_submissions_fail_fast_and_dry_run_prints_the_gpu_plan(
+    slurm_cluster: None, work: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    too_many = submit("train.sbatch", train_args(work, run_dir), tmp_path, 2, job_env(TRAIN_NODES="3"))
+    no_config = submit("train.sbatch", [str(tmp_path / "missing.yaml")], tmp_path, 2)
+    dry = submit(
+        "train.sbatch",
+        train_args(work, run_dir, "rollout.engine_gpus=4"),
+        tmp_path,
+        2,
+        job_env(GPUS_PER_NODE="8", DRY_RUN="1", SGLANG_ARGS="--mem-fraction-static 0.7"),
+    )
+    state, code, out = wait_job(too_many, tmp_path, timeout=120)
+    assert (state, code) == ("FAILED", 2), out
+    assert "error: TRAIN_NODES=3 but the job has 2 nodes (sbatch --nodes=2): from 1 to 1 can train" in out
+    state, code, out = wait_job(no_config, tmp_path, timeout=120)
+    assert (state, code) == ("FAILED", 2), out
+    assert f"error: config file {tmp_path / 'missing.yaml'} does not exist" in out
+    state, code, out = wait_job(dry, tmp_path, timeout=120)
+    assert (state, code) == ("COMPLETED", 0), out
+    engines = [line for line in out.splitlines() if " engine" in line and "sglang.launch_server" in line]
+    assert len(engines) == 2, out
+    assert "engine0 on node2: " in engines[0] and "--tp-size 4 --base-gpu-id 0" in engines[0]
+    assert "--base-gpu-id 4" in engines[1] and engines[1].endswith("--mem-fraction-static 0.7")
+    assert "trainer on node1 x 8 ranks: " in out and "rollout.weight_sync=distributed" in out
+    assert not run_dir.exists()  # nothing started
+
+
+def wait_no_leftovers(job_id: int, marker: str, timeout: float = 30.0) -> list[str]:
+    """Leftover processes, polled until none or `timeout` (Slurm's KillWait is 10 s on the test cluster;
+    torch's shared-memory manager exits shortly after its last client)."""
+    deadline = time.monotonic() + timeout
+    while (left := leftovers(job_id, marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """train.sbatch on 2 nodes for 2 steps; chained after it (afterany), train_colocated.sbatch continuing
+    the same run for up to 50 steps on one node, and convert.sbatch with 2 ranks on the other node."""
+    out_dir = tmp_path_factory.mktemp("jobs")
+    run_dir = out_dir / "run"
+    submitted = time.monotonic()
+    first = submit("train.sbatch", train_args(work, run_dir), out_dir, 2)
+    after = f"--dependency=afterany:{first}"
+    colocated = submit("train_colocated.sbatch", train_args(work, run_dir, "train.steps=50"), out_dir, 1, None, after)
+    convert_args = ["hf-to-megatron", "--hf-dir", str(work / "model"), "--out", str(out_dir / "ckpt"), "--ep", "2"]
+    convert = submit("convert.sbatch", [*convert_args, "--no-progress"], out_dir, 1, job_env(RANKS_PER_NODE="2"), after)
+    first_step_s = None
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while job_fields(first).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline:
+        if first_step_s is None and metrics(run_dir):
+            first_step_s = time.monotonic() - submitted
+        time.sleep(0.5)
+    state, code, out = wait_job(first, out_dir)
+    print(f"\ntrain.sbatch: submission to first step {first_step_s or float('nan'):.1f} s")
+    return dict(
+        first=first,
+        colocated=colocated,
+        convert=convert,
+        state=state,
+        code=code,
+        out=out,
+        run_dir=run_dir,
+        out_dir=out_dir,
+    )
+
+
+@pytest.mark.slurm
+def test_disaggregated_job_trains_and_syncs_the_engine(jobs: dict) -> None:
+    assert (jobs["state"], jobs["code"]) == ("COMPLETED", 0), jobs["out"][-4000:]
+    run_dir: Path = jobs["run_dir"]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["actor/skipped"] == 0.0 and r["weight_sync/bytes"] > 0 for r in records)
+    # step 2 generated with the weights synced after update 1: the engine's log-probs are the trainer's
+    assert records[1]["logprob_gap/abs_max"] <= 1e-4, records[1]["logprob_gap/abs_max"]
+    logs = run_dir / "logs" / f"job-{jobs['first']}"
+    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
+    assert sorted(p.name for p in logs.glob("*.log")) == [
+        "engine0-node2.log",
+        "train-node1-rank0.log",
+        "train-node1-rank1.log",
+    ]
+    assert "joining weight-update group" in (logs / "engine0-node2.log").read_text()  # a gloo group, not disk
+    assert "1 rollout server(s) healthy" in jobs["out"] and "trainer finished" in jobs["out"]
+    assert not wait_no_leftovers(jobs["first"], str(logs))
+
+
+@pytest.mark.slurm
+def test_chained_colocated_job_resumes_and_cancel_leaves_no_process(jobs: dict) -> None:
+    job, run_dir, out_dir = jobs["colocated"], jobs["run_dir"], jobs["out_dir"]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(r["step"] == 3 for r in metrics(run_dir)):  # resumed at step 2, one step done: mid-run
+        state = job_fields(job).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{state}:\n{job_output(job, out_dir)[-4000:]}"
+        assert time.monotonic() < deadline, job_output(job, out_dir)[-4000:]
+        time.sleep(0.5)
+    assert subprocess.run(["scancel", str(job)]).returncode == 0
+    state, _, out = wait_job(job, out_dir, timeout=120)
+    assert state == "CANCELLED", out
+    left = wait_no_leftovers(job, str(run_dir))
+    assert not left, "\n".join(left)
+
+    records = metrics(run_dir)
+    assert [r["step"] for r in records][:3] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    # the checkpoint's weights went to the colocated engine by handle before step 3 generated
+    assert records[2]["logprob_gap/abs_max"] <= 1e-4, records[2]["logprob_gap/abs_max"]
+    logs = run_dir / "logs" / f"job-{job}"
+    (rank0,) = logs.glob("train-*-rank0.log")
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2)" in rank0.read_text()
+    (engine_log,) = logs.glob("engine0-*.log")
+    text = engine_log.read_text()
+    assert "released memory" in text and "resumed memory" in text
+    assert re.search(r"update_weights_from_tensor: .* weight version 3\b", text), text[-3000:]
+
+
+@pytest.mark.slurm
+def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
+    from megatron_rl.models.checkpoint_io import read_common_state
+
+    state, code, out = wait_job(jobs["convert"], jobs["out_dir"])
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    layout = read_common_state(jobs["out_dir"] / "ckpt")["layout"]
+    assert layout["world_size"] == 2 and layout["expert_model_parallel_size"] == 2
+    assert (jobs["out_dir"] / "ckpt" / "hf_config" / "config.json").is_file()
+    assert "convert on 1 node(s) x 2 ranks" in out and "convert exited with 0" in out
