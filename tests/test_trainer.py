@@ -13,6 +13,7 @@ digits in the response, failing on prompts with an odd answer) gives varied rewa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -235,3 +236,35 @@ def _tree(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_an_engine_outlives_no_killed_parent(work: Path) -> None:
+    """kill -9 runs no clean-up: the engine's parent-death signal is what ends it then."""
+    script = (
+        "import sys, time\n"
+        "from megatron_rl.rollout.local.launcher import start_local_engine\n"
+        "print(start_local_engine(sys.argv[1]).process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(work / "model")], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        engine = int(parent.stdout.readline())
+        assert _alive(engine)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(engine)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
