@@ -203,8 +203,8 @@ def make_plan(
         n_train = nnodes // 2 if train_nodes is None else train_nodes
         if not 1 <= n_train < nnodes:
             raise PlanError(
-                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): from 1 to "
-                f"{nnodes - 1} can train, the others serve rollouts"
+                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): 1 to {nnodes - 1} "
+                "can train, leaving the others to serve rollouts"
             )
         if cfg.rollout.colocate:
             raise PlanError(

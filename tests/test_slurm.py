@@ -292,7 +292,7 @@ def test_misconfigured_submissions_fail_fast_and_dry_run_prints_the_gpu_plan(
     )
     state, code, out = wait_job(too_many, tmp_path, timeout=120)
     assert (state, code) == ("FAILED", 2), out
-    assert "error: TRAIN_NODES=3 but the job has 2 nodes (sbatch --nodes=2): from 1 to 1 can train" in out
+    assert "error: TRAIN_NODES=3 but the job has 2 nodes (sbatch --nodes=2): 1 to 1 can train" in out
     state, code, out = wait_job(no_config, tmp_path, timeout=120)
     assert (state, code) == ("FAILED", 2), out
     assert f"error: config file {tmp_path / 'missing.yaml'} does not exist" in out
