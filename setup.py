@@ -24,6 +24,7 @@ setup(
         "psutil",
         "pyarrow",
         "aiohttp",
+        "matplotlib",  # megatron-rl plot
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
