@@ -400,7 +400,8 @@ REFUSALS = (
 def w1_refused_updates(ctx) -> None:  # noqa: ANN001
     """Per mode, an export with a wrong name or shape is refused on every rank with an error that
     names the tensor; the engine keeps serving the old weights (greedy outputs and log-probs
-    unchanged, old version); the next good sync of the same sync object works."""
+    unchanged, old version); the next good sync of the same sync object works. A distributed sync
+    whose group the engine forgot is refused, and the next one builds a new group."""
     from megatron_rl.rollout.weight_sync import make_weight_sync
 
     cfg = policy_config(ctx, layout())
@@ -425,6 +426,16 @@ def w1_refused_updates(ctx) -> None:  # noqa: ANN001
             sync.sync(f"{mode}-fixed")
             fixed = rollout(engine, cfg, seed=50 + step, greedy=True)
             assert greedy_changed(fixed, before), f"{mode}: the good sync after the refused one changed nothing"
+    # the engine forgets the group (as after a restart): refused, then the next sync builds a new group
+    quick = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, request_timeout_s=10.0))
+    with make_weight_sync(with_mode(quick, "distributed"), engine, actor, bucket_mb=BUCKET_MB) as sync:
+        sync.sync("group-1")
+        if engine is not None:
+            engine.run(engine.client.destroy_weights_update_group(sync._group_name))
+        expect_refused(sync, "group-2", r"no group 'megatron-rl-\d+-\d+'; call /init_weights_update_group first")
+        train_step(actor, rollout(engine, cfg, seed=98))
+        sync.sync("group-3")
+    assert engine_version(engine) == "group-3"
     check_invariant(actor, rollout(engine, cfg, seed=99), "after refused updates")
     if engine is not None:
         engine.close()

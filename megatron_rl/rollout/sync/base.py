@@ -108,11 +108,13 @@ class WeightSync(ABC):
         self._error, self._version = None, version
         if self.is_controller:
             self._prepare_engine()
-        nbytes = self._transfer(version)
-        if self.is_controller:
-            self._restore_engine()
-            if self._error is None:
-                self._check_version(version)
+        try:
+            nbytes = self._transfer(version)
+        finally:  # e.g. generation paused for the transfer continues even after an unexpected exception
+            if self.is_controller:
+                self._restore_engine()
+        if self.is_controller and self._error is None:
+            self._check_version(version)
         error, nbytes, seconds = shared_outcome((self._error, int(nbytes), time.perf_counter() - started))
         if error is not None:
             raise WeightSyncError(error)

@@ -9,17 +9,20 @@ flattened uint8 buffer; otherwise it goes tensor by tensor. With PP > 1 the othe
 buckets reach rank 0 first (`buckets.rank0_buckets`). The new version and the cache flush go
 with the last bucket only.
 
-If the engine refuses a bucket after receiving it, the group is still in step and is kept. If
-the broadcast itself fails, the group is abandoned (its peer may be stuck mid-broadcast, so it
-is not destroyed) and a new one is built at the next sync.
+After any failure the group is dropped and the next sync builds a new one. A refusal does not
+tell whether the engine took the broadcast (the local engine receives, then validates) or never
+joined it (an unknown group, a malformed request, while a small broadcast still "completes" into
+the socket buffer), so the group may be out of step. A group with a broadcast still pending is
+only abandoned, not destroyed, because destroying it would wait for the stuck peer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import os
-from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 import torch.distributed as dist
@@ -32,6 +35,17 @@ from megatron_rl.rollout.sync.rendezvous import free_port, hosting_store, in_dae
 
 log = logging.getLogger("megatron_rl.weight_sync")
 _GROUP_IDS = itertools.count(1)  # group names stay unique within a process
+
+
+def _refusal(reply: Future, wait_s: float) -> str | None:
+    """The engine's error for a pending update call, if it fails within `wait_s`."""
+    try:
+        reply.result(timeout=wait_s)
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        return None
+    except ENGINE_ERRORS as err:
+        return str(err)
+    return None
 
 
 class DistributedSync(WeightSync):
@@ -105,33 +119,32 @@ class DistributedSync(WeightSync):
         try:
             sent = transport.broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
         except (RuntimeError, TimeoutError) as err:
-            self._fail(f"broadcast of the {what}: {err}")
-            self._abandon_group()
+            reason = _refusal(reply, wait_s=5.0)
+            self._fail(f"broadcast of the {what}: {err}" + (f"; the engine says: {reason}" if reason else ""))
+            self._drop_group(pending=True)
             return 0
         try:
             reply.result(timeout=self.timeout_s)
         except ENGINE_ERRORS as err:
             self._fail(f"POST /update_weights_from_distributed ({what}): {err}")
+            self._drop_group(pending=False)
             return 0
         return sent
 
-    def _abandon_group(self) -> None:
-        """Forget a group that is out of step (kept referenced: destroying it could wait on the stuck peer)."""
-        if self._group is None:
+    def _drop_group(self, pending: bool) -> None:
+        """Leave the group on both sides; with a broadcast `pending`, keep our side referenced, not destroyed."""
+        group, self._group = self._group, None
+        if group is None:
             return
-        self._abandoned.append(self._group)
-        self._group = None
         try:
             self.engine.run(self.client.destroy_weights_update_group(self._group_name), timeout=30)
         except ENGINE_ERRORS as err:
             log.warning("could not destroy weight-update group %r on the engine: %s", self._group_name, err)
+        if pending:
+            self._abandoned.append(group)
+        else:
+            transport.destroy_weights_update_group(group)
 
     def close(self) -> None:
-        if not self.is_controller or self._group is None:
-            return
-        group, self._group = self._group, None
-        try:
-            self.engine.run(self.client.destroy_weights_update_group(self._group_name), timeout=30)
-        except ENGINE_ERRORS as err:
-            log.warning("could not destroy weight-update group %r on the engine: %s", self._group_name, err)
-        transport.destroy_weights_update_group(group)
+        if self.is_controller:
+            self._drop_group(pending=False)
