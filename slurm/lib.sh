@@ -193,7 +193,9 @@ start_engines() {
   ENGINE_URLS=()
   for ((i = 0; i < ENGINE_COUNT; i++)); do
     local -n cmd="ENGINE_CMD_$i" hosts="ENGINE_NODES_$i" addr="ENGINE_ADDR_$i"
-    start_server "engine$i" "$addr" "$(join_by , "${hosts[@]}")" "${OVERLAP[@]}" -- "${cmd[@]}"
+    # --overlap: several servers (and, colocated, the trainer) share a node's GPUs; each picks its own
+    # with --base-gpu-id, so every step sees all of them
+    start_server "engine$i" "$addr" "$(join_by , "${hosts[@]}")" --overlap -- "${cmd[@]}"
     pids+=("${BG_PIDS[-1]}")
     unset -n cmd hosts addr
   done
@@ -253,8 +255,8 @@ run_job() {
   say "job $SLURM_JOB_ID ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
   plan=$("$PYTHON" "$SLURM_DIR/jobplan.py" plan "${plan_args[@]}" "$config" "${overrides[@]}") || exit 2
   eval "$plan"
-  OVERLAP=()
-  [[ $PLAN_MODE == colocated ]] && OVERLAP=(--overlap) # engines and trainer share the nodes' CPUs and GPUs
+  local -a overlap=()
+  [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
   KEY_ARG=()
   [[ -n $ENGINE_API_KEY ]] && KEY_ARG=(--api-key "$ENGINE_API_KEY")
   local -a resume=()
@@ -291,7 +293,7 @@ run_job() {
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$cpus}
   say "trainer: $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks, master $MASTER_ADDR:$MASTER_PORT: ${trainer[*]}"
-  start_step trainer srun --kill-on-bad-exit=1 --export=ALL "${OVERLAP[@]}" --nodes="${#TRAIN_HOSTS[@]}" \
+  start_step trainer srun --kill-on-bad-exit=1 --export=ALL "${overlap[@]}" --nodes="${#TRAIN_HOSTS[@]}" \
     --ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$cpus" --nodelist="$(join_by , "${TRAIN_HOSTS[@]}")" \
     --job-name=trainer bash "$SLURM_DIR/task.sh" train "$LOG_DIR" -- "${trainer[@]}"
   local rc=0

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -76,7 +77,7 @@ def _cluster(command: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> None:
+def slurm_cluster() -> Iterator[None]:
     """The local two-node cluster: used when already up, else started here (and stopped afterwards)."""
     if shutil.which("sinfo") and _cluster("status").returncode == 0:
         yield
@@ -316,7 +317,7 @@ def wait_no_leftovers(job_id: int, marker: str, timeout: float = 30.0) -> list[s
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """train.sbatch on 2 nodes for 2 steps; chained after it (afterany), train_colocated.sbatch continuing
     the same run for up to 50 steps on one node, and convert.sbatch with 2 ranks on the other node."""
     out_dir = tmp_path_factory.mktemp("jobs")
@@ -335,7 +336,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
         time.sleep(0.5)
     state, code, out = wait_job(first, out_dir)
     print(f"\ntrain.sbatch: submission to first step {first_step_s or float('nan'):.1f} s")
-    return dict(
+    yield dict(
         first=first,
         colocated=colocated,
         convert=convert,
@@ -345,6 +346,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
         run_dir=run_dir,
         out_dir=out_dir,
     )
+    subprocess.run(["scancel", str(first), str(colocated), str(convert)], capture_output=True)  # after a failure
 
 
 @pytest.mark.slurm

@@ -3,7 +3,7 @@
 #
 #   bash tests/support/slurm_cluster.sh start    # install the Debian packages if missing, start munged,
 #                                                # slurmctld and one slurmd per node; idempotent
-#   bash tests/support/slurm_cluster.sh stop     # stop every daemon this script started
+#   bash tests/support/slurm_cluster.sh stop     # cancel the jobs, stop every daemon this script started
 #   bash tests/support/slurm_cluster.sh status   # exit 0 when the controller and both nodes answer
 #
 # Needs root (it writes /etc/slurm/slurm.conf and runs the daemons). Each node is a slurmd started with
@@ -174,7 +174,24 @@ stop_daemons() {
   rm -f "$DIR"/run/*.pid
 }
 
+# Jobs outlive slurmd (their slurmstepd runs on): cancel them first, and wait until they are gone.
+cancel_jobs() {
+  [[ -f $CONF ]] && controller_up || return 0
+  local jobs _
+  jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
+  [[ -n ${jobs// /} ]] || return 0
+  log "cancelling jobs $jobs"
+  # shellcheck disable=SC2086
+  scancel $jobs 2>/dev/null || true
+  for _ in $(seq 150); do
+    [[ -z $(squeue -h -o %i 2>/dev/null) ]] && return 0
+    sleep 0.2
+  done
+  log "jobs still listed after 30 s: $(squeue -h -o '%i %T' 2>/dev/null | tr '\n' ' ')"
+}
+
 stop() {
+  cancel_jobs
   stop_daemons
   pid=$(live_pid /run/munge/munged.pid munged) && kill -TERM "$pid" 2>/dev/null || true
   log "stopped"
