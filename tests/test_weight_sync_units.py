@@ -3,7 +3,6 @@ look-ahead, and the rendezvous helpers."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -11,13 +10,7 @@ import torch
 
 from megatron_rl.rollout import transport
 from megatron_rl.rollout.sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
-from megatron_rl.rollout.sync.rendezvous import (
-    AGENT_STORE_ENV,
-    free_port,
-    hosting_store,
-    in_daemon_thread,
-    reachable_address,
-)
+from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -88,7 +81,8 @@ def test_rendezvous_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OSError, match="rendezvous failed"):
         in_daemon_thread(boom).result(timeout=10)
 
-    # under torchrun the trainer's rank 0 must still host the group's store: the agent-store switch is hidden
-    monkeypatch.setenv(AGENT_STORE_ENV, "True")
-    seen = hosting_store(lambda: os.environ.get(AGENT_STORE_ENV))()
-    assert seen is None and os.environ[AGENT_STORE_ENV] == "True"
+    # under torchrun (agent store switched on) the trainer's rank 0 must still host the group's store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    group = transport.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "agent-store-check", "gloo", 20.0)
+    assert group.size() == 1
+    transport.destroy_weights_update_group(group)

@@ -37,16 +37,18 @@ def init_weights_update_group(
     backend: str = "gloo",
     timeout_s: float = 600.0,
 ) -> dist.ProcessGroup:
-    """Join the weight-update group as SGLang does (`init_custom_process_group`); rank 0 hosts the store."""
+    """Join the weight-update group as SGLang does (`init_custom_process_group`): rank 0 hosts the store.
+
+    The store is built directly rather than through `c10d.rendezvous("tcp://...")`: under torchrun,
+    TORCHELASTIC_USE_AGENT_STORE=True makes that rendezvous connect every rank, rank 0 included, to the
+    elastic agent's store, which exists only at MASTER_PORT, so nobody would host this group's port.
+    """
     from torch.distributed import distributed_c10d as c10d
 
     if not group_name:
         raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     store = c10d.PrefixStore(group_name, store)
     options = (
         "backend_options"

@@ -31,7 +31,7 @@ from megatron_rl.rollout import transport
 from megatron_rl.rollout.sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
 from megatron_rl.rollout.sync.buckets import params_device, rank0_buckets, stage_senders
 from megatron_rl.rollout.sync.packing import Bucket, broadcasts_flat, with_last
-from megatron_rl.rollout.sync.rendezvous import free_port, hosting_store, in_daemon_thread, reachable_address
+from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
 
 log = logging.getLogger("megatron_rl.weight_sync")
 _GROUP_IDS = itertools.count(1)  # group names stay unique within a process
@@ -78,7 +78,7 @@ class DistributedSync(WeightSync):
                 address, port, world_size, name, self.backend, ranks_per_server=self.engine_ranks
             )
         )
-        join = hosting_store(transport.init_weights_update_group)
+        join = transport.init_weights_update_group
         ours = in_daemon_thread(join, address, port, 0, world_size, name, self.backend, self.timeout_s)
         done, _ = wait([joining, ours], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for future, side in ((joining, "the engine"), (ours, "the trainer")):

@@ -3,7 +3,6 @@ the trainer's side of the rendezvous on a thread of its own."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from concurrent.futures import Future
@@ -39,25 +38,3 @@ def in_daemon_thread(fn: Any, *args: Any) -> Future:
 
     threading.Thread(target=run, name="weight-update-group", daemon=True).start()
     return future
-
-
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-
-
-def hosting_store(fn: Any) -> Any:
-    """`fn` run so that torch's tcp rendezvous hosts its own store on rank 0.
-
-    Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True makes every rank, rank 0 included, a client
-    of the elastic agent's store, which exists only at MASTER_PORT. A weight-update group meets on
-    a port of its own, where nobody would then listen, so the variable is hidden during the call.
-    """
-
-    def call(*args: Any) -> Any:
-        saved = os.environ.pop(AGENT_STORE_ENV, None)
-        try:
-            return fn(*args)
-        finally:
-            if saved is not None:
-                os.environ[AGENT_STORE_ENV] = saved
-
-    return call
