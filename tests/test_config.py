@@ -125,3 +125,13 @@ def test_cli_prints_resolved_config_and_errors():
         [sys.executable, "-m", "megatron_rl.cli", "config", "train.steps=-1"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "train.steps = -1 is out of range" in bad.stderr
+
+
+def test_readme_reference_is_current():
+    """The README's config reference is `megatron-rl config --reference`; regenerate it when a field changes."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    missing = [key for key, kind, default, help_text in reference_rows()
+               if f"| `{key}` | {kind} | `{default}` | {help_text} |" not in readme]  # fmt: skip
+    assert not missing, f"README.md config reference is stale for {missing}: paste `megatron-rl config --reference`"
