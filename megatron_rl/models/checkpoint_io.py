@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.utils import unwrap_model
 
 from megatron_rl.models.hf_config import ConversionError
+from megatron_rl.models.torch_dist_io import DirectLoadStrategy, DirectSaveStrategy
 
 FORMAT_VERSION = 1
 SHARDING_METADATA = {
@@ -83,11 +84,13 @@ def write_checkpoint(
     step: int,
     weights_only: bool,
     extra: dict[str, Any] | None = None,
+    fsync: bool = True,
 ) -> None:
     """Write a checkpoint folder `path` (created if missing); collective over all ranks.
 
     `model`: a `model_sharded_state_dict`; `extra`: more top-level entries, sharded (optimizer, RNG)
-    or plain values that go to the common state (scheduler, the source of a conversion).
+    or plain values that go to the common state (scheduler, the source of a conversion);
+    `fsync`: sync the files to disk before returning (a training checkpoint must survive a crash).
     """
     path = Path(path)
     if dist.get_rank() == 0:
@@ -96,7 +99,8 @@ def write_checkpoint(
     sharded: dict[str, Any] = {"model": model}
     sharded.update(extra or {})
     sharded.update(format_version=FORMAT_VERSION, step=step, layout=running_layout(), weights_only=weights_only)
-    dist_checkpointing.save(sharded, str(path), content_metadata=sharding_metadata())
+    strategy = DirectSaveStrategy(fsync=fsync)
+    dist_checkpointing.save(sharded, str(path), sharded_strategy=strategy, content_metadata=sharding_metadata())
     dist.barrier()
 
 
@@ -104,8 +108,9 @@ def save_model_weights(
     chunks: list[torch.nn.Module], path: str | os.PathLike, extra: dict[str, Any] | None = None
 ) -> None:
     """Write the weights of `chunks` as a weights-only checkpoint to `path`; collective over all ranks.
-    `extra` adds plain values to the common state (e.g. the source of a conversion)."""
-    write_checkpoint(path, model_sharded_state_dict(chunks), step=0, weights_only=True, extra=extra)
+    `extra` adds plain values to the common state (e.g. the source of a conversion). Like a Hugging Face
+    folder written by `save_pretrained`, the files are left to the OS to write back (no fsync)."""
+    write_checkpoint(path, model_sharded_state_dict(chunks), step=0, weights_only=True, extra=extra, fsync=False)
 
 
 def read_common_state(path: str | os.PathLike) -> dict[str, Any]:
@@ -169,7 +174,7 @@ def load_model_weights(chunks: list[torch.nn.Module], path: str | os.PathLike) -
     # Built factories are views of the parameters (e.g. the two SwiGLU halves of linear_fc1), and the
     # reader fills the given tensors in place: no merge, no second copy.
     apply_factories(sharded)
-    loaded = dist_checkpointing.load({"model": sharded}, path)["model"]
+    loaded = dist_checkpointing.load({"model": sharded}, path, sharded_strategy=DirectLoadStrategy())["model"]
     _copy_unless_in_place(chunk, loaded, factories, path)
     return common
 
