@@ -175,8 +175,6 @@ def make_plan(
 ) -> JobPlan:
     """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError."""
     from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.loop.collect import check_loop_config
-    from megatron_rl.parallel.layout import check_layout
 
     if mode not in ("disaggregated", "colocated"):
         raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
@@ -236,7 +234,6 @@ def make_plan(
 
     # the config as the trainer will see it: user settings, the placement's, the servers' addresses (known later)
     cfg = load_config(config_path, [*overrides, *forced, 'rollout.sglang_urls=["http://servers.pending:1"]'])
-    check_loop_config(cfg)
     if not cfg.model.hf_path:
         raise PlanError(
             "model.hf_path is not set: the rollout engines load a Hugging Face folder "
@@ -244,6 +241,13 @@ def make_plan(
         )
     if not Path(cfg.model.hf_path, "config.json").is_file():
         raise PlanError(f"model.hf_path = {cfg.model.hf_path}: no config.json there (a Hugging Face model folder)")
+    # the checks above need only the config; these import torch and Megatron (seconds more)
+    from megatron_rl.loop.collect import check_loop_config
+    from megatron_rl.loop.model_source import resolve_model
+    from megatron_rl.parallel.layout import check_layout
+
+    check_loop_config(cfg)
+    cfg = resolve_model(cfg)  # the architecture the trainer will build: from config.json, not the YAML
 
     if gpu:
         rpn = gpus_per_node if ranks_per_node is None else ranks_per_node

@@ -168,27 +168,88 @@ def train_args(work: Path, run_dir: Path, *overrides: str) -> list[str]:
 # ---------------------------------------------------------------- the planner (no cluster)
 NODES4 = ["gpu1", "gpu2", "gpu3", "gpu4"]
 ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
+# The shape of Qwen3-30B-A3B's config.json (no weights: the planner reads only the architecture)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.001,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
 
 
-def plan(work: Path, mode: str, *overrides: str, nodes: int = 4, gpus: int = 8, **kwargs) -> jobplan.JobPlan:
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config for a 30B-A3B-class policy, laid out as in the README (TP 4, EP 8, ETP 1)."""
+    root = tmp_path_factory.mktemp("plan")
+    (root / "qwen3_30b_a3b").mkdir()
+    (root / "qwen3_30b_a3b" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    config = {
+        # the trainer reads the architecture from config.json, but the YAML's model section is validated
+        # against the parallel layout first, so it names the same shape
+        "model": {
+            "hf_path": str(root / "qwen3_30b_a3b"),
+            "num_layers": 48,
+            "hidden_size": 2048,
+            "ffn_hidden_size": 6144,
+            "num_attention_heads": 32,
+            "num_query_groups": 4,
+            "kv_channels": 128,
+            "vocab_size": 151936,
+            "num_experts": 128,
+            "moe_router_topk": 8,
+            "moe_ffn_hidden_size": 768,
+            "params_dtype": "bf16",
+            "recompute": True,
+        },
+        "parallel": {
+            "tensor_model_parallel_size": 4,
+            "expert_model_parallel_size": 8,
+            "expert_tensor_parallel_size": 1,
+        },
+        "data": {"train_path": str(root / "train.jsonl")},
+        "logging": {"run_dir": str(root / "run")},
+    }
+    (root / "rl.yaml").write_text(json.dumps(config))
+    return root
+
+
+def plan(big: Path, mode: str, *overrides: str, nodes: int = 4, gpus: int = 8, **kwargs) -> jobplan.JobPlan:
     return jobplan.make_plan(
-        mode, str(work / "rl.yaml"), list(overrides), NODES4[:nodes], ADDRS4[:nodes], gpus, "77", **kwargs
+        mode, str(big / "rl.yaml"), list(overrides), NODES4[:nodes], ADDRS4[:nodes], gpus, "77", **kwargs
     )
 
 
-def test_plan_disaggregated_gpu_layout(work: Path) -> None:
+def test_plan_disaggregated_gpu_layout(big: Path) -> None:
     p = plan(
-        work,
+        big,
         "disaggregated",
         "rollout.engine_gpus=4",
         "rollout.return_routed_experts=true",
         "algorithm.routing_replay=r3",
         "algorithm.old_logprob_source=rollout",
         train_nodes=2,
-        engine_args=["--mem-fraction-static", "0.7"],
+        engine_args=["--ep-size", "4", "--mem-fraction-static", "0.8"],
     )
     assert p.train_nodes == ["gpu1", "gpu2"] and p.ranks_per_node == 8 and p.world_size == 16
-    assert p.master_addr == "10.1.0.1" and p.device == "gpu"
+    assert p.master_addr == "10.1.0.1" and p.device == "gpu" and p.run_dir == str(big / "run")
     assert [(e.nodes, e.addr, e.base_gpu) for e in p.engines] == [
         (("gpu3",), "10.1.0.3", 0),
         (("gpu3",), "10.1.0.3", 4),
@@ -196,18 +257,19 @@ def test_plan_disaggregated_gpu_layout(work: Path) -> None:
         (("gpu4",), "10.1.0.4", 4),
     ]
     cmd = p.engines[1].command
-    assert cmd[1:3] == ("-m", "sglang.launch_server")
+    assert cmd[1:5] == ("-m", "sglang.launch_server", "--model-path", str(big / "qwen3_30b_a3b"))
     assert cmd[cmd.index("--tp-size") + 1] == "4" and cmd[cmd.index("--base-gpu-id") + 1] == "4"
     assert "--enable-return-routed-experts" in cmd and "--enable-memory-saver" not in cmd
-    assert cmd[-2:] == ("--mem-fraction-static", "0.7") and "--port" not in cmd and "--nnodes" not in cmd
+    assert cmd[-4:] == ("--ep-size", "4", "--mem-fraction-static", "0.8") and "--port" not in cmd
+    assert "--nnodes" not in cmd
     assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed"]
-    assert p.log_dir == str(Path(p.run_dir) / "logs" / "job-77")
+    assert p.log_dir == str(big / "run" / "logs" / "job-77")
     shell = jobplan.to_shell(p)
     assert "ENGINE_COUNT=4\n" in shell and "TRAIN_HOSTS=(gpu1 gpu2)\n" in shell
 
 
-def test_plan_defaults_multi_node_engines_and_explicit_sync(work: Path) -> None:
-    p = plan(work, "disaggregated", "rollout.engine_gpus=16", "rollout.weight_sync=disk")
+def test_plan_defaults_multi_node_engines_and_explicit_sync(big: Path) -> None:
+    p = plan(big, "disaggregated", "rollout.engine_gpus=16", "rollout.weight_sync=disk")
     assert p.train_nodes == ["gpu1", "gpu2"]  # half of the nodes by default
     assert len(p.engines) == 1 and p.engines[0].nodes == ("gpu3", "gpu4")
     cmd = p.engines[0].command
@@ -215,26 +277,26 @@ def test_plan_defaults_multi_node_engines_and_explicit_sync(work: Path) -> None:
     assert "rollout.weight_sync=distributed" not in p.trainer_overrides  # the user's disk sync is kept
 
 
-def test_plan_colocated(work: Path) -> None:
-    one = plan(work, "colocated", "rollout.engine_gpus=8", nodes=1)
+def test_plan_colocated(big: Path) -> None:
+    one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1)
     assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
     assert "--enable-memory-saver" in one.engines[0].command
     assert one.trainer_overrides == ["rollout.engine=sglang", "rollout.colocate=true", "rollout.weight_sync=tensor"]
-    two = plan(work, "colocated", "rollout.engine_gpus=8", nodes=2)
+    two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2)
     assert two.world_size == 16 and [e.nodes for e in two.engines] == [("gpu1",), ("gpu2",)]
     assert "rollout.weight_sync=distributed" in two.trainer_overrides
     with pytest.raises(jobplan.PlanError, match=r"rollout.weight_sync = tensor .* other 1 node"):
-        plan(work, "colocated", "rollout.weight_sync=tensor", nodes=2)
+        plan(big, "colocated", "rollout.weight_sync=tensor", nodes=2)
 
 
-def test_plan_cpu_uses_the_least_world_and_the_local_engine(work: Path) -> None:
-    p = plan(work, "disaggregated", nodes=2, gpus=0)
-    assert p.device == "cpu" and p.ranks_per_node == 2  # EP 2: the smallest world
+def test_plan_cpu_uses_the_least_world_and_the_local_engine(big: Path) -> None:
+    p = plan(big, "disaggregated", nodes=2, gpus=0)
+    assert p.device == "cpu" and p.ranks_per_node == 8  # TP 4 and ETP 1 x EP 8: the smallest world is 8
     (engine,) = p.engines
     assert engine.command[1:4] == ("-m", "megatron_rl.cli", "serve") and engine.nodes == ("gpu2",)
-    assert engine.command[engine.command.index("--model") + 1] == str(work / "model")
     assert "rollout.engine_gpus=1" in p.trainer_overrides
-    assert plan(work, "disaggregated", "parallel.expert_model_parallel_size=1", nodes=2, gpus=0).ranks_per_node == 1
+    small = ("parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2")
+    assert plan(big, "disaggregated", *small, nodes=2, gpus=0).ranks_per_node == 2
 
 
 @pytest.mark.parametrize(
@@ -244,36 +306,29 @@ def test_plan_cpu_uses_the_least_world_and_the_local_engine(work: Path) -> None:
         ("disaggregated", [], {"nodes": 1}, r"the job has 1 node; train.sbatch needs at least 2"),
         ("disaggregated", ["rollout.colocate=true", "rollout.weight_sync=tensor"], {}, r"train_colocated.sbatch"),
         ("colocated", [], {"train_nodes": 1}, r"TRAIN_NODES=1, but train_colocated.sbatch trains on all 4"),
-        (
-            "disaggregated",
-            ["rollout.engine_gpus=3"],
-            {},
-            r"rollout.engine_gpus \(3\) must divide the GPUs per node \(8\)",
-        ),
+        ("disaggregated", ["rollout.engine_gpus=3"], {}, r"rollout.engine_gpus \(3\) must divide the GPUs per node"),
         ("disaggregated", ["rollout.engine_gpus=24"], {}, r"needs 3 nodes per engine"),
         ("disaggregated", ["model.hf_path=/nonexistent"], {}, r"model.hf_path = /nonexistent: no config.json"),
         ("disaggregated", [], {"ranks_per_node": 9}, r"RANKS_PER_NODE=9 must be between 1 and the 8 GPUs"),
         (
             "disaggregated",
-            ["parallel.expert_model_parallel_size=8"],
+            [],
             {"train_nodes": 1, "ranks_per_node": 4},
             r"world size 4 is not divisible .* \(trainer world = 1 training node\(s\) x 4 ranks per node\)",
         ),
     ],
 )
-def test_plan_refusals(work: Path, mode: str, overrides: list[str], kwargs: dict, message: str) -> None:
+def test_plan_refusals(big: Path, mode: str, overrides: list[str], kwargs: dict, message: str) -> None:
     nodes = kwargs.pop("nodes", 4)
     with pytest.raises(jobplan.PlanError, match=message):
-        plan(work, mode, *overrides, nodes=nodes, **kwargs)
+        plan(big, mode, *overrides, nodes=nodes, **kwargs)
 
 
-def test_plan_cli_reports_a_missing_config_in_one_line(work: Path, capsys: pytest.CaptureFixture) -> None:
-    rc = jobplan._main(["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "1,2", str(work / "nope.yaml")])
+def test_plan_cli_reports_a_missing_config_in_one_line(big: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = jobplan._main(["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "1,2", str(big / "nope.yaml")])
     assert rc == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == f"error: config file {work / 'nope.yaml'} does not exist (relative paths start at {os.getcwd()})"
-    )
+    expected = f"error: config file {big / 'nope.yaml'} does not exist (relative paths start at {os.getcwd()})"
+    assert capsys.readouterr().err.strip() == expected
 
 
 # ---------------------------------------------------------------- on the cluster
