@@ -152,10 +152,66 @@ def _engine_command(
         if ro.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if nnodes > 1:
-            cmd += ["--nnodes", str(nnodes), "--dist-init-addr", dist_init]  # --node-rank: per node, in engine.sh
+            cmd += ["--nnodes", str(nnodes), "--dist-init-addr", dist_init]  # --node-rank: per node, in task.sh
     if ro.api_key:
         cmd += ["--api-key", ro.api_key]
     return tuple(cmd + list(extra))
+
+
+def _placement(
+    mode: str, nodes: Sequence[str], train_nodes: int | None, cfg: Any, explicit: set[str]
+) -> tuple[int, list[str], list[str]]:
+    """(training nodes, rollout nodes, the trainer's placement overrides) of `mode`."""
+    nnodes = len(nodes)
+    forced = ["rollout.engine=sglang"]
+    if mode == "disaggregated":
+        if nnodes < 2:
+            raise PlanError(
+                f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
+                "--nodes=2 or more, or use slurm/train_colocated.sbatch"
+            )
+        n_train = nnodes // 2 if train_nodes is None else train_nodes
+        if not 1 <= n_train < nnodes:
+            raise PlanError(
+                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): 1 to {nnodes - 1} "
+                "can train, leaving the others to serve rollouts"
+            )
+        if cfg.rollout.colocate:
+            raise PlanError(
+                "rollout.colocate = true, but train.sbatch runs the engines on their own nodes: "
+                "submit slurm/train_colocated.sbatch, or set rollout.colocate=false"
+            )
+        if "rollout.weight_sync" not in explicit:
+            forced.append("rollout.weight_sync=distributed")
+        return n_train, list(nodes[n_train:]), forced
+    if train_nodes is not None and train_nodes != nnodes:
+        raise PlanError(
+            f"TRAIN_NODES={train_nodes}, but train_colocated.sbatch trains on all {nnodes} nodes of the job: "
+            "unset it, or use slurm/train.sbatch to split nodes"
+        )
+    forced.append("rollout.colocate=true")
+    if "rollout.weight_sync" not in explicit:
+        forced.append("rollout.weight_sync=" + ("tensor" if nnodes == 1 else "distributed"))
+    elif cfg.rollout.weight_sync == "tensor" and nnodes > 1:
+        raise PlanError(
+            f"rollout.weight_sync = tensor hands tensors over by handle on one machine, and only global rank 0 "
+            f"sends: engines on the other {nnodes - 1} node(s) could not open them. Use "
+            "rollout.weight_sync=distributed, or --nodes=1"
+        )
+    return nnodes, list(nodes), forced
+
+
+def _ranks_per_node(cfg: Any, gpus_per_node: int, ranks_per_node: int | None) -> int:
+    """One rank per GPU; on CPU the smallest world the layout takes (per node); RANKS_PER_NODE overrides."""
+    if gpus_per_node:
+        rpn = gpus_per_node if ranks_per_node is None else ranks_per_node
+        if not 1 <= rpn <= gpus_per_node:
+            raise PlanError(f"RANKS_PER_NODE={rpn} must be between 1 and the {gpus_per_node} GPUs per node")
+        return rpn
+    rpn = _min_world(cfg) if ranks_per_node is None else ranks_per_node
+    if rpn < 1:
+        raise PlanError(f"RANKS_PER_NODE={rpn} must be >= 1")
+    return rpn
 
 
 def make_plan(
@@ -186,50 +242,8 @@ def make_plan(
         raise PlanError(f"config file {config_path} does not exist (relative paths start at {os.getcwd()})")
     placement = ["rollout.colocate=true"] if mode == "colocated" else []
     cfg = load_config(config_path, [*overrides, *placement])
-    explicit = _explicit_keys(config_path, overrides)
-    gpu = gpus_per_node > 0
-    nnodes = len(nodes)
-    addr_of = dict(zip(nodes, addrs, strict=True))
-    forced: list[str] = ["rollout.engine=sglang"]
-
-    if mode == "disaggregated":
-        if nnodes < 2:
-            raise PlanError(
-                f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
-                "--nodes=2 or more, or use slurm/train_colocated.sbatch"
-            )
-        n_train = nnodes // 2 if train_nodes is None else train_nodes
-        if not 1 <= n_train < nnodes:
-            raise PlanError(
-                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): 1 to {nnodes - 1} "
-                "can train, leaving the others to serve rollouts"
-            )
-        if cfg.rollout.colocate:
-            raise PlanError(
-                "rollout.colocate = true, but train.sbatch runs the engines on their own nodes: "
-                "submit slurm/train_colocated.sbatch, or set rollout.colocate=false"
-            )
-        if "rollout.weight_sync" not in explicit:
-            forced.append("rollout.weight_sync=distributed")
-        rollout_nodes = list(nodes[n_train:])
-    else:
-        if train_nodes is not None and train_nodes != nnodes:
-            raise PlanError(
-                f"TRAIN_NODES={train_nodes}, but train_colocated.sbatch trains on all {nnodes} nodes of the job: "
-                "unset it, or use slurm/train.sbatch to split nodes"
-            )
-        n_train = nnodes
-        forced += placement
-        if "rollout.weight_sync" not in explicit:
-            forced.append("rollout.weight_sync=" + ("tensor" if nnodes == 1 else "distributed"))
-        elif cfg.rollout.weight_sync == "tensor" and nnodes > 1:
-            raise PlanError(
-                f"rollout.weight_sync = tensor hands tensors over by handle on one machine, and only global rank 0 "
-                f"sends: engines on the other {nnodes - 1} node(s) could not open them. Use "
-                "rollout.weight_sync=distributed, or --nodes=1"
-            )
-        rollout_nodes = list(nodes)
-    if not gpu:
+    n_train, rollout_nodes, forced = _placement(mode, nodes, train_nodes, cfg, _explicit_keys(config_path, overrides))
+    if not gpus_per_node:
         forced.append("rollout.engine_gpus=1")  # the local engine is one process
 
     # the config as the trainer will see it: user settings, the placement's, the servers' addresses (known later)
@@ -248,34 +262,25 @@ def make_plan(
 
     check_loop_config(cfg)
     cfg = resolve_model(cfg)  # the architecture the trainer will build: from config.json, not the YAML
-
-    if gpu:
-        rpn = gpus_per_node if ranks_per_node is None else ranks_per_node
-        if not 1 <= rpn <= gpus_per_node:
-            raise PlanError(f"RANKS_PER_NODE={rpn} must be between 1 and the {gpus_per_node} GPUs per node")
-    else:
-        rpn = ranks_per_node if ranks_per_node is not None else _min_world(cfg)
-        if rpn < 1:
-            raise PlanError(f"RANKS_PER_NODE={rpn} must be >= 1")
-    world = n_train * rpn
+    rpn = _ranks_per_node(cfg, gpus_per_node, ranks_per_node)
     try:
-        check_layout(cfg.parallel, world, cfg.model)
+        check_layout(cfg.parallel, n_train * rpn, cfg.model)
     except ConfigError as err:
         raise PlanError(f"{err} (trainer world = {n_train} training node(s) x {rpn} ranks per node)") from None
 
-    layout = _engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes)
+    addr_of = dict(zip(nodes, addrs, strict=True))
+    base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500  # multi-node engines' rendezvous
     engines = []
-    base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
-    for i, placed in enumerate(layout):
+    for i, placed in enumerate(_engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes)):
         first, base_gpu = placed[0]
         dist_init = f"{addr_of[first]}:{base_port + i}"
-        command = _engine_command(cfg, gpu, python, bind, base_gpu, len(placed), dist_init, engine_args)
+        command = _engine_command(cfg, gpus_per_node > 0, python, bind, base_gpu, len(placed), dist_init, engine_args)
         engines.append(Engine(i, tuple(n for n, _ in placed), addr_of[first], base_gpu, command))
 
     run_dir = str(Path(cfg.logging.run_dir).resolve())
     return JobPlan(
         mode=mode,
-        device="gpu" if gpu else "cpu",
+        device="gpu" if gpus_per_node else "cpu",
         run_dir=run_dir,
         log_dir=str(Path(run_dir, "logs", f"job-{job_id}")),
         train_nodes=list(nodes[:n_train]),
