@@ -383,7 +383,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OmegaConfBaseException as err:
             raise _explain(err, source) from err
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    validate(cfg)
+    validate(cfg, model_shape=not (cfg.model.hf_path or cfg.checkpoint.load))
     return cfg
 
 
@@ -427,13 +427,19 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config) -> None:
-    """Ranges of every numeric field, then combinations that cannot run."""
+def validate(cfg: Config, *, model_shape: bool = True) -> None:
+    """Ranges of every numeric field, then combinations that cannot run.
+
+    `model_shape=False` leaves out the checks of the model's shape against itself and the parallel
+    layout: for a config whose architecture still comes from a checkpoint's config.json
+    (`model.hf_path`, `checkpoint.load`), which is validated whole once read.
+    """
     for fld in dataclasses.fields(cfg):
         _check_bounds(getattr(cfg, fld.name), fld.name)
     _validate_algorithm(cfg.algorithm)
-    _validate_model(cfg.model)
-    _validate_parallel(cfg)
+    if model_shape:
+        _validate_model(cfg.model)
+        _validate_parallel(cfg)
     _validate_rollout(cfg)
 
 

@@ -135,3 +135,12 @@ def test_readme_reference_is_current():
     missing = [key for key, kind, default, help_text in reference_rows()
                if f"| `{key}` | {kind} | `{default}` | {help_text} |" not in readme]  # fmt: skip
     assert not missing, f"README.md config reference is stale for {missing}: paste `megatron-rl config --reference`"
+
+
+def test_model_shape_checks_wait_for_the_checkpoints_config():
+    """With model.hf_path the architecture comes from config.json: the YAML's model section is not held against TP."""
+    overrides = ["parallel.tensor_model_parallel_size=4"]
+    with pytest.raises(ConfigError, match=r"must divide model\.num_attention_heads \(4\)|num_query_groups \(2\)"):
+        load_config(None, overrides)
+    cfg = load_config(None, [*overrides, "model.hf_path=/models/qwen3-30b-a3b"])
+    assert cfg.parallel.tensor_model_parallel_size == 4
