@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -28,11 +27,11 @@ import torch
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import ConversionError, model_config_from_hf, read_hf_config
 from megatron_rl.models.hf_io import copy_assets, prepare_output_dir
+from megatron_rl.parallel.launch import ensure_launch_env
 
 HELP = "convert checkpoints: hf-to-megatron (HF folder -> Megatron distributed checkpoint) or megatron-to-hf"
 HF_CONFIG_DIR = "hf_config"  # inside a Megatron checkpoint: config.json + tokenizer files of the source
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
 
 
 def _leave_uninitialised(tensor: torch.Tensor) -> None:
@@ -46,16 +45,6 @@ NO_INIT_OVERRIDES: dict[str, Any] = {
     "output_layer_init_method": _leave_uninitialised,
     "embedding_init_method": _leave_uninitialised,
 }
-
-
-def _ensure_launch_env() -> None:
-    """A single process started without torchrun/srun gets the variables of a world of one."""
-    if any(v in os.environ for v in _LAUNCH_VARS):
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _rank() -> int:
@@ -83,7 +72,7 @@ def _megatron(parallel: ParallelConfig, model: ModelConfig) -> Iterator[list[tor
 
     if ps.model_parallel_is_initialized():
         raise RuntimeError("convert: Megatron parallel state is already initialised in this process")
-    _ensure_launch_env()
+    ensure_launch_env()
     init_distributed(parallel, model)
     try:
         yield build_model(model, parallel, config_overrides=NO_INIT_OVERRIDES)

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.commands.convert import _ensure_launch_env
+    from megatron_rl.parallel.launch import ensure_launch_env
     from megatron_rl.trainer import run_training
 
     try:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _ensure_launch_env()
+    ensure_launch_env()
     try:
         run_training(cfg, resume=args.resume)
     except ConfigError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,3 +59,13 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if not 0 < port < 65536:
         raise LaunchError(f"MASTER_PORT={port} is not a TCP port")
     return LaunchEnv(rank, world_size, local_rank, env["MASTER_ADDR"], port, source)
+
+
+def ensure_launch_env() -> None:
+    """A process started without torchrun/srun gets the variables of a world of one (a free local port)."""
+    if any(v in os.environ for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")):
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_rl.commands.convert import _ensure_launch_env
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
+    from megatron_rl.parallel.launch import ensure_launch_env
     from megatron_rl.sft.stage import check_config, run_sft
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    _ensure_launch_env()  # a plain `megatron-rl sft` is a world of one
+    ensure_launch_env()  # a plain `megatron-rl sft` is a world of one
     try:
         run_sft(cfg)
     except (ConfigError, DataError, ConversionError) as err:
