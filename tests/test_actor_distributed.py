@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from distributed.launcher import ScenarioResult, run_scenarios
+from distributed.launcher import ScenarioResult, run_module_scenarios
 
 REF_ENV = "MRL_ACTOR_REF_DIR"
 WORLD_1 = ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds"]
@@ -43,8 +43,7 @@ def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _launch(world_size: int, names: list[str]) -> dict[str, ScenarioResult]:
-    results = run_scenarios(world_size, [f"scenarios_actor:{n}" for n in names])
-    return {name.split(":", 1)[1]: result for name, result in results.items()}
+    return run_module_scenarios("scenarios_actor", world_size, names)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ bit; the exporter under TP=2 x EP=2 equals the single-rank export.
 from __future__ import annotations
 
 import pytest
-from distributed.launcher import ScenarioResult, run_scenarios
+from distributed.launcher import ScenarioResult, run_module_scenarios
 
 WORLD_1 = ["w1_families", "w1_bf16", "w1_output_folder_and_config"]
 WORLD_2 = ["w2_tp2", "w2_ep2", "w2_pp2", "w2_across_layouts", "w2_actor_loads_converted"]
@@ -17,8 +17,7 @@ WORLD_4 = ["w4_export_tp2_ep2", "w4_tp2_ep2"]
 
 
 def _launch(world_size: int, names: list[str]) -> dict[str, ScenarioResult]:
-    results = run_scenarios(world_size, [f"scenarios_convert:{n}" for n in names])
-    return {name.split(":", 1)[1]: result for name, result in results.items()}
+    return run_module_scenarios("scenarios_convert", world_size, names)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ the unsplit model equals the transformers model of each family with the same wei
 from __future__ import annotations
 
 import pytest
-from distributed.launcher import ScenarioResult, run_scenarios
+from distributed.launcher import ScenarioResult, run_module_scenarios
 
 WORLD_1 = [
     "cpu_compat_semantics",
@@ -32,8 +32,7 @@ GPU_WORLD_1 = ["families_match_hf", "recompute_same_gradients", "bf16_params"]
 
 
 def _launch(world_size: int, names: list[str]) -> dict[str, ScenarioResult]:
-    results = run_scenarios(world_size, [f"model_scenarios:{n}" for n in names])
-    return {name.split(":", 1)[1]: result for name, result in results.items()}
+    return run_module_scenarios("model_scenarios", world_size, names)
 
 
 @pytest.fixture(scope="module")

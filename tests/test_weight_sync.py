@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed.launcher import ScenarioResult, run_scenarios
+from distributed.launcher import ScenarioResult, run_module_scenarios
 
 from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
 
@@ -81,10 +81,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngineProc
 
 
 def _launch(world_size: int, names: list[str], engine: LocalEngineProcess) -> dict[str, ScenarioResult]:
-    results = run_scenarios(world_size, [f"scenarios_weight_sync:{n}" for n in names], timeout_s=300)
+    results = run_module_scenarios("scenarios_weight_sync", world_size, names, timeout_s=300)
     if not engine.alive():
         raise AssertionError(f"the engine died during the launch:\n{engine.log_tail()}")
-    return {name.split(":", 1)[1]: result for name, result in results.items()}
+    return results
 
 
 @pytest.fixture(scope="module")

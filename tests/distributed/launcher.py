@@ -122,6 +122,14 @@ def run_scenarios(
         return _collect(out, world_size, scenarios, timed_out, timeout_s)
 
 
+def run_module_scenarios(
+    module: str, world_size: int, names: Sequence[str], **kwargs: float
+) -> dict[str, ScenarioResult]:
+    """`run_scenarios` of the functions `names` of scenario module `module`; results by function name."""
+    results = run_scenarios(world_size, [f"{module}:{name}" for name in names], **kwargs)
+    return {name.split(":", 1)[1]: result for name, result in results.items()}
+
+
 def _collect(
     out: Path, world_size: int, scenarios: Sequence[str], timed_out: bool, timeout_s: float
 ) -> dict[str, ScenarioResult]:
