@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
+from torch.utils.serialization import config as serialization_config
 
 BACKEND, VERSION = "torch_dist", 1  # what metadata.json names, as for Megatron's default strategy
 
@@ -100,7 +101,9 @@ class _DirectWriter(FileSystemWriterAsync):
         path, key, (byte_items, tensor_items) = self.write_buckets[0]
         results = []
         try:
-            with open(path, "wb") as stream:
+            # No zip CRC32 per record (a pass over every byte): `torch.load`, Megatron's reader,
+            # never checks it (torch.serialization.set_crc32_options documents that it loads such files).
+            with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as stream:
                 for item, data in byte_items:
                     results.append(
                         _write_item(self.transforms, stream, data, item, key, SerializationFormat.TORCH_SAVE)

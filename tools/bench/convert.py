@@ -6,11 +6,13 @@ with safetensors and write it to a new folder, same files), `convert hf-to-megat
 state, model build, streaming import, Megatron distributed checkpoint), `convert megatron-to-hf`
 (build, distributed load, export, sharded safetensors), and the format floor of each direction:
 the same tensors, unconverted, read with safetensors and saved with Megatron's
-`dist_checkpointing` (and loaded back and written with safetensors). One process, world size 1,
-Megatron imported before timing; the first repeat also pays one-time start-up (the checkpoint
-writer's helper process). Two JSON lines per direction: GB/s of HF bytes (median over repeats)
-next to the raw safetensors baseline (ratio; goal >= 0.5), and next to the format floor (how much
-of the time conversion adds to what Megatron's checkpoint format costs by itself).
+`dist_checkpointing` through the converter's strategies (and loaded back and written with
+safetensors). One process, world size 1, Megatron imported before timing; the first repeat also
+pays one-time start-up. Garbage is collected before each timed step (a Megatron model is freed by
+the cycle collector, which would otherwise run inside a later step). Two JSON lines per
+direction: GB/s of HF bytes (median over repeats) next to the raw safetensors baseline (ratio;
+goal >= 0.5), and next to the format floor (how much of the time conversion adds to what the
+checkpoint format costs by itself).
 
     python tools/bench/convert.py [--hidden 1024 --layers 4 --experts 16 --moe-width 512 --vocab 32000] [--repeats 3]
 """
@@ -18,6 +20,7 @@ of the time conversion adds to what Megatron's checkpoint format costs by itself
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -79,13 +82,15 @@ def dcp_write(src: Path, dst: Path) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from safetensors import safe_open
 
+    from megatron_rl.models.torch_dist_io import DirectSaveStrategy
+
     sharded = {}
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
                 sharded[name] = ShardedTensor.from_rank_offsets(name, handle.get_tensor(name), replica_id=0)
     dst.mkdir()
-    dist_checkpointing.save(sharded, str(dst))
+    dist_checkpointing.save(sharded, str(dst), sharded_strategy=DirectSaveStrategy())
 
 
 def dcp_read(src: Path, like: Path, dst: Path) -> None:
@@ -94,6 +99,8 @@ def dcp_read(src: Path, like: Path, dst: Path) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from megatron_rl.models.torch_dist_io import DirectLoadStrategy
 
     files: dict[str, list[str]] = {}
     sharded = {}
@@ -104,7 +111,7 @@ def dcp_read(src: Path, like: Path, dst: Path) -> None:
                 piece = handle.get_slice(name)
                 empty = torch.empty(piece.get_shape(), dtype=getattr(torch, _TORCH_DTYPES[piece.get_dtype()]))
                 sharded[name] = ShardedTensor.from_rank_offsets(name, empty, replica_id=0)
-    loaded = dist_checkpointing.load(sharded, str(src))
+    loaded = dist_checkpointing.load(sharded, str(src), sharded_strategy=DirectLoadStrategy())
     dst.mkdir()
     for file, names in files.items():
         save_file({n: loaded[n] for n in names}, str(dst / file), metadata={"format": "pt"})
@@ -114,6 +121,7 @@ _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def timed(fn, *args, **kwargs) -> float:  # noqa: ANN001
+    gc.collect()
     start = time.perf_counter()
     fn(*args, **kwargs)
     return time.perf_counter() - start
