@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.models.chunked_io import write_chunked
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -115,5 +117,5 @@ def write_safetensors(
         f.write(encoded)
         for data in cpu:
             if data.numel():
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                write_chunked(f, data.reshape(-1).view(torch.uint8).numpy())
     return offset

@@ -6,17 +6,21 @@ differs, so a checkpoint of either kind loads with the other and under any layou
 
 - `DirectSaveStrategy` writes this rank's file in this process. Megatron's writer starts a
   helper (manager) process once per process, forks a writer process per file at every save,
-  copies each view (e.g. the gate and up halves of a SwiGLU `linear_fc1`) to a tensor of its own
-  and syncs every file to disk; here a view is written from where it is (a tensor on the bytes
-  it covers) and syncing is optional.
-- `DirectLoadStrategy` reads each tensor's bytes straight into the tensor it is loaded into:
-  Megatron's reader unpickles each record into a new tensor and copies that into the target.
+  copies each view (e.g. the gate and up halves of a SwiGLU `linear_fc1`) to a tensor of its own,
+  computes a zip CRC32 over every byte and syncs every file to disk. Here a view is written from
+  where it is (a tensor on the bytes it covers), in 1 MiB writes (`chunked_io`), without CRC32
+  (`torch.load` does not check it), and syncing is optional.
+- `DirectLoadStrategy` reads each tensor's bytes straight into the tensor it is loaded into, and
+  unpickles a record's tensor header once per distinct header: Megatron's reader unpickles each
+  record into a new tensor and copies that into the target. Vocabulary tensors (`allow_shape_mismatch`)
+  stored at the model's shape are not zero-filled first.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +60,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
+
+from megatron_rl.models.chunked_io import ChunkedWrites
 
 BACKEND, VERSION = "torch_dist", 1  # what metadata.json names, as for Megatron's default strategy
 
@@ -103,7 +109,8 @@ class _DirectWriter(FileSystemWriterAsync):
         try:
             # No zip CRC32 per record (a pass over every byte): `torch.load`, Megatron's reader,
             # never checks it (torch.serialization.set_crc32_options documents that it loads such files).
-            with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as stream:
+            with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as file:
+                stream = ChunkedWrites(file)
                 for item, data in byte_items:
                     results.append(
                         _write_item(self.transforms, stream, data, item, key, SerializationFormat.TORCH_SAVE)
@@ -152,6 +159,27 @@ def _read_exactly(stream: io.RawIOBase, tensor: torch.Tensor, path: str) -> None
 class _DirectReader(CachedMetadataFileSystemReader):
     """Reads each tensor's bytes into the tensor it is loaded into (one copy, no unpickled tensor)."""
 
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._layouts: dict[bytes, torch.Tensor] = {}  # a record's pickle -> its tensor on "meta"
+
+    def _stored(self, stream: io.RawIOBase, info: Any) -> tuple[torch.Tensor, int]:
+        """The tensor of a `torch.save` record on "meta" (dtype, shape, strides, storage offset) and
+        where its storage's bytes start in the file. Records of equal pickles (same dtype, shape
+        and strides: every expert of a layer) are unpickled once."""
+        view = _create_file_view(stream, info.offset, info.length)
+        record = torch._C.PyTorchFileReader(view)
+        little = not record.has_record("byteorder") or record.get_record("byteorder") == b"little"
+        pickled = bytes(record.get_record("data.pkl")) if little and sys.byteorder == "little" else None
+        if pickled in self._layouts:
+            return self._layouts[pickled], info.offset + record.get_record_offset("data/0")
+        view.seek(0)
+        stored = torch.load(view, map_location="meta", weights_only=True)
+        start = stored.untyped_storage()._checkpoint_offset
+        if pickled is not None and start == record.get_record_offset("data/0"):
+            self._layouts[pickled] = stored
+        return stored, info.offset + start
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = defaultdict(list)
         for request in plan.items:
@@ -172,11 +200,8 @@ class _DirectReader(CachedMetadataFileSystemReader):
         done.set_result(None)
         return done
 
-    @staticmethod
-    def _read_tensor(stream: io.RawIOBase, path: str, info: Any, request: Any, planner: LoadPlanner) -> None:
-        # The record's dtype, shape and strides from its pickle; its bytes are left where they are.
-        stored = torch.load(_create_file_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
-        data_start = info.offset + stored.untyped_storage()._checkpoint_offset
+    def _read_tensor(self, stream: io.RawIOBase, path: str, info: Any, request: Any, planner: LoadPlanner) -> None:
+        stored, data_start = self._stored(stream, info)
         region = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
         target = planner.resolve_tensor(request).detach()
         if target.shape != region.shape:
