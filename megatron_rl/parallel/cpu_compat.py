@@ -14,8 +14,9 @@ Gotchas of Megatron-Core that are not patched (callers must respect them):
 - `RouterReplay.global_router_replay_instances` is class-level: call
   `RouterReplay.clear_global_router_replay_instances()` before building another model
   (`megatron_rl.models.build_model` does).
-- Distributed checkpointing starts a spawned process that re-imports `__main__`: scripts must keep
-  start-up (torch.distributed init) under `if __name__ == "__main__":`. It also needs `psutil`.
+- Megatron's default distributed-checkpoint writer starts a spawned process that re-imports
+  `__main__` (start-up must sit under `if __name__ == "__main__":`); the package's own saves use the
+  in-process strategy of `models/torch_dist_io.py` instead. Megatron's loader needs `psutil`.
 - MoE with TP needs sequence parallel: the check only runs in training mode, and in eval mode TP
   without SP gives expert gradients exactly 2x too large.
 """
