@@ -20,20 +20,16 @@ with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_rl.config import Config, ConfigError, to_yaml
-
-logger = logging.getLogger(__name__)
 
 
 def check_config(cfg: Config) -> Config:
@@ -103,11 +99,11 @@ def _export(actor: Any, cfg: Config, out: Path) -> None:
     save_hf_folder(actor.chunks, cfg.model, out, hf_config_for_export(cfg), assets_from=assets_folder(cfg))
 
 
-def run_sft(cfg: Config, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_sft(cfg: Config) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
 
-    Returns (on every rank) the last step's metrics, the final evaluation (rank 0, when
-    `data.eval_path` is set) and the paths written. `on_step(record)` sees every step record."""
+    Returns the last step's metrics and the paths written (every rank), and the last evaluation
+    (rank 0, when `data.eval_path` is set)."""
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.data import PromptSampler, load_tokenizer
     from megatron_rl.loop.metrics import MetricsLogger, summarize_updates
@@ -143,7 +139,7 @@ def run_sft(cfg: Config, on_step: Callable[[dict[str, Any]], None] | None = None
     start = time.perf_counter()
 
     def evaluate(step: int, record: dict[str, Any]) -> None:
-        _export(actor, cfg, hf_dir)
+        _export(actor, cfg, hf_dir)  # the engine reads the policy from there
         if evaluator is not None:
             began = time.perf_counter()
             scores = evaluator(hf_dir, step)
@@ -166,15 +162,12 @@ def run_sft(cfg: Config, on_step: Callable[[dict[str, Any]], None] | None = None
                 raise FloatingPointError(f"sft step {step}: the loss is {record['sft/loss']} (lower train.lr?)")
             record.update({"time/step": step_s, "throughput/samples_per_s": len(batch) / step_s})
             last = step == cfg.train.steps
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or last:
-                _save_checkpoint(actor, ckpt_dir, step, cfg.checkpoint.keep_last)
-            if cfg.eval.every and step % cfg.eval.every == 0 or last:
-                evaluate(step, record)  # always at the end: it exports the final HF folder
+            if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                result["checkpoint"] = str(_save_checkpoint(actor, ckpt_dir, step, cfg.checkpoint.keep_last))
+            if last or (cfg.data.eval_path and cfg.eval.every and step % cfg.eval.every == 0):  # same on every rank
+                evaluate(step, record)  # at the end also without evaluator: the final HF folder
             record["time/elapsed"] = time.perf_counter() - start
             log.log(record)
-            if on_step is not None:
-                on_step(record)
-        result["checkpoint"] = str(ckpt_dir / f"step_{cfg.train.steps:06d}")
         result["metrics"] = record
     finally:
         log.close()
