@@ -24,8 +24,8 @@ EXAMPLE = ROOT / "examples" / "tiny_math"
 sys.path.insert(0, str(EXAMPLE))
 prepare = importlib.import_module("prepare")
 
-SFT_STEPS, SFT_ROWS = 350, 128
-RL_STEPS, EVAL_PROMPTS = 5, 200
+SFT_STEPS, SFT_ROWS = 300, 128
+RL_STEPS, EVAL_PROMPTS = 4, 200
 MIN_GAIN = 0.10
 TIMEOUT_S = 600
 
