@@ -98,6 +98,7 @@ def run_example(policy: Path, assets: Path, run_dir: Path, steps: int, overrides
     cmd += [
         f"model.hf_path={policy}",
         f"data.train_path={assets / 'data' / 'train.jsonl'}",
+        "data.eval_path=null",
         f"logging.run_dir={run_dir}",
         f"train.steps={steps}",
         "eval.every=0",
