@@ -65,7 +65,11 @@ def ensure_launch_env() -> None:
     """A process started without torchrun/srun gets the variables of a world of one (a free local port)."""
     if any(v in os.environ for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")):
         return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at `host` right now (the OS picks it; free until someone binds it)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
