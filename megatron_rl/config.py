@@ -17,6 +17,17 @@ from typing import Any, Literal, get_args, get_origin
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_rl.losses.spec import (
+    AGGREGATION_MODES,
+    BOUNDS,
+    GATES,
+    IS_LEVELS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    RATIO_LEVELS,
+    LossSpec,
+)
+
 
 class ConfigError(ValueError):
     """A configuration value, type, key or combination that cannot run."""
@@ -31,13 +42,6 @@ def _f(default: Any, help: str, **bounds: float) -> Any:
 
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral"]
-Objective = Literal["grpo", "dapo", "gspo", "gspo_token", "sapo"]
-RatioLevel = Literal["token", "sequence", "sequence_token"]
-Gate = Literal["clip", "soft"]
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
-ISMode = Literal["none", "truncate", "mask"]
-ISLevel = Literal["token", "sequence"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -107,23 +111,36 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Objective = _f("grpo", "objective; its preset sets the fields below unless overridden")
-    ratio_level: RatioLevel = _f("token", "importance ratio: token, sequence (GSPO) or sequence_token (GSPO-token)")
-    gate: Gate = _f("clip", "clip = PPO/GSPO clip; soft = SAPO sigmoid gate")
-    clip_eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low", ge=0, lt=1)
-    clip_eps_high: float = _f(0.2, "upper clip range: ratio <= 1 + eps_high", ge=0)
-    dual_clip_c: float | None = _f(None, "dual-clip bound c (> 1) for negative advantages; null = off", gt=1)
-    sapo_tau_pos: float = _f(1.0, "SAPO gate temperature for A > 0", gt=0)
-    sapo_tau_neg: float = _f(1.05, "SAPO gate temperature for A <= 0", gt=0)
-    loss_agg_mode: AggMode = _f("seq-mean-token-mean", "how per-token losses become the batch loss")
-    max_log_ratio: float = _f(20.0, "log-ratios are clamped to +-this before exp (numerical safety)", gt=0)
-    kl_coef: float = _f(0.0, "beta: weight of KL(pi || pi_ref) in the loss; 0 = no reference model", ge=0)
-    kl_estimator: KLEstimator = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
-    is_correction: ISMode = _f("none", "rollout/trainer mismatch weight: truncate at C or mask outside [C_min, C_max]")
-    is_level: ISLevel = _f("token", "importance weight per token or per sequence (geometric mean)")
-    is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", gt=0)
-    is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", ge=0)
-    is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", gt=0)
+    """The objective. Its loss fields (choices and bounds from `megatron_rl.losses.spec`) become the
+    run's `LossSpec`; the rest drive advantages, sampling, old log-probs and routing replay."""
+
+    name: Literal[tuple(PRESETS)] = _f("grpo", "objective; its preset sets the fields below unless overridden")
+    ratio_level: Literal[RATIO_LEVELS] = _f(
+        "token", "importance ratio: token, sequence (GSPO) or sequence_token (GSPO-token)"
+    )
+    gate: Literal[GATES] = _f("clip", "clip = PPO/GSPO clip; soft = SAPO sigmoid gate")
+    clip_eps_low: float = _f(0.2, "lower clip range: ratio >= 1 - eps_low", **BOUNDS["clip_eps_low"])
+    clip_eps_high: float = _f(0.2, "upper clip range: ratio <= 1 + eps_high", **BOUNDS["clip_eps_high"])
+    dual_clip_c: float | None = _f(
+        None, "dual-clip bound c (> 1) for negative advantages; null = off", **BOUNDS["dual_clip_c"]
+    )
+    sapo_tau_pos: float = _f(1.0, "SAPO gate temperature for A > 0", **BOUNDS["sapo_tau_pos"])
+    sapo_tau_neg: float = _f(1.05, "SAPO gate temperature for A <= 0", **BOUNDS["sapo_tau_neg"])
+    loss_agg_mode: Literal[AGGREGATION_MODES] = _f("seq-mean-token-mean", "how per-token losses become the batch loss")
+    max_log_ratio: float = _f(
+        20.0, "log-ratios are clamped to +-this before exp (numerical safety)", **BOUNDS["max_log_ratio"]
+    )
+    kl_coef: float = _f(
+        0.0, "beta: weight of KL(pi || pi_ref) in the loss; 0 = no reference model", **BOUNDS["kl_coef"]
+    )
+    kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    is_correction: Literal[IS_MODES] = _f(
+        "none", "rollout/trainer mismatch weight: truncate at C or mask outside [C_min, C_max]"
+    )
+    is_level: Literal[IS_LEVELS] = _f("token", "importance weight per token or per sequence (geometric mean)")
+    is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", **BOUNDS["is_threshold"])
+    is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", **BOUNDS["is_mask_min"])
+    is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", **BOUNDS["is_mask_max"])
     adv_norm_std: bool = _f(True, "divide group advantages by the group std (False = mean-only, Dr. GRPO)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std", ge=0)
     dynamic_sampling: bool = _f(False, "drop groups with zero reward spread and keep sampling")
@@ -218,7 +235,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Published defaults (see ../shared/notes/algorithms.md); anything not named keeps the class default.
+# The objectives (`algorithm.name`) with their published defaults, as the README's preset table and the
+# loss table of docs/architecture.md list them; anything not named keeps the AlgorithmConfig default.
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(
         ratio_level="token",
@@ -262,14 +280,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         loss_agg_mode="seq-mean-token-mean",
         kl_coef=0.0,
     ),
-}
-
-# Aggregations that keep each ratio level's meaning: a sequence ratio is one number per
-# response, so only the per-sequence mean weights every response equally (as GSPO defines it).
-SUPPORTED_AGGREGATIONS: dict[str, tuple[str, ...]] = {
-    "token": get_args(AggMode),
-    "sequence_token": get_args(AggMode),
-    "sequence": ("seq-mean-token-mean",),
 }
 
 
@@ -443,33 +453,16 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_rollout(cfg)
 
 
-def validate_algorithm(alg: AlgorithmConfig) -> None:
-    """Choices, ranges and combinations of an `algorithm` section on its own (e.g. one built in code)."""
-    hints = _hints(AlgorithmConfig)
-    for fld in dataclasses.fields(AlgorithmConfig):
-        choices = get_args(hints[fld.name]) if get_origin(hints[fld.name]) is Literal else ()
-        value = getattr(alg, fld.name)
-        if choices and value not in choices:
-            raise ConfigError(f"algorithm.{fld.name} = {value!r} is not allowed; allowed: {list(choices)}")
-    _check_bounds(alg, "algorithm")
-    _validate_algorithm(alg)
+def loss_spec(alg: AlgorithmConfig) -> LossSpec:
+    """The run's `LossSpec` from its `algorithm` section (ConfigError naming the key when it cannot run)."""
+    try:
+        return LossSpec.from_section(alg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _validate_algorithm(alg: AlgorithmConfig) -> None:
-    allowed = SUPPORTED_AGGREGATIONS[alg.ratio_level]
-    _require(
-        alg.loss_agg_mode in allowed,
-        f"algorithm.loss_agg_mode = {alg.loss_agg_mode!r} is not supported with "
-        f"algorithm.ratio_level = {alg.ratio_level!r}; allowed: {list(allowed)}",
-    )
-    _require(
-        alg.gate == "clip" or alg.ratio_level == "token",
-        f"algorithm.gate = 'soft' (SAPO) needs algorithm.ratio_level = 'token', not {alg.ratio_level!r}",
-    )
-    _require(
-        alg.is_mask_min < alg.is_mask_max,
-        f"algorithm.is_mask_min ({alg.is_mask_min}) must be below algorithm.is_mask_max ({alg.is_mask_max})",
-    )
+    loss_spec(alg)
     _require(
         not (alg.routing_replay == "r3" and alg.old_logprob_source != "rollout"),
         "algorithm.routing_replay = 'r3' replays the engine's routing and needs "

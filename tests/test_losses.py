@@ -1,15 +1,24 @@
 """Hand-computed values and gradient identities of every objective of `megatron_rl.losses.policy_loss`."""
 
 import dataclasses
+import json
 import math
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_rl.config import AlgorithmConfig, ConfigError, preset
-from megatron_rl.losses import finalize_metrics, global_normalizer, policy_loss
+from megatron_rl.config import AlgorithmConfig, ConfigError, loss_spec, preset
+from megatron_rl.losses import LossSpec, finalize_metrics, global_normalizer, policy_loss
 
 F64 = torch.float64
+
+
+def spec(name: str, **changes) -> LossSpec:
+    """The loss spec of preset `name` with `changes` to its algorithm section."""
+    return LossSpec.from_section(dataclasses.replace(preset(name), **changes))
 
 
 def _inputs(ratios, adv, mask):
@@ -27,7 +36,7 @@ BATCH = ([[1.5, 1.1, 0.5], [1.5, 0.5, 1.0]], [[1.0], [-1.0]], [[1, 1, 1], [1, 1,
 
 def test_grpo_hand_values_and_zero_gradient_on_clipped_side():
     lp, old, adv, mask = _inputs(*BATCH)
-    loss, metrics = policy_loss(lp, old, adv, mask, "grpo")
+    loss, metrics = policy_loss(lp, old, adv, mask, spec("grpo"))
     # gates: row 0: min(1.5, 1.2) = 1.2, 1.1, min(0.5, 0.8) = 0.5 -> mean 2.8/3;
     #        row 1: min(-1.5, -1.2) = -1.5, min(-0.5, -0.8) = -0.8 -> mean -1.15; loss = -(2.8/3 - 1.15) / 2
     assert loss.item() == pytest.approx(0.1083333333333, abs=1e-12)
@@ -47,7 +56,7 @@ def test_grpo_hand_values_and_zero_gradient_on_clipped_side():
 
 def test_dapo_hand_values_decoupled_clip_token_mean():
     lp, old, adv, mask = _inputs(*BATCH)
-    loss, metrics = policy_loss(lp, old, adv, mask, "dapo")
+    loss, metrics = policy_loss(lp, old, adv, mask, spec("dapo"))
     # eps 0.2 / 0.28: row 0: 1.28 + 1.1 + 0.5, row 1: -1.5 - 0.8; token-mean over 5 tokens
     assert loss.item() == pytest.approx(-(1.28 + 1.1 + 0.5 - 1.5 - 0.8) / 5, abs=1e-12)
     loss.backward()
@@ -55,15 +64,15 @@ def test_dapo_hand_values_decoupled_clip_token_mean():
     torch.testing.assert_close(lp.grad, expected, rtol=0, atol=1e-15)
     # ratio 1.25 is inside DAPO's upper bound (1.28) but outside GRPO's (1.2)
     lp2, old2, adv2, mask2 = _inputs([[1.25]], [[1.0]], [[1]])
-    policy_loss(lp2, old2, adv2, mask2, "dapo")[0].backward()
+    policy_loss(lp2, old2, adv2, mask2, spec("dapo"))[0].backward()
     assert lp2.grad.item() == pytest.approx(-1.25)
     lp3, old3, adv3, mask3 = _inputs([[1.25]], [[1.0]], [[1]])
-    policy_loss(lp3, old3, adv3, mask3, "grpo")[0].backward()
+    policy_loss(lp3, old3, adv3, mask3, spec("grpo"))[0].backward()
     assert lp3.grad.item() == 0.0
 
 
 def test_dual_clip_bounds_negative_advantages():
-    cfg = dataclasses.replace(preset("dapo"), dual_clip_c=3.0)
+    cfg = spec("dapo", dual_clip_c=3.0)
     lp, old, adv, mask = _inputs([[4.0, 2.0, 0.5]], [[-1.0]], [[1, 1, 1]])
     loss, metrics = policy_loss(lp, old, adv, mask, cfg)
     # r=4: max(min(-4, -1.28), -3) = -3 (dual-clipped); r=2: -2; r=0.5: min(-0.5, -0.8) = -0.8
@@ -73,7 +82,7 @@ def test_dual_clip_bounds_negative_advantages():
     assert metrics["dual_clip_tokens"].item() == 1 and metrics["clip_low_tokens"].item() == 1
     # without dual clip the r=4 token keeps its (unbounded) gradient
     lp2, *rest = _inputs([[4.0, 2.0, 0.5]], [[-1.0]], [[1, 1, 1]])
-    policy_loss(lp2, *rest, "dapo")[0].backward()
+    policy_loss(lp2, *rest, spec("dapo"))[0].backward()
     assert lp2.grad[0, 0].item() == pytest.approx(4.0 / 3)
 
 
@@ -86,7 +95,7 @@ def _gspo_inputs(scale):
 
 def test_gspo_ratio_is_length_normalised_geometric_mean_and_clipped_per_sequence():
     lp, old, adv, mask = _gspo_inputs(1.0)
-    loss, metrics = policy_loss(lp, old, adv, mask, "gspo")
+    loss, metrics = policy_loss(lp, old, adv, mask, spec("gspo"))
     stats = finalize_metrics(metrics)
     # s_0 = exp(mean(0.3, -0.1, 0.1)) = e^0.1, s_1 = exp(mean(-0.2, 0.0)) = e^-0.1 (padding ignored)
     assert stats["ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-12)
@@ -100,7 +109,7 @@ def test_gspo_ratio_is_length_normalised_geometric_mean_and_clipped_per_sequence
 
 def test_gspo_unclipped_value_and_gradient():
     lp, old, adv, mask = _gspo_inputs(1e-3)  # mean log-ratios +1e-4 and -1e-4: inside the clip range
-    loss, _ = policy_loss(lp, old, adv, mask, "gspo")
+    loss, _ = policy_loss(lp, old, adv, mask, spec("gspo"))
     s0, s1 = math.exp(1e-4), math.exp(-1e-4)
     assert loss.item() == pytest.approx(-(s0 - s1) / 2, rel=1e-10)
     loss.backward()
@@ -121,7 +130,7 @@ def test_gspo_token_equals_gspo_in_value_and_gradient_with_shared_advantages():
     results = []
     for name in ("gspo", "gspo_token"):
         lp = log_r.clone().requires_grad_()
-        loss, metrics = policy_loss(lp, torch.zeros_like(log_r), adv, mask, name)
+        loss, metrics = policy_loss(lp, torch.zeros_like(log_r), adv, mask, spec(name))
         loss.backward()
         results.append((loss.detach(), lp.grad, metrics))
     (l1, g1, m1), (l2, g2, m2) = results
@@ -136,14 +145,14 @@ def test_gspo_token_equals_gspo_in_value_and_gradient_with_shared_advantages():
     grads = []
     for name in ("gspo", "gspo_token"):
         lp = (log_r * 0.1).clone().requires_grad_()
-        policy_loss(lp, torch.zeros_like(log_r), adv_tok, mask, name)[0].backward()
+        policy_loss(lp, torch.zeros_like(log_r), adv_tok, mask, spec(name))[0].backward()
         grads.append(lp.grad)
     assert not torch.allclose(grads[0], grads[1])
 
 
 def test_sapo_hand_values():
     lp, old, adv, mask = _inputs([[1.0, 1.0, 1.5], [1.0, 0.5, 1.0]], [[1.0], [-1.0]], [[1, 1, 0], [1, 1, 0]])
-    loss, metrics = policy_loss(lp, old, adv, mask, "sapo")
+    loss, metrics = policy_loss(lp, old, adv, mask, spec("sapo"))
     # gate (4/tau) sigmoid(tau (r-1)) A: r=1 -> 2A/tau; row 1 (A<0) uses tau_neg = 1.05, r=0.5 -> (4/1.05) sigmoid(-0.525)
     row0 = (2.0 + 2.0) / 2
     row1 = -(2.0 / 1.05 + (4 / 1.05) / (1 + math.exp(0.525))) / 2
@@ -161,7 +170,7 @@ def test_sapo_gradient_is_sech2_weighted_policy_gradient_with_tau_by_sign():
     mask = torch.ones(5, 7, dtype=torch.bool)
     mask[1, 4:] = False
     lp = log_r.clone().requires_grad_()
-    policy_loss(lp, torch.zeros_like(log_r), adv, mask, "sapo")[0].backward()
+    policy_loss(lp, torch.zeros_like(log_r), adv, mask, spec("sapo"))[0].backward()
     weights = mask.to(F64) / (mask.sum(-1, keepdim=True) * 5.0)  # seq-mean-token-mean
     r = log_r.exp()
 
@@ -180,7 +189,7 @@ def test_sapo_gradient_equals_unclipped_policy_gradient_on_policy():
     mask[:, 0] = True
     old = torch.randn(4, 6, generator=gen, dtype=F64)
     grads = []
-    for cfg in ("sapo", dataclasses.replace(preset("grpo"), clip_eps_low=0.9, clip_eps_high=1e6)):
+    for cfg in (spec("sapo"), spec("grpo", clip_eps_low=0.9, clip_eps_high=1e6)):
         lp = old.clone().requires_grad_()
         policy_loss(lp, old, adv, mask, cfg)[0].backward()
         grads.append(lp.grad)
@@ -201,7 +210,7 @@ def test_sapo_gradient_equals_unclipped_policy_gradient_on_policy():
     ],
 )
 def test_kl_estimators(estimator, diff, value, grad):
-    cfg = dataclasses.replace(preset("grpo"), kl_coef=0.1, kl_estimator=estimator)
+    cfg = spec("grpo", kl_coef=0.1, kl_estimator=estimator)
     lp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
     ref = torch.tensor([[-diff, 3.0]], dtype=F64)  # second token is padding
     mask = torch.tensor([[1, 0]])
@@ -215,7 +224,7 @@ def test_kl_estimators(estimator, diff, value, grad):
 
 def test_kl_reported_but_not_added_when_coefficient_is_zero():
     lp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
-    loss, metrics = policy_loss(lp, lp.detach(), torch.ones(1, 2, dtype=F64), torch.ones(1, 2), "grpo",
+    loss, metrics = policy_loss(lp, lp.detach(), torch.ones(1, 2, dtype=F64), torch.ones(1, 2), spec("grpo"),
                                 ref_log_probs=torch.full((1, 2), -1.0, dtype=F64))  # fmt: skip
     assert loss.item() == pytest.approx(-1.0)
     assert metrics["kl_loss"].item() == 0.0 and metrics["ref_kl_sum"].item() == pytest.approx(
@@ -224,8 +233,7 @@ def test_kl_reported_but_not_added_when_coefficient_is_zero():
 
 
 def _is_case(mode, level, rollout):
-    cfg = dataclasses.replace(preset("dapo"), is_correction=mode, is_level=level, is_threshold=2.0,
-                              is_mask_min=0.5, is_mask_max=2.0)  # fmt: skip
+    cfg = spec("dapo", is_correction=mode, is_level=level, is_threshold=2.0, is_mask_min=0.5, is_mask_max=2.0)
     lp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     rollout = torch.tensor(rollout, dtype=F64).log()
@@ -274,7 +282,7 @@ def test_log_ratios_of_50_are_finite_and_clamped():
     lp[:, 4] = float("nan")
     ref = torch.full((2, 5), -60.0)
     for name in ("grpo", "dapo", "gspo", "gspo_token", "sapo"):
-        cfg = dataclasses.replace(preset(name), kl_coef=0.01, is_correction="truncate")
+        cfg = spec(name, kl_coef=0.01, is_correction="truncate")
         leaf = lp.clone().requires_grad_()
         loss, metrics = policy_loss(leaf, old, adv, mask, cfg, ref_log_probs=ref, rollout_log_probs=old - 55.0)
         loss.backward()
@@ -289,7 +297,7 @@ def test_log_ratios_of_50_are_finite_and_clamped():
 def test_bfloat16_inputs_are_computed_in_float32():
     lp = torch.tensor([[0.1, -0.2]], dtype=torch.bfloat16, requires_grad=True)
     loss, _ = policy_loss(lp, torch.zeros(1, 2, dtype=torch.bfloat16), torch.ones(1, 2, dtype=torch.bfloat16),
-                          torch.ones(1, 2), "grpo")  # fmt: skip
+                          torch.ones(1, 2), spec("grpo"))  # fmt: skip
     assert loss.dtype == torch.float32
     loss.backward()
     assert lp.grad.dtype == torch.bfloat16
@@ -298,22 +306,54 @@ def test_bfloat16_inputs_are_computed_in_float32():
 def test_bad_inputs_name_the_culprit():
     lp, old, adv, mask = _inputs(*BATCH)
     with pytest.raises(ValueError, match=r"advantages has shape \(2, 1\), log_probs has \(2, 3\)"):
-        policy_loss(lp, old, adv[:, :1], mask, "grpo")
+        policy_loss(lp, old, adv[:, :1], mask, spec("grpo"))
     with pytest.raises(ValueError, match="log_probs must be a floating"):
-        policy_loss(lp.detach()[0], old, adv, mask, "grpo")
+        policy_loss(lp.detach()[0], old, adv, mask, spec("grpo"))
     with pytest.raises(ValueError, match="algorithm.kl_coef = 0.1 needs ref_log_probs"):
-        policy_loss(lp, old, adv, mask, dataclasses.replace(preset("grpo"), kl_coef=0.1))
+        policy_loss(lp, old, adv, mask, spec("grpo", kl_coef=0.1))
     with pytest.raises(ValueError, match="algorithm.is_correction = 'mask' needs rollout_log_probs"):
-        policy_loss(lp, old, adv, mask, dataclasses.replace(preset("grpo"), is_correction="mask"))
+        policy_loss(lp, old, adv, mask, spec("grpo", is_correction="mask"))
     with pytest.raises(ConfigError, match="unknown objective 'ppo'"):
-        policy_loss(lp, old, adv, mask, "ppo")
+        policy_loss(lp, old, adv, mask, spec("ppo"))
     with pytest.raises(ConfigError, match="algorithm.loss_agg_mode = 'token-mean' is not supported"):
-        policy_loss(lp, old, adv, mask, AlgorithmConfig(ratio_level="sequence", loss_agg_mode="token-mean"))
+        loss_spec(AlgorithmConfig(ratio_level="sequence", loss_agg_mode="token-mean"))
     with pytest.raises(ConfigError, match="algorithm.gate = 'hard' is not allowed"):
-        policy_loss(lp, old, adv, mask, AlgorithmConfig(gate="hard"))
+        loss_spec(AlgorithmConfig(gate="hard"))
     with pytest.raises(ConfigError, match="algorithm.clip_eps_low = 1.5 is out of range"):
-        policy_loss(lp, old, adv, mask, AlgorithmConfig(clip_eps_low=1.5))
-    with pytest.raises(TypeError, match="preset name or an AlgorithmConfig"):
+        loss_spec(AlgorithmConfig(clip_eps_low=1.5))
+    with pytest.raises(TypeError, match="spec must be a LossSpec, got dict"):
         policy_loss(lp, old, adv, mask, {"name": "grpo"})
     with pytest.raises(ValueError, match="response_mask\\[1\\] must be \\[B, T\\]"):
         global_normalizer([mask, mask[0]])
+
+
+def test_loss_spec_validates_once_at_construction_naming_the_key():
+    with pytest.raises(
+        ValueError, match=r"algorithm\.kl_estimator = 'k4' is not allowed; allowed: \['k1', 'k2', 'k3'\]"
+    ):
+        spec("grpo", kl_estimator="k4")
+    with pytest.raises(ValueError, match=r"algorithm\.dual_clip_c = 0\.5 is out of range; allowed: float > 1"):
+        spec("grpo", dual_clip_c=0.5)
+    with pytest.raises(ValueError, match=r"algorithm\.is_threshold = 'two' is out of range; allowed: float > 0"):
+        spec("grpo", is_threshold="two")
+    with pytest.raises(ValueError, match=r"algorithm\.gate = 'soft' \(SAPO\) needs algorithm\.ratio_level = 'token'"):
+        spec("sapo", ratio_level="sequence_token")
+    with pytest.raises(ValueError, match=r"algorithm\.is_mask_min \(2\.0\) must be below algorithm\.is_mask_max"):
+        spec("grpo", is_mask_min=2.0)
+    with pytest.raises(TypeError, match=r"SimpleNamespace has no attribute\(s\) \['ratio_level'"):
+        LossSpec.from_section(SimpleNamespace(gate="clip"))
+    built = spec("gspo")
+    assert (built.ratio_level, built.clip_eps_low, built.dual_clip_c) == ("sequence", 3e-4, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.gate = "soft"
+
+
+def test_losses_import_no_other_package_of_megatron_rl():
+    code = (
+        "import json, sys, megatron_rl.losses as losses; losses.policy_loss; losses.global_normalizer; losses.finalize_metrics;"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('megatron_rl'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = json.loads(out)
+    assert "megatron_rl.losses.objective" in loaded
+    assert [m for m in loaded if m != "megatron_rl" and not m.startswith("megatron_rl.losses")] == []

@@ -1,13 +1,13 @@
 """Aggregation: splitting a batch over DP ranks and micro-batches never changes the loss or its gradient."""
 
 import dataclasses
-from typing import get_args
 
 import pytest
 import torch
 
-from megatron_rl.config import AggMode, preset
-from megatron_rl.losses import Normalizer, finalize_metrics, global_normalizer, merge_metrics, policy_loss
+from megatron_rl.config import preset
+from megatron_rl.losses import LossSpec, Normalizer, finalize_metrics, global_normalizer, merge_metrics, policy_loss
+from megatron_rl.losses.spec import AGGREGATION_MODES
 
 F64 = torch.float64
 B, T = 8, 12
@@ -26,19 +26,19 @@ def _batch(seed: int):
 
 
 # (objective, aggregation) pairs: every mode with every ratio level that supports it, both gates
-CASES = [("grpo", mode) for mode in get_args(AggMode)]
-CASES += [("sapo", mode) for mode in get_args(AggMode)]
-CASES += [("gspo_token", mode) for mode in get_args(AggMode)]
+CASES = [("grpo", mode) for mode in AGGREGATION_MODES]
+CASES += [("sapo", mode) for mode in AGGREGATION_MODES]
+CASES += [("gspo_token", mode) for mode in AGGREGATION_MODES]
 CASES += [("gspo", "seq-mean-token-mean")]
 
 
 def _config(name: str, mode: str):
     cfg = preset(name)
     eps = 0.1 if cfg.ratio_level == "token" else 0.03  # some tokens clipped on each side, most not
-    return dataclasses.replace(
+    return LossSpec.from_section(dataclasses.replace(
         cfg, loss_agg_mode=mode, kl_coef=0.05, is_correction="truncate", is_threshold=1.5,
         clip_eps_low=eps, clip_eps_high=eps,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _rows(rows: torch.Tensor, width: int):
@@ -108,14 +108,15 @@ def test_aggregation_modes_hand_values():
         "seq-mean-token-sum-norm": ((1 + 3) + 5) / (2 * 10),  # L_norm = 10
     }
     for mode, value in expected.items():
-        cfg = dataclasses.replace(preset("grpo"), loss_agg_mode=mode)
+        cfg = LossSpec.from_section(dataclasses.replace(preset("grpo"), loss_agg_mode=mode))
         loss, _ = policy_loss(lp, lp, adv, mask, cfg, normalizer=global_normalizer(mask, token_norm=10))
         assert loss.item() == pytest.approx(value, abs=1e-14), mode
 
 
 def test_empty_micro_batch_gives_zero_loss_and_neutral_metrics():
     lp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
-    loss, metrics = policy_loss(lp, lp.detach(), torch.ones(2, 3, dtype=F64), torch.zeros(2, 3), "grpo",
+    loss, metrics = policy_loss(lp, lp.detach(), torch.ones(2, 3, dtype=F64), torch.zeros(2, 3),
+                                LossSpec.from_section(preset("grpo")),
                                 normalizer=Normalizer(10.0, 2.0, 3.0))  # fmt: skip
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(lp.grad) == 0

@@ -24,7 +24,7 @@ from megatron_rl.actor.forward import LogProbResult, compute_log_probs
 from megatron_rl.actor.optimizer import build_training_state
 from megatron_rl.actor.routing_replay import RoutingReplay, check_routing_values
 from megatron_rl.actor.train_step import TokenLoss, train_on_batch
-from megatron_rl.config import Config, ConfigError, ModelConfig
+from megatron_rl.config import Config, ConfigError, ModelConfig, loss_spec
 from megatron_rl.models.builder import build_model
 from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
@@ -95,6 +95,7 @@ class MegatronActor:
         (a training checkpoint, or a weights-only one such as the converter's: see `checkpoint.load_checkpoint`).
         """
         self.cfg = cfg
+        self.loss_spec = loss_spec(cfg.algorithm)
         if initializer is None and cfg.model.hf_path:
             initializer = hf_initializer(cfg.model)  # checks config.json before any process group exists
         self.context: ParallelContext = init_distributed(cfg.parallel, cfg.model, seed=cfg.train.seed)
@@ -171,7 +172,7 @@ class MegatronActor:
         return train_on_batch(
             self.state,
             batch,
-            self.cfg.algorithm,
+            self.loss_spec,
             updates=self.cfg.train.updates_per_step,
             max_tokens=self.cfg.train.max_tokens_per_micro_batch,
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,

@@ -28,8 +28,8 @@ from megatron_rl.actor.forward import is_output_owner, plan_for_rank, prepare_in
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.optimizer import TrainingState, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
-from megatron_rl.config import AlgorithmConfig
 from megatron_rl.losses import (
+    LossSpec,
     Normalizer,
     finalize_metrics,
     global_normalizer,
@@ -79,8 +79,8 @@ def reduce_metrics(local: dict[str, Tensor] | None, contribute: bool) -> dict[st
 TokenLoss = Callable[[Tensor, dict[str, Tensor], Tensor, Normalizer], tuple[Tensor, dict[str, Tensor]]]
 
 
-def policy_token_loss(alg: AlgorithmConfig) -> TokenLoss:
-    """The RL objective of `alg` (`losses.policy_loss`); needs old_log_probs and advantages."""
+def policy_token_loss(spec: LossSpec) -> TokenLoss:
+    """The RL objective of `spec` (`losses.policy_loss`); needs old_log_probs and advantages."""
 
     def loss(
         logprobs: Tensor, f: dict[str, Tensor], mask: Tensor, normalizer: Normalizer
@@ -90,7 +90,7 @@ def policy_token_loss(alg: AlgorithmConfig) -> TokenLoss:
             f["old_log_probs"],
             f["advantages"],
             mask,
-            alg,
+            spec,
             rollout_log_probs=f.get("rollout_log_probs"),
             ref_log_probs=f.get("ref_log_probs"),
             normalizer=normalizer,
@@ -133,7 +133,7 @@ def _routing_metrics(routing: RoutingReplay, num_layers: int) -> dict[str, float
 def train_on_batch(
     state: TrainingState,
     batch: ActorBatch,
-    alg: AlgorithmConfig,
+    spec: LossSpec,
     *,
     updates: int,
     max_tokens: int,
@@ -147,7 +147,7 @@ def train_on_batch(
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`; one metrics dict per step.
 
-    `loss`: None = the policy loss of `alg`, for which `batch` needs old_log_probs and advantages
+    `loss`: None = the policy loss of `spec`, for which `batch` needs old_log_probs and advantages
     (plus rollout/ref log-probs when the algorithm uses them); any other `TokenLoss` (e.g. the SFT
     cross-entropy) gets the fields the batch has. With `replay`, routed_experts (R2 recorded or R3).
     """
@@ -155,7 +155,7 @@ def train_on_batch(
         for name in ("old_log_probs", "advantages"):
             if getattr(batch, name) is None:
                 raise ValueError(f"train: ActorBatch.{name} is required")
-        loss = policy_token_loss(alg)
+        loss = policy_token_loss(spec)
     fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
     config = get_model_config(state.model[0])
     history = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from megatron_rl.losses.spec import AGGREGATION_MODES
 
 
 @dataclass(frozen=True)

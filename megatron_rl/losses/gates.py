@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.losses.metrics import count, masked_sum
+from megatron_rl.losses.spec import GATES, LossSpec
+
 
 @dataclass
 class ClipGate:
@@ -62,3 +65,22 @@ def soft_gate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau
     with torch.no_grad():
         weight = 4.0 * p * (1.0 - p)
     return SoftGate(value, weight)
+
+
+def gate(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: LossSpec
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The gate `spec.gate` per token (differentiable) and its metrics over the bool `mask`.
+
+    clip: clip_low_tokens, clip_high_tokens and, with dual clip, dual_clip_tokens; soft: sapo_gate_sum.
+    """
+    if spec.gate == "clip":
+        clip = clip_gate(ratio, advantages, spec.clip_eps_low, spec.clip_eps_high, spec.dual_clip_c)
+        metrics = {"clip_low_tokens": count(clip.clip_low & mask), "clip_high_tokens": count(clip.clip_high & mask)}
+        if clip.dual_clip is not None:
+            metrics["dual_clip_tokens"] = count(clip.dual_clip & mask)
+        return clip.value, metrics
+    if spec.gate == "soft":
+        soft = soft_gate(ratio, advantages, spec.sapo_tau_pos, spec.sapo_tau_neg)
+        return soft.value, {"sapo_gate_sum": masked_sum(soft.weight, mask)}
+    raise ValueError(f"algorithm.gate = {spec.gate!r} is not known; allowed: {list(GATES)}")

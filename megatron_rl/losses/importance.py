@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.losses.ratios import sequence_log_ratio
-
-IS_MODES = ("none", "truncate", "mask")
-IS_LEVELS = ("token", "sequence")
+from megatron_rl.losses.spec import IS_LEVELS, IS_MODES
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from megatron_rl.losses.spec import KL_ESTIMATORS
 
 
 def kl_estimate(

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.config import AlgorithmConfig, preset, validate_algorithm
 from megatron_rl.losses.aggregation import Normalizer, normalizer_from_lengths, token_weights
-from megatron_rl.losses.gates import clip_gate, soft_gate
+from megatron_rl.losses.gates import gate
 from megatron_rl.losses.importance import importance_weights
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.losses.metrics import count, masked_max, masked_min, masked_sum
 from megatron_rl.losses.ratios import ratio, token_log_ratio
-
-GATES = ("clip", "soft")
-
-
-def resolve_algorithm(config: str | AlgorithmConfig) -> AlgorithmConfig:
-    """A preset name or an `algorithm` section, validated (raises ConfigError naming the key)."""
-    if isinstance(config, str):
-        return preset(config)
-    if not isinstance(config, AlgorithmConfig):
-        raise TypeError(f"policy_loss: config must be a preset name or an AlgorithmConfig, got {type(config).__name__}")
-    validate_algorithm(config)
-    return config
+from megatron_rl.losses.spec import LossSpec
 
 
 def policy_loss(
@@ -30,7 +18,7 @@ def policy_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: str | AlgorithmConfig,
+    spec: LossSpec,
     *,
     rollout_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
@@ -44,12 +32,13 @@ def policy_loss(
     input may hold any value, even inf/NaN), optional `rollout_log_probs` (the engine's, for
     `algorithm.is_correction`) and `ref_log_probs` (needed when `algorithm.kl_coef` > 0; given
     with kl_coef = 0, the KL is only reported). Each row must hold a whole response
-    (sequence-level quantities are per row). `config` is a preset name or an `algorithm` section
-    (validated, ConfigError naming the key). Computation is in float64 for float64 `log_probs`,
-    else in float32 (bf16/fp16 inputs are upcast; the loss is float32).
+    (sequence-level quantities are per row). `spec` holds the `algorithm` settings, validated
+    when it was built (`LossSpec.from_section(cfg.algorithm)`, once per run); only the inputs are
+    checked here. Computation is in float64 for float64 `log_probs`, else in float32 (bf16/fp16
+    inputs are upcast; the loss is float32).
 
     Loss = sum_it W_it * (-gate_it * w_is_it + beta * KL_it), with W_it the aggregation weight
-    of `algorithm.loss_agg_mode` built from `normalizer` (`losses.aggregation`), the ratio and
+    of `spec.loss_agg_mode` built from `normalizer` (`losses.aggregation`), the ratio and
     its +-`max_log_ratio` clamp from `losses.ratios`, the gate from `losses.gates`, w_is from
     `losses.importance` (1 when `is_correction` is none) and KL from `losses.kl`.
 
@@ -66,7 +55,7 @@ def policy_loss(
 
     Metrics: detached 0-dim float64 tensors, reduced per `losses.metrics.metric_reduce_op` (SUM,
     or MAX/MIN for `_max`/`_min` keys), then `finalize_metrics`. The key set depends only on the
-    config and on which optional inputs are given, so it is the same on every rank:
+    spec and on which optional inputs are given, so it is the same on every rank:
     - always: tokens, sequences (rows with a response token), loss, pg_loss (the shares of this
       call, summing to the batch values), ratio_sum/_max/_min (the ratio the gate sees: r_t, or
       s_i on every token of row i), approx_kl_sum (k3 estimate of KL(pi_old || pi_theta) per token,
@@ -79,14 +68,13 @@ def policy_loss(
       rollout_kl_sum (k3 estimate of KL(pi_rollout || pi_old)), is_truncated_tokens (mode
       truncate), is_dropped_tokens (mode mask).
     """
-    alg = resolve_algorithm(config)
+    if not isinstance(spec, LossSpec):
+        raise TypeError(f"policy_loss: spec must be a LossSpec, got {type(spec).__name__}")
     _check_inputs(log_probs, old_log_probs, advantages, response_mask, rollout_log_probs, ref_log_probs)
-    if alg.is_correction != "none" and rollout_log_probs is None:
-        raise ValueError(f"algorithm.is_correction = {alg.is_correction!r} needs rollout_log_probs (got None)")
-    if alg.kl_coef > 0 and ref_log_probs is None:
-        raise ValueError(f"algorithm.kl_coef = {alg.kl_coef} needs ref_log_probs (got None)")
-    if alg.gate not in GATES:
-        raise ValueError(f"algorithm.gate = {alg.gate!r} is not known; allowed: {list(GATES)}")
+    if spec.is_correction != "none" and rollout_log_probs is None:
+        raise ValueError(f"algorithm.is_correction = {spec.is_correction!r} needs rollout_log_probs (got None)")
+    if spec.kl_coef > 0 and ref_log_probs is None:
+        raise ValueError(f"algorithm.kl_coef = {spec.kl_coef} needs ref_log_probs (got None)")
 
     dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
     mask = response_mask.bool()
@@ -95,32 +83,27 @@ def policy_loss(
     adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
     if normalizer is None:
         normalizer = normalizer_from_lengths(lengths, token_norm=mask.shape[-1])
-    weights = token_weights(mask, lengths, alg.loss_agg_mode, normalizer, dtype)
-    log_r = token_log_ratio(logp, old, mask, alg.max_log_ratio)
-    r = ratio(log_r, lengths, alg.ratio_level)
-    gate, soft = None, None
-    if alg.gate == "clip":
-        gate = clip_gate(r, adv, alg.clip_eps_low, alg.clip_eps_high, alg.dual_clip_c)
-        token_loss = -gate.value
-    else:
-        soft = soft_gate(r, adv, alg.sapo_tau_pos, alg.sapo_tau_neg)
-        token_loss = -soft.value
+    weights = token_weights(mask, lengths, spec.loss_agg_mode, normalizer, dtype)
+    log_r = token_log_ratio(logp, old, mask, spec.max_log_ratio)
+    r = ratio(log_r, lengths, spec.ratio_level)
+    gate_value, gate_metrics = gate(r, adv, mask, spec)
+    token_loss = -gate_value
     iw = None
     if rollout_log_probs is not None:
         iw = importance_weights(
-            old, rollout_log_probs.detach().to(dtype), mask, lengths, mode=alg.is_correction, level=alg.is_level,
-            threshold=alg.is_threshold, mask_min=alg.is_mask_min, mask_max=alg.is_mask_max,
-            max_log_ratio=alg.max_log_ratio,
+            old, rollout_log_probs.detach().to(dtype), mask, lengths, mode=spec.is_correction, level=spec.is_level,
+            threshold=spec.is_threshold, mask_min=spec.is_mask_min, mask_max=spec.is_mask_max,
+            max_log_ratio=spec.max_log_ratio,
         )  # fmt: skip
-        if alg.is_correction != "none":
+        if spec.is_correction != "none":
             token_loss = token_loss * iw.weight
     pg_loss = (token_loss * weights).sum()
     loss = pg_loss
     kl = None
     if ref_log_probs is not None:
-        kl = kl_estimate(logp, ref_log_probs.detach().to(dtype), mask, alg.kl_estimator, alg.max_log_ratio)
-        kl_loss = alg.kl_coef * (kl * weights).sum()
-        if alg.kl_coef > 0:
+        kl = kl_estimate(logp, ref_log_probs.detach().to(dtype), mask, spec.kl_estimator, spec.max_log_ratio)
+        kl_loss = spec.kl_coef * (kl * weights).sum()
+        if spec.kl_coef > 0:
             loss = loss + kl_loss
 
     with torch.no_grad():
@@ -135,13 +118,7 @@ def policy_loss(
             # log_r is 0 outside the mask, where (r - 1) - log r vanishes too
             "approx_kl_sum": (torch.expm1(log_r) - log_r).sum().to(torch.float64),
         }
-        if gate is not None:
-            metrics["clip_low_tokens"] = count(gate.clip_low & mask)
-            metrics["clip_high_tokens"] = count(gate.clip_high & mask)
-            if gate.dual_clip is not None:
-                metrics["dual_clip_tokens"] = count(gate.dual_clip & mask)
-        if soft is not None:
-            metrics["sapo_gate_sum"] = masked_sum(soft.weight, mask)
+        metrics.update(gate_metrics)
         if kl is not None:
             metrics["kl_loss"] = kl_loss.detach().to(torch.float64)
             metrics["ref_kl_sum"] = masked_sum(kl, mask)
@@ -150,9 +127,9 @@ def policy_loss(
             metrics["is_weight_max"] = masked_max(iw.raw, mask)
             metrics["is_weight_min"] = masked_min(iw.raw, mask)
             metrics["rollout_kl_sum"] = (torch.expm1(iw.log_token) - iw.log_token).sum().to(torch.float64)
-            if alg.is_correction == "truncate":
+            if spec.is_correction == "truncate":
                 metrics["is_truncated_tokens"] = count(iw.truncated)
-            elif alg.is_correction == "mask":
+            elif spec.is_correction == "mask":
                 metrics["is_dropped_tokens"] = count(iw.dropped)
     return loss, metrics
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-RATIO_LEVELS = ("token", "sequence", "sequence_token")
+from megatron_rl.losses.spec import RATIO_LEVELS
 
 
 def token_log_ratio(
