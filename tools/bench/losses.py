@@ -24,13 +24,13 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_rl.config import AlgorithmConfig, preset
-from megatron_rl.losses import policy_loss
+from megatron_rl.config import PRESETS, loss_spec, preset
+from megatron_rl.losses import LossSpec, policy_loss
 
-OBJECTIVES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
+OBJECTIVES = tuple(PRESETS)
 
 
-def textbook_loss(lp, old, adv, m, cfg: AlgorithmConfig) -> torch.Tensor:
+def textbook_loss(lp, old, adv, m, cfg: LossSpec) -> torch.Tensor:
     """The objective as written in its paper, with a float mask and per-call means (no metrics, no clamping)."""
     lengths = m.sum(-1)
     if cfg.ratio_level == "token":
@@ -109,7 +109,7 @@ def seconds_per_run(fns: dict[str, Callable[[], None]], device: str, warmup: int
 
 
 def bench_objective(name: str, args: argparse.Namespace) -> dict:
-    cfg = preset(name)
+    cfg = loss_spec(preset(name))
     log_probs, old, adv, mask = make_inputs(args.batch, args.seq, args.device)
     maskf = mask.float()
     leaves = {"ours": log_probs.clone().requires_grad_(), "textbook": log_probs.clone().requires_grad_()}
