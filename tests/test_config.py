@@ -1,12 +1,15 @@
 """Configuration: presets, YAML + overrides, and one clear error per bad input."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
+import typing
 
 import pytest
 
-from megatron_rl.config import PRESETS, ConfigError, load_config, preset, reference_rows
+from megatron_rl.config import PRESETS, AlgorithmConfig, ConfigError, load_config, loss_spec, preset, reference_rows
+from megatron_rl.losses.spec import BOUNDS, CHOICES, LossSpec
 
 
 def test_presets_carry_published_defaults():
@@ -107,6 +110,19 @@ def test_missing_and_malformed_yaml(tmp_path):
     wrong_type.write_text("train:\n  steps: many\n")
     with pytest.raises(ConfigError, match=r"train\.steps: .*\(from .*wrong\.yaml\)"):
         load_config(wrong_type)
+
+
+def test_algorithm_choices_and_bounds_are_those_of_the_loss_spec():
+    hints = typing.get_type_hints(AlgorithmConfig)
+    for name, choices in CHOICES.items():
+        assert typing.get_args(hints[name]) == choices, name
+    fields = {fld.name: fld for fld in dataclasses.fields(AlgorithmConfig)}
+    for name, bounds in BOUNDS.items():
+        assert {k: v for k, v in fields[name].metadata.items() if k != "help"} == bounds, name
+    assert typing.get_args(hints["name"]) == tuple(PRESETS)
+    assert all(isinstance(loss_spec(preset(name)), LossSpec) for name in PRESETS)  # every preset can run
+    with pytest.raises(ConfigError, match=r"algorithm\.is_mask_min \(3\.0\) must be below algorithm\.is_mask_max"):
+        load_config(None, ["algorithm.is_mask_min=3.0"])
 
 
 def test_every_field_is_documented():

@@ -88,7 +88,8 @@ class MegatronActor:
     def __init__(self, cfg: Config, *, initializer: Initializer | None = None) -> None:
         """Start (or join) the parallel layout of `cfg.parallel`, build and initialise the model.
 
-        A layout that cannot run raises ConfigError naming the keys before any model exists.
+        A layout that cannot run raises ConfigError naming the keys before any model exists; so does
+        an `algorithm` section that is no valid loss spec (`self.loss_spec`, built here once).
         `initializer(chunks)` sets the weights; default: the Hugging Face checkpoint `model.hf_path`
         (converted in memory; its config.json must describe `model`), else layout-independent values
         from `train.seed` (`models.init.init_deterministic`). `checkpoint.load`, when set, is loaded after
