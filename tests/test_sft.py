@@ -155,7 +155,7 @@ def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) 
 
 
 def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
-    from megatron_rl.loop.metrics import read_metrics
+    from megatron_rl.metrics import read_metrics
 
     assets, run, overrides = sft_run
     records = read_metrics(run)
