@@ -3,14 +3,17 @@
     torchrun --nproc-per-node 2 -m megatron_rl.cli train examples/tiny_math/rl.yaml parallel.expert_model_parallel_size=2
     megatron-rl train CONFIG                  # a single process runs as a world of one
 
-Who does what. Global rank 0 drives everything outside Megatron: it reads the prompts, starts the
-local engine as a child process (when no `rollout.sglang_urls` are set) and talks to it, scores
-the responses and builds the step's batch, then broadcasts that batch (or its error) to every
-trainer rank. Generation happens once, so the ranks cannot each compute the batch themselves; the
-batch is small next to the weights. Every rank then runs the actor's collectives on the whole batch
-(old log-probs, `train.updates_per_step` updates) and the weight sync; evaluation is rank 0's again.
+Who does what. Global rank 0 drives everything outside Megatron through its `RolloutDriver`
+(`megatron_rl.loop.driver`, built on rank 0 only): it reads the prompts, starts the local engine as
+a child process (when no `rollout.sglang_urls` are set) and talks to it, scores the responses and
+builds the step's batch, then broadcasts that batch (or its error) to every trainer rank.
+Generation happens once, so the ranks cannot each compute the batch themselves; the batch is small
+next to the weights. Every rank holds a `Trainer`: the actor, the weight sync, the run folder
+(checkpoints, exports; `megatron_rl.checkpoints`) and the step log. Every rank runs the actor's
+collectives on the whole batch (old log-probs, `train.updates_per_step` updates) and the weight
+sync; evaluation is rank 0's again.
 
-One step (see ../DESIGN.md): sample prompts -> generate `rollout.n_samples_per_prompt` per prompt
+One step (see docs/architecture.md): sample prompts -> generate `rollout.n_samples_per_prompt` per prompt
 (seeded per request) -> reward, overlong shaping -> dynamic sampling (more rounds until the batch
 holds `train.prompts_per_step` informative groups or `algorithm.max_gen_rounds`) -> group advantages
 (`megatron_rl.loop.collect`) -> old log-probs: recomputed by the actor (`recompute`; with R2 the
@@ -32,46 +35,30 @@ signal ends it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import math
-import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import Config, to_yaml
-from megatron_rl.loop.collect import RolloutCollector, StepBatch, check_loop_config, evaluate
-from megatron_rl.loop.metrics import MetricsLogger, summarize_updates, truncate_metrics
-from megatron_rl.loop.model_source import (
-    assets_folder,
-    hf_config_folder,
-    hf_config_for_export,
-    resolve_model,
-    tokenizer_source,
-)
-from megatron_rl.loop.state import (
-    ACTOR_DIR,
-    LoopState,
-    checkpoint_dir,
-    latest_checkpoint,
-    load_loop_state,
-    prune_checkpoints,
-    restore_rng,
-    save_loop_state,
-)
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.checkpoints import RunFolder
+from megatron_rl.config import Config
+from megatron_rl.loop.collect import check_loop_config
+from megatron_rl.loop.driver import RolloutData, RolloutDriver
+from megatron_rl.metrics import MetricsLogger, summarize_updates
+from megatron_rl.models.source import hf_config_folder, resolve_model
+from megatron_rl.parallel.rank0 import on_rank0
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.rollout.weight_sync import WeightSync
+
 T = TypeVar("T")
-
-
-class RankZeroError(RuntimeError):
-    """A failure on rank 0 (rollout, reward, evaluation), raised on every rank with its message."""
+V = TypeVar("V")
 
 
 class Terminated(SystemExit):
@@ -93,25 +80,14 @@ def signals_as_exceptions() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
-    """`fn()` run on rank 0 and its result given to every rank (collective); if it raises, every
-    rank raises (rank 0 its own exception, the others `RankZeroError` with its message)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return fn()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except BaseException as err:
-            box[0] = ("error", f"{type(err).__name__}: {err}")
-            dist.broadcast_object_list(box, src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise RankZeroError(f"rank 0 failed: {value}")
-    return value
+def on_rank0_with(held: V | None, call: Callable[[V], T]) -> T:
+    """`call(held)` through `on_rank0` (collective), where `held` is what only rank 0 holds (None elsewhere)."""
+
+    def on_holder() -> T:
+        assert held is not None  # on_rank0 calls this on rank 0 only, which holds it
+        return call(held)
+
+    return on_rank0(on_holder)
 
 
 def logprob_gap(trainer: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
@@ -128,130 +104,88 @@ def logprob_gap(trainer: list[torch.Tensor], rollout: list[torch.Tensor]) -> dic
     }
 
 
-def _data_metrics(prefix: str, report: Any) -> dict[str, float]:
-    out = {f"data/{prefix}_rows_kept": float(report.kept), f"data/{prefix}_rows_skipped": float(len(report.skipped))}
-    out.update({f"data/{prefix}_skipped_{reason}": float(n) for reason, n in report.counts.items()})
-    return out
+def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) -> str | None:
+    """The folder the engine starts from: the policy's HF folder; for a local engine and a policy
+    without one, RUN_DIR/hf_start, exported here (collective) before the engine starts."""
+    if cfg.model.hf_path is None and (cfg.rollout.engine == "local" or not cfg.rollout.sglang_urls):
+        out = run_folder.run_dir / "hf_start"
+        run_folder.export(actor, out)
+        return str(out)
+    folder = hf_config_folder(cfg)  # SGLang servers: only read for the routed-experts layout
+    return str(folder) if folder is not None else None
 
 
 class Trainer:
-    """The loop of one trainer rank: `setup()`, `run()`, and `close()` in any case (see `run_training`)."""
+    """The loop of one trainer rank: the actor, the weight sync, the run folder and the step log on
+    every rank; `rank0`, the rollout driver, on global rank 0 only (None on the other ranks)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_folder: RunFolder,
+        actor: MegatronActor,
+        log: MetricsLogger,
+        weight_sync: WeightSync,
+        rank0: RolloutDriver | None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_folder = run_folder
+        self.actor = actor
+        self.log = log
+        self.weight_sync = weight_sync
+        self.rank0 = rank0
+
+    @classmethod
+    def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False) -> Trainer:
+        """Data (rank 0), checkpoint to resume from, actor, logs, engine and weight sync (collective).
+        `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
-
-        check_loop_config(cfg)
-        self.cfg = cfg = resolve_model(cfg)
-        self.rank = read_launch_env().rank
-        self.run_dir = Path(cfg.logging.run_dir)
-        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.engine: Any = None
-        self.weight_sync: Any = None
-        self.actor: Any = None
-        self.log = MetricsLogger(self.run_dir, enabled=False, total_steps=cfg.train.steps)
-        self.start_step = 0
-        self.data_metrics: dict[str, float] = {}
-
-    def setup(self, *, resume: bool = False) -> None:
-        """Data (rank 0), actor, checkpoint to resume from, logs, engine and weight sync (collective)."""
-        cfg = self.cfg
-        resume_from = latest_checkpoint(self.ckpt_root) if resume else None
-        if self.rank == 0:
-            self._load_data()  # bad data fails here, before the slow model start
-        self._start_actor(resume_from)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-            if resume_from is not None:
-                truncate_metrics(self.run_dir, self.start_step)
-        self.log = MetricsLogger(
-            self.run_dir,
-            enabled=self.rank == 0,
-            total_steps=cfg.train.steps,
-            start_step=self.start_step,
-            tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress,
-            append=resume_from is not None,
-        )
-        if resume:
-            where = f"from {resume_from} (step {self.start_step})" if resume_from else "from scratch: no checkpoint"
-            self.log.message(f"resuming {where} in {self.ckpt_root}")
-        self._start_engine()
-        if self.start_step > 0 or cfg.checkpoint.load:
-            self._sync(self.start_step)  # the engine serves model.hf_path: give it the checkpoint's weights
-
-    # ---- start-up ----
-    def _load_data(self) -> None:
-        from megatron_rl.data import PromptSampler, load_prompt_dataset, load_tokenizer
-        from megatron_rl.rewards import RewardScorer
-
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(*tokenizer_source(cfg))
-        train = load_prompt_dataset(cfg.data.train_path, self.tokenizer, cfg.data)
-        self.data_metrics = _data_metrics("train", train.report)
-        self.eval_prompts = []
-        if cfg.data.eval_path:
-            held_out = load_prompt_dataset(cfg.data.eval_path, self.tokenizer, cfg.data)
-            self.data_metrics.update(_data_metrics("eval", held_out.report))
-            self.eval_prompts = list(held_out)[: cfg.eval.max_prompts]
-        self.scorer = RewardScorer(cfg.reward)
-        self.sampler = PromptSampler.from_config(train, cfg.data)
-        self.collector = RolloutCollector(cfg, None, self.tokenizer, self.scorer, self.sampler)
-
-    def _start_actor(self, resume_from: Path | None) -> None:
-        from megatron_rl.actor.actor import MegatronActor
-
-        cfg = self.cfg
-        if resume_from is not None:  # the resumed checkpoint replaces checkpoint.load
-            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=None))
-        self.actor = MegatronActor(cfg)
-        if resume_from is None:
-            return
-        self.actor.load(resume_from / ACTOR_DIR)
-        state = load_loop_state(resume_from)
-        self.start_step = state.step
-        if state.rollout_seed != cfg.train.seed:
-            logger.warning(
-                "resuming with train.seed = %d, saved with %d: the rollouts will differ from the original run's",
-                cfg.train.seed,
-                state.rollout_seed,
-            )
-        if self.rank == 0:
-            self.sampler.load_state_dict(state.sampler)
-            restore_rng(state.rng)
-
-    def _start_engine(self) -> None:
-        """Rank 0 starts (or connects to) the engine; a policy without an HF folder is exported first."""
-        cfg = self.cfg
-        local = cfg.rollout.engine == "local" or not cfg.rollout.sglang_urls
-        folder = hf_config_folder(cfg)  # SGLang servers: only read for the routed-experts layout
-        model_path = str(folder) if folder is not None else None
-        if cfg.model.hf_path is None and local:
-            model_path = str(self.run_dir / "hf_start")
-            self._export(Path(model_path))
-
-        def start() -> None:
-            from megatron_rl.rollout.engine import RolloutEngine
-
-            kwargs = {"log_path": str(self.run_dir / "engine.log")} if local else {}
-            self.engine = RolloutEngine.from_config(cfg.rollout, model_path=model_path, **kwargs)
-            self.collector.engine = self.engine
-
-        on_rank0(start)
         from megatron_rl.rollout.weight_sync import make_weight_sync
 
-        self.weight_sync = make_weight_sync(cfg, self.engine, self.actor)
+        check_loop_config(cfg)
+        cfg = resolve_model(cfg)
+        rank = read_launch_env().rank
+        run_folder = RunFolder(cfg, rank=rank, resume=resume)
+        data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
+        actor = run_folder.start_actor(cfg)
+        stack.callback(actor.close)
+        if data is not None:
+            run_folder.restore_sampler(data.sampler)
+        log = run_folder.open_log(desc="rl")
+        stack.callback(log.close)
+        model_path = engine_model_path(cfg, run_folder, actor)
+        drivers: list[RolloutDriver] = []
+
+        def start_driver(data: RolloutData) -> None:
+            driver = RolloutDriver(cfg, data, model_path=model_path, engine_log=run_folder.run_dir / "engine.log")
+            stack.callback(driver.close)
+            drivers.append(driver)
+
+        on_rank0_with(data, start_driver)
+        rank0 = drivers[0] if drivers else None
+        weight_sync = make_weight_sync(cfg, rank0.engine if rank0 is not None else None, actor)
+
+        def close_weight_sync() -> None:
+            with contextlib.suppress(Exception):  # the engine and the actor are closed after it in any case
+                weight_sync.close()
+
+        stack.callback(close_weight_sync)
+        trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0)
+        if run_folder.start_step > 0 or cfg.checkpoint.load:
+            trainer._sync(run_folder.start_step)  # the engine serves model.hf_path: give it the checkpoint's weights
+        return trainer
 
     # ---- the loop ----
     def run(self) -> dict[str, Any]:
-        """Train from `start_step` to `train.steps`; returns the last step's record (rank 0; {} elsewhere)."""
+        """Train from the resumed step to `train.steps`; returns the last step's record (rank 0; {} elsewhere)."""
         cfg = self.cfg
+        start_step = self.run_folder.start_step
         started = time.perf_counter()
-        if cfg.eval.every and self.start_step == 0:
+        if cfg.eval.every and start_step == 0:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
         checkpoint_s = None
-        for step in range(self.start_step + 1, cfg.train.steps + 1):
+        for step in range(start_step + 1, cfg.train.steps + 1):
             record = self._step(step)
             last = step == cfg.train.steps
             if cfg.eval.every and (step % cfg.eval.every == 0 or last):
@@ -263,22 +197,18 @@ class Trainer:
             self.log.log(record)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
                 began = time.perf_counter()
-                self._checkpoint(step)
+                sampler = self.rank0.data.sampler if self.rank0 is not None else None
+                self.run_folder.save_checkpoint(self.actor, step, sampler)
                 checkpoint_s = time.perf_counter() - began
         if cfg.checkpoint.export_hf:
-            self._export(self.run_dir / "hf")
-            self.log.message(f"final policy: {self.run_dir / 'hf'}")
-        return record if self.rank == 0 else {}
+            hf_dir = self.run_folder.run_dir / "hf"
+            self.run_folder.export(self.actor, hf_dir)
+            self.log.message(f"final policy: {hf_dir}")
+        return record if self.rank0 is not None else {}
 
     def _step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
-
-        def collect() -> StepBatch:
-            plan = self.collector.collect(step)
-            plan.metrics.update(self.data_metrics)
-            return plan
-
-        plan = on_rank0(collect)
+        plan = on_rank0_with(self.rank0, lambda rank0: rank0.collect(step))
         metrics: dict[str, Any] = {"step": step, **plan.metrics}
         if metrics.get("groups/target_missed"):
             self.log.message(
@@ -297,7 +227,7 @@ class Trainer:
         metrics["time/step"] = time.perf_counter() - began
         return metrics
 
-    def _update(self, batch: Any) -> dict[str, float]:
+    def _update(self, batch: ActorBatch) -> dict[str, float]:
         """Old log-probs, then `train.updates_per_step` updates; their metrics and timings."""
         alg = self.cfg.algorithm
         out: dict[str, float] = {}
@@ -327,60 +257,10 @@ class Trainer:
         return {"time/sync": report.seconds, "weight_sync/bytes": float(report.bytes)}
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        def run_eval() -> dict[str, float]:
-            began = time.perf_counter()
-            scores = evaluate(self.engine, self.eval_prompts, self.tokenizer, self.scorer, self.cfg, step)
-            scores["time/eval"] = time.perf_counter() - began
-            return scores
-
-        scores = on_rank0(run_eval)
+        scores = on_rank0_with(self.rank0, lambda rank0: rank0.evaluate(step))
         shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k.startswith("eval/") and k != "eval/prompts")
         self.log.message(f"step {step}: {shown}")
         return scores
-
-    # ---- checkpoints and export ----
-    def _checkpoint(self, step: int) -> None:
-        folder = checkpoint_dir(self.ckpt_root, step)
-        if self.rank == 0 and folder.exists():
-            shutil.rmtree(folder)
-        dist.barrier()
-        self.actor.save(folder / ACTOR_DIR)
-
-        def finish() -> None:
-            state = LoopState(step=step, sampler=self.sampler.state_dict(), rollout_seed=self.cfg.train.seed)
-            save_loop_state(folder, state)
-            prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
-
-        on_rank0(finish)
-
-    def _export(self, out: Path) -> None:
-        from megatron_rl.models.export import save_hf_folder
-        from megatron_rl.models.hf_io import prepare_output_dir
-
-        if self.rank == 0:
-            prepare_output_dir(out, force=True)
-        dist.barrier()
-        save_hf_folder(
-            self.actor.chunks, self.cfg.model, out, hf_config_for_export(self.cfg), assets_from=assets_folder(self.cfg)
-        )
-
-    def close(self) -> None:
-        """Stop the engine child and the weight sync, close the logs, leave the process groups. Safe to repeat."""
-        try:
-            if self.weight_sync is not None:
-                with contextlib.suppress(Exception):
-                    self.weight_sync.close()
-                self.weight_sync = None
-        finally:
-            try:
-                if self.engine is not None:
-                    engine, self.engine = self.engine, None
-                    engine.close()
-            finally:
-                self.log.close()
-                if self.actor is not None:
-                    self.actor.close()
-                    self.actor = None
 
 
 def run_training(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
@@ -388,15 +268,9 @@ def run_training(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
     from megatron_rl.parallel import destroy_distributed
 
     with signals_as_exceptions():
-        trainer = None
         try:
-            trainer = Trainer(cfg)
-            trainer.setup(resume=resume)
-            return trainer.run()
+            with contextlib.ExitStack() as stack:
+                return Trainer.start(cfg, stack, resume=resume).run()
         finally:
-            try:
-                if trainer is not None:
-                    trainer.close()
-            finally:
-                if dist.is_initialized():
-                    destroy_distributed()
+            if dist.is_initialized():
+                destroy_distributed()

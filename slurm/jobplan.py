@@ -257,7 +257,7 @@ def make_plan(
         raise PlanError(f"model.hf_path = {cfg.model.hf_path}: no config.json there (a Hugging Face model folder)")
     # the checks above need only the config; these import torch and Megatron (seconds more)
     from megatron_rl.loop.collect import check_loop_config
-    from megatron_rl.loop.model_source import resolve_model
+    from megatron_rl.models.source import resolve_model
     from megatron_rl.parallel.layout import check_layout
 
     check_loop_config(cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.loop.metrics import read_metrics
+from megatron_rl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_math"

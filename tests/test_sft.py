@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,11 +109,17 @@ def test_model_section_is_checked_against_the_hf_folder(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
-    """`megatron-rl sft` on 2 ranks (EP=2): STEPS steps of ROWS rows, evaluation on 16 held-out prompts."""
-    tmp = tmp_path_factory.mktemp("sft")
-    assets = tmp / "assets"
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny_math task data (512 SFT rows) and model."""
+    assets = tmp_path_factory.mktemp("sft") / "assets"
     assert prepare.main(["--out", str(assets), "--sft-rows", "512"]) == 0
+    return assets
+
+
+@pytest.fixture(scope="module")
+def sft_run(assets: Path) -> tuple[Path, Path, list[str]]:
+    """`megatron-rl sft` on 2 ranks (EP=2): STEPS steps of ROWS rows, evaluation on 16 held-out prompts."""
+    tmp = assets.parent
     overrides = [
         f"model.hf_path={assets / 'model'}",
         f"data.train_path={assets / 'data' / 'sft.jsonl'}",
@@ -155,7 +162,7 @@ def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) 
 
 
 def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
-    from megatron_rl.loop.metrics import read_metrics
+    from megatron_rl.metrics import read_metrics
 
     assets, run, overrides = sft_run
     records = read_metrics(run)
@@ -185,3 +192,48 @@ def test_sft_exports_a_loadable_trained_folder(sft_run: tuple[Path, Path, list[s
     assert set(after) == set(before)
     changed = [name for name in before if not torch.equal(before[name], after[name])]
     assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
+
+
+def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
+    """`megatron-rl sft --resume` as a world of one (EP=1, no evaluation), 3 steps of 8 rows, a
+    checkpoint after every step (all kept); returns its console output."""
+    overrides = [
+        f"model.hf_path={assets / 'model'}",
+        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
+        "data.eval_path=null",
+        "parallel.expert_model_parallel_size=1",
+        f"logging.run_dir={run_dir}",
+        "train.steps=3",
+        "train.prompts_per_step=8",
+        "train.lr_warmup_steps=1",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides, *extra, "--resume"]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def test_sft_resume_matches_an_uninterrupted_run(assets: Path, tmp_path: Path) -> None:
+    from megatron_rl.metrics import read_metrics
+
+    straight = tmp_path / "straight"
+    assert "resuming from scratch: no checkpoint" in _sft_one_process(assets, straight)
+    # the run as if killed after step 1's checkpoint: later checkpoints gone, later records still in metrics.jsonl
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for step in (2, 3):
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step:06d}")
+    assert f"resuming from {resumed / 'checkpoints' / 'step_000001'} (step 1)" in _sft_one_process(assets, resumed)
+
+    def sft_metrics(run_dir: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k == "step" or k.startswith("sft/")} for r in read_metrics(run_dir)]
+
+    assert [r["step"] for r in sft_metrics(resumed)] == [1, 2, 3]
+    assert sft_metrics(resumed) == sft_metrics(straight)
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in (1, 2, 3)]

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.loop.metrics import TIMING_PREFIXES, read_metrics
+from megatron_rl.metrics import TIMING_PREFIXES, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "tiny_math"))
@@ -166,7 +166,7 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
     assert sorted(exported) == sorted(start_weights)
     assert all(torch.equal(exported[k], start_weights[k]) for k in start_weights)  # lr 0: nothing moved
     assert leftovers(work) == []
-    from megatron_rl.loop.plot import plot_run
+    from megatron_rl.metrics.plot import plot_run
 
     assert (run_dir / "plots" / "overview.png") in plot_run(run_dir)
 

@@ -11,12 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import Config, ConfigError, load_config
-from megatron_rl.data import Prompt, PromptSampler, RowLocation
-from megatron_rl.loop.collect import RolloutCollector, check_loop_config, evaluate, sampling_seed
-from megatron_rl.loop.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
-from megatron_rl.loop.model_source import resolve_model
-from megatron_rl.loop.state import (
+from megatron_rl.checkpoints import (
     LoopState,
     capture_rng,
     checkpoint_dir,
@@ -26,6 +21,11 @@ from megatron_rl.loop.state import (
     restore_rng,
     save_loop_state,
 )
+from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.data import Prompt, PromptSampler, RowLocation
+from megatron_rl.loop.collect import RolloutCollector, check_loop_config, evaluate, sampling_seed
+from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
+from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.engine import Sample
 from megatron_rl.rollout.local.sampling import sample_tokens
@@ -304,7 +304,7 @@ def test_model_config_comes_from_config_json(tmp_path: Path) -> None:
 
 def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from megatron_rl.loop.plot import plot_run
+    from megatron_rl.metrics.plot import plot_run
 
     log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
     log.log({"step": 0, "eval/greedy_accuracy": 0.1}, advance=False)

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from megatron_rl.loop.metrics import read_metrics
+    from megatron_rl.metrics import read_metrics
 
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")

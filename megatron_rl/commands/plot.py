@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("megatron-rl plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
-    from megatron_rl.loop.plot import plot_run
+    from megatron_rl.metrics.plot import plot_run
 
     try:
         written = plot_run(args.run_dir, args.out)

@@ -1,1 +1,1 @@
-"""The pieces of the RL loop (`megatron_rl.trainer`): model source, rollout collection, metrics, loop state."""
+"""The rollout side of an RL step, on rank 0 (`megatron_rl.trainer`): collection, evaluation, the rollout driver."""

@@ -1,4 +1,4 @@
-"""`megatron-rl sft CONFIG [key=value ...]`: the supervised stage (see `megatron_rl.sft.stage`).
+"""`megatron-rl sft CONFIG [key=value ...] [--resume]`: the supervised stage (see `megatron_rl.sft.stage`).
 
 Run it as one process or under torchrun/srun (e.g. `torchrun --nproc-per-node 2 -m megatron_rl.cli sft
 examples/tiny_math/sft.yaml` for EP = 2 on two CPU ranks).
@@ -18,6 +18,9 @@ HELP = "supervised fine-tuning on response tokens (warm start); writes RUN_DIR/h
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in checkpoint.dir"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ensure_launch_env()  # a plain `megatron-rl sft` is a world of one
     try:
-        run_sft(cfg)
+        run_sft(cfg, resume=args.resume)
     except (ConfigError, DataError, ConversionError) as err:
         print(f"sft: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@
     RUN_DIR/metrics.jsonl             one JSON object per step: sft/ (loss, entropy_mean, grad_norm, lr,
                                       ...), time/, throughput/, and eval/ where evaluated (greedy
                                       accuracy, pass@n); TensorBoard events when installed
-    RUN_DIR/checkpoints/step_NNNNNN   Megatron checkpoints (every `checkpoint.every` steps and the last)
+    RUN_DIR/checkpoints/step_NNNNNN   {actor/, loop_state.pt} every `checkpoint.every` steps and the last
+                                      (`checkpoint.keep_last` kept; `megatron_rl.checkpoints`)
     RUN_DIR/hf                        the final policy as a Hugging Face folder: the RL stage's `model.hf_path`
 
 The actor starts from `model.hf_path` (converted in memory; the architecture keys of `model` come
@@ -14,14 +15,15 @@ and makes `train.updates_per_step` optimizer steps on them; the learning-rate sc
 `train.steps`. Log-probs are taken at temperature 1 whatever `rollout.temperature` says (that one
 is the sampling temperature of pass@n). With `data.eval_path`, rank 0 serves the exported policy
 with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy every
-`eval.every` steps and at the end.
+`eval.every` steps and at the end. `--resume` continues from the newest complete checkpoint (the
+actor, the row order's position), as `megatron-rl train --resume` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,13 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.config import Config, ConfigError, to_yaml
+from megatron_rl.config import Config, ConfigError
 
 
 def check_config(cfg: Config) -> Config:
-    """`cfg` with `model` read from the policy's config.json (`loop.model_source.resolve_model`), after
+    """`cfg` with `model` read from the policy's config.json (`megatron_rl.models.source.resolve_model`), after
     checking what the SFT stage needs; ConfigError naming the key."""
-    from megatron_rl.loop.model_source import resolve_model
+    from megatron_rl.models.source import resolve_model
 
     if not cfg.data.train_path:
         raise ConfigError("data.train_path: megatron-rl sft needs the SFT rows (prompt + response) file")
@@ -73,42 +75,17 @@ class _Evaluator:
             self.engine = None
 
 
-def _save_checkpoint(actor: Any, folder: Path, step: int, keep_last: int) -> Path:
-    from megatron_rl.loop.state import checkpoint_dir
-
-    path = checkpoint_dir(folder, step)
-    if dist.get_rank() == 0 and path.exists():
-        shutil.rmtree(path)
-    dist.barrier()
-    actor.save(path)
-    if dist.get_rank() == 0:
-        for old in sorted(folder.glob("step_*"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return path
-
-
-def _export(actor: Any, cfg: Config, out: Path) -> None:
-    from megatron_rl.loop.model_source import assets_folder, hf_config_for_export
-    from megatron_rl.models.export import save_hf_folder
-    from megatron_rl.models.hf_io import prepare_output_dir
-
-    if dist.get_rank() == 0:
-        prepare_output_dir(out, force=True)
-    dist.barrier()
-    save_hf_folder(actor.chunks, cfg.model, out, hf_config_for_export(cfg), assets_from=assets_folder(cfg))
-
-
-def run_sft(cfg: Config) -> dict[str, Any]:
+def run_sft(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
+    With `resume`, continue from the newest complete checkpoint (from scratch without one).
 
     Returns the last step's metrics and the paths written (every rank), and the last evaluation
     (rank 0, when `data.eval_path` is set)."""
-    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.checkpoints import RunFolder
     from megatron_rl.data import PromptSampler, load_tokenizer
-    from megatron_rl.loop.metrics import MetricsLogger, summarize_updates
-    from megatron_rl.loop.model_source import tokenizer_source
-    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.metrics import summarize_updates
+    from megatron_rl.models.source import tokenizer_source
+    from megatron_rl.parallel import destroy_distributed, read_launch_env
     from megatron_rl.sft.data import load_sft_examples, sft_batch
     from megatron_rl.sft.loss import cross_entropy_loss
 
@@ -116,43 +93,39 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     tokenizer = load_tokenizer(*tokenizer_source(cfg))
     examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
     sampler = PromptSampler.from_config(examples, cfg.data)
-    run_dir = Path(cfg.logging.run_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    hf_dir = run_dir / "hf"
-    actor_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=1.0))
-    actor = MegatronActor(actor_cfg)
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    evaluator = _Evaluator(cfg, tokenizer) if rank0 and cfg.data.eval_path else None
-    log = MetricsLogger(
-        run_dir,
-        enabled=rank0,
-        total_steps=cfg.train.steps,
-        tensorboard=cfg.logging.tensorboard,
-        progress=cfg.logging.progress,
-        desc="sft",
-    )
-    log.message(f"sft: {report.summary()}")
-    result: dict[str, Any] = {"run_dir": str(run_dir), "hf_dir": str(hf_dir)}
+    rank = read_launch_env().rank
+    run_folder = RunFolder(cfg, rank=rank, resume=resume)
+    hf_dir = run_folder.run_dir / "hf"
+    result: dict[str, Any] = {"run_dir": str(run_folder.run_dir), "hf_dir": str(hf_dir)}
     start = time.perf_counter()
-
-    def evaluate(step: int, record: dict[str, Any]) -> None:
-        _export(actor, cfg, hf_dir)  # the engine reads the policy from there
+    with contextlib.ExitStack() as stack:
+        actor = run_folder.start_actor(
+            dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=1.0))
+        )
+        stack.callback(destroy_distributed, process_group=False)
+        stack.callback(actor.close)
+        run_folder.restore_sampler(sampler)
+        evaluator = _Evaluator(cfg, tokenizer) if rank == 0 and cfg.data.eval_path else None
         if evaluator is not None:
-            began = time.perf_counter()
-            scores = evaluator(hf_dir, step)
-            scores["time/eval"] = time.perf_counter() - began
-            record.update(scores)
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "eval/prompts")
-            log.message(f"sft step {step}: {shown}")
-            result["eval"] = scores
-        dist.barrier()
+            stack.callback(evaluator.close)
+        log = run_folder.open_log(desc="sft")
+        stack.callback(log.close)
+        log.message(f"sft: {report.summary()}")
 
-    try:
+        def evaluate(step: int, record: dict[str, Any]) -> None:
+            run_folder.export(actor, hf_dir)  # the engine reads the policy from there
+            if evaluator is not None:
+                began = time.perf_counter()
+                scores = evaluator(hf_dir, step)
+                scores["time/eval"] = time.perf_counter() - began
+                record.update(scores)
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "eval/prompts")
+                log.message(f"sft step {step}: {shown}")
+                result["eval"] = scores
+            dist.barrier()
+
         record: dict[str, Any] = {}
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(run_folder.start_step + 1, cfg.train.steps + 1):
             batch = sft_batch(sampler.next(cfg.train.prompts_per_step))
             began = time.perf_counter()
             history = actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
@@ -162,19 +135,13 @@ def run_sft(cfg: Config) -> dict[str, Any]:
                 raise FloatingPointError(f"sft step {step}: the loss is {record['sft/loss']} (lower train.lr?)")
             record.update({"time/step": step_s, "throughput/samples_per_s": len(batch) / step_s})
             last = step == cfg.train.steps
-            if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                result["checkpoint"] = str(_save_checkpoint(actor, ckpt_dir, step, cfg.checkpoint.keep_last))
             if last or (cfg.data.eval_path and cfg.eval.every and step % cfg.eval.every == 0):  # same on every rank
                 evaluate(step, record)  # at the end also without evaluator: the final HF folder
             record["time/elapsed"] = time.perf_counter() - start
-            log.log(record)
+            log.log(record)  # logged before the checkpoint: resuming from step k keeps the records up to k
+            if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                result["checkpoint"] = str(run_folder.save_checkpoint(actor, step, sampler))
         result["metrics"] = record
-    finally:
-        log.close()
-        if evaluator is not None:
-            evaluator.close()
-        actor.close()
-        destroy_distributed(process_group=False)
-    if rank0:
+    if rank == 0:
         print(f"sft: done in {time.perf_counter() - start:.0f} s; HF folder {hf_dir}", file=sys.stderr, flush=True)
     return result

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise SystemExit(f"{what}: {path} is missing; run examples/tiny_math/run.sh (or prepare + sft) first")
     sys.path.insert(0, str(REPO))
-    from megatron_rl.loop.metrics import read_metrics
+    from megatron_rl.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="mrl-bench-rl-step-") as tmp:
         run_dir = args.run_dir or Path(tmp) / "run"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.loop.metrics import read_metrics
+from megatron_rl.metrics import read_metrics
 
 # (file stem, y label, metric keys): a panel is drawn when at least one of its keys was logged.
 PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
