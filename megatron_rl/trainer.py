@@ -46,13 +46,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import Config, to_yaml
-from megatron_rl.loop.collect import RolloutCollector, StepBatch, check_loop_config, evaluate
+from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
 from megatron_rl.loop.metrics import MetricsLogger, summarize_updates, truncate_metrics
 from megatron_rl.loop.model_source import (
     assets_folder,
     hf_config_folder,
     hf_config_for_export,
-    resolve_model,
     tokenizer_source,
 )
 from megatron_rl.loop.state import (
@@ -65,6 +64,7 @@ from megatron_rl.loop.state import (
     restore_rng,
     save_loop_state,
 )
+from megatron_rl.validation import validate_run
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,8 +140,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         from megatron_rl.parallel import read_launch_env
 
-        check_loop_config(cfg)
-        self.cfg = cfg = resolve_model(cfg)
+        self.cfg = cfg = validate_run(cfg, "train")
         self.rank = read_launch_env().rank
         self.run_dir = Path(cfg.logging.run_dir)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
