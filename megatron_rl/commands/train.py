@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.parallel.launch import ensure_launch_env
+    from megatron_rl.trainer import run_training
     from megatron_rl.validation import validate_run
 
     ensure_launch_env()
@@ -33,8 +34,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megatron_rl.trainer import run_training  # imports Megatron: only once the config passed
-
     try:
         run_training(cfg, resume=args.resume)
     except ConfigError as err:
