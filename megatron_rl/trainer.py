@@ -47,11 +47,11 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.checkpoints import RunFolder
 from megatron_rl.config import Config
-from megatron_rl.loop.collect import check_loop_config
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
 from megatron_rl.metrics import MetricsLogger, summarize_updates
-from megatron_rl.models.source import hf_config_folder, resolve_model
+from megatron_rl.models.source import hf_config_folder
 from megatron_rl.parallel.rank0 import on_rank0
+from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
@@ -142,8 +142,7 @@ class Trainer:
         from megatron_rl.parallel import read_launch_env
         from megatron_rl.rollout.weight_sync import make_weight_sync
 
-        check_loop_config(cfg)
-        cfg = resolve_model(cfg)
+        cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
         run_folder = RunFolder(cfg, rank=rank, resume=resume)
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start

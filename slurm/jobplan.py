@@ -92,7 +92,8 @@ def _explicit_keys(config_path: str, overrides: Sequence[str]) -> set[str]:
 
 
 def _min_world(cfg: Any) -> int:
-    """The smallest trainer world the parallel layout accepts (TP x PP times the least data parallelism)."""
+    """The smallest trainer world the parallel layout accepts (TP x PP times the least data parallelism);
+    the model's side of the layout is `validate_run`'s, in `make_plan`."""
     from megatron_rl.config import ConfigError
     from megatron_rl.parallel.layout import check_layout
 
@@ -101,7 +102,7 @@ def _min_world(cfg: Any) -> int:
     last: ConfigError | None = None
     for dp in range(1, 1025):
         try:
-            check_layout(par, step * dp, cfg.model)
+            check_layout(par, step * dp)
             return step * dp
         except ConfigError as err:
             last = err
@@ -230,7 +231,7 @@ def make_plan(
     router: bool = False,
 ) -> JobPlan:
     """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError."""
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import load_config
 
     if mode not in ("disaggregated", "colocated"):
         raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
@@ -255,17 +256,15 @@ def make_plan(
         )
     if not Path(cfg.model.hf_path, "config.json").is_file():
         raise PlanError(f"model.hf_path = {cfg.model.hf_path}: no config.json there (a Hugging Face model folder)")
-    # the checks above need only the config; these import torch and Megatron (seconds more)
-    from megatron_rl.loop.collect import check_loop_config
-    from megatron_rl.models.source import resolve_model
-    from megatron_rl.parallel.layout import check_layout
+    # the checks above need only the config; the trainer's own check imports torch (seconds more)
+    from megatron_rl.parallel.layout import LayoutError
+    from megatron_rl.validation import validate_run
 
-    check_loop_config(cfg)
-    cfg = resolve_model(cfg)  # the architecture the trainer will build: from config.json, not the YAML
     rpn = _ranks_per_node(cfg, gpus_per_node, ranks_per_node)
     try:
-        check_layout(cfg.parallel, n_train * rpn, cfg.model)
-    except ConfigError as err:
+        # the architecture the trainer will build: from config.json, not the YAML
+        cfg = validate_run(cfg, "train", world_size=n_train * rpn, cuda_available=gpus_per_node > 0)
+    except LayoutError as err:
         raise PlanError(f"{err} (trainer world = {n_train} training node(s) x {rpn} ranks per node)") from None
 
     addr_of = dict(zip(nodes, addrs, strict=True))

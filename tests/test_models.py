@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.models import (
-    ParamShard,
-    check_family,
-    deterministic_full_tensor,
-    moe_layer_pattern,
-    padded_vocab_size,
-    take_shard,
-    transformer_config,
-)
+from megatron_rl.models.builder import padded_vocab_size, transformer_config
+from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.init import ParamShard, deterministic_full_tensor, take_shard
 
 
 @pytest.mark.parametrize(

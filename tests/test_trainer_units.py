@@ -23,13 +23,14 @@ from megatron_rl.checkpoints import (
 )
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
-from megatron_rl.loop.collect import RolloutCollector, check_loop_config, evaluate, sampling_seed
+from megatron_rl.loop.collect import RolloutCollector, evaluate, sampling_seed
 from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
 from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.engine import Sample
 from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.trainer import logprob_gap
+from megatron_rl.validation import validate_run
 
 
 class CharTokenizer:
@@ -201,15 +202,15 @@ def test_evaluate_is_greedy_accuracy() -> None:
 
 def test_loop_config_checks_name_the_key() -> None:
     with pytest.raises(ConfigError, match="data.train_path"):
-        check_loop_config(load_config(None, ["model.hf_path=x"]))
+        validate_run(load_config(None, ["model.hf_path=x"]), "train", world_size=1)
     with pytest.raises(ConfigError, match="overlong_buffer_len"):
-        check_loop_config(make_cfg(**{"algorithm.name": "dapo"}))  # 256 > max_new_tokens 12
+        validate_run(make_cfg(**{"algorithm.name": "dapo"}), "train", world_size=1)  # 256 > max_new_tokens 12
     with pytest.raises(ConfigError, match="data.eval_path"):
-        check_loop_config(make_cfg(**{"eval.every": 2}))
+        validate_run(make_cfg(**{"eval.every": 2}), "train", world_size=1)
     with pytest.raises(ConfigError, match="algorithm.kl_coef"):
-        check_loop_config(make_cfg(**{"algorithm.kl_coef": 0.1}))
+        validate_run(make_cfg(**{"algorithm.kl_coef": 0.1}), "train", world_size=1)
     with pytest.raises(ConfigError, match="updates_per_step"):
-        check_loop_config(make_cfg(**{"train.updates_per_step": 9}))
+        validate_run(make_cfg(**{"train.updates_per_step": 9}), "train", world_size=1)
 
 
 def test_summarize_updates_reduces_each_key_by_its_kind() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import ConversionError, model_config_from_hf, read_hf_config
 from megatron_rl.models.hf_io import copy_assets, prepare_output_dir
 from megatron_rl.parallel.launch import ensure_launch_env
@@ -32,6 +32,13 @@ from megatron_rl.parallel.launch import ensure_launch_env
 HELP = "convert checkpoints: hf-to-megatron (HF folder -> Megatron distributed checkpoint) or megatron-to-hf"
 HF_CONFIG_DIR = "hf_config"  # inside a Megatron checkpoint: config.json + tokenizer files of the source
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the layout flags and the `parallel` keys they set
+LAYOUT_FLAGS = {
+    "--tp": "tensor_model_parallel_size",
+    "--pp": "pipeline_model_parallel_size",
+    "--ep": "expert_model_parallel_size",
+    "--etp": "expert_tensor_parallel_size",
+}
 
 
 def _leave_uninitialised(tensor: torch.Tensor) -> None:
@@ -60,6 +67,15 @@ def _check_output(out: str | os.PathLike, force: bool) -> None:
         raise ConversionError(f"output {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not force:
         raise ConversionError(f"output folder {path} already exists and is not empty; pass --force to overwrite it")
+
+
+def _validate(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The model of config.json and the converting ranks' layout through the one configuration check
+    (`megatron_rl.validation`), before Megatron is imported; ConfigError naming the keys."""
+    from megatron_rl.validation import validate_run
+
+    ensure_launch_env()
+    validate_run(Config(model=model, parallel=parallel), "convert")
 
 
 @contextlib.contextmanager
@@ -106,9 +122,6 @@ def hf_to_megatron(
     """Convert an HF folder into a Megatron distributed checkpoint `out`; collective over the
     launched ranks. `dtype` (fp32/bf16/fp16): the checkpoint's; None = that of config.json
     (bf16 when it names none). Returns {"tensors", "bytes", "seconds"} of the conversion."""
-    from megatron_rl.models.checkpoint_io import save_model_weights
-    from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
-
     start = time.perf_counter()
     hf_dir = Path(hf_dir)
     _check_output(out, force)
@@ -117,8 +130,12 @@ def hf_to_megatron(
     if not dtype and not (hf.get("dtype") or hf.get("torch_dtype")):
         overrides["params_dtype"] = "bf16"
     model = model_config_from_hf(hf, hf_path=str(hf_dir), source=str(hf_dir / "config.json"), **overrides)
-    ckpt = open_hf_checkpoint(str(hf_dir), model)
     parallel = parallel or ParallelConfig()
+    _validate(model, parallel)
+    from megatron_rl.models.checkpoint_io import save_model_weights
+    from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
+
+    ckpt = open_hf_checkpoint(str(hf_dir), model)
     with _megatron(parallel, model) as chunks:
         with _progress(sum(1 for _ in chunks[0].parameters()), "hf -> megatron", progress) as bar:
             count = load_hf_weights(chunks, model, ckpt, progress=bar.update)
@@ -188,6 +205,7 @@ def megatron_to_hf(
     hf = read_hf_config(source)
     model = model_config_from_hf(hf, source=str(source / "config.json"), params_dtype=_stored_dtype(ckpt))
     parallel = parallel or ParallelConfig()
+    _validate(model, parallel)
     total = len(HFMapping(model).expected_hf_shapes())
     with _megatron(parallel, model) as chunks:
         load_model_weights(chunks, ckpt)
@@ -245,12 +263,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parallel(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=args.etp,
-    )
+    return ParallelConfig(**{key: getattr(args, flag.lstrip("-")) for flag, key in LAYOUT_FLAGS.items()})
+
+
+def _named_by_flags(err: ConfigError) -> str:
+    """The message of `err` with the `parallel` keys written as the flags that set them."""
+    message = str(err)
+    for flag, key in LAYOUT_FLAGS.items():
+        message = message.replace(f"parallel.{key}", flag)
+    return message
 
 
 def _convert(args: argparse.Namespace) -> dict[str, Any]:
@@ -272,9 +293,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = _convert(args)
-    except (ConversionError, ConfigError) as err:
+    except ConversionError as err:
         if _rank() == 0:
             print(f"convert {args.direction}: error: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        if _rank() == 0:
+            print(f"convert {args.direction}: error: {_named_by_flags(err)}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

@@ -25,14 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.parallel.launch import ensure_launch_env
     from megatron_rl.trainer import run_training
+    from megatron_rl.validation import validate_run
 
+    ensure_launch_env()
     try:
-        cfg = load_config(args.config, list(args.overrides))
+        cfg = validate_run(load_config(args.config, list(args.overrides)), "train")
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ensure_launch_env()
     try:
         run_training(cfg, resume=args.resume)
     except ConfigError as err:

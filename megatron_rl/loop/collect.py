@@ -30,7 +30,7 @@ import torch
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.algorithms import DynamicSamplingAccumulator, group_advantages, soft_overlong_penalty
 from megatron_rl.algorithms.dynamic_sampling import filter_groups
-from megatron_rl.config import Config, ConfigError
+from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.rewards import RewardScorer, RewardStats
 from megatron_rl.rollout.engine import Sample, SamplingParams
@@ -40,37 +40,6 @@ def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
     """The rollout seed of request `index` of generation round `round_` of `step`: in [0, 2**63)."""
     digest = hashlib.blake2b(f"{base}/{step}/{round_}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def check_loop_config(cfg: Config) -> None:
-    """Settings the RL loop needs beyond `config.validate`; raises ConfigError naming the key."""
-    if not cfg.data.train_path:
-        raise ConfigError("data.train_path: megatron-rl train needs the training prompts (.jsonl or .parquet)")
-    if not cfg.model.hf_path and not cfg.checkpoint.load:
-        raise ConfigError("model.hf_path or checkpoint.load: megatron-rl train needs a policy to start from")
-    alg, ro = cfg.algorithm, cfg.rollout
-    if alg.soft_overlong_punishment and alg.overlong_buffer_len > ro.max_new_tokens:
-        raise ConfigError(
-            f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) exceeds rollout.max_new_tokens "
-            f"({ro.max_new_tokens}): the soft overlong penalty zone must fit in the response length"
-        )
-    if alg.old_logprob_source == "rollout" and alg.is_correction != "none":
-        raise ConfigError(
-            "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
-            "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
-        )
-    if alg.kl_coef > 0:
-        raise ConfigError(
-            f"algorithm.kl_coef = {alg.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
-        )
-    if cfg.eval.every and not cfg.data.eval_path:
-        raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")
-    samples = cfg.train.prompts_per_step * ro.n_samples_per_prompt
-    if cfg.train.updates_per_step > samples:
-        raise ConfigError(
-            f"train.updates_per_step ({cfg.train.updates_per_step}) exceeds the samples of a step "
-            f"(train.prompts_per_step x rollout.n_samples_per_prompt = {samples})"
-        )
 
 
 @dataclass

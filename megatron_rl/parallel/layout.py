@@ -1,10 +1,18 @@
-"""Check a TP/PP/EP/ETP layout against the world size and the model, before anything is built."""
+"""Check a TP/PP/EP/ETP layout against the world size and the model, before anything is built.
+
+Only the world size is needed, not a process group: `megatron_rl.validation` makes the check with
+the launch's WORLD_SIZE before Megatron is imported, `init_distributed` again as it builds the groups.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+
+
+class LayoutError(ConfigError):
+    """A parallel layout that does not fit the world size or the model's widths."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ def resolve_expert_tensor_parallel(parallel: ParallelConfig) -> int:
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ConfigError(message)
+        raise LayoutError(message)
 
 
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:

@@ -71,9 +71,10 @@ def init_distributed(
 ) -> ParallelContext:
     """torch.distributed (once per process), then Megatron's TP/PP/EP/ETP/DP groups and RNG tracker.
 
-    The layout is checked against the world size (and `model`, when given) before any group or
-    model exists; a bad layout raises ConfigError naming the keys. CPU support is applied when
-    CUDA is absent. Call `destroy_distributed(process_group=False)` before a different layout.
+    The layout is resolved and checked against the world size (and `model`, when given) before any
+    group or model exists, as the entry points' `megatron_rl.validation.validate_run` did already; a
+    bad layout raises ConfigError naming the keys. CPU support is applied when CUDA is absent. Call
+    `destroy_distributed(process_group=False)` before a different layout.
     """
     env = env or read_launch_env()
     layout = check_layout(parallel, env.world_size, model)

@@ -29,16 +29,16 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.parallel.launch import ensure_launch_env
-    from megatron_rl.sft.stage import check_config, run_sft
+    from megatron_rl.sft.stage import run_sft
+    from megatron_rl.validation import validate_run
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ensure_launch_env()  # a plain `megatron-rl sft` is a world of one
     try:
-        cfg = load_config(args.config, list(args.overrides))
-        cfg = check_config(cfg)
+        cfg = validate_run(load_config(args.config, list(args.overrides)), "sft")
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    ensure_launch_env()  # a plain `megatron-rl sft` is a world of one
     try:
         run_sft(cfg, resume=args.resume)
     except (ConfigError, DataError, ConversionError) as err:

@@ -31,19 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.config import Config, ConfigError
-
-
-def check_config(cfg: Config) -> Config:
-    """`cfg` with `model` read from the policy's config.json (`megatron_rl.models.source.resolve_model`), after
-    checking what the SFT stage needs; ConfigError naming the key."""
-    from megatron_rl.models.source import resolve_model
-
-    if not cfg.data.train_path:
-        raise ConfigError("data.train_path: megatron-rl sft needs the SFT rows (prompt + response) file")
-    if not cfg.model.hf_path and not cfg.checkpoint.load:
-        raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
-    return resolve_model(cfg)
+from megatron_rl.config import Config
+from megatron_rl.validation import validate_run
 
 
 class _Evaluator:
@@ -89,7 +78,7 @@ def run_sft(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
     from megatron_rl.sft.data import load_sft_examples, sft_batch
     from megatron_rl.sft.loss import cross_entropy_loss
 
-    cfg = check_config(cfg)
+    cfg = validate_run(cfg, "sft")
     tokenizer = load_tokenizer(*tokenizer_source(cfg))
     examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
     sampler = PromptSampler.from_config(examples, cfg.data)

@@ -65,7 +65,8 @@ def sample_batch(model: ModelConfig, seed: int = 0) -> torch.Tensor:
 
 def setup(model: ModelConfig, parallel: ParallelConfig, seed: int = 0, **build_kwargs: object) -> list[torch.nn.Module]:
     """Parallel state for `parallel`, the model built, weights from `init_deterministic(seed)`."""
-    from megatron_rl.models import build_model, init_deterministic
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.init import init_deterministic
     from megatron_rl.parallel import init_distributed
 
     init_distributed(parallel, model)

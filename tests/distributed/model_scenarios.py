@@ -22,7 +22,7 @@ LOGIT_TOL = 1e-5
 def _check_full_params(chunks: list[torch.nn.Module], model: ModelConfig, seed: int = 0) -> None:
     """Gathered parameters are exactly the deterministic global tensors: every shard sits where
     Megatron's layout puts it (TP dims, SwiGLU halves, experts over EP, layers over PP)."""
-    from megatron_rl.models import deterministic_full_tensor, gather_full_params
+    from megatron_rl.models.init import deterministic_full_tensor, gather_full_params
 
     full = gather_full_params(chunks, model)
     for name, value in full.items():
@@ -49,7 +49,7 @@ def families_match_hf(ctx) -> None:  # noqa: ANN001
     """Each family's Megatron model gives the logits of the transformers model with the same weights."""
     from hf_reference import hf_model, load_megatron_params
 
-    from megatron_rl.models import gather_full_params
+    from megatron_rl.models.init import gather_full_params
     from megatron_rl.parallel import destroy_distributed
 
     cases = [
@@ -73,7 +73,7 @@ def families_match_hf(ctx) -> None:  # noqa: ANN001
 
 def moe_layers_follow_pattern(ctx) -> None:  # noqa: ANN001
     """first_k_dense_layers and moe_layer_freq decide which layers have a router."""
-    from megatron_rl.models import moe_layer_pattern
+    from megatron_rl.models.families import moe_layer_pattern
 
     model = tiny_model("qwen3_moe", num_layers=4, first_k_dense_layers=1, moe_layer_freq=2)
     assert moe_layer_pattern(model) == [0, 1, 0, 1], moe_layer_pattern(model)
@@ -86,7 +86,7 @@ def routing_replay_instances(ctx) -> None:  # noqa: ANN001
     """With routing replay every router registers one RouterReplay; a rebuild does not accumulate them."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_rl.models import build_model
+    from megatron_rl.models.builder import build_model
 
     model, parallel = tiny_model("qwen3_moe"), layout()
     chunks = setup(model, parallel, enable_routing_replay=True)

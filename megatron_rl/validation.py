@@ -1,0 +1,92 @@
+"""The one check of a run's configuration, made before Megatron is imported or any model is built.
+
+Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`, the Slurm planner
+`slurm/jobplan.py`) calls `validate_run` first, so that a configuration that cannot run fails within
+seconds with a `ConfigError` naming the key path and the allowed values. In order:
+
+1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's);
+2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`);
+3. `megatron_rl.config.validate` on the resolved configuration: ranges, choices, combinations;
+4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`);
+5. the torch.distributed backend against the device.
+
+It reads config.json and nothing else, so it is cheap and idempotent: code deeper in (`run_training`,
+`run_sft`, which tests call directly) calls it again on the configuration it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from megatron_rl.config import Config, ConfigError, validate
+from megatron_rl.models.source import resolve_model
+from megatron_rl.parallel.launch import read_launch_env
+from megatron_rl.parallel.layout import check_layout
+from megatron_rl.parallel.state import resolve_backend
+
+Command = Literal["train", "sft", "convert"]
+
+
+def _check_rl_loop_needs(cfg: Config) -> None:
+    if not cfg.data.train_path:
+        raise ConfigError("data.train_path: megatron-rl train needs the training prompts (.jsonl or .parquet)")
+    if not cfg.model.hf_path and not cfg.checkpoint.load:
+        raise ConfigError("model.hf_path or checkpoint.load: megatron-rl train needs a policy to start from")
+    alg, ro = cfg.algorithm, cfg.rollout
+    if alg.soft_overlong_punishment and alg.overlong_buffer_len > ro.max_new_tokens:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len ({alg.overlong_buffer_len}) exceeds rollout.max_new_tokens "
+            f"({ro.max_new_tokens}): the soft overlong penalty zone must fit in the response length"
+        )
+    if alg.old_logprob_source == "rollout" and alg.is_correction != "none":
+        raise ConfigError(
+            "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
+            "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
+        )
+    if alg.kl_coef > 0:
+        raise ConfigError(
+            f"algorithm.kl_coef = {alg.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
+        )
+    if cfg.eval.every and not cfg.data.eval_path:
+        raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")
+    samples = cfg.train.prompts_per_step * ro.n_samples_per_prompt
+    if cfg.train.updates_per_step > samples:
+        raise ConfigError(
+            f"train.updates_per_step ({cfg.train.updates_per_step}) exceeds the samples of a step "
+            f"(train.prompts_per_step x rollout.n_samples_per_prompt = {samples})"
+        )
+
+
+def _check_sft_needs(cfg: Config) -> None:
+    if not cfg.data.train_path:
+        raise ConfigError("data.train_path: megatron-rl sft needs the SFT rows (prompt + response) file")
+    if not cfg.model.hf_path and not cfg.checkpoint.load:
+        raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
+
+
+def _check_command_needs(cfg: Config, command: Command) -> None:
+    """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
+    if command == "train":
+        _check_rl_loop_needs(cfg)
+    elif command == "sft":
+        _check_sft_needs(cfg)
+    elif command != "convert":
+        raise ValueError(f"command {command!r}; allowed: {list(get_args(Command))}")
+
+
+def validate_run(
+    cfg: Config, command: Command, *, world_size: int | None = None, cuda_available: bool | None = None
+) -> Config:
+    """`cfg` with `model` read from the policy's config.json, once every check of the module doc passed.
+
+    `world_size`: the trainer ranks the layout must fit, None = WORLD_SIZE (or SLURM_NTASKS) of this
+    launch. `cuda_available`: whether the trainer has CUDA (for `parallel.backend`), None = this
+    machine's answer. Raises ConfigError naming the key path and the allowed values.
+    """
+    _check_command_needs(cfg, command)
+    resolved = resolve_model(cfg)
+    validate(resolved)
+    world = read_launch_env().world_size if world_size is None else world_size
+    check_layout(resolved.parallel, world, resolved.model)
+    resolve_backend(resolved.parallel.backend, cuda_available)
+    return resolved
