@@ -238,7 +238,7 @@ class Trainer:
             self.collector.engine = self.engine
 
         on_rank0(start)
-        from megatron_rl.rollout.weight_sync import make_weight_sync
+        from megatron_rl.weight_sync import make_weight_sync
 
         self.weight_sync = make_weight_sync(cfg, self.engine, self.actor)
 

@@ -27,8 +27,8 @@ from megatron_rl.loop.state import (
     save_loop_state,
 )
 from megatron_rl.rewards import RewardScorer
-from megatron_rl.rollout.engine import Sample
 from megatron_rl.rollout.local.sampling import sample_tokens
+from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer import logprob_gap
 
 
