@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.sglang import SGLangError
+from megatron_rl.rollout.sglang import SGLangClient, SGLangError
 from megatron_rl.rollout.types import MEMORY_TAGS
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class WeightSync(ABC):
         self._version = ""
 
     @property
-    def client(self) -> Any:
+    def client(self) -> SGLangClient:
         """The engine's `SGLangClient` (rank 0 only)."""
         assert self.engine is not None, "only global rank 0 talks to the engine"
         return self.engine.client
