@@ -1,10 +1,16 @@
-"""The `megatron-rl` command: one subcommand per module, imported only when used."""
+"""The `megatron-rl` command: one subcommand per module, imported only when used.
+
+Every process of a run starts here (each torchrun rank, the local engine child), so the console
+filters of `megatron_rl/console.py` are installed here, before the subcommand's module is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from megatron_rl.console import configure_console
 
 # subcommand -> module exposing `HELP`, `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, str] = {
@@ -20,8 +26,19 @@ COMMANDS: dict[str, str] = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training for MoE language models")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every warning and debug log (= MEGATRON_RL_LOG_LEVEL=debug, passed on to child processes)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     name = next((a for a in argv if not a.startswith("-")), None)
+    global_options = argv[: argv.index(name)] if name is not None else argv
+    try:
+        configure_console(verbose="--verbose" in global_options)
+    except ValueError as err:
+        print(f"megatron-rl: {err}", file=sys.stderr)
+        return 2
     for command, module_name in COMMANDS.items():
         if command == name:
             module = importlib.import_module(module_name)

@@ -55,7 +55,7 @@ from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.rollout.weight_sync import WeightSync
+    from megatron_rl.weight_sync import WeightSync
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -140,7 +140,7 @@ class Trainer:
         """Data (rank 0), checkpoint to resume from, actor, logs, engine and weight sync (collective).
         `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
-        from megatron_rl.rollout.weight_sync import make_weight_sync
+        from megatron_rl.weight_sync import make_weight_sync
 
         cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank

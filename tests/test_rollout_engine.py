@@ -14,11 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.engine import RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout import wire
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local.launcher import start_local_engine
 from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.sglang import BadRequestError, SGLangClient, SGLangError, UnauthorizedError
+from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.weight_sync import send
 
 KEY = "secret-key"
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -213,23 +215,23 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             serves(await generate(client), models["B"], "v-disk")
 
             named = _checkpoint(models["C"])
-            payload = transport.serialize_named_tensors(named)
+            payload = send.serialize_named_tensors(named)
             await client.update_weights_from_tensor([payload], weight_version="v-tensor")
             serves(await generate(client), models["C"], "v-tensor")
 
             port = _free_port()
             joining = asyncio.ensure_future(client.init_weights_update_group("127.0.0.1", port, 2, backend="gloo"))
-            group = await asyncio.to_thread(transport.init_weights_update_group, "127.0.0.1", port, 0, 2)
+            group = await asyncio.to_thread(wire.init_weights_update_group, "127.0.0.1", port, 0, 2)
             await joining
             for source, version, flat in (("D", "v-dist", False), ("A", "v-flat", True)):
                 named = _checkpoint(models[source])
-                names, dtypes, shapes = transport.tensor_specs(named)
+                names, dtypes, shapes = send.tensor_specs(named)
                 reply = asyncio.ensure_future(
                     client.update_weights_from_distributed(
                         names, dtypes, shapes, weight_version=version, flattened_bucket=flat
                     )
                 )
-                await asyncio.to_thread(transport.broadcast_named_tensors, group, named, flat, reply)
+                await asyncio.to_thread(send.broadcast_named_tensors, group, named, flat, reply)
                 await reply
                 serves(await generate(client), models[source], version)
 
@@ -238,18 +240,12 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             with pytest.raises(
                 BadRequestError, match=r"up_proj.weight': shape \[16, 31\] does not match the model's \[16, 32\]"
             ):
-                await client.update_weights_from_tensor(
-                    [transport.serialize_named_tensors(wrong)], weight_version="bad"
-                )
-            names, dtypes, shapes = transport.tensor_specs(
-                [("model.layers.0.mlp.experts.3.up.weight", torch.zeros(16, 32))]
-            )
+                await client.update_weights_from_tensor([send.serialize_named_tensors(wrong)], weight_version="bad")
+            names, dtypes, shapes = send.tensor_specs([("model.layers.0.mlp.experts.3.up.weight", torch.zeros(16, 32))])
             reply = asyncio.ensure_future(
                 client.update_weights_from_distributed(names, dtypes, shapes, weight_version="bad")
             )
-            await asyncio.to_thread(
-                transport.broadcast_named_tensors, group, [("x", torch.zeros(16, 32))], False, reply
-            )
+            await asyncio.to_thread(send.broadcast_named_tensors, group, [("x", torch.zeros(16, 32))], False, reply)
             with pytest.raises(BadRequestError, match="unknown tensor 'model.layers.0.mlp.experts.3.up.weight'"):
                 await reply
             broken = dict(_checkpoint(models["B"]))

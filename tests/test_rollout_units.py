@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.rollout import transport
+from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.model import load_model
 from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
+from megatron_rl.weight_sync import send
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +115,12 @@ def test_bad_update_names_the_tensor_and_changes_nothing(models):
 
 def test_tensor_payload_round_trip_and_flattened_bucket():
     named = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5, dtype=torch.float64).to(torch.bfloat16))]
-    back = transport.deserialize_named_tensors(transport.serialize_named_tensors(named))
+    back = wire.deserialize_named_tensors(send.serialize_named_tensors(named))
     assert [n for n, _ in back] == ["a.weight", "b.weight"]
     assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(named, back, strict=True))
-    flat, meta = transport.flatten_tensors(named)
-    obj = transport.deserialize_named_tensors(
-        transport.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
-    )
-    rebuilt = transport.unflatten_tensors(obj["flattened_tensor"], obj["metadata"])
+    flat, meta = send.flatten_tensors(named)
+    obj = wire.deserialize_named_tensors(send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta}))
+    rebuilt = wire.unflatten_tensors(obj["flattened_tensor"], obj["metadata"])
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, rebuilt, strict=True))
 
 
@@ -133,7 +132,7 @@ def test_payload_unpickling_refuses_other_globals():
     buf = io.BytesIO()
     pickle.Pickler(buf).dump([("x", Evil())])
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
-        transport.deserialize_named_tensors(base64.b64encode(buf.getvalue()).decode())
+        wire.deserialize_named_tensors(base64.b64encode(buf.getvalue()).decode())
     # tensors shared by file descriptor cannot reach an unrelated process: refused with a hint
     from multiprocessing.reduction import ForkingPickler
 
@@ -147,7 +146,7 @@ def test_payload_unpickling_refuses_other_globals():
     finally:
         tmp.set_sharing_strategy(previous)
     with pytest.raises(pickle.UnpicklingError, match="file_system strategy"):
-        transport.deserialize_named_tensors(buf.getvalue())
+        wire.deserialize_named_tensors(buf.getvalue())
 
 
 # ---- batched generation against a plain forward ----

@@ -27,8 +27,8 @@ from megatron_rl.loop.collect import RolloutCollector, evaluate, sampling_seed
 from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
 from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardScorer
-from megatron_rl.rollout.engine import Sample
 from megatron_rl.rollout.local.sampling import sample_tokens
+from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer import logprob_gap
 from megatron_rl.validation import validate_run
 

@@ -8,9 +8,11 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
-from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
+from megatron_rl.parallel.launch import free_port
+from megatron_rl.rollout import wire
+from megatron_rl.weight_sync import send
+from megatron_rl.weight_sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
+from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -46,10 +48,10 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
         ("d", 48, 96, 48),
     ]
     assert flat.dtype == torch.uint8 and flat.numel() == 96 and flat.is_shared()
-    received = transport.deserialize_named_tensors(
-        transport.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+    received = wire.deserialize_named_tensors(
+        send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
     )
-    got = transport.unflatten_tensors(received["flattened_tensor"], list(received["metadata"]))
+    got = wire.unflatten_tensors(received["flattened_tensor"], list(received["metadata"]))
     for (name, want), (got_name, value) in zip(bucket, got, strict=True):
         assert got_name == name and value.dtype == want.dtype and torch.equal(value, want), name
 
@@ -83,6 +85,6 @@ def test_rendezvous_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
 
     # under torchrun (agent store switched on) the trainer's rank 0 must still host the group's store
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    group = transport.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "agent-store-check", "gloo", 20.0)
+    group = wire.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "agent-store-check", "gloo", 20.0)
     assert group.size() == 1
-    transport.destroy_weights_update_group(group)
+    wire.destroy_weights_update_group(group)

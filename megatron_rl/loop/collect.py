@@ -33,7 +33,7 @@ from megatron_rl.algorithms.dynamic_sampling import filter_groups
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.rewards import RewardScorer, RewardStats
-from megatron_rl.rollout.engine import Sample, SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams
 
 
 def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from megatron_rl.rollout.engine import Sample, SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ class SGLangClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> list[dict]:
-        """`serialized_named_tensors`: one payload per TP rank (see `transport.serialize_named_tensors`)."""
+        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes them)."""
         body = {
             "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,

@@ -14,7 +14,7 @@ from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.loop.collect import evaluate, sampling_seed
 from megatron_rl.rewards import RewardScorer
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.types import SamplingParams
 
 
 def pass_at_n(

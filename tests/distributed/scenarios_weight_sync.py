@@ -104,7 +104,7 @@ def on_every_rank(value: object) -> object:
 
 def rollout(engine, cfg: Config, seed: int, greedy: bool = False) -> list[dict]:  # noqa: ANN001
     """Rank 0 samples one response per prompt (routed experts included); every rank gets them."""
-    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.types import SamplingParams
 
     samples = None
     if engine is not None:
@@ -290,7 +290,7 @@ def check_invariant(actor, samples: list[dict], what: str) -> None:  # noqa: ANN
 
 def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], step: int) -> list[dict]:  # noqa: ANN001
     """Train one step on `samples`, sync in `mode`, sample again and check the invariant; returns the new samples."""
-    from megatron_rl.rollout.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import make_weight_sync
 
     cfg = with_mode(cfg, mode)
     train_step(actor, samples)
@@ -316,7 +316,7 @@ def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], 
 
 def run_modes(ctx, parallel: ParallelConfig, modes: tuple[str, ...]) -> tuple:  # noqa: ANN001
     """Build the actor; sync its initial weights (first mode) and check; then one round per mode."""
-    from megatron_rl.rollout.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import make_weight_sync
 
     cfg = policy_config(ctx, parallel, modes[0])
     actor = build_actor(cfg)
@@ -334,7 +334,7 @@ def run_modes(ctx, parallel: ParallelConfig, modes: tuple[str, ...]) -> tuple:  
 def corrupt_export(name: str, kind: str) -> Iterator[None]:
     """Make the exporter rename ("name") or cut a row off ("shape") the tensor `name`."""
     import megatron_rl.models.export as export_module
-    import megatron_rl.rollout.sync.buckets as buckets_module
+    import megatron_rl.weight_sync.buckets as buckets_module
 
     original = export_module.export_hf_weights
 
@@ -357,7 +357,7 @@ def corrupt_export(name: str, kind: str) -> Iterator[None]:
 def expect_refused(sync, version: str, pattern: str) -> None:  # noqa: ANN001
     import re
 
-    from megatron_rl.rollout.weight_sync import WeightSyncError
+    from megatron_rl.weight_sync import WeightSyncError
 
     try:
         sync.sync(version)
@@ -402,7 +402,7 @@ def w1_refused_updates(ctx) -> None:  # noqa: ANN001
     names the tensor; the engine keeps serving the old weights (greedy outputs and log-probs
     unchanged, old version); the next good sync of the same sync object works. A distributed sync
     whose group the engine forgot is refused, and the next one builds a new group."""
-    from megatron_rl.rollout.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import make_weight_sync
 
     cfg = policy_config(ctx, layout())
     actor = build_actor(cfg)
@@ -462,7 +462,7 @@ def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2: disk writes from both stages; distributed and tensor gather stage 1's buckets on rank 0.
     A tensor of stage 1 refused mid-stream: the error reaches both ranks, the version stays, the
     group stays usable, and the next sync restores the invariant."""
-    from megatron_rl.rollout.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import make_weight_sync
 
     cfg, actor, engine, samples = run_modes(ctx, layout(pp=2), ("distributed", "tensor", "disk"))
     with make_weight_sync(with_mode(cfg, "distributed"), engine, actor, bucket_mb=BUCKET_MB) as sync:

@@ -29,10 +29,10 @@ import time
 import psutil
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local.launcher import start_local_engine
 from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.sglang import SGLangClient
+from megatron_rl.rollout.types import SamplingParams
 
 # The reduced-size policy of rl_feasibility.md, with a 1024-token vocabulary.
 BENCH_MODEL = dict(

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.models.export import save_hf_folder
     from megatron_rl.models.hf_config import hf_config_from_model
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.rollout.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import make_weight_sync
 
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))

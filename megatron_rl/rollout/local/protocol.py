@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.rollout.local.generator import GenRequest
 from megatron_rl.rollout.local.model import ModelInfo
-from megatron_rl.rollout.transport import flattened_layout
+from megatron_rl.rollout.wire import flattened_layout
 
 
 class FieldError(ValueError):

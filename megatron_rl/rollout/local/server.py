@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megatron_rl.rollout import transport
+from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.engine_thread import EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.model import ModelInfo, load_model
@@ -36,11 +36,11 @@ from megatron_rl.rollout.local.protocol import (
     parse_generate,
 )
 from megatron_rl.rollout.local.weights import WeightUpdateError, apply_named_tensors, load_safetensors_dir
+from megatron_rl.rollout.types import MEMORY_TAGS
 
 log = logging.getLogger("megatron_rl.serve")
 
 HELP = "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)"
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -335,7 +335,7 @@ class LocalServer:
         if load_format not in (None, "direct", "flattened_bucket"):
             raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct', 'flattened_bucket'")
         try:
-            obj = transport.deserialize_named_tensors(payloads[0])
+            obj = wire.deserialize_named_tensors(payloads[0])
         except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
             raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
         named = _named_tensors(obj, load_format == "flattened_bucket")
@@ -372,7 +372,7 @@ class LocalServer:
         )
         try:
             group = await asyncio.to_thread(
-                transport.init_weights_update_group, address, port, rank_offset, world_size, group_name, backend
+                wire.init_weights_update_group, address, port, rank_offset, world_size, group_name, backend
             )
         except Exception as err:  # rendezvous failures: reported to the trainer, the server keeps running
             return _update_reply(False, f"Failed to initialize custom process group: {err}.")
@@ -385,7 +385,7 @@ class LocalServer:
         group = self.groups.pop(name, None)
         if group is None:
             return _update_reply(False, "The group to be destroyed does not exist.")
-        transport.destroy_weights_update_group(group)
+        wire.destroy_weights_update_group(group)
         return _update_reply(True, "Succeeded to destroy custom process group.")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
@@ -434,7 +434,7 @@ def _named_tensors(obj: Any, flattened: bool) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(obj, dict) or not {"flattened_tensor", "metadata"} <= set(obj):
             raise FieldError("serialized_named_tensors[0]: a flattened bucket needs 'flattened_tensor' and 'metadata'")
         try:
-            return transport.unflatten_tensors(obj["flattened_tensor"], list(obj["metadata"]))
+            return wire.unflatten_tensors(obj["flattened_tensor"], list(obj["metadata"]))
         except ValueError as err:
             raise FieldError(f"serialized_named_tensors[0]: {err}") from None
     if not isinstance(obj, (list, tuple)) or not all(
@@ -448,10 +448,10 @@ def _receive(spec: DistributedUpdate, group: Any, device: torch.device) -> list[
     import torch.distributed as dist
 
     if spec.flattened:
-        meta = transport.flattened_layout(spec.names, spec.dtypes, spec.shapes)
+        meta = wire.flattened_layout(spec.names, spec.dtypes, spec.shapes)
         flat = torch.empty(meta[-1].end_idx if meta else 0, dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0, group=group)
-        return transport.unflatten_tensors(flat, meta)
+        return wire.unflatten_tensors(flat, meta)
     named = []
     handles = []
     for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
@@ -554,5 +554,5 @@ async def _serve(server: LocalServer, host: str, port: int, port_file: str | Non
         await runner.cleanup()
         # a gloo group left alive can abort the interpreter at exit
         for group in server.groups.values():
-            transport.destroy_weights_update_group(group)
+            wire.destroy_weights_update_group(group)
         server.groups.clear()

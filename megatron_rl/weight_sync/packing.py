@@ -1,4 +1,4 @@
-"""Buckets packed for transport, without Megatron: SGLang's flattened-bucket form in a reusable
+"""Buckets packed for sending (no Megatron code here): SGLang's flattened-bucket form in a reusable
 buffer, the test for the distributed flattened layout, and one item of look-ahead."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import TypeVar
 
 import torch
 
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.transport import FlattenedTensorMetadata
+from megatron_rl.rollout.wire import FlattenedTensorMetadata, flattened_layout
+from megatron_rl.weight_sync.send import file_system_sharing, tensor_specs
 
 Bucket = list[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -32,9 +32,9 @@ def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
 def broadcasts_flat(bucket: Bucket) -> bool:
     """Whether the bucket fits SGLang's distributed "flattened_bucket" layout (tensors back to back,
     each at a multiple of its item size, which holds for one dtype); otherwise send tensor by tensor."""
-    names, _, shapes = transport.tensor_specs(bucket)
+    names, _, shapes = tensor_specs(bucket)
     try:
-        transport.flattened_layout(names, [t.dtype for _, t in bucket], shapes)
+        flattened_layout(names, [t.dtype for _, t in bucket], shapes)
     except ValueError:
         return False
     return True
@@ -71,7 +71,7 @@ class PackingBuffer:
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             if device.type == "cpu":
-                with transport._file_system_sharing():
+                with file_system_sharing():
                     buffer.share_memory_()
             self._buffer = buffer
         return buffer

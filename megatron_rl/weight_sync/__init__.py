@@ -1,5 +1,8 @@
 """Weight sync: the actor's Megatron weights -> Hugging Face names -> the rollout engine.
 
+Trainer code: it runs on every trainer rank, reads `parallel_state` and the actor's model chunks,
+and calls the exporter (`megatron_rl/models/export.py`).
+
     sync = make_weight_sync(cfg, engine, actor)    # every trainer rank (collective)
     report = sync.sync(step)                        # every rank; the engine then serves version str(step)
     sync.release_engine_memory()                    # colocated, optional: after rollout, before training
@@ -9,14 +12,14 @@
 ranks may pass None. Modes (`rollout.weight_sync`):
 
 - `disk`: each stage's sender writes safetensors into `rollout.sync_dir` (default
-  `logging.run_dir/weights`) / v-<version>, then `/update_weights_from_disk` (`sync.disk`).
+  `logging.run_dir/weights`) / v-<version>, then `/update_weights_from_disk` (`disk.py`).
 - `distributed`: buckets broadcast over a group of rank 0 and every engine rank, built once (gloo
-  on CPU, nccl on GPU; `sync.distributed`).
+  on CPU, nccl on GPU; `distributed.py`).
 - `tensor`: colocated; buckets by shared-memory / CUDA-IPC handle through
-  `/update_weights_from_tensor`, with generation paused (`sync.tensor`).
+  `/update_weights_from_tensor`, with generation paused (`tensor.py`).
 
 With PP > 1, disk mode writes from every stage. The other two modes first gather each stage's
-buckets on rank 0, point to point (`sync.buckets`). Every rank gets the same `SyncReport`, or the
+buckets on rank 0, point to point (`buckets.py`). Every rank gets the same `SyncReport`, or the
 same `WeightSyncError`, and a refused update names the tensor. The engine validates each request
 whole. So a refused disk update, or a refused first bucket, leaves the old weights serving. After
 a later bucket is refused, the earlier buckets are already loaded. The version stays the old one,
@@ -27,10 +30,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_rl.rollout.sync.base import SyncReport, WeightSync, WeightSyncError
-from megatron_rl.rollout.sync.disk import DiskSync
-from megatron_rl.rollout.sync.distributed import DistributedSync
-from megatron_rl.rollout.sync.tensor import TensorSync
+from megatron_rl.weight_sync.base import SyncReport, WeightSync, WeightSyncError
+from megatron_rl.weight_sync.disk import DiskSync
+from megatron_rl.weight_sync.distributed import DistributedSync
+from megatron_rl.weight_sync.tensor import TensorSync
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor

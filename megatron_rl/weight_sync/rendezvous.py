@@ -1,5 +1,5 @@
-"""Where a weight-update group meets: this machine's address towards the engine, a free port, and
-the trainer's side of the rendezvous on a thread of its own."""
+"""Where a weight-update group meets: this machine's address towards the engine, and the trainer's
+side of the rendezvous on a thread of its own (the port: `megatron_rl.parallel.launch.free_port`)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,6 @@ def reachable_address(url: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(sockaddr)  # UDP: picks the route, sends nothing
         return sock.getsockname()[0]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def in_daemon_thread(fn: Any, *args: Any) -> Future:

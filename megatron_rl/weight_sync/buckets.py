@@ -19,8 +19,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models.export import export_hf_weights, is_export_sender
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.sync.packing import Bucket
+from megatron_rl.weight_sync.packing import Bucket
+from megatron_rl.weight_sync.send import tensor_specs
 
 
 def stage_senders() -> list[int]:
@@ -74,7 +74,7 @@ def params_device(chunks: list[torch.nn.Module]) -> torch.device:
 
 
 def _send_bucket(bucket: Bucket, device: torch.device) -> None:
-    dist.send_object_list([transport.tensor_specs(bucket)], dst=0, device=device)
+    dist.send_object_list([tensor_specs(bucket)], dst=0, device=device)
     ops = [dist.P2POp(dist.isend, tensor.contiguous(), 0) for _, tensor in bucket]
     for work in dist.batch_isend_irecv(ops):
         work.wait()

@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_rl.models.export import save_hf_folder
 from megatron_rl.models.hf_config import hf_config_from_model
-from megatron_rl.rollout.sync.base import WeightSync, WeightSyncError, shared_outcome
+from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
 
 
 def version_folder_name(version: str) -> str:

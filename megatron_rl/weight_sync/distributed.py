@@ -1,7 +1,7 @@
 """`rollout.weight_sync = distributed`: broadcast buckets over a process group joined by the engines.
 
 The group is built once, when the sync is made, the way SGLang builds its side
-(`transport.init_weights_update_group`). Global rank 0 is rank 0 of the group, and engine
+(`rollout/wire.py: init_weights_update_group`). Global rank 0 is rank 0 of the group, and engine
 server i holds ranks 1 + i * rollout.engine_gpus onwards. The backend is nccl when the model is
 on a GPU and gloo otherwise. For every bucket, rank 0 first posts `/update_weights_from_distributed`
 (names, dtypes, shapes) asynchronously, then broadcasts. A bucket of one dtype goes as one
@@ -27,11 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
-from megatron_rl.rollout.sync.buckets import params_device, rank0_buckets, stage_senders
-from megatron_rl.rollout.sync.packing import Bucket, broadcasts_flat, with_last
-from megatron_rl.rollout.sync.rendezvous import free_port, in_daemon_thread, reachable_address
+from megatron_rl.parallel.launch import free_port
+from megatron_rl.rollout.wire import destroy_weights_update_group, init_weights_update_group
+from megatron_rl.weight_sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
+from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
+from megatron_rl.weight_sync.packing import Bucket, broadcasts_flat, with_last
+from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
+from megatron_rl.weight_sync.send import broadcast_named_tensors, tensor_specs
 
 log = logging.getLogger("megatron_rl.weight_sync")
 _GROUP_IDS = itertools.count(1)  # group names stay unique within a process
@@ -70,7 +72,8 @@ class DistributedSync(WeightSync):
         world_size = 1 + len(urls) * self.engine_ranks
         name = f"megatron-rl-{os.getpid()}-{next(_GROUP_IDS)}"
         try:
-            address, port = reachable_address(urls[0]), free_port()
+            address = reachable_address(urls[0])
+            port = free_port(address)
         except OSError as err:
             return f"cannot find this machine's address towards {urls[0]}: {err}"
         joining = self.engine.submit(
@@ -78,8 +81,9 @@ class DistributedSync(WeightSync):
                 address, port, world_size, name, self.backend, ranks_per_server=self.engine_ranks
             )
         )
-        join = transport.init_weights_update_group
-        ours = in_daemon_thread(join, address, port, 0, world_size, name, self.backend, self.timeout_s)
+        ours = in_daemon_thread(
+            init_weights_update_group, address, port, 0, world_size, name, self.backend, self.timeout_s
+        )
         done, _ = wait([joining, ours], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for future, side in ((joining, "the engine"), (ours, "the trainer")):
             if future in done and future.exception() is not None:
@@ -102,7 +106,7 @@ class DistributedSync(WeightSync):
         return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
-        names, dtypes, shapes = transport.tensor_specs(bucket)
+        names, dtypes, shapes = tensor_specs(bucket)
         flattened = broadcasts_flat(bucket)
         reply = self.engine.submit(
             self.client.update_weights_from_distributed(
@@ -117,7 +121,7 @@ class DistributedSync(WeightSync):
         )
         what = f"bucket of {len(bucket)} tensors from {names[0]!r}"
         try:
-            sent = transport.broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
+            sent = broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
         except (RuntimeError, TimeoutError) as err:
             reason = _refusal(reply, wait_s=5.0)
             self._fail(f"broadcast of the {what}: {err}" + (f"; the engine says: {reason}" if reason else ""))
@@ -143,7 +147,7 @@ class DistributedSync(WeightSync):
         if pending:
             self._abandoned.append(group)
         else:
-            transport.destroy_weights_update_group(group)
+            destroy_weights_update_group(group)
 
     def close(self) -> None:
         if self.is_controller:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.rollout import transport
-from megatron_rl.rollout.sync.base import WeightSync
-from megatron_rl.rollout.sync.buckets import rank0_buckets, stage_senders
-from megatron_rl.rollout.sync.packing import Bucket, PackingBuffer, with_last
+from megatron_rl.weight_sync.base import WeightSync
+from megatron_rl.weight_sync.buckets import rank0_buckets, stage_senders
+from megatron_rl.weight_sync.packing import Bucket, PackingBuffer, with_last
+from megatron_rl.weight_sync.send import serialize_named_tensors
 
 
 class TensorSync(WeightSync):
@@ -47,7 +47,7 @@ class TensorSync(WeightSync):
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
         flat, meta = self._buffer.pack(bucket)
-        payload = transport.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+        payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
         self._call(
             self.client.update_weights_from_tensor(
                 [payload] * self.engine_ranks,

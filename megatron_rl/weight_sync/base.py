@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.sglang import SGLangError
+from megatron_rl.rollout.sglang import SGLangClient, SGLangError
+from megatron_rl.rollout.types import MEMORY_TAGS
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megatron_rl.weight_sync")
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 ENGINE_ERRORS = (SGLangError, TimeoutError, concurrent.futures.TimeoutError)
 
 
@@ -92,7 +92,7 @@ class WeightSync(ABC):
         self._version = ""
 
     @property
-    def client(self) -> Any:
+    def client(self) -> SGLangClient:
         """The engine's `SGLangClient` (rank 0 only)."""
         assert self.engine is not None, "only global rank 0 talks to the engine"
         return self.engine.client
@@ -170,7 +170,7 @@ class WeightSync(ABC):
     # ---- colocated memory ----
 
     def release_engine_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Free the engine's memory (default: weights, KV cache, CUDA graphs) between rollout and
+        """Free the engine's memory (default: all of `MEMORY_TAGS`) between rollout and
         training; the next `sync` resumes it. Call on every rank (rank 0 acts); requests must be done."""
         tags = list(MEMORY_TAGS if tags is None else tags)
         bad = [t for t in tags if t not in MEMORY_TAGS]

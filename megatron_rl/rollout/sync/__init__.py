@@ -1,1 +1,0 @@
-"""The three weight-sync modes behind `megatron_rl.rollout.weight_sync.make_weight_sync`."""

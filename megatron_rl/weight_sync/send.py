@@ -1,0 +1,107 @@
+"""The trainer's side of the wire formats in `megatron_rl/rollout/wire.py`: what goes out to an engine.
+
+- `serialize_named_tensors`: the `/update_weights_from_tensor` payload, base64 of a
+  `ForkingPickler` dump of `[(name, tensor), ...]` (or a flattened bucket dict) as SGLang's
+  `MultiprocessingSerializer` writes it. CPU tensors travel through shared memory (file-system
+  strategy, so unrelated processes can open them; file descriptors cannot cross unrelated
+  processes) and must stay alive until the call returns.
+- `flatten_tensors`: tensors' bytes back to back in one uint8 buffer (the "flattened_bucket").
+- `tensor_specs` / `broadcast_named_tensors`: rank 0's half of `/update_weights_from_distributed`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.wire import FlattenedTensorMetadata
+
+
+@contextlib.contextmanager
+def file_system_sharing() -> Iterator[None]:
+    """torch.multiprocessing's file-system sharing strategy for the duration of the block."""
+    import torch.multiprocessing as tmp
+
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(previous)
+
+
+def serialize_named_tensors(obj: Any) -> str:
+    """Base64 `ForkingPickler` dump of `obj` (a list of (name, tensor) or a flattened bucket dict)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions  # noqa: F401  (registers the shared-memory reducers)
+
+    buf = io.BytesIO()
+    with file_system_sharing():
+        ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def flatten_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """Concatenate the tensors' bytes (uint8) and describe where each one lies."""
+    if not named:
+        raise ValueError("cannot flatten an empty list of tensors")
+    pieces, meta, offset = [], [], 0
+    for name, tensor in named:
+        raw = tensor.detach().contiguous().flatten().view(torch.uint8)
+        pieces.append(raw)
+        meta.append(
+            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + raw.numel(), raw.numel())
+        )
+        offset += raw.numel()
+    return torch.cat(pieces), meta
+
+
+def tensor_specs(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtypes, shapes) of the tensors, as `/update_weights_from_distributed` announces them."""
+    names = [n for n, _ in named]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+    shapes = [list(t.shape) for _, t in named]
+    return names, dtypes, shapes
+
+
+def broadcast_named_tensors(
+    group: dist.ProcessGroup,
+    named: list[tuple[str, torch.Tensor]],
+    flattened: bool = False,
+    reply: Any = None,
+    timeout_s: float = 600.0,
+    poll_s: float = 0.01,
+) -> int:
+    """Rank 0's half of a distributed update: broadcast the tensors in the announced order.
+
+    `reply` is the pending `/update_weights_from_distributed` call (a `concurrent.futures.Future`):
+    if the engine refuses the request before receiving, this raises its error instead of waiting
+    for the broadcast to time out. Returns the number of bytes sent.
+    """
+    if flattened:
+        flat, _ = flatten_tensors(named)
+        buffers = [flat]
+    else:
+        buffers = [t.detach().contiguous() for _, t in named]
+    works = [dist.broadcast(b, src=0, group=group, async_op=True) for b in buffers]
+    deadline = time.monotonic() + timeout_s
+    while not all(w.is_completed() for w in works):
+        if reply is not None and reply.done() and reply.exception() is not None:
+            raise RuntimeError(
+                f"the engine refused the update before receiving it ({reply.exception()}); "
+                "the weight-update group is now out of step: destroy and re-create it"
+            ) from reply.exception()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast of {len(named)} tensors did not finish within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    for work in works:
+        work.wait()
+    return sum(b.numel() * b.element_size() for b in buffers)
