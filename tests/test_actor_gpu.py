@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_rl.parallel.launch import free_port
+
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(world: int, dtype: str):  # noqa: ANN202 - Config, imported in the worker
@@ -102,7 +97,7 @@ def test_actor_nccl_bf16(tmp_path: Path) -> None:
 
     world = min(2, torch.cuda.device_count())
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     result = json.loads(out.read_text())
     assert result["backend"] == "nccl", result
     assert result["replay_max_abs"] == 0.0, result

@@ -32,7 +32,6 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_rl.parallel.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -70,12 +71,6 @@ class ScenarioResult:
             raise AssertionError(f"scenario {self.name} {self.status}:\n{self.detail}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_scenarios(
     world_size: int, scenarios: Sequence[str], *, timeout_s: float = 600.0, collective_timeout_s: float = 120.0
 ) -> dict[str, ScenarioResult]:
@@ -86,7 +81,7 @@ def run_scenarios(
         env.update(
             WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")]),
         )

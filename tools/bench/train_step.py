@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import statistics
 import time
 
@@ -117,16 +115,6 @@ def param_counts(model) -> tuple[float, float]:  # noqa: ANN001 - ModelConfig
     return float(total), float(active)
 
 
-def _launch_env() -> None:
-    """Single-process defaults when not started by torchrun."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def _peak_tflops(args: argparse.Namespace) -> float | None:
     if args.peak_tflops > 0:
         return args.peak_tflops
@@ -147,10 +135,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.config import Config, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+    from megatron_rl.parallel.launch import read_launch_env
 
     name = args.preset if args.preset != "auto" else ("1b" if torch.cuda.is_available() else "tiny")
     model = ModelConfig(family="qwen3_moe", **PRESETS[name])
-    world = int(os.environ["WORLD_SIZE"])
+    world = read_launch_env().world_size
     dp = world // (args.tp * args.pp)
     seq = args.seq_len or (4096 if name == "1b" else 128)
     samples = args.samples or 8 * dp
@@ -229,14 +218,18 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
-    _launch_env()
+    from megatron_rl.parallel.launch import ensure_launch_env
+
+    ensure_launch_env()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for line in run(args):
-        if int(os.environ["RANK"]) == 0:
-            print(json.dumps(line), flush=True)
+    lines = run(args)
     import torch.distributed as dist
 
     from megatron_rl.parallel import destroy_distributed
+
+    if dist.get_rank() == 0:
+        for line in lines:
+            print(json.dumps(line), flush=True)
 
     destroy_distributed(process_group=dist.is_initialized())
 
