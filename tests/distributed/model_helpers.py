@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.parallel.device import local_device
 
 VOCAB = 300  # pads to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
 SEQ = 16
@@ -19,11 +20,6 @@ _FAMILY_SWITCHES = {
     "qwen2": dict(qk_layernorm=False, add_qkv_bias=True, num_experts=None),
     "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
 }
-
-
-def device() -> torch.device:
-    """Where the model lives: the current GPU when there is one (NCCL runs), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
@@ -81,7 +77,7 @@ def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = ids.shape
-    ids = ids.to(device())
+    ids = ids.to(local_device())
     positions = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
 
     def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract

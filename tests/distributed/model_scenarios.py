@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from model_helpers import (
     assert_close,
-    device,
     forward_logits,
     layout,
     reference_logits,
@@ -15,6 +14,7 @@ from model_helpers import (
 )
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.parallel.device import local_device
 
 LOGIT_TOL = 1e-5
 
@@ -106,7 +106,7 @@ def recompute_same_gradients(ctx) -> None:  # noqa: ANN001
         model = tiny_model("qwen3_moe", recompute=recompute)
         chunks = setup(model, layout())
         assert chunks[0].config.recompute_granularity == ("full" if recompute else None)
-        ids = sample_batch(model).to(device())
+        ids = sample_batch(model).to(local_device())
         logits = chunks[0](ids, torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids), None)
         (logits[..., : model.vocab_size] ** 2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in chunks[0].named_parameters()})
