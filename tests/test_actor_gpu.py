@@ -17,27 +17,28 @@ import torch
 
 from megatron_rl.parallel.launch import free_port
 
+from mrl_configs import tiny_model
+
 pytestmark = pytest.mark.gpu
 
 
 def _config(world: int, dtype: str):  # noqa: ANN202 - Config, imported in the worker
     import dataclasses
 
-    from megatron_rl.config import Config, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+    from megatron_rl.config import Config, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
 
     cfg = Config(
-        model=ModelConfig(
-            family="qwen3_moe",
-            num_layers=4,
+        model=tiny_model(
+            "qwen3_moe",
             hidden_size=256,
             ffn_hidden_size=512,
             num_attention_heads=8,
             num_query_groups=4,
             vocab_size=1000,
             num_experts=8,
-            moe_router_topk=2,
             moe_ffn_hidden_size=256,
-            first_k_dense_layers=1,
+            max_position_embeddings=4096,
+            rope_theta=1e6,
             params_dtype=dtype,
         ),
         parallel=ParallelConfig(tensor_model_parallel_size=world),

@@ -17,8 +17,9 @@ from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import transport
 from megatron_rl.rollout.engine import RolloutEngine, Sample, SamplingParams
 from megatron_rl.rollout.local.launcher import start_local_engine
-from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.sglang import BadRequestError, SGLangClient, SGLangError, UnauthorizedError
+
+from mrl_configs import make_tiny_model
 
 KEY = "secret-key"
 ENV = {"OMP_NUM_THREADS": "1"}

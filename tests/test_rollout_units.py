@@ -15,8 +15,9 @@ from megatron_rl.rollout import transport
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.model import load_model
 from megatron_rl.rollout.local.sampling import sample_tokens
-from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
+
+from mrl_configs import make_tiny_model
 
 
 @pytest.fixture(scope="module")
