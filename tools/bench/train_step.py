@@ -27,34 +27,25 @@ import time
 
 import torch
 
+PRESET_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "max_position_embeddings",
+    "params_dtype",
+)
 PRESETS = {
-    # ~1.2B parameters, ~0.3B active per token: Qwen3-MoE-shaped
-    "1b": dict(
-        num_layers=16,
-        hidden_size=1024,
-        ffn_hidden_size=2816,
-        num_attention_heads=16,
-        num_query_groups=4,
-        vocab_size=151936,
-        num_experts=32,
-        moe_router_topk=4,
-        moe_ffn_hidden_size=512,
-        max_position_embeddings=8192,
-        params_dtype="bf16",
-    ),
-    "tiny": dict(
-        num_layers=4,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=1000,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        max_position_embeddings=1024,
-        params_dtype="fp32",
-    ),
+    name: dict(zip(PRESET_FIELDS, values, strict=True))
+    for name, values in {
+        "1b": (16, 1024, 2816, 16, 4, 151936, 32, 4, 512, 8192, "bf16"),  # ~1.2B, ~0.3B active: Qwen3-MoE-shaped
+        "tiny": (4, 64, 128, 4, 2, 1000, 4, 2, 64, 1024, "fp32"),
+    }.items()
 }
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
