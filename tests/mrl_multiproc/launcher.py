@@ -17,10 +17,10 @@ runs; one pytest test per scenario):
 A scenario is `module:function`, the module one of this package (tests/mrl_multiproc/); the function
 takes a `ScenarioContext` and raises on failure. `params` (JSON values: folders, addresses the
 pytest module set up) reach every rank as `ctx.params`. Every rank runs the scenarios in order,
-in one process each (Megatron is imported once per process), with
-RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set as torchrun sets them and OMP_NUM_THREADS=1. The process group is started by the worker; scenarios start Megatron's
-parallel state themselves (`megatron_rl.parallel.init_distributed`), and the worker tears it down
-after each one. The first failure on any rank ends the launch: that rank exits at once (so peers
+in one process each (Megatron is imported once per process), with RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT set as torchrun sets them and OMP_NUM_THREADS=1. The process group is
+started by the worker; scenarios start Megatron's parallel state themselves
+(`megatron_rl.parallel.init_distributed`), and the worker tears it down after each one. The first failure on any rank ends the launch: that rank exits at once (so peers
 blocked in a collective fail fast instead of hanging) and later scenarios are reported as not run.
 """
 
@@ -139,8 +139,9 @@ class ScenarioLaunches:
     """The launches of one pytest module: `worlds` maps a world size to the functions of scenario
     module `module` that run in its launch. A world size is launched when a result of it is first
     asked for, after the scenario `prerequisites[world_size]` (one of an earlier launch, e.g. the one
-    that writes the references) has passed; `after_launch` runs after every launch (e.g. to check
-    that a server the scenarios use is still alive)."""
+    that writes the references) has passed. `after_launch` runs after every launch (e.g. to check
+    that a server the scenarios use is still alive); when it raises AssertionError, every scenario
+    of that launch fails with its message."""
 
     def __init__(
         self,
@@ -164,11 +165,14 @@ class ScenarioLaunches:
         if world_size not in self._results:
             if world_size in self.prerequisites:
                 self.result(*self.prerequisites[world_size]).check()
-            self._results[world_size] = run_module_scenarios(
-                self.module, world_size, self.worlds[world_size], params=self.params, timeout_s=self.timeout_s
-            )
+            names = self.worlds[world_size]
+            results = run_module_scenarios(self.module, world_size, names, params=self.params, timeout_s=self.timeout_s)
             if self.after_launch is not None:
-                self.after_launch()
+                try:
+                    self.after_launch()
+                except AssertionError as err:
+                    results = {n: ScenarioResult(n, "failed", f"after the launch: {err}") for n in names}
+            self._results[world_size] = results
         return self._results[world_size][name]
 
 
