@@ -401,17 +401,6 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def from_dict(data: dict[str, Any]) -> Config:
-    """A validated config from a plain nested dict (as saved in a run folder)."""
-    try:
-        merged = OmegaConf.merge(_schema(), OmegaConf.create(data))
-    except OmegaConfBaseException as err:
-        raise _explain(err, "dict") from err
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    validate(cfg)
-    return cfg
-
-
 def _check_bounds(section: Any, prefix: str) -> None:
     for fld in dataclasses.fields(section):
         value = getattr(section, fld.name)

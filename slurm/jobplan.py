@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import sys
 import time
 import urllib.error
@@ -336,12 +335,6 @@ def describe(plan: JobPlan) -> str:
 
 
 # ---- small tools for the job script ----
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _health(url: str, api_key: str | None, timeout: float = 5.0) -> int | None:
     request = urllib.request.Request(url.rstrip("/") + "/health")
     if api_key:
@@ -431,7 +424,9 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "free-port":
-        print(free_port())
+        from megatron_rl.parallel.launch import free_port
+
+        print(free_port(host=""))  # any interface: the port is used by ranks on other nodes
         return 0
     try:
         if args.command == "plan":

@@ -10,39 +10,35 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_rl.parallel.launch import free_port
+
+from mrl_configs import tiny_model
+
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(world: int, dtype: str):  # noqa: ANN202 - Config, imported in the worker
     import dataclasses
 
-    from megatron_rl.config import Config, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+    from megatron_rl.config import Config, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
 
     cfg = Config(
-        model=ModelConfig(
-            family="qwen3_moe",
-            num_layers=4,
+        model=tiny_model(
+            "qwen3_moe",
             hidden_size=256,
             ffn_hidden_size=512,
             num_attention_heads=8,
             num_query_groups=4,
             vocab_size=1000,
             num_experts=8,
-            moe_router_topk=2,
             moe_ffn_hidden_size=256,
-            first_k_dense_layers=1,
+            max_position_embeddings=4096,
+            rope_theta=1e6,
             params_dtype=dtype,
         ),
         parallel=ParallelConfig(tensor_model_parallel_size=world),
@@ -102,7 +98,7 @@ def test_actor_nccl_bf16(tmp_path: Path) -> None:
 
     world = min(2, torch.cuda.device_count())
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     result = json.loads(out.read_text())
     assert result["backend"] == "nccl", result
     assert result["replay_max_abs"] == 0.0, result

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from distributed.model_helpers import tiny_model
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.cli import main as cli_main
@@ -20,32 +19,9 @@ from megatron_rl.models.hf_io import HFCheckpoint
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-# Published config.json files (abridged to the keys that matter).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rope_scaling": None,
-    "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "use_sliding_window": False,
-    "torch_dtype": "bfloat16",
-}
+from mrl_configs import QWEN3_30B_A3B, tiny_model
+
+# Published config.json files (abridged to the keys that matter; Qwen3-30B-A3B's: tests/mrl_configs.py).
 MIXTRAL_8X7B = {
     "architectures": ["MixtralForCausalLM"],
     "hidden_size": 4096,

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,8 +14,7 @@ import pytest
 from megatron_rl.config import DataConfig
 from megatron_rl.data import DataError, PromptSampler, get_field, load_prompt_dataset, load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "tiny_math"))
-tiny_tokenizer = importlib.import_module("tiny_tokenizer")
+import tiny_tokenizer
 
 # Ids of the tiny_math character tokenizer: <|user|> = 4, <|assistant|> = 5, "0".."9" = 6..15,
 # "+" = 16, "*" = 17, "=" = 18.

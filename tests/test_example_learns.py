@@ -9,7 +9,6 @@ before RL, by at least MIN_GAIN.
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -19,10 +18,10 @@ import pytest
 
 from megatron_rl.metrics import read_metrics
 
+import prepare
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_math"
-sys.path.insert(0, str(EXAMPLE))
-prepare = importlib.import_module("prepare")
 
 SFT_STEPS, SFT_ROWS = 300, 128
 RL_STEPS, EVAL_PROMPTS = 4, 200

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,11 +12,10 @@ from megatron_rl.config import DataConfig, load_config
 from megatron_rl.data import load_prompt_dataset
 from megatron_rl.rewards import dapo_rule
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "tiny_math"))
-tiny_task = importlib.import_module("tiny_task")
-tiny_tokenizer = importlib.import_module("tiny_tokenizer")
-tiny_model = importlib.import_module("tiny_model")
-prepare = importlib.import_module("prepare")
+import prepare
+import tiny_model
+import tiny_task
+
 Problem = tiny_task.Problem
 
 

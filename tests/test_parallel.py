@@ -7,6 +7,8 @@ import pytest
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel import LaunchError, check_layout, read_launch_env, resolve_backend
 
+from mrl_configs import layout as _par
+
 RDV = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 
 
@@ -39,16 +41,6 @@ def test_slurm_variables_and_torchrun_precedence() -> None:
 def test_launch_errors_name_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(LaunchError, match=needle.replace("(", r"\(")):
         read_launch_env(env)
-
-
-def _par(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
-    return ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=sp,
-    )
 
 
 def test_layout_sizes() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
 import aiohttp
@@ -14,13 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import wire
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local.launcher import start_local_engine
-from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.sglang import BadRequestError, SGLangClient, SGLangError, UnauthorizedError
 from megatron_rl.rollout.types import Sample, SamplingParams
 from megatron_rl.weight_sync import send
+
+from mrl_configs import make_tiny_model
 
 KEY = "secret-key"
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -187,12 +188,6 @@ def test_api_key_and_malformed_requests(engine):
     asyncio.run(go())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
     return sorted(load_file(os.path.join(path, "model.safetensors")).items())
 
@@ -219,7 +214,7 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             await client.update_weights_from_tensor([payload], weight_version="v-tensor")
             serves(await generate(client), models["C"], "v-tensor")
 
-            port = _free_port()
+            port = free_port()
             joining = asyncio.ensure_future(client.init_weights_update_group("127.0.0.1", port, 2, backend="gloo"))
             group = await asyncio.to_thread(wire.init_weights_update_group, "127.0.0.1", port, 0, 2)
             await joining

@@ -15,9 +15,10 @@ from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.model import load_model
 from megatron_rl.rollout.local.sampling import sample_tokens
-from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
 from megatron_rl.weight_sync import send
+
+from mrl_configs import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ model on that step's rows (same rows, prompt masked, EOS included, normalised ov
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -24,12 +23,12 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.losses import Normalizer
 from megatron_rl.sft import cross_entropy_loss, load_sft_examples, sft_batch
 
+import prepare
+import tiny_model
+import tiny_tokenizer
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_math"
-sys.path.insert(0, str(EXAMPLE))
-tiny_tokenizer = importlib.import_module("tiny_tokenizer")
-tiny_model = importlib.import_module("tiny_model")
-prepare = importlib.import_module("prepare")
 
 STEPS, ROWS = 4, 16
 

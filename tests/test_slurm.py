@@ -34,11 +34,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+import jobplan
+from mrl_configs import QWEN3_30B_A3B
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
-sys.path.insert(0, str(ROOT / "slurm"))
-sys.path.insert(0, str(ROOT / "examples" / "tiny_math"))
-jobplan = importlib.import_module("jobplan")
 
 JOB_TIMEOUT_S = 420  # a hang guard only
 REWARD = "def digits(response: str, answer: str) -> float:\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
@@ -168,31 +168,6 @@ def train_args(work: Path, run_dir: Path, *overrides: str) -> list[str]:
 # ---------------------------------------------------------------- the planner (no cluster)
 NODES4 = ["gpu1", "gpu2", "gpu3", "gpu4"]
 ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
-# The shape of Qwen3-30B-A3B's config.json (no weights: the planner reads only the architecture)
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "router_aux_loss_coef": 0.001,
-    "attention_bias": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ digits in the response, failing on prompts with an odd answer) gives varied rewa
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import signal
@@ -30,10 +29,10 @@ from safetensors.torch import load_file
 
 from megatron_rl.metrics import TIMING_PREFIXES, read_metrics
 
+import tiny_model
+import tiny_task
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "tiny_math"))
-tiny_model = importlib.import_module("tiny_model")
-tiny_task = importlib.import_module("tiny_task")
 
 STEP_TIMEOUT_S = 240
 GOOD_ROWS = 8  # train.prompts_per_step 4 x 2 steps: one epoch, every row once

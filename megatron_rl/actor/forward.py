@@ -23,10 +23,10 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
-from megatron_rl.actor.device import comm_device
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.micro_batches import MicroBatch, balance_across_ranks, plans_with_equal_count
 from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.parallel.device import local_device
 
 LossFn = Callable[[MicroBatchInputs, Tensor], tuple[Tensor, Any]]
 
@@ -62,7 +62,7 @@ def prepare_inputs(
     every_response_token: bool = False,
 ) -> list[MicroBatchInputs]:
     config = get_model_config(chunks[0])
-    device = comm_device()
+    device = local_device()
     return [
         build_inputs(
             batch, mb, device, pad_to=shape, with_fields=with_fields, every_response_token=every_response_token
@@ -151,7 +151,7 @@ def is_output_owner() -> bool:
 def share_response_values(batch: ActorBatch, owned: dict[int, Tensor]) -> list[Tensor]:
     """float32 [r_i] for every sample on every rank, from the ranks that computed them (`owned`)."""
     sizes = [batch.response_length(i) for i in range(len(batch))]
-    buf = torch.zeros(sum(sizes), dtype=torch.float32, device=comm_device())
+    buf = torch.zeros(sum(sizes), dtype=torch.float32, device=local_device())
     parts = list(buf.split(sizes))
     for i, value in owned.items():
         parts[i].copy_(value)
@@ -167,7 +167,7 @@ def share_routing(
     `owned[i]`: [n_i - 1, len(layers), top_k], this rank's layers of sample i.
     """
     sizes = [n - 1 for n in batch.lengths]
-    buf = torch.zeros(sum(sizes), num_layers, top_k, dtype=torch.int32, device=comm_device())
+    buf = torch.zeros(sum(sizes), num_layers, top_k, dtype=torch.int32, device=local_device())
     parts = list(buf.split(sizes))
     index = torch.tensor(list(layers), dtype=torch.long, device=buf.device)
     for i, value in owned.items():

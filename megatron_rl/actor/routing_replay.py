@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
 
-from megatron_rl.actor.device import comm_device
+from megatron_rl.parallel.device import local_device
 
 
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, TopKRouter]]:
@@ -178,7 +178,7 @@ class RoutingReplay:
         if parts:
             local = torch.stack(parts, dim=2)  # [s_local, rows, L_local, K]
         else:
-            local = torch.zeros(width, rows, 0, self.top_k, dtype=torch.int32, device=comm_device())
+            local = torch.zeros(width, rows, 0, self.top_k, dtype=torch.int32, device=local_device())
         if width != max_len:
             group = ps.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]

@@ -23,7 +23,6 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
-from megatron_rl.actor.device import comm_device
 from megatron_rl.actor.forward import is_output_owner, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.optimizer import TrainingState, loss_scale
@@ -38,6 +37,7 @@ from megatron_rl.losses import (
     policy_loss,
 )
 from megatron_rl.losses.metrics import masked_sum
+from megatron_rl.parallel.device import local_device
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -65,7 +65,7 @@ def reduce_metrics(local: dict[str, Tensor] | None, contribute: bool) -> dict[st
         group = [k for k in names if metric_reduce_op(k) == op]
         if not group:
             continue
-        buf = torch.full((len(group),), _IDENTITY[op], dtype=torch.float64, device=comm_device())
+        buf = torch.full((len(group),), _IDENTITY[op], dtype=torch.float64, device=local_device())
         if contribute:
             buf.copy_(torch.stack([local[k].to(torch.float64) for k in group]))
         dist.all_reduce(buf, op=_OPS[op])
@@ -115,7 +115,7 @@ def _loss_fn(
 
 def _routing_metrics(routing: RoutingReplay, num_layers: int) -> dict[str, float]:
     layers, changed, total = routing.take_change_counts()
-    buf = torch.zeros(2, num_layers, dtype=torch.float64, device=comm_device())
+    buf = torch.zeros(2, num_layers, dtype=torch.float64, device=local_device())
     index = torch.tensor(layers, dtype=torch.long, device=buf.device)
     buf[0].index_add_(0, index, changed.to(buf))
     buf[1].index_add_(0, index, total.to(buf))

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.norm import SequenceParallelRMSNorm
+from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -205,6 +206,5 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=model.rope_theta,
     )
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gpt.to(device)  # local-spec norms are created on the CPU
+    gpt.to(local_device())  # local-spec norms are created on the CPU
     return [gpt]

@@ -30,7 +30,6 @@ import psutil
 import torch
 
 from megatron_rl.rollout.local.launcher import start_local_engine
-from megatron_rl.rollout.local.tiny import make_tiny_model
 from megatron_rl.rollout.sglang import SGLangClient
 from megatron_rl.rollout.types import SamplingParams
 
@@ -48,7 +47,19 @@ BENCH_MODEL = dict(
     num_experts_per_tok=2,
     max_position_embeddings=2048,
     eos_token_id=1,
+    bos_token_id=0,
+    pad_token_id=0,
+    tie_word_embeddings=False,
 )
+
+
+def make_bench_model(folder: str, seed: int) -> str:
+    """Save a randomly initialised (seeded) Qwen3-MoE of BENCH_MODEL's shape to `folder`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**BENCH_MODEL)).save_pretrained(folder)
+    return folder
 
 
 def make_prompts(n: int, group: int, seed: int) -> list[list[int]]:
@@ -129,7 +140,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    folder = make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), "qwen3_moe", seed=args.seed, **BENCH_MODEL)
+    folder = make_bench_model(tempfile.mkdtemp(prefix="bench-rollout-"), args.seed)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     stop_ids = tuple(range(2, 2 + args.stop_ids))
     scenarios = [

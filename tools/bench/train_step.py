@@ -22,41 +22,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import statistics
 import time
 
 import torch
 
+PRESET_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "max_position_embeddings",
+    "params_dtype",
+)
 PRESETS = {
-    # ~1.2B parameters, ~0.3B active per token: Qwen3-MoE-shaped
-    "1b": dict(
-        num_layers=16,
-        hidden_size=1024,
-        ffn_hidden_size=2816,
-        num_attention_heads=16,
-        num_query_groups=4,
-        vocab_size=151936,
-        num_experts=32,
-        moe_router_topk=4,
-        moe_ffn_hidden_size=512,
-        max_position_embeddings=8192,
-        params_dtype="bf16",
-    ),
-    "tiny": dict(
-        num_layers=4,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=1000,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        max_position_embeddings=1024,
-        params_dtype="fp32",
-    ),
+    name: dict(zip(PRESET_FIELDS, values, strict=True))
+    for name, values in {
+        "1b": (16, 1024, 2816, 16, 4, 151936, 32, 4, 512, 8192, "bf16"),  # ~1.2B, ~0.3B active: Qwen3-MoE-shaped
+        "tiny": (4, 64, 128, 4, 2, 1000, 4, 2, 64, 1024, "fp32"),
+    }.items()
 }
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
@@ -117,16 +106,6 @@ def param_counts(model) -> tuple[float, float]:  # noqa: ANN001 - ModelConfig
     return float(total), float(active)
 
 
-def _launch_env() -> None:
-    """Single-process defaults when not started by torchrun."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def _peak_tflops(args: argparse.Namespace) -> float | None:
     if args.peak_tflops > 0:
         return args.peak_tflops
@@ -147,10 +126,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.config import Config, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+    from megatron_rl.parallel.launch import read_launch_env
 
     name = args.preset if args.preset != "auto" else ("1b" if torch.cuda.is_available() else "tiny")
     model = ModelConfig(family="qwen3_moe", **PRESETS[name])
-    world = int(os.environ["WORLD_SIZE"])
+    world = read_launch_env().world_size
     dp = world // (args.tp * args.pp)
     seq = args.seq_len or (4096 if name == "1b" else 128)
     samples = args.samples or 8 * dp
@@ -229,14 +209,18 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
-    _launch_env()
+    from megatron_rl.parallel.launch import ensure_launch_env
+
+    ensure_launch_env()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    for line in run(args):
-        if int(os.environ["RANK"]) == 0:
-            print(json.dumps(line), flush=True)
+    lines = run(args)
     import torch.distributed as dist
 
     from megatron_rl.parallel import destroy_distributed
+
+    if dist.get_rank() == 0:
+        for line in lines:
+            print(json.dumps(line), flush=True)
 
     destroy_distributed(process_group=dist.is_initialized())
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import statistics
 import tempfile
 import time
@@ -49,16 +47,6 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workdir", default=None, help="folder for the model and disk syncs (default: a temp folder)")
     return p.parse_args(argv)
-
-
-def _launch_env() -> None:
-    """Single-process defaults when not started by torchrun."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _config(args: argparse.Namespace, workdir: Path):  # noqa: ANN202 - Config
@@ -112,6 +100,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.models.export import save_hf_folder
     from megatron_rl.models.hf_config import hf_config_from_model
+    from megatron_rl.parallel.launch import read_launch_env
     from megatron_rl.rollout.engine import RolloutEngine
     from megatron_rl.weight_sync import make_weight_sync
 
@@ -120,7 +109,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; allowed {list(MODES)}")
     torch.set_num_threads(args.threads)
-    workdir = Path(args.workdir or tempfile.gettempdir()) / f"mrl-bench-weight-sync-{os.environ['MASTER_PORT']}"
+    workdir = Path(args.workdir or tempfile.gettempdir()) / f"mrl-bench-weight-sync-{read_launch_env().master_port}"
     cfg = _config(args, workdir)
     actor = MegatronActor(cfg)
     rank0 = dist.get_rank() == 0
@@ -194,11 +183,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
+    from megatron_rl.parallel.launch import ensure_launch_env
+
     args = _parse(argv)
-    _launch_env()
+    ensure_launch_env()
     try:
         lines = run(args)
-        if int(os.environ["RANK"]) == 0:
+        if dist.get_rank() == 0:
             for line in lines:
                 print(json.dumps(line), flush=True)
     finally:

@@ -1,27 +1,26 @@
 """Run many named multi-process scenarios in one launch of N processes (torchrun-style env; gloo on
 CPUs, NCCL with one GPU per rank).
 
-Usage from a pytest module (one launch per world size, one pytest test per scenario):
+Usage from a pytest module (one launch per world size, the first time a test of that world size
+runs; one pytest test per scenario):
 
-    from distributed.launcher import run_scenarios  # tests/ is on sys.path (pytest rootdir import)
+    from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
-    SCENARIOS = ["model_scenarios:logits_tp2_sp", "model_scenarios:logits_ep2_alltoall"]
+    WORLDS = {1: ["families_match_hf"], 2: ["logits_tp2_sp", "logits_ep2_alltoall"]}
 
     @pytest.fixture(scope="module")
-    def results():
-        return run_scenarios(2, SCENARIOS)
+    def launches() -> ScenarioLaunches:
+        return ScenarioLaunches("model_scenarios", WORLDS)
 
-    @pytest.mark.parametrize("name", SCENARIOS)
-    def test_scenario(results, name):
-        results[name].check()
+    test_scenario = scenario_test(WORLDS)
 
-A scenario is `module:function`, the module importable from tests/distributed (or a dotted path
-from the repository root); the function takes a `ScenarioContext` and raises on failure. Every
-rank runs the scenarios in order, in one process each (Megatron is imported once per process),
-with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set as torchrun sets them and
-OMP_NUM_THREADS=1. The process group is started by the worker; scenarios start Megatron's
-parallel state themselves (`megatron_rl.parallel.init_distributed`), and the worker tears it down
-after each one. The first failure on any rank ends the launch: that rank exits at once (so peers
+A scenario is `module:function`, the module one of this package (tests/mrl_multiproc/); the function
+takes a `ScenarioContext` and raises on failure. `params` (JSON values: folders, addresses the
+pytest module set up) reach every rank as `ctx.params`. Every rank runs the scenarios in order,
+in one process each (Megatron is imported once per process), with RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT set as torchrun sets them and OMP_NUM_THREADS=1. The process group is
+started by the worker; scenarios start Megatron's parallel state themselves
+(`megatron_rl.parallel.init_distributed`), and the worker tears it down after each one. The first failure on any rank ends the launch: that rank exits at once (so peers
 blocked in a collective fail fast instead of hanging) and later scenarios are reported as not run.
 """
 
@@ -32,28 +31,32 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+from megatron_rl.parallel.launch import free_port
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
+PARAMS_FILE = "params.json"
 
 
 @dataclass
 class ScenarioContext:
-    """What a scenario gets: its rank, the world size, a folder shared by all ranks, a per-process cache."""
+    """What a scenario gets: its rank, the world size, a folder shared by all ranks, the launch's
+    `params`, a per-process cache."""
 
     rank: int
     world_size: int
     shared_dir: Path
+    params: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,25 +73,26 @@ class ScenarioResult:
             raise AssertionError(f"scenario {self.name} {self.status}:\n{self.detail}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_scenarios(
-    world_size: int, scenarios: Sequence[str], *, timeout_s: float = 600.0, collective_timeout_s: float = 120.0
+    world_size: int,
+    scenarios: Sequence[str],
+    *,
+    params: Mapping[str, Any] | None = None,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float = 120.0,
 ) -> dict[str, ScenarioResult]:
-    """Launch `world_size` worker processes that run `scenarios` in order; results by scenario name."""
+    """Launch `world_size` worker processes that run `scenarios` in order, each rank given `params`;
+    results by scenario name."""
     with tempfile.TemporaryDirectory(prefix="mrl-scenarios-") as tmp:
         out = Path(tmp)
+        (out / PARAMS_FILE).write_text(json.dumps(dict(params or {})))
         env = dict(os.environ)
         env.update(
             WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]),
         )
         procs = []
         for rank in range(world_size):
@@ -96,7 +100,8 @@ def run_scenarios(
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
             cmd = [
                 sys.executable,
-                str(Path(__file__)),
+                "-m",
+                __spec__.name,
                 "--out",
                 str(out),
                 "--collective-timeout",
@@ -123,11 +128,70 @@ def run_scenarios(
 
 
 def run_module_scenarios(
-    module: str, world_size: int, names: Sequence[str], **kwargs: float
+    module: str, world_size: int, names: Sequence[str], **kwargs: Any
 ) -> dict[str, ScenarioResult]:
     """`run_scenarios` of the functions `names` of scenario module `module`; results by function name."""
     results = run_scenarios(world_size, [f"{module}:{name}" for name in names], **kwargs)
     return {name.split(":", 1)[1]: result for name, result in results.items()}
+
+
+class ScenarioLaunches:
+    """The launches of one pytest module: `worlds` maps a world size to the functions of scenario
+    module `module` that run in its launch. A world size is launched when a result of it is first
+    asked for, after the scenario `prerequisites[world_size]` (one of an earlier launch, e.g. the one
+    that writes the references) has passed. `after_launch` runs after every launch (e.g. to check
+    that a server the scenarios use is still alive); when it raises AssertionError, every scenario
+    of that launch fails with its message."""
+
+    def __init__(
+        self,
+        module: str,
+        worlds: Mapping[int, Sequence[str]],
+        *,
+        params: Mapping[str, Any] | None = None,
+        prerequisites: Mapping[int, tuple[int, str]] | None = None,
+        after_launch: Callable[[], None] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.module = module
+        self.worlds = worlds
+        self.params = dict(params or {})
+        self.prerequisites = dict(prerequisites or {})
+        self.after_launch = after_launch
+        self.timeout_s = timeout_s
+        self._results: dict[int, dict[str, ScenarioResult]] = {}
+
+    def result(self, world_size: int, name: str) -> ScenarioResult:
+        if world_size not in self._results:
+            if world_size in self.prerequisites:
+                self.result(*self.prerequisites[world_size]).check()
+            names = self.worlds[world_size]
+            results = run_module_scenarios(self.module, world_size, names, params=self.params, timeout_s=self.timeout_s)
+            if self.after_launch is not None:
+                try:
+                    self.after_launch()
+                except AssertionError as err:
+                    results = {n: ScenarioResult(n, "failed", f"after the launch: {err}") for n in names}
+            self._results[world_size] = results
+        return self._results[world_size][name]
+
+
+def scenario_test(worlds: Mapping[int, Sequence[str]]) -> Callable[..., None]:
+    """The test function of a pytest module: one test per scenario of `worlds` (id `world_size-name`),
+    each checking its result from the module's `launches` fixture (a `ScenarioLaunches`)."""
+    import pytest
+
+    cases = [
+        pytest.param(world_size, name, id=f"{world_size}-{name}")
+        for world_size, names in worlds.items()
+        for name in names
+    ]
+
+    @pytest.mark.parametrize(("world_size", "name"), cases)
+    def test_scenario(launches: ScenarioLaunches, world_size: int, name: str) -> None:
+        launches.result(world_size, name).check()
+
+    return test_scenario
 
 
 def _collect(
@@ -172,7 +236,7 @@ def _resolve(spec: str) -> Any:
     module_name, _, func_name = spec.partition(":")
     if not func_name:
         raise ValueError(f"scenario {spec!r}: expected module:function")
-    return getattr(importlib.import_module(module_name), func_name)
+    return getattr(importlib.import_module(f"{__package__}.{module_name}"), func_name)
 
 
 def _teardown() -> None:
@@ -201,7 +265,8 @@ def _worker(out: Path, scenarios: Sequence[str], collective_timeout_s: float) ->
         world_size=world_size,
         timeout=datetime.timedelta(seconds=collective_timeout_s),
     )
-    ctx = ScenarioContext(rank=rank, world_size=world_size, shared_dir=out / "shared")
+    params = json.loads((out / PARAMS_FILE).read_text())
+    ctx = ScenarioContext(rank=rank, world_size=world_size, shared_dir=out / "shared", params=params)
     ctx.shared_dir.mkdir(exist_ok=True)
     with open(out / f"rank{rank}.jsonl", "a") as log:
 
@@ -234,7 +299,7 @@ def _worker(out: Path, scenarios: Sequence[str], collective_timeout_s: float) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="worker of tests/distributed/launcher.py (one per rank)")
+    parser = argparse.ArgumentParser(description="worker of tests/mrl_multiproc/launcher.py (one per rank)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--collective-timeout", type=float, default=120.0)
     parser.add_argument("scenarios", nargs="+")

@@ -2,7 +2,7 @@
 
 The world-size-1 launch computes the references (log-probs, entropy, recorded routing, R3
 log-probs, parameters after 2 and 4 optimizer steps, a checkpoint and a weights-only checkpoint
-after 2) into the folder named by $MRL_ACTOR_REF_DIR; every other layout must reproduce them. The
+after 2) into the folder `ctx.params["ref_dir"]`; every other layout must reproduce them. The
 vocabulary (300) pads to 384 rows at TP = 1 and 512 at TP = 2, so checkpoints cross paddings. The tiny policy has 4 layers (the
 first dense, so layer 0 has no router), 4 experts top-2, and a token budget that gives several
 micro-batches of different shapes per rank.
@@ -11,13 +11,11 @@ micro-batches of different shapes per rank.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from model_helpers import forward_logits, layout, tiny_model
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
@@ -26,10 +24,12 @@ from megatron_rl.config import Config, ConfigError, ParallelConfig, RolloutConfi
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
 
+from mrl_configs import layout, tiny_model
+from mrl_multiproc.model_helpers import forward_logits
+
 TEMPERATURE = 0.7
 LOGPROB_TOL = 1e-5
 PARAM_TOL = 1e-6
-REF_ENV = "MRL_ACTOR_REF_DIR"
 
 LENGTHS = (22, 7, 15, 11, 19, 9, 13, 17)
 PROMPTS = (5, 3, 6, 2, 4, 3, 5, 6)
@@ -89,18 +89,19 @@ def train_batch(batch: ActorBatch, log_probs: list[torch.Tensor], routing: list[
     return batch.with_fields(old_log_probs=old, routed_experts=routing)
 
 
-def ref_dir() -> Path:
-    return Path(os.environ[REF_ENV])
+def ref_dir(ctx) -> Path:  # noqa: ANN001
+    """The folder the world-size-1 launch writes the references to (the same for every launch)."""
+    return Path(ctx.params["ref_dir"])
 
 
 def save_ref(ctx, name: str, value: object) -> None:  # noqa: ANN001
     if ctx.rank == 0:
-        torch.save(value, ref_dir() / f"{name}.pt")
+        torch.save(value, ref_dir(ctx) / f"{name}.pt")
     dist.barrier()
 
 
-def load_ref(name: str) -> object:
-    return torch.load(ref_dir() / f"{name}.pt", weights_only=False)
+def load_ref(ctx, name: str) -> object:  # noqa: ANN001
+    return torch.load(ref_dir(ctx) / f"{name}.pt", weights_only=False)
 
 
 def diff(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
@@ -197,9 +198,9 @@ def check_layout_against_reference(
     what = f"layout {parallel}"
 
     out = actor.compute_log_probs(batch, record_routing=True)
-    assert_close(out.log_probs, load_ref("log_probs"), LOGPROB_TOL, f"log-probs, {what}")
-    assert_close(out.entropy, load_ref("entropy"), LOGPROB_TOL, f"entropy, {what}")
-    ref_routing = load_ref("routing")
+    assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, f"log-probs, {what}")
+    assert_close(out.entropy, load_ref(ctx, "entropy"), LOGPROB_TOL, f"entropy, {what}")
+    ref_routing = load_ref(ctx, "routing")
     moe = list(MOE_LAYERS)
     mismatch = sum(
         int((a[:, moe] != b[:, moe]).any(dim=-1).sum()) for a, b in zip(out.routed_experts, ref_routing, strict=True)
@@ -212,28 +213,28 @@ def check_layout_against_reference(
 
     r3 = random_routing(cfg.model.num_layers, cfg.model.moe_router_topk, cfg.model.num_experts)
     r3_out = actor.compute_log_probs(batch.with_fields(routed_experts=r3), replay_routing=True)
-    assert_close(r3_out.log_probs, load_ref("r3_log_probs"), LOGPROB_TOL, f"R3 log-probs, {what}")
+    assert_close(r3_out.log_probs, load_ref(ctx, "r3_log_probs"), LOGPROB_TOL, f"R3 log-probs, {what}")
     if direct_routing_check:
         check_replayed_experts(actor, batch, r3)
 
-    history = actor.train(train_batch(batch, load_ref("log_probs"), ref_routing))
+    history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
     assert len(history) == 2 and actor.step == 2
-    expected_hist = load_ref("history")
+    expected_hist = load_ref(ctx, "history")
     for got, want in zip(history, expected_hist, strict=True):
         for key in ("loss", "grad_norm", "lr", "tokens", "clip_high_frac", "routing_changed_frac"):
             if abs(got[key] - want[key]) > 1e-5 * max(1.0, abs(want[key])):
                 raise AssertionError(f"metric {key}: {got[key]} vs reference {want[key]}, {what}")
-    assert_params_close(actor.full_params(), load_ref("params_2"), f"parameters after 2 steps, {what}")
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 steps, {what}")
     if save_as:
-        actor.save(ref_dir() / save_as)
+        actor.save(ref_dir(ctx) / save_as)
 
-    info = actor.load(ref_dir() / "ckpt_w1")
+    info = actor.load(ref_dir(ctx) / "ckpt_w1")
     assert info["step"] == 2 and actor.step == 2 and not info["rng_restored"], info
     after_load = actor.compute_log_probs(batch)
-    assert_close(after_load.log_probs, load_ref("log_probs_2"), LOGPROB_TOL, f"log-probs after loading, {what}")
-    history = actor.train(train_batch(batch, load_ref("log_probs"), ref_routing))
-    assert [h["lr"] for h in history] == [h["lr"] for h in load_ref("history_4")], "LR schedule after loading"
-    assert_params_close(actor.full_params(), load_ref("params_4"), f"parameters after loading + 2 steps, {what}")
+    assert_close(after_load.log_probs, load_ref(ctx, "log_probs_2"), LOGPROB_TOL, f"log-probs after loading, {what}")
+    history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
+    assert [h["lr"] for h in history] == [h["lr"] for h in load_ref(ctx, "history_4")], "LR schedule after loading"
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"parameters after loading + 2 steps, {what}")
     actor.close()
 
 
@@ -278,8 +279,8 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
     save_ref(ctx, "history", history)
     save_ref(ctx, "params_2", actor.full_params())
     save_ref(ctx, "log_probs_2", actor.compute_log_probs(batch).log_probs)
-    save_model_weights(actor.chunks, ref_dir() / "weights_w1")  # what the HF -> Megatron converter writes
-    actor.save(ref_dir() / "ckpt_w1")
+    save_model_weights(actor.chunks, ref_dir(ctx) / "weights_w1")  # what the HF -> Megatron converter writes
+    actor.save(ref_dir(ctx) / "ckpt_w1")
     draws = (torch.rand(4), torch.randn(2))
     save_ref(ctx, "draws_after_save", draws)
     history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
@@ -287,18 +288,18 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
     save_ref(ctx, "params_4", actor.full_params())
 
     # weights only: the model (and the optimizer's master copy) as saved, the optimizer state untouched
-    info = actor.load(ref_dir() / "ckpt_w1", load_optimizer=False)
+    info = actor.load(ref_dir(ctx) / "ckpt_w1", load_optimizer=False)
     assert actor.step == 4 and info["step"] == 2
-    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "weights-only load")
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref(ctx, "log_probs_2"), 0.0, "weights-only load")
 
     # the same layout also gets its RNG states back: the draws after saving repeat
-    info = actor.load(ref_dir() / "ckpt_w1")
+    info = actor.load(ref_dir(ctx) / "ckpt_w1")
     assert info["rng_restored"] and info["step"] == 2 and actor.step == 2
     assert torch.equal(torch.rand(4), draws[0]) and torch.equal(torch.randn(2), draws[1]), "RNG not restored"
     actor.close()
 
 
-def recompute_replay(parallel: ParallelConfig) -> None:
+def recompute_replay(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     """With activation recompute, replay also holds in backward (REPLAY_BACKWARD): the update equals
     the one without recompute. Under 1F1B (PP = 2) several forwards precede the first backward, so
     the recompute must take the routing of its own micro-batch."""
@@ -306,15 +307,15 @@ def recompute_replay(parallel: ParallelConfig) -> None:
     actor = MegatronActor(cfg)
     assert actor.chunks[0].config.recompute_granularity == "full"
     batch = make_batch(cfg.model.vocab_size)
-    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     assert_params_close(
-        actor.full_params(), load_ref("params_2"), f"parameters after 2 steps with recompute, {parallel}"
+        actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 steps with recompute, {parallel}"
     )
     actor.close()
 
 
 def w1_recompute_replay(ctx) -> None:  # noqa: ANN001
-    recompute_replay(layout())
+    recompute_replay(ctx, layout())
 
 
 def w1_checkpoint_load_both_kinds(ctx) -> None:  # noqa: ANN001
@@ -323,25 +324,27 @@ def w1_checkpoint_load_both_kinds(ctx) -> None:  # noqa: ANN001
     the optimizer state, schedule and step."""
     batch = make_batch(actor_config(layout()).model.vocab_size)
     cfg = actor_config(layout())
-    cfg.checkpoint.load = str(ref_dir() / "weights_w1")
+    cfg.checkpoint.load = str(ref_dir(ctx) / "weights_w1")
     actor = MegatronActor(cfg)
     assert actor.step == 0
-    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "checkpoint.load, weights")
-    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
+    assert_close(
+        actor.compute_log_probs(batch).log_probs, load_ref(ctx, "log_probs_2"), 0.0, "checkpoint.load, weights"
+    )
+    actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     lrs = [g["lr"] for g in actor.state.optimizer.param_groups]
-    info = actor.load(ref_dir() / "weights_w1")
+    info = actor.load(ref_dir(ctx) / "weights_w1")
     assert info["weights_only"] and not info["optimizer_loaded"] and not info["rng_restored"], info
     assert actor.step == 2 and [g["lr"] for g in actor.state.optimizer.param_groups] == lrs, "schedule moved"
-    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "load of weights")
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref(ctx, "log_probs_2"), 0.0, "load of weights")
     actor.close()
     destroy_distributed(process_group=False)
 
-    cfg.checkpoint.load = str(ref_dir() / "ckpt_w1")
+    cfg.checkpoint.load = str(ref_dir(ctx) / "ckpt_w1")
     actor = MegatronActor(cfg)
-    assert actor.step == 2 and torch.equal(torch.rand(4), load_ref("draws_after_save")[0]), "RNG not restored"
-    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), 0.0, "checkpoint.load, full")
-    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
-    assert_params_close(actor.full_params(), load_ref("params_4"), "checkpoint.load, full, + 2 steps")
+    assert actor.step == 2 and torch.equal(torch.rand(4), load_ref(ctx, "draws_after_save")[0]), "RNG not restored"
+    assert_close(actor.compute_log_probs(batch).log_probs, load_ref(ctx, "log_probs_2"), 0.0, "checkpoint.load, full")
+    actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), "checkpoint.load, full, + 2 steps")
     actor.close()
 
 
@@ -368,16 +371,16 @@ def w2_pp2_allgather(ctx) -> None:  # noqa: ANN001
     assert not actor.chunks[0].config.variable_seq_lengths
     batch = make_batch(cfg.model.vocab_size)
     out = actor.compute_log_probs(batch, record_routing=True)
-    assert_close(out.log_probs, load_ref("log_probs"), LOGPROB_TOL, "log-probs, PP2 allgather")
+    assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, "log-probs, PP2 allgather")
     replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
     assert diff(replayed.log_probs, out.log_probs) == 0.0, "R2 replay at unchanged weights, PP2 allgather"
-    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
-    assert_params_close(actor.full_params(), load_ref("params_2"), "parameters after 2 steps, PP2 allgather")
+    actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_2"), "parameters after 2 steps, PP2 allgather")
     actor.close()
 
 
 def w2_pp2_recompute_replay(ctx) -> None:  # noqa: ANN001
-    recompute_replay(layout(pp=2))
+    recompute_replay(ctx, layout(pp=2))
 
 
 def w2_bad_layout(ctx) -> None:  # noqa: ANN001
@@ -442,17 +445,17 @@ def w2_vocab_padding_tp1_tp2_tp1(ctx) -> None:  # noqa: ANN001
     the TP = 2 re-save loads back under TP = 1 (DP = 2): log-probs as the reference, model and
     optimizer tensors of both re-saves identical to the original's, 2 more steps as the reference's."""
     batch = make_batch(actor_config(layout()).model.vocab_size)
-    original, as_tp2, back = ref_dir() / "ckpt_w1", ctx.shared_dir / "ckpt_tp2", ctx.shared_dir / "ckpt_back_tp1"
+    original, as_tp2, back = ref_dir(ctx) / "ckpt_w1", ctx.shared_dir / "ckpt_tp2", ctx.shared_dir / "ckpt_back_tp1"
     for parallel, source, target in ((layout(tp=2), original, as_tp2), (layout(), as_tp2, back)):
         actor = MegatronActor(actor_config(parallel))
         info = actor.load(source)
         assert info["optimizer_loaded"] and info["step"] == 2 and actor.step == 2, info
         lp = actor.compute_log_probs(batch).log_probs
-        assert_close(lp, load_ref("log_probs_2"), LOGPROB_TOL, f"log-probs, {source.name} under {parallel}")
+        assert_close(lp, load_ref(ctx, "log_probs_2"), LOGPROB_TOL, f"log-probs, {source.name} under {parallel}")
         actor.save(target)
         if parallel.tensor_model_parallel_size == 1:
-            actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
-            assert_params_close(actor.full_params(), load_ref("params_4"), "TP1 -> TP2 -> TP1 + 2 steps")
+            actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+            assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), "TP1 -> TP2 -> TP1 + 2 steps")
         actor.close()
         destroy_distributed(process_group=False)
     assert vocab_rows(original) == {384} and vocab_rows(as_tp2) == {512} and vocab_rows(back) == {384}
@@ -472,9 +475,11 @@ def w4_load_pp2_checkpoint(ctx) -> None:  # noqa: ANN001
     cfg = actor_config(layout(tp=2, ep=2))
     actor = MegatronActor(cfg)
     batch = make_batch(cfg.model.vocab_size)
-    info = actor.load(ref_dir() / "ckpt_pp2")
+    info = actor.load(ref_dir(ctx) / "ckpt_pp2")
     assert info["saved_layout"]["pipeline_model_parallel_size"] == 2 and info["step"] == 2
-    assert_close(actor.compute_log_probs(batch).log_probs, load_ref("log_probs_2"), LOGPROB_TOL, "after PP2 -> TP2xEP2")
-    actor.train(train_batch(batch, load_ref("log_probs"), load_ref("routing")))
-    assert_params_close(actor.full_params(), load_ref("params_4"), "PP2 checkpoint + 2 steps under TP2xEP2")
+    assert_close(
+        actor.compute_log_probs(batch).log_probs, load_ref(ctx, "log_probs_2"), LOGPROB_TOL, "after PP2 -> TP2xEP2"
+    )
+    actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), "PP2 checkpoint + 2 steps under TP2xEP2")
     actor.close()

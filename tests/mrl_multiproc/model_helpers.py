@@ -1,4 +1,5 @@
-"""Shared pieces for multi-process model scenarios: tiny configs, a batch, build + init, full logits."""
+"""Shared pieces for multi-process model scenarios: a batch, build + init, full logits (tiny configs:
+tests/mrl_configs.py)."""
 
 from __future__ import annotations
 
@@ -8,54 +9,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.parallel.device import local_device
 
-VOCAB = 300  # pads to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
+from mrl_configs import layout
+
 SEQ = 16
 BATCH = 2
-
-_FAMILY_SWITCHES = {
-    "qwen3_moe": dict(qk_layernorm=True, add_qkv_bias=False),
-    "qwen3": dict(qk_layernorm=True, add_qkv_bias=False, num_experts=None),
-    "qwen2": dict(qk_layernorm=False, add_qkv_bias=True, num_experts=None),
-    "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
-}
-
-
-def device() -> torch.device:
-    """Where the model lives: the current GPU when there is one (NCCL runs), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
-    """A 4-layer model of `family` small enough for 4 ranks on 2 cores; MoE families get a dense first layer."""
-    fields = dict(
-        family=family,
-        num_layers=4,
-        hidden_size=64,
-        ffn_hidden_size=96,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=32,
-        first_k_dense_layers=1 if family == "qwen3_moe" else 0,
-        rope_theta=10000.0,
-    )
-    fields.update(_FAMILY_SWITCHES[family])
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
-    return ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=sp,
-    )
 
 
 def sample_batch(model: ModelConfig, seed: int = 0) -> torch.Tensor:
@@ -82,7 +41,7 @@ def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = ids.shape
-    ids = ids.to(device())
+    ids = ids.to(local_device())
     positions = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
 
     def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract

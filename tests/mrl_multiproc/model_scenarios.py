@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import torch
-from model_helpers import (
-    assert_close,
-    device,
-    forward_logits,
-    layout,
-    reference_logits,
-    sample_batch,
-    setup,
-    tiny_model,
-)
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.parallel.device import local_device
+
+from mrl_configs import layout, tiny_model
+from mrl_multiproc.model_helpers import assert_close, forward_logits, reference_logits, sample_batch, setup
 
 LOGIT_TOL = 1e-5
 
@@ -47,10 +41,10 @@ def _equivalence(ctx, model: ModelConfig, parallel: ParallelConfig) -> None:  # 
 
 def families_match_hf(ctx) -> None:  # noqa: ANN001
     """Each family's Megatron model gives the logits of the transformers model with the same weights."""
-    from hf_reference import hf_model, load_megatron_params
-
     from megatron_rl.models.init import gather_full_params
     from megatron_rl.parallel import destroy_distributed
+
+    from mrl_multiproc.hf_reference import hf_model, load_megatron_params
 
     cases = [
         tiny_model("qwen3_moe"),
@@ -106,7 +100,7 @@ def recompute_same_gradients(ctx) -> None:  # noqa: ANN001
         model = tiny_model("qwen3_moe", recompute=recompute)
         chunks = setup(model, layout())
         assert chunks[0].config.recompute_granularity == ("full" if recompute else None)
-        ids = sample_batch(model).to(device())
+        ids = sample_batch(model).to(local_device())
         logits = chunks[0](ids, torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids), None)
         (logits[..., : model.vocab_size] ** 2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in chunks[0].named_parameters()})

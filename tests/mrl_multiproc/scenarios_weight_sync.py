@@ -1,7 +1,7 @@
 """Scenarios for tests/test_weight_sync.py (run by launcher.py, one process per rank).
 
-One local engine (started by the pytest module, address in $MRL_SYNC_ENGINE) serves the tiny MoE
-policy in $MRL_SYNC_MODEL for every launch. Each scenario builds a Megatron actor from that HF
+One local engine (started by the pytest module, address in `ctx.params["engine_url"]`) serves the
+tiny MoE policy in `ctx.params["model"]` for every launch. Each scenario builds a Megatron actor from that HF
 folder (the import path), and global rank 0 holds the RolloutEngine. Then, for each sync mode:
 one optimizer step on the engine's own rollouts (the weights move: the actor's log-probs of
 those tokens change by far more than the tolerance), a sync, fresh rollouts, and THE INVARIANT:
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import torch
@@ -28,8 +27,8 @@ import torch.distributed as dist
 
 from megatron_rl.config import Config, ParallelConfig, RolloutConfig, TrainConfig, validate
 
-MODEL_ENV = "MRL_SYNC_MODEL"
-ENGINE_ENV = "MRL_SYNC_ENGINE"
+from mrl_configs import layout
+
 TEMPERATURE = 0.8
 NEW_TOKENS = 10
 LOGPROB_TOL = 1e-4
@@ -41,20 +40,16 @@ PROMPT_LENGTHS = (3, 9, 5, 12, 7, 4)
 # --- set-up --------------------------------------------------------------------------------
 
 
-def layout(tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelConfig:
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
-
-
 def policy_config(ctx, parallel: ParallelConfig, mode: str = "disk") -> Config:  # noqa: ANN001
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
-    folder = os.environ[MODEL_ENV]
+    folder = ctx.params["model"]
     cfg = Config(
         model=model_config_from_hf(read_hf_config(folder), hf_path=folder),
         parallel=parallel,
         rollout=RolloutConfig(
             engine="sglang",
-            sglang_urls=[os.environ[ENGINE_ENV]],
+            sglang_urls=[ctx.params["engine_url"]],
             temperature=TEMPERATURE,
             max_new_tokens=NEW_TOKENS,
             return_routed_experts=True,

@@ -7,72 +7,18 @@ logits must equal the HF model's, and the way back must give every tensor bit fo
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from model_helpers import assert_close, forward_logits, layout
 
 from megatron_rl.config import ParallelConfig
 
+from mrl_configs import VOCAB, hf_config, layout, save_random_hf_model, tiny_model
+from mrl_multiproc.model_helpers import assert_close, forward_logits
+
 LOGIT_TOL = 1e-4
-VOCAB = 300  # Megatron pads it to 384 (TP=1) or 512 (TP=2): checkpoints must re-pad across TP
 SEQ = 12
-
-
-def _hf_config(family: str, **overrides: object):  # noqa: ANN202 - a transformers config
-    import transformers
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
-    if family == "qwen3_moe":
-        cls = transformers.Qwen3MoeConfig
-        common.update(
-            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0]
-        )
-    elif family == "mixtral":
-        cls = transformers.MixtralConfig
-        common.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
-    elif family == "qwen3":
-        cls = transformers.Qwen3Config
-        common.update(tie_word_embeddings=True)
-    else:
-        cls = transformers.Qwen2Config
-    common.update(overrides)
-    return cls(**common)
-
-
-@torch.no_grad()
-def make_hf_model(
-    folder: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object
-) -> Path:
-    """Save a random model of `family`: matrices N(0,1)/sqrt(fan_in), norms 1 + 0.1 N, biases 0.1 N."""
-    import transformers
-
-    config = _hf_config(family, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        values = torch.randn(param.shape, generator=gen)
-        if param.dim() == 1:
-            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
-        else:
-            values /= math.sqrt(param.shape[-1])
-        param.copy_(values)
-    model.to(dtype).save_pretrained(folder)
-    return folder
 
 
 def hf_folder(ctx, family: str, dtype: torch.dtype = torch.float32, **overrides: object) -> Path:  # noqa: ANN001
@@ -80,7 +26,7 @@ def hf_folder(ctx, family: str, dtype: torch.dtype = torch.float32, **overrides:
     tag = "-".join([family, str(dtype).removeprefix("torch."), *(f"{k}={v}" for k, v in overrides.items())])
     folder = ctx.shared_dir / f"hf-{tag}"
     if ctx.rank == 0 and not folder.exists():
-        make_hf_model(folder, family, dtype, **overrides)
+        save_random_hf_model(folder, hf_config(family, "split", **overrides), dtype)
     dist.barrier()
     return folder
 
@@ -278,8 +224,6 @@ def _export(model, parallel: ParallelConfig, bucket_mb: float) -> list[list[tupl
 def w4_export_tp2_ep2(ctx) -> None:  # noqa: ANN001
     """The exporter under TP=2 x EP=2 yields, on rank 0 only, exactly the single-rank export
     (names, order-independent, bits); buckets respect the size limit."""
-    from model_helpers import tiny_model
-
     model = tiny_model("qwen3_moe", vocab_size=VOCAB)
     limit = 0.02  # MiB: several buckets, and single tensors above the limit
     single = _export(model, layout(), limit)  # TP = EP = 1: a data-parallel copy of the whole model

@@ -1,0 +1,182 @@
+"""Configurations the tests build models from: tiny Megatron and Hugging Face models of every family,
+parallel layouts, and the published shape of Qwen3-30B-A3B (no weights).
+
+Two sizes of Hugging Face model: "small" (2 layers, width 32: what the engine tests serve quickly)
+and "split" (4 layers, width 64, vocabulary 300: splits over TP = 2, EP = 2 and PP = 2, and pads to
+384 rows at TP = 1 but 512 at TP = 2, so checkpoints must re-pad across layouts).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+
+VOCAB = 300
+FAMILIES = ("qwen3_moe", "mixtral", "qwen3", "qwen2")
+
+_MEGATRON_FAMILY_SWITCHES = {
+    "qwen3_moe": dict(qk_layernorm=True, add_qkv_bias=False),
+    "qwen3": dict(qk_layernorm=True, add_qkv_bias=False, num_experts=None),
+    "qwen2": dict(qk_layernorm=False, add_qkv_bias=True, num_experts=None),
+    "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
+}
+
+# Per size: the fields every family shares, then what each family adds (transformers' field names).
+_HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
+    "small": (
+        dict(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            eos_token_id=1,
+            bos_token_id=0,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        ),
+        {
+            "qwen3_moe": dict(
+                head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2
+            ),
+            "mixtral": dict(head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+            "qwen3": dict(head_dim=8, intermediate_size=64),
+            "qwen2": dict(intermediate_size=64),
+        },
+    ),
+    "split": (
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        {
+            "qwen3_moe": dict(
+                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0]
+            ),
+            "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+            "qwen3": dict(tie_word_embeddings=True),
+            "qwen2": dict(),
+        },
+    ),
+}
+
+# Qwen3-30B-A3B's config.json (the keys that matter; no weights: readers take only the architecture).
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.001,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
+    """A 4-layer Megatron model of `family` small enough for 4 ranks on 2 cores (vocabulary VOCAB);
+    MoE families get a dense first layer."""
+    fields = dict(
+        family=family,
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        first_k_dense_layers=1 if family == "qwen3_moe" else 0,
+        rope_theta=10000.0,
+    )
+    fields.update(_MEGATRON_FAMILY_SWITCHES[family])
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
+    """The parallel section with TP, PP, EP, expert-TP and sequence parallelism as given."""
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sp,
+    )
+
+
+def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
+    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"); `overrides`
+    replace its fields."""
+    from transformers import MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    classes = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}
+    if family not in classes:
+        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES)}")
+    if size not in _HF_SIZES:
+        raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")
+    common, per_family = _HF_SIZES[size]
+    return classes[family](**{**common, **per_family[family], **overrides})
+
+
+def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **overrides: Any) -> str:
+    """Save a "small" model of `family` with transformers' own random initialisation (seeded) to `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides))
+    model.save_pretrained(folder)
+    return folder
+
+
+@torch.no_grad()
+def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
+    norms 1 + 0.1 N, other vectors 0.1 N (router margins are then rarely near-ties)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=gen)
+        if param.dim() == 1:
+            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
+        else:
+            values /= math.sqrt(param.shape[-1])
+        param.copy_(values)
+    model.to(dtype).save_pretrained(folder)
+    return folder
