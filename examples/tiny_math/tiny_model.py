@@ -1,6 +1,6 @@
 """A tiny, randomly initialised Qwen3-MoE policy for tiny_math, saved as a Hugging Face folder.
 
-Shape (../shared/notes/rl_feasibility.md): hidden 128, 4 layers, 4 query heads and 2 KV heads of
+Shape (small enough for a 2-core CPU, large enough to learn the task): hidden 128, 4 layers, 4 query heads and 2 KV heads of
 width 32, 8 experts per layer with top-2 routing (weights renormalised) and expert width 128, every
 layer MoE, RoPE base 10000, no aux loss. Embeddings are NOT tied (like Qwen3-30B-A3B; the HF <->
 Megatron mapping then needs no tied-weight case): 1,782,144 parameters with the 28-token vocabulary.

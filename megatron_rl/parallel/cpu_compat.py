@@ -1,6 +1,6 @@
 """Run Megatron-Core on a machine without CUDA (torch.distributed with gloo).
 
-Megatron-Core assumes CUDA in a few places (see ../shared/notes/megatron_cpu.md). Each patch
+Megatron-Core assumes CUDA in a few places (docs/architecture.md, "Parallelism and devices"). Each patch
 below names what it replaces and why; `apply_cpu_compat()` applies them all, once, and only when
 CUDA is absent. Megatron-Core itself is not edited. The patches were verified on
 megatron-core `VERIFIED_MEGATRON_CORE`; on another version a loud warning is emitted and

@@ -10,7 +10,7 @@
 # -N nodeK on its own port (Debian builds Slurm with multiple-slurmd support); both reach the controller
 # over 127.0.0.1 and have CPUS_PER_NODE CPUs (default 4, above the real count: config_overrides). There is
 # no systemd: the daemons fork and write pid files under SLURM_CLUSTER_DIR (default /tmp/megatron-rl-slurm),
-# and stop kills only those pids. Facts and problems behind each setting: ../../shared/notes/slurm_local.md.
+# and stop kills only those pids. Each setting below says why it is there.
 set -euo pipefail
 
 DIR=${SLURM_CLUSTER_DIR:-/tmp/megatron-rl-slurm}

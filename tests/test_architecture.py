@@ -1,0 +1,102 @@
+"""docs/architecture.md's package table holds for the code: every module of megatron_rl/ belongs to a row,
+and imports only the package units (and none of the libraries) its row allows."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_rl"
+DOC = ROOT / "docs" / "architecture.md"
+TABLE_HEADER = "| unit | holds | may import | never imports |"
+
+
+def read_rules() -> dict[str, tuple[set[str], set[str]]]:
+    """unit -> (package units it may import, libraries it must not import), from the doc's package table."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = lines.index(TABLE_HEADER)
+    rules = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        path, _, may, never = (cell.strip() for cell in line.strip("|").split("|"))
+        unit = re.fullmatch(r"`megatron_rl/([a-z_]+)(?:/|\.py)`", path)
+        assert unit, (
+            f"{DOC}: a row's first cell must name `megatron_rl/<package>/` or `megatron_rl/<module>.py`: {path}"
+        )
+        rules[unit.group(1)] = (set(re.findall(r"`([a-z_]+)`", may)), set(re.findall(r"`([a-z_.]+)`", never)))
+    return rules
+
+
+def unit_of(module: str) -> str:
+    """`megatron_rl.weight_sync.disk` -> `weight_sync`; `megatron_rl.trainer` -> `trainer`."""
+    return module.split(".")[1]
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) of every import statement in `path`, at any depth (lazy imports count)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.removesuffix(".__init__").split(".")
+                base = ".".join(parent[: len(parent) - node.level + 1] + ([base] if base else []))
+            found.append((node.lineno, base))
+    return found
+
+
+def test_every_module_has_a_row_and_keeps_to_it() -> None:
+    rules = read_rules()
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts == ("__init__.py",):
+            continue
+        unit = rel.parts[0].removesuffix(".py")
+        if unit not in rules:
+            problems.append(f"megatron_rl/{rel}: no row for `{unit}` in {DOC.name}'s package table")
+            continue
+        allowed, forbidden = rules[unit]
+        for line, name in imports(path):
+            where = f"megatron_rl/{rel}:{line}"
+            if name.startswith("megatron_rl."):
+                target = unit_of(name)
+                if target != unit and target not in allowed:
+                    problems.append(f"{where}: `{unit}` imports `{target}` ({name}); its row allows {sorted(allowed)}")
+            elif any(name == lib or name.startswith(lib + ".") for lib in forbidden):
+                problems.append(f"{where}: `{unit}` imports {name}, which its row forbids")
+    assert not problems, "\n".join(problems)
+
+
+def test_rows_name_only_units_that_exist() -> None:
+    existing = {
+        p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    rules = read_rules()
+    stale = sorted(set(rules) - existing)
+    assert not stale, f"{DOC.name} names units the package does not have: {stale}"
+    unknown = sorted({u for allowed, _ in rules.values() for u in allowed} - existing)
+    assert not unknown, f"{DOC.name}'s 'may import' cells name units that do not exist: {unknown}"
+
+
+def test_no_reference_outside_the_repository() -> None:
+    """Comments and docs point at files inside the repository, never at the folder beside it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    outside = re.compile(r"\.\./(?:\.\./)*(?:shared/|DESIGN\.md)")
+    offenders = []
+    for name in tracked.splitlines():
+        path = ROOT / name
+        if path.suffix not in (".py", ".sh", ".sbatch", ".yaml", ".md", ".toml") or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+            if outside.search(line):
+                offenders.append(f"{name}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
