@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "convert": "megatron_rl.commands.convert",
     "train": "megatron_rl.commands.train",
     "plot": "megatron_rl.commands.plot",
-    "sft": "megatron_rl.sft.command",
+    "sft": "megatron_rl.commands.sft",
 }
 
 

@@ -1,0 +1,52 @@
+"""What `megatron-rl train` and `megatron-rl sft` share: their arguments, the validation before the
+slow start, and one error line for a bad config, bad data or a checkpoint that does not fit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.validation import Command, validate_run
+
+
+def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> None:
+    """CONFIG, key=value overrides (`example` shows one) and --resume."""
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in checkpoint.dir"
+    )
+
+
+def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, bool], Any]) -> int:
+    """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
+    `run(cfg, resume)`; exit code 2 with one line on a config, data or conversion error."""
+    import torch.distributed as dist
+
+    from megatron_rl.data import DataError
+    from megatron_rl.models.hf_config import ConversionError
+    from megatron_rl.parallel.launch import ensure_launch_env
+
+    ensure_launch_env()
+    try:
+        cfg = validate_run(load_config(args.config, list(args.overrides)), command)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(cfg, args.resume)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (DataError, ConversionError) as err:
+        print(f"{command}: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
