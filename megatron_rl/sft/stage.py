@@ -27,12 +27,15 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from megatron_rl.config import Config
 from megatron_rl.validation import validate_run
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.engine import RolloutEngine
 
 
 class _Evaluator:
@@ -46,7 +49,7 @@ class _Evaluator:
         self.tokenizer = tokenizer
         self.prompts = load_prompt_dataset(cfg.data.eval_path, tokenizer, cfg.data)[: cfg.eval.max_prompts]
         self.scorer = RewardScorer(cfg.reward)
-        self.engine: Any = None
+        self.engine: RolloutEngine | None = None  # started at the first evaluation: RUN_DIR/hf exists from then on
 
     def __call__(self, hf_dir: Path, step: int) -> dict[str, float]:
         from megatron_rl.rollout.engine import RolloutEngine
