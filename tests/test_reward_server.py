@@ -20,9 +20,12 @@ from aiohttp import web
 
 from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, RewardConfig, load_config
+from megatron_rl.data import Prompt, PromptSampler, RowLocation
+from megatron_rl.loop.collect import RolloutCollector
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rewards.protocol import API_KEY_ENV
 from megatron_rl.rewards.remote import RemoteRewardError
+from megatron_rl.rollout.types import Sample
 
 KEY = "test-key-123"
 
@@ -134,6 +137,31 @@ def test_remote_custom_function_gets_prompt_and_row(custom_server: ServerProcess
     assert got.stats.failed == 2 and got.stats.reward_sum == local.stats.reward_sum
     assert "the server's reward function failed: RuntimeError: verifier crashed" in got.stats.errors[0]
     assert "returned nan" in got.stats.errors[1]
+
+
+class CodePointTokenizer:
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return ["".join(map(chr, row)) for row in ids]
+
+
+def test_the_loop_sends_each_responses_prompt_text_and_row(custom_server: ServerProcess) -> None:
+    cfg = load_config(
+        overrides=["reward.type=remote", f"reward.url={custom_server.url}", f"reward.api_key={KEY}"]
+        + ["rollout.n_samples_per_prompt=2", "reward.batch_size=3"]
+    )
+    prompts = [
+        Prompt(i, (1, 2), text, "7", {"weight": weight, "id": i}, RowLocation("t.jsonl", "line", i + 1))
+        for i, (text, weight) in enumerate([("What is 3+4?", 1), ("Seven?", 10)])
+    ]
+    grouped = [
+        [Sample([1, 2], [ord(c) for c in text], [0.0] * len(text), "stop") for text in pair]
+        for pair in (("7", "x"), ("no", "77"))
+    ]
+    collector = RolloutCollector(cfg, None, CodePointTokenizer(), RewardScorer(cfg.reward), PromptSampler(prompts))
+    groups, stats = collector.score(prompts, grouped)
+    # len(prompt text) + row weight (+ 0.5 when the answer "7" is in the response), computed on the server
+    assert [g.scores for g in groups] == [[12 + 1 + 0.5, 12 + 1], [6 + 10, 6 + 10 + 0.5]]
+    assert stats.count == 4 and stats.failed == 0
 
 
 def test_requests_over_the_size_limit_name_the_batch_size(custom_server: ServerProcess) -> None:

@@ -12,6 +12,7 @@ from megatron_rl.rewards.registry import RewardFn, resolve_rule, rule_caller
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
+    from megatron_rl.rewards.remote import RemoteRewardClient
 
 logger = logging.getLogger(__name__)
 _MAX_ERRORS_KEPT = 5
@@ -84,7 +85,7 @@ class RewardScorer:
 
     def __init__(self, cfg: RewardConfig, rule: RewardFn | None = None) -> None:
         self.cfg = cfg
-        self.remote = None
+        self.remote: RemoteRewardClient | None = None
         if rule is None and cfg.type == "remote":
             from megatron_rl.rewards.remote import RemoteRewardClient
 
