@@ -3,6 +3,7 @@ that breaks the protocol, hangs or is gone."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -18,11 +19,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, RewardConfig, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.loop.collect import RolloutCollector
 from megatron_rl.rewards import RewardScorer
+from megatron_rl.rewards import server as reward_server
 from megatron_rl.rewards.protocol import API_KEY_ENV
 from megatron_rl.rewards.remote import RemoteRewardError
 from megatron_rl.rollout.types import Sample
@@ -296,15 +297,22 @@ def test_a_slow_or_busy_server_gives_counted_failures_after_the_retries(scripted
     assert scripted.started == 3 and scripted.finished == 0
 
 
+def serve(argv: list[str]) -> int:
+    """`megatron-rl reward-server ARGV` in this process (the CLI's console set-up left out)."""
+    parser = argparse.ArgumentParser()
+    reward_server.add_arguments(parser)
+    return reward_server.run(parser.parse_args(argv))
+
+
 def test_the_server_refuses_to_start_without_a_key_or_with_a_bad_function(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert main(["reward-server", "--function", "dapo"]) == 2
+    assert serve(["--function", "dapo"]) == 2
     assert "no API key: pass --api-key KEY, set $MEGATRON_RL_REWARD_API_KEY, or" in capsys.readouterr().err
-    assert main(["reward-server", "--function", "no_such_module_xyz:f", "--no-auth"]) == 2
+    assert serve(["--function", "no_such_module_xyz:f", "--no-auth"]) == 2
     assert "--function 'no_such_module_xyz:f': cannot import module" in capsys.readouterr().err
-    assert main(["reward-server", "--function", "dapo", "--no-auth", "--api-key", "k"]) == 2
+    assert serve(["--function", "dapo", "--no-auth", "--api-key", "k"]) == 2
     assert "contradict" in capsys.readouterr().err
 
 

@@ -146,7 +146,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     problem = None
     if api_key is None and not args.no_auth:
@@ -165,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"megatron-rl reward-server: {problem}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.no_auth and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
     server = RewardServer(args.function, args.workers, api_key, args.max_request_mb)
