@@ -39,6 +39,8 @@ def reward(response, answer, prompt, row):
         raise RuntimeError("verifier crashed")
     if response == "nan":
         return math.nan
+    if response == "hang":
+        time.sleep(3600)
     if response == "exact":
         return response == answer
     return len(prompt) + row["weight"] + (0.5 if answer in response else 0.0)
@@ -100,7 +102,9 @@ def dapo_server(workdir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def custom_server(workdir: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(workdir, "my_verifiers:reward", "--workers", "2", "--max-request-mb", "0.01")
+    server = ServerProcess(
+        workdir, "my_verifiers:reward", "--workers", "2", "--max-request-mb", "0.01", "--item-timeout-s", "1"
+    )
     yield server
     server.stop()
 
@@ -163,6 +167,14 @@ def test_the_loop_sends_each_responses_prompt_text_and_row(custom_server: Server
     # len(prompt text) + row weight (+ 0.5 when the answer "7" is in the response), computed on the server
     assert [g.scores for g in groups] == [[12 + 1 + 0.5, 12 + 1], [6 + 10, 6 + 10 + 0.5]]
     assert stats.count == 4 and stats.failed == 0
+
+
+def test_a_hanging_call_fails_its_item_and_the_worker_goes_on(custom_server: ServerProcess) -> None:
+    scorer = RewardScorer(remote(custom_server.url, batch_size=4))
+    for _ in range(2):  # the second request finds the workers free again
+        result = scorer.score(["hang", "x 1", "hang", "y"], ["1"] * 4, ["pp"] * 4, [{"weight": 1}] * 4)
+        assert result.failed == [True, False, True, False] and result.rewards == [-1.0, 3.5, -1.0, 3.0]
+        assert "TimeoutError: the reward function ran longer than --item-timeout-s = 1 s" in result.stats.errors[0]
 
 
 def test_requests_over_the_size_limit_name_the_batch_size(custom_server: ServerProcess) -> None:

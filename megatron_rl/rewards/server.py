@@ -5,7 +5,8 @@
 function and the request counts (`in_flight`, `max_in_flight`, `requests`, `items`). The function runs
 in `--workers` processes; each request is split over them. Binds 127.0.0.1 and requires an API key
 (`--api-key` or $MEGATRON_RL_REWARD_API_KEY) unless `--no-auth` is given; bodies larger than
-`--max-request-mb` get HTTP 413.
+`--max-request-mb` get HTTP 413. A call of the function that runs past `--item-timeout-s` fails its
+item (and the worker goes on with the next).
 """
 
 from __future__ import annotations
@@ -35,20 +36,37 @@ log = logging.getLogger("megatron_rl.reward_server")
 HELP = "serve a reward function (a built-in rule or module:function) over HTTP for reward.type=remote"
 
 _worker_call: RuleCall | None = None
+_item_timeout_s = 0.0
 
 
-def _init_worker(spec: str) -> None:
-    global _worker_call
+def _init_worker(spec: str, item_timeout_s: float) -> None:
+    global _worker_call, _item_timeout_s
     _worker_call = rule_caller(load_reward_function(spec, f"--function {spec!r}"))
+    _item_timeout_s = item_timeout_s
+    if item_timeout_s > 0:
+        signal.signal(signal.SIGALRM, _item_timed_out)
+
+
+def _item_timed_out(signum: int, frame: Any) -> None:
+    raise TimeoutError(f"the reward function ran longer than --item-timeout-s = {_item_timeout_s:g} s")
 
 
 def score_items(items: list[RewardItem]) -> list[dict[str, Any]]:
-    """The results of `items` in a worker process: each output, or the error the function raised."""
+    """The results of `items` in a worker process: each output, or the error the function raised.
+    The worker runs the function in its main thread, so SIGALRM can interrupt one that hangs (in
+    Python code; a C call that holds the interpreter is interrupted when it returns)."""
     assert _worker_call is not None, "score_items runs in a worker started by _init_worker"
     results = []
     for item in items:
         try:
-            results.append(RuleOutput.of(_worker_call(item.response, item.answer, item.prompt, item.row)).to_json())
+            if _item_timeout_s > 0:
+                signal.setitimer(signal.ITIMER_REAL, _item_timeout_s)
+            try:
+                out = _worker_call(item.response, item.answer, item.prompt, item.row)
+            finally:
+                if _item_timeout_s > 0:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            results.append(RuleOutput.of(out).to_json())
         except Exception as err:  # the function's failure is this item's result, not the request's
             results.append({"error": f"{type(err).__name__}: {err}"})
     return results
@@ -57,15 +75,19 @@ def score_items(items: list[RewardItem]) -> list[dict[str, Any]]:
 class RewardServer:
     """The HTTP front of a pool of worker processes running one reward function."""
 
-    def __init__(self, spec: str, workers: int, api_key: str | None, max_request_mb: float) -> None:
-        self.spec, self.workers, self.api_key = spec, workers, api_key
+    def __init__(
+        self, spec: str, workers: int, api_key: str | None, max_request_mb: float, item_timeout_s: float = 0.0
+    ) -> None:
+        self.spec, self.workers, self.api_key, self.item_timeout_s = spec, workers, api_key, item_timeout_s
         self.max_request_bytes = int(max_request_mb * (1 << 20))
         self.pool = self._new_pool()
         self.requests = self.items = self.in_flight = self.max_in_flight = 0
 
     def _new_pool(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs an event loop
-        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker, initargs=(self.spec,))
+        return ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_init_worker, initargs=(self.spec, self.item_timeout_s)
+        )
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes)
@@ -141,6 +163,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=1, help="processes running the function (default 1)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (else 413)")
+    parser.add_argument(
+        "--item-timeout-s",
+        type=float,
+        default=60.0,
+        help="a call of the function running longer fails that item (0 = no limit; default 60)",
+    )
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
@@ -156,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         problem = f"--workers {args.workers}: must be >= 1"
     elif args.max_request_mb <= 0:
         problem = f"--max-request-mb {args.max_request_mb}: must be > 0"
+    elif args.item_timeout_s < 0:
+        problem = f"--item-timeout-s {args.item_timeout_s}: must be >= 0 (0 = no limit)"
     if problem is None:
         try:
             load_reward_function(args.function, f"--function {args.function!r}")  # fail here, not in a worker
@@ -167,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.no_auth and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
-    server = RewardServer(args.function, args.workers, api_key, args.max_request_mb)
+    server = RewardServer(args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s)
     try:
         asyncio.run(_serve(server, args.host, args.port, args.port_file))
     except KeyboardInterrupt:
