@@ -127,6 +127,19 @@ def test_remote_scores_equal_the_local_rule(dapo_server: ServerProcess) -> None:
     assert got.extracted[4] == "\\boxed{7}"
 
 
+def test_remote_math_verify_equals_the_local_rule(workdir: Path) -> None:
+    pytest.importorskip("math_verify")
+    responses = ["so \\boxed{\\frac{\\sqrt{2}}{2}}", "Answer: 22", "\\boxed{3}", "nothing here"]
+    answers = ["\\frac{1}{\\sqrt{2}}", "22", "4", "4"]
+    server = ServerProcess(workdir, "math_verify")
+    try:
+        got = RewardScorer(remote(server.url)).score(responses, answers)
+    finally:
+        server.stop()
+    assert got == RewardScorer(RewardConfig(type="math_verify")).score(responses, answers)
+    assert got.correct == [True, True, False, False] and got.stats.no_answer == 1
+
+
 def test_remote_custom_function_gets_prompt_and_row(custom_server: ServerProcess, workdir: Path) -> None:
     responses = ["x 22", "x", "boom", "nan", "exact"]
     answers = ["22", "22", "1", "1", "exact"]
