@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "train": "megatron_rl.commands.train",
     "plot": "megatron_rl.commands.plot",
     "sft": "megatron_rl.commands.sft",
+    "reward-server": "megatron_rl.rewards.server",
 }
 
 

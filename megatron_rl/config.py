@@ -172,11 +172,22 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    type: Literal["dapo", "boxed", "math_verify", "custom"] = _f("dapo", "reward rule")
+    type: Literal["dapo", "boxed", "math_verify", "custom", "remote"] = _f(
+        "dapo", "reward rule; remote = POST batches to the reward server at reward.url"
+    )
     custom_function: str | None = _f(None, "module:function for type=custom")
     correct_reward: float = _f(1.0, "reward of a correct answer")
     incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
-    failure_reward: float = _f(-1.0, "reward when the reward function raises")
+    failure_reward: float = _f(-1.0, "reward when the reward function raises or the reward server fails")
+    url: str | None = _f(None, "type=remote: the endpoint batches are POSTed to, e.g. http://host:8000/score")
+    api_key: str | None = _f(
+        None, "type=remote: sent as 'Authorization: Bearer KEY'; null = $MEGATRON_RL_REWARD_API_KEY"
+    )
+    batch_size: int = _f(64, "type=remote: responses per request", ge=1)
+    max_concurrency: int = _f(8, "type=remote: requests in flight at once", ge=1)
+    timeout_s: float = _f(60.0, "type=remote: seconds to wait for a reply before the request is retried", gt=0)
+    max_retries: int = _f(3, "type=remote: tries after a timeout, a connection error or HTTP 429/5xx", ge=0)
+    retry_backoff_s: float = _f(1.0, "type=remote: seconds before the first retry, doubled for each next", ge=0)
 
 
 @dataclass
@@ -440,6 +451,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
         _validate_model(cfg.model)
         _validate_parallel(cfg)
     _validate_rollout(cfg)
+    _validate_reward(cfg.reward)
 
 
 def loss_spec(alg: AlgorithmConfig) -> LossSpec:
@@ -524,6 +536,20 @@ def _validate_rollout(cfg: Config) -> None:
     _require(
         not (cfg.algorithm.routing_replay != "none" and cfg.model.num_experts is None),
         f"algorithm.routing_replay = {cfg.algorithm.routing_replay!r} needs an MoE model (model.num_experts)",
+    )
+
+
+def _validate_reward(reward: RewardConfig) -> None:
+    if reward.type != "remote":
+        return
+    _require(
+        bool(reward.url),
+        "reward.type = 'remote' needs reward.url, the reward server's endpoint "
+        "(e.g. http://host:8000/score from `megatron-rl reward-server`)",
+    )
+    _require(
+        str(reward.url).startswith(("http://", "https://")),
+        f"reward.url = {reward.url!r} must start with http:// or https://",
     )
 
 

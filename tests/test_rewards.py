@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from megatron_rl.rewards import (
     RewardConfigError,
     RewardScorer,
     RewardStats,
+    Verdict,
     boxed_rule,
     dapo_rule,
     extract_answer_line,
@@ -21,6 +24,7 @@ from megatron_rl.rewards import (
     parse_number,
     resolve_rule,
 )
+from megatron_rl.rewards.protocol import RewardItem, RuleOutput, encode_request
 
 
 def test_answer_line_is_the_last_one_within_the_last_300_characters() -> None:
@@ -232,3 +236,62 @@ def test_stats_merge_over_rounds() -> None:
     merged = a.merge(b)
     assert (merged.count, merged.correct, merged.no_answer, merged.failed, merged.reward_sum) == (5, 4, 1, 1, 3.0)
     assert merged.errors == ["e1"] and merged.metrics()["reward/accuracy"] == 0.8
+
+
+@pytest.mark.parametrize(
+    "out",
+    [Verdict(True, "22"), Verdict(False, "3"), Verdict(False, None), True, False, 0.25, -3, 7.0],
+)
+def test_rule_outputs_survive_the_wire(out: object) -> None:
+    """What a function returns on the reward server is what the trainer interprets, for every kind."""
+    local = RuleOutput.of(out)
+    wire = json.loads(json.dumps({"results": [local.to_json()]}))
+    assert RuleOutput.from_json(wire["results"][0], "result 0") == local
+    scorer = RewardScorer(RewardConfig(correct_reward=2.0, incorrect_reward=-0.5), rule=lambda r, a: out)
+    expected = {True: 2.0, False: -0.5}.get(out.correct if isinstance(out, Verdict) else out, out)
+    assert scorer.score(["x"], ["y"]).rewards == [float(expected)]
+
+
+def test_functions_that_name_prompt_or_row_get_them() -> None:
+    seen: list[tuple] = []
+
+    def with_prompt(response: str, answer: str, prompt: str | None) -> float:
+        seen.append(("prompt", prompt))
+        return 1.0
+
+    def with_kwargs(response: str, answer: str, **extra: object) -> float:
+        seen.append(("kwargs", extra))
+        return 1.0
+
+    def plain(response: str, answer: str) -> float:
+        return 1.0
+
+    @dataclass
+    class P:
+        text: str
+        answer: str
+        raw: dict
+
+    prompts = [P("what is 1+1?", "2", {"id": 7})]
+    for fn in (with_prompt, with_kwargs, plain):
+        RewardScorer(RewardConfig(type="custom"), rule=fn).score_prompts(["2"], prompts)
+    assert seen == [("prompt", "what is 1+1?"), ("kwargs", {"prompt": "what is 1+1?", "row": {"id": 7}})]
+    with pytest.raises(ValueError, match="1 responses but 2 prompts"):
+        RewardScorer(RewardConfig(type="custom"), rule=plain).score(["a"], ["1"], prompts=["p", "q"])
+
+
+def test_rows_from_parquet_become_json() -> None:
+    import datetime
+
+    import numpy as np
+
+    body = json.loads(
+        encode_request(
+            [RewardItem("r", "a", "p", {"ids": np.arange(3), "n": np.int64(4), "day": datetime.date(2026, 1, 2)})]
+        )
+    )
+    assert body == {
+        "items": [
+            {"response": "r", "answer": "a", "prompt": "p", "row": {"ids": [0, 1, 2], "n": 4, "day": "2026-01-02"}}
+        ]
+    }

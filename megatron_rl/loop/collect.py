@@ -91,8 +91,7 @@ class RolloutCollector:
         alg, ro = self.cfg.algorithm, self.cfg.rollout
         flat = [s for group in grouped for s in group]
         texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
-        answers = [p.answer for p, group in zip(prompts, grouped, strict=True) for _ in group]
-        result = self.scorer.score(texts, answers)
+        result = self.scorer.score_prompts(texts, [p for p, group in zip(prompts, grouped, strict=True) for _ in group])
         shaped = torch.tensor(result.rewards, dtype=torch.float32)
         if alg.soft_overlong_punishment:
             lengths = torch.tensor([len(s.output_ids) for s in flat])
@@ -216,7 +215,7 @@ def evaluate(
     ]
     samples = engine.generate([list(p.input_ids) for p in prompts], params)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    result = scorer.score(texts, [p.answer for p in prompts])
+    result = scorer.score_prompts(texts, prompts)
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
     return {
         name: result.stats.correct / len(prompts),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,8 +14,12 @@ from megatron_rl.rewards.rules import Verdict, boxed_rule, dapo_rule, math_verif
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
 
-# A rule returns a Verdict (built-ins), a bool (correct or not) or a number (the reward itself).
-RewardFn = Callable[[str, str], Any]
+# A rule returns a Verdict (built-ins), a bool (correct or not) or a number (the reward itself). It
+# takes (response, answer); one that names a `prompt` or `row` parameter (or takes **kwargs) also gets
+# the prompt text the model saw and the data row (see `rule_caller`).
+RewardFn = Callable[..., Any]
+# (response, answer, prompt, row) -> the rule's output
+RuleCall = Callable[[str, str, "str | None", "Mapping[str, Any] | None"], Any]
 
 BUILTIN_RULES: dict[str, Callable[[str, str], Verdict]] = {"dapo": dapo_rule, "boxed": boxed_rule}
 
@@ -23,33 +28,63 @@ class RewardConfigError(ValueError):
     """A `reward` setting that cannot be used (unknown type, missing package or function)."""
 
 
+RULE_NAMES = (*BUILTIN_RULES, "math_verify")
+
+
 def resolve_rule(cfg: RewardConfig) -> RewardFn:
     """The function of reward.type; type=math_verify needs the math-verify package, type=custom
-    reward.custom_function."""
-    if cfg.type in BUILTIN_RULES:
-        return BUILTIN_RULES[cfg.type]
-    if cfg.type == "math_verify":
-        try:
-            import math_verify  # noqa: F401
-        except ImportError as err:
-            raise RewardConfigError(
-                "reward.type = 'math_verify' needs the math-verify package, which is not installed "
-                f"(pip install math-verify): {err}"
-            ) from err
-        return math_verify_rule
+    reward.custom_function. (type=remote has no local function: `RewardScorer` asks the server.)"""
+    if cfg.type in RULE_NAMES:
+        return named_rule(cfg.type, f"reward.type = {cfg.type!r}")
     if cfg.type == "custom":
         if not cfg.custom_function:
             raise RewardConfigError("reward.type = 'custom' needs reward.custom_function = 'module:function'")
         return load_custom_function(cfg.custom_function)
-    raise RewardConfigError(
-        f"reward.type = {cfg.type!r} is unknown; allowed: {[*BUILTIN_RULES, 'math_verify', 'custom']}"
-    )
+    raise RewardConfigError(f"reward.type = {cfg.type!r} has no local function; allowed: {[*RULE_NAMES, 'custom']}")
 
 
-def load_custom_function(spec: str) -> RewardFn:
+def named_rule(name: str, where: str) -> RewardFn:
+    """A built-in rule by its name (RULE_NAMES); math_verify needs the math-verify package."""
+    if name in BUILTIN_RULES:
+        return BUILTIN_RULES[name]
+    if name == "math_verify":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError as err:
+            raise RewardConfigError(
+                f"{where} needs the math-verify package, which is not installed (pip install math-verify): {err}"
+            ) from err
+        return math_verify_rule
+    raise RewardConfigError(f"{where}: no built-in rule {name!r}; built-in: {list(RULE_NAMES)}")
+
+
+def load_reward_function(spec: str, where: str) -> RewardFn:
+    """A built-in rule by name (dapo, boxed, math_verify) or a `module:function` / `file.py:function`."""
+    return named_rule(spec, where) if spec in RULE_NAMES else load_custom_function(spec, where)
+
+
+def rule_caller(fn: RewardFn) -> RuleCall:
+    """(response, answer, prompt, row) -> fn(response, answer), with prompt= and row= passed only
+    when fn names them (or takes **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature take the two positional arguments
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = tuple(name for name in ("prompt", "row") if takes_any or name in params)
+
+    def call(response: str, answer: str, prompt: str | None, row: Mapping[str, Any] | None) -> Any:
+        given = {"prompt": prompt, "row": row}
+        return fn(response, answer, **{name: given[name] for name in extra})
+
+    return call
+
+
+def load_custom_function(spec: str, where: str | None = None) -> RewardFn:
     """`package.module:function` (imported) or `path/to/file.py:function` (loaded from the file).
-    The function takes (response, answer) and returns a bool or a number."""
-    where = f"reward.custom_function = {spec!r}"
+    The function takes (response, answer) (and optionally prompt=, row=) and returns a bool or a
+    number. `where` names the setting in errors (default: reward.custom_function)."""
+    where = where or f"reward.custom_function = {spec!r}"
     module_name, sep, function_name = spec.rpartition(":")
     if not sep or not module_name or not function_name:
         raise RewardConfigError(f"{where}: expected 'module:function' or 'path/to/file.py:function'")

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from numbers import Real
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_rl.rewards.registry import RewardFn, resolve_rule
-from megatron_rl.rewards.rules import Verdict
+from megatron_rl.rewards.protocol import RewardItem, RuleOutput
+from megatron_rl.rewards.registry import RewardFn, resolve_rule, rule_caller
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
+    from megatron_rl.rewards.remote import RemoteRewardClient
 
 logger = logging.getLogger(__name__)
 _MAX_ERRORS_KEPT = 5
@@ -64,36 +63,71 @@ class RewardResult:
     stats: RewardStats
 
 
+class ScoredPrompt(Protocol):
+    """What scoring needs of a prompt (`megatron_rl.data.Prompt` has it): the rendered text the model
+    saw, the reference answer and the data row."""
+
+    text: str
+    answer: str
+    raw: Mapping[str, Any]
+
+
 class RewardScorer:
     """Scores responses against reference answers with the rule of a `reward` config section.
 
     Built-in rules give reward.correct_reward / reward.incorrect_reward. A custom function may return a
     bool (mapped the same way) or a finite number (the reward; counted correct when >= correct_reward).
     When the function raises or returns anything else, that response gets reward.failure_reward and
-    the failure is counted in the stats.
+    the failure is counted in the stats. With reward.type = remote the reward server runs the function
+    (`rewards/remote.py`); a batch the server does not answer, or answers against the protocol, is
+    counted the same way.
     """
 
     def __init__(self, cfg: RewardConfig, rule: RewardFn | None = None) -> None:
         self.cfg = cfg
-        self.rule = rule if rule is not None else resolve_rule(cfg)
+        self.remote: RemoteRewardClient | None = None
+        if rule is None and cfg.type == "remote":
+            from megatron_rl.rewards.remote import RemoteRewardClient
+
+            self.remote = RemoteRewardClient.from_config(cfg)
+            self.remote.check()
+        else:
+            self._call = rule_caller(rule if rule is not None else resolve_rule(cfg))
         self._failure_logged = False
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
-        if len(responses) != len(answers):
-            raise ValueError(f"RewardScorer.score: {len(responses)} responses but {len(answers)} answers")
+    def score_prompts(self, responses: Sequence[str], prompts: Sequence[ScoredPrompt]) -> RewardResult:
+        """`score` of response i against prompts[i]'s answer, with its text and data row."""
+        return self.score(responses, [p.answer for p in prompts], [p.text for p in prompts], [p.raw for p in prompts])
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardResult:
+        """Rewards of `responses` against `answers`; `prompts` and `rows` (optional) reach functions
+        that take them and the reward server."""
+        for name, values in (("answers", answers), ("prompts", prompts), ("rows", rows)):
+            if values is not None and len(values) != len(responses):
+                raise ValueError(f"RewardScorer.score: {len(responses)} responses but {len(values)} {name}")
+        items = [
+            RewardItem(response, answer, prompts[i] if prompts else None, rows[i] if rows else None)
+            for i, (response, answer) in enumerate(zip(responses, answers, strict=True))
+        ]
+        outputs = self.remote.score(items) if self.remote is not None else [self._local(item) for item in items]
         result = RewardResult([], [], [], [], RewardStats())
         stats = result.stats
-        for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
-            try:
-                reward, correct, extracted, found = self._interpret(self.rule(response, answer))
-            except Exception as err:  # any failure of user or library code is one failed sample
-                self._log_failure(err)
+        for i, out in enumerate(outputs):
+            if isinstance(out, Exception):
+                self._log_failure(out)
                 if len(stats.errors) < _MAX_ERRORS_KEPT:
-                    stats.errors.append(f"response {i}: {type(err).__name__}: {err}")
+                    stats.errors.append(f"response {i}: {type(out).__name__}: {out}")
                 reward, correct, extracted, found = float(self.cfg.failure_reward), False, None, True
                 stats.failed += 1
                 result.failed.append(True)
             else:
+                reward, correct, extracted, found = self._interpret(out)
                 result.failed.append(False)
             result.rewards.append(reward)
             result.correct.append(correct)
@@ -104,16 +138,17 @@ class RewardScorer:
             stats.reward_sum += reward
         return result
 
-    def _interpret(self, out: Any) -> tuple[float, bool, str | None, bool]:
-        """(reward, correct, extracted answer, answer found) of a rule's return value."""
-        if isinstance(out, Verdict):
-            return self._binary(out.correct), out.correct, out.extracted, out.extracted is not None
-        if isinstance(out, bool):
-            return self._binary(out), out, None, True
-        if isinstance(out, Real) and math.isfinite(float(out)):
-            value = float(out)
-            return value, value >= self.cfg.correct_reward, None, True
-        raise TypeError(f"the reward function returned {out!r}; expected a bool or a finite number")
+    def _local(self, item: RewardItem) -> RuleOutput | Exception:
+        try:
+            return RuleOutput.of(self._call(item.response, item.answer, item.prompt, item.row))
+        except Exception as err:  # any failure of user or library code is one failed sample
+            return err
+
+    def _interpret(self, out: RuleOutput) -> tuple[float, bool, str | None, bool]:
+        """(reward, correct, extracted answer, answer found) of a rule's output."""
+        if out.correct is not None:
+            return self._binary(out.correct), out.correct, out.extracted, out.found
+        return out.score, out.score >= self.cfg.correct_reward, None, True
 
     def _binary(self, correct: bool) -> float:
         return float(self.cfg.correct_reward if correct else self.cfg.incorrect_reward)

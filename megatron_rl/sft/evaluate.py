@@ -31,7 +31,7 @@ def pass_at_n(
     ]
     samples = engine.generate([list(p.input_ids) for p in prompts for _ in range(n)], params)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    correct = scorer.score(texts, [p.answer for p in prompts for _ in range(n)]).correct
+    correct = scorer.score_prompts(texts, [p for p in prompts for _ in range(n)]).correct
     hits = sum(any(correct[i * n : (i + 1) * n]) for i in range(len(prompts)))
     return {f"eval/pass@{n}": hits / len(prompts), "eval/sampled_accuracy": sum(correct) / len(correct)}
 

@@ -1,0 +1,180 @@
+"""`reward.type=remote`: score responses on a reward server (`megatron-rl reward-server` or any server
+that speaks `rewards/protocol.py`).
+
+The items go out in batches of `reward.batch_size`, at most `reward.max_concurrency` requests in
+flight. A request without a reply within `reward.timeout_s`, a connection error, or HTTP 429 / 5xx is
+retried `reward.max_retries` times, waiting `reward.retry_backoff_s` (doubled each time); a batch still
+failing then stands as a failure for each of its items (the scorer gives them reward.failure_reward
+and counts them), so one batch takes at most (max_retries + 1) x timeout_s plus the waits. A reply
+that breaks the protocol (no score, NaN, a wrong number of results) fails the items it concerns with
+an error naming the problem. A refused key (401/403), a wrong address (404) or a refused request
+(400, 413) cannot heal by retrying: it raises `RemoteRewardError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp
+
+from megatron_rl.rewards.protocol import (
+    API_KEY_ENV,
+    MalformedReplyError,
+    RewardItem,
+    RuleOutput,
+    decode_reply,
+    encode_request,
+)
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RewardConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward server cannot be used as configured (key, address, request refused); not retried."""
+
+
+class RemoteRewardFailure(RuntimeError):
+    """A batch that failed for good after its retries; each of its items gets reward.failure_reward."""
+
+
+class RemoteRewardClient:
+    """POSTs batches of `RewardItem`s to `url` and returns one output (or the error standing for it)
+    per item, in order."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        batch_size: int = 64,
+        max_concurrency: int = 8,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url = {url!r} must start with http:// or https://")
+        self.url, self.api_key = url, api_key
+        self.batch_size, self.max_concurrency = batch_size, max_concurrency
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> RemoteRewardClient:
+        """The client of reward.url; the key is reward.api_key, else $MEGATRON_RL_REWARD_API_KEY."""
+        if not cfg.url:
+            raise ValueError("reward.type = 'remote' needs reward.url (e.g. http://host:8000/score)")
+        return cls(
+            cfg.url,
+            api_key=cfg.api_key or os.environ.get(API_KEY_ENV) or None,
+            batch_size=cfg.batch_size,
+            max_concurrency=cfg.max_concurrency,
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+            backoff_s=cfg.retry_backoff_s,
+        )
+
+    def check(self) -> None:
+        """One empty batch: raises RemoteRewardError when the server cannot be reached (after the
+        retries), refuses the key or does not speak the protocol."""
+        outcome = _run(self._with_session(lambda session, slots: self._batch(session, slots, 0, [])))
+        if isinstance(outcome, Exception):
+            raise RemoteRewardError(
+                f"reward.url = {self.url!r} cannot be used: {outcome} (is `megatron-rl reward-server` running there?)"
+            )
+
+    def score(self, items: Sequence[RewardItem]) -> list[RuleOutput | Exception]:
+        """Per item: its output, or the exception that stands for it (a failed or malformed batch)."""
+        if not items:
+            return []
+        starts = range(0, len(items), self.batch_size)
+
+        async def every_batch(session: aiohttp.ClientSession, slots: asyncio.Semaphore) -> list[Any]:
+            batches = [self._batch(session, slots, s, items[s : s + self.batch_size]) for s in starts]
+            return list(await asyncio.gather(*batches))
+
+        outputs: list[RuleOutput | Exception] = []
+        for start, outcome in zip(starts, _run(self._with_session(every_batch)), strict=True):
+            size = len(items[start : start + self.batch_size])
+            outputs += [outcome] * size if isinstance(outcome, Exception) else outcome
+        return outputs
+
+    async def _with_session(self, body: Any) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+            return await body(session, asyncio.Semaphore(self.max_concurrency))
+
+    async def _batch(
+        self, session: aiohttp.ClientSession, slots: asyncio.Semaphore, start: int, items: Sequence[RewardItem]
+    ) -> list[RuleOutput | Exception] | Exception:
+        """The outputs of one batch, or one exception standing for all of them."""
+        what = f"responses {start}-{start + len(items) - 1}" if items else "an empty batch"
+        label = f"reward server {self.url}, {what}"
+        body = encode_request(items)
+        async with slots:
+            text = await self._post(session, body, label, len(items))
+        if isinstance(text, Exception):
+            return text
+        try:
+            return decode_reply(text, len(items), f"{label}: malformed reply")
+        except MalformedReplyError as err:
+            return err
+
+    async def _post(self, session: aiohttp.ClientSession, body: bytes, label: str, n: int) -> str | Exception:
+        tries = self.max_retries + 1
+        last = ""
+        for attempt in range(tries):
+            try:
+                async with session.post(self.url, data=body) as reply:
+                    status, text = reply.status, await reply.text()
+            except asyncio.TimeoutError:
+                last = f"no reply within reward.timeout_s = {self.timeout_s:g} s"
+            except aiohttp.ClientError as err:
+                last = f"{type(err).__name__}: {err}"
+            else:
+                if status < 300:
+                    return text
+                message = text.strip()[:300]
+                if status in (401, 403):
+                    raise RemoteRewardError(
+                        f"{label}: HTTP {status} (the API key is missing or wrong): set reward.api_key "
+                        f"or ${API_KEY_ENV} to the server's --api-key"
+                    )
+                if status == 413:
+                    raise RemoteRewardError(
+                        f"{label}: HTTP 413: the request ({len(body)} bytes, {n} responses) is larger than the "
+                        "server accepts; lower reward.batch_size or raise the server's --max-request-mb"
+                    )
+                if status not in RETRY_STATUSES:
+                    raise RemoteRewardError(
+                        f"{label}: HTTP {status}: {message} (reward.url must be the server's /score endpoint)"
+                    )
+                last = f"HTTP {status}: {message}"
+            if attempt + 1 < tries:
+                delay = self.backoff_s * 2**attempt
+                log.warning("%s failed (%s); try %d of %d in %.1f s", label, last, attempt + 2, tries, delay)
+                await asyncio.sleep(delay)
+        return RemoteRewardFailure(f"{label}: failed after {tries} tries: {last}")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to the end from synchronous code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="remote-reward") as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,228 @@
+"""`megatron-rl reward-server`: any reward function over HTTP, so that verifiers run on other machines
+(e.g. CPU nodes of a cluster) than the trainer (`reward.type=remote`).
+
+`POST /score` takes and answers the batches of `rewards/protocol.py`; `GET /health` reports the
+function and the request counts (`in_flight`, `max_in_flight`, `requests`, `items`). The function runs
+in `--workers` processes; each request is split over them. Binds 127.0.0.1 and requires an API key
+(`--api-key` or $MEGATRON_RL_REWARD_API_KEY) unless `--no-auth` is given; bodies larger than
+`--max-request-mb` get HTTP 413. A call of the function that runs past `--item-timeout-s` fails its
+item (and the worker goes on with the next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from aiohttp import web
+
+from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, RuleOutput, decode_request
+from megatron_rl.rewards.registry import RewardConfigError, RuleCall, load_reward_function, rule_caller
+
+log = logging.getLogger("megatron_rl.reward_server")
+
+HELP = "serve a reward function (a built-in rule or module:function) over HTTP for reward.type=remote"
+
+_worker_call: RuleCall | None = None
+_item_timeout_s = 0.0
+
+
+def _init_worker(spec: str, item_timeout_s: float) -> None:
+    global _worker_call, _item_timeout_s
+    _worker_call = rule_caller(load_reward_function(spec, f"--function {spec!r}"))
+    _item_timeout_s = item_timeout_s
+    if item_timeout_s > 0:
+        signal.signal(signal.SIGALRM, _item_timed_out)
+
+
+def _item_timed_out(signum: int, frame: Any) -> None:
+    raise TimeoutError(f"the reward function ran longer than --item-timeout-s = {_item_timeout_s:g} s")
+
+
+def score_items(items: list[RewardItem]) -> list[dict[str, Any]]:
+    """The results of `items` in a worker process: each output, or the error the function raised.
+    The worker runs the function in its main thread, so SIGALRM can interrupt one that hangs (in
+    Python code; a C call that holds the interpreter is interrupted when it returns)."""
+    assert _worker_call is not None, "score_items runs in a worker started by _init_worker"
+    results = []
+    for item in items:
+        try:
+            if _item_timeout_s > 0:
+                signal.setitimer(signal.ITIMER_REAL, _item_timeout_s)
+            try:
+                out = _worker_call(item.response, item.answer, item.prompt, item.row)
+            finally:
+                if _item_timeout_s > 0:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            results.append(RuleOutput.of(out).to_json())
+        except Exception as err:  # the function's failure is this item's result, not the request's
+            results.append({"error": f"{type(err).__name__}: {err}"})
+    return results
+
+
+class RewardServer:
+    """The HTTP front of a pool of worker processes running one reward function."""
+
+    def __init__(
+        self, spec: str, workers: int, api_key: str | None, max_request_mb: float, item_timeout_s: float = 0.0
+    ) -> None:
+        self.spec, self.workers, self.api_key, self.item_timeout_s = spec, workers, api_key, item_timeout_s
+        self.max_request_bytes = int(max_request_mb * (1 << 20))
+        self.pool = self._new_pool()
+        self.requests = self.items = self.in_flight = self.max_in_flight = 0
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs an event loop
+        return ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_init_worker, initargs=(self.spec, self.item_timeout_s)
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes)
+        app.router.add_post(SCORE_PATH, self.score)
+        app.router.add_get("/health", self.health)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return web.json_response({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status=401)
+        return await handler(request)
+
+    async def score(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            try:
+                items = decode_request(json.loads(await request.read()))
+            except ValueError as err:  # not JSON, or not the protocol's shape
+                return web.json_response({"error": f"bad request: {err}"}, status=400)
+            self.items += len(items)
+            try:
+                results = await self._score(items)
+            except BrokenProcessPool as err:
+                log.error("a worker process died (%s); starting new workers", err)
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.pool = self._new_pool()
+                return web.json_response({"error": f"a worker process died: {err}"}, status=503)
+            return web.json_response({"results": results})
+        finally:
+            self.in_flight -= 1
+
+    async def _score(self, items: list[RewardItem]) -> list[dict[str, Any]]:
+        if not items:
+            return []
+        size = math.ceil(len(items) / self.workers)
+        loop = asyncio.get_running_loop()
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        done = await asyncio.gather(*(loop.run_in_executor(self.pool, score_items, chunk) for chunk in chunks))
+        return [result for chunk in done for result in chunk]
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "function": self.spec,
+                "workers": self.workers,
+                "requests": self.requests,
+                "items": self.items,
+                "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight,
+            }
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--function",
+        required=True,
+        help="the reward function: a built-in rule (dapo, boxed, math_verify) or module:function / path/file.py:function",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
+    parser.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})"
+    )
+    parser.add_argument(
+        "--no-auth", action="store_true", help="serve without an API key: anyone who reaches the port may use it"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="processes running the function (default 1)")
+    parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (else 413)")
+    parser.add_argument(
+        "--item-timeout-s",
+        type=float,
+        default=60.0,
+        help="a call of the function running longer fails that item (0 = no limit; default 60)",
+    )
+    parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning")
+
+
+def run(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    problem = None
+    if api_key is None and not args.no_auth:
+        problem = f"no API key: pass --api-key KEY, set ${API_KEY_ENV}, or serve without one with --no-auth"
+    elif api_key is not None and args.no_auth:
+        problem = "--no-auth and an API key (--api-key or $MEGATRON_RL_REWARD_API_KEY) contradict each other"
+    elif args.workers < 1:
+        problem = f"--workers {args.workers}: must be >= 1"
+    elif args.max_request_mb <= 0:
+        problem = f"--max-request-mb {args.max_request_mb}: must be > 0"
+    elif args.item_timeout_s < 0:
+        problem = f"--item-timeout-s {args.item_timeout_s}: must be >= 0 (0 = no limit)"
+    if problem is None:
+        try:
+            load_reward_function(args.function, f"--function {args.function!r}")  # fail here, not in a worker
+        except RewardConfigError as err:
+            problem = str(err)
+    if problem is not None:
+        print(f"megatron-rl reward-server: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.no_auth and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
+    server = RewardServer(args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s)
+    try:
+        asyncio.run(_serve(server, args.host, args.port, args.port_file))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.pool.shutdown(wait=True, cancel_futures=True)
+    return 0
+
+
+async def _serve(server: RewardServer, host: str, port: int, port_file: str | None) -> None:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
+    if port_file:
+        with open(port_file, "w") as handle:
+            handle.write(str(bound))
+    auth = "API key required" if server.api_key else "no API key"
+    log.info("serving %s on http://%s:%d%s (%s)", server.spec, host, bound, SCORE_PATH, auth)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
