@@ -211,6 +211,10 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
 
             named = _checkpoint(models["C"])
             payload = send.serialize_named_tensors(named)
+            # as SGLang >= 0.5.21: tensor and distributed updates only inside a weight-update session
+            with pytest.raises(BadRequestError, match=r"must run between begin_weight_update\(\) and end_weight_"):
+                await client.update_weights_from_tensor([payload], weight_version="no-session")
+            assert await client.begin_weight_update() == [True]
             await client.update_weights_from_tensor([payload], weight_version="v-tensor")
             serves(await generate(client), models["C"], "v-tensor")
 
@@ -250,6 +254,16 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
                 BadRequestError, match=r"'model.norm.weight': shape \[7\] does not match the model's \[32\]"
             ):
                 await client.update_weights_from_disk(str(tmp_path), weight_version="bad")
+            serves(await generate(client), models["A"], "v-flat")
+            await client.end_weight_update()
+            # outside a session the engine refuses before receiving: the broadcast ends with its error, never hangs
+            named = _checkpoint(models["B"])
+            reply = asyncio.ensure_future(client.update_weights_from_distributed(*send.tensor_specs(named)))
+            with pytest.raises((RuntimeError, BadRequestError), match="must run between begin_weight_update"):
+                await asyncio.to_thread(send.broadcast_named_tensors, group, named, False, reply, 60.0)
+                await reply
+            if not reply.done():
+                await asyncio.gather(reply, return_exceptions=True)
             serves(await generate(client), models["A"], "v-flat")
             await client.destroy_weights_update_group()
 

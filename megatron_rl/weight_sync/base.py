@@ -7,6 +7,10 @@ exporter's collectives to the end. The error is remembered, later engine calls a
 and at the end rank 0 shares the outcome. So every rank returns the same `SyncReport` or raises
 the same `WeightSyncError`.
 
+The distributed and tensor modes run inside SGLang's weight-update session (`/begin_weight_update`
+before the first bucket, `/end_weight_update` after the last, also after an error; servers without
+the endpoints, SGLang < 0.5.21, need none).
+
 Colocated runs can hand the engine's memory back between rollout and training with
 `release_engine_memory()`. The next `sync` then resumes the weights before writing them and
 everything else afterwards (SGLang's order: weights, update, KV cache).
@@ -63,6 +67,8 @@ class WeightSync(ABC):
     """Pushes the actor's current weights to the rollout engine; see the module docstring."""
 
     mode: ClassVar[str]
+    # Distributed and tensor updates run inside SGLang's weight-update session (>= 0.5.21).
+    needs_session: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -128,12 +134,18 @@ class WeightSync(ABC):
         `self._error` is set); returns the weight bytes sent (rank 0)."""
 
     def _prepare_engine(self) -> None:
-        """Rank 0, before the transfer: bring back released weights (they are about to be written)."""
+        """Rank 0, before the transfer: bring back released weights (they are about to be written),
+        then open the weight-update session where the mode needs one."""
         if "weights" in self._released:
             self._resume(["weights"])
+        if self.needs_session and self._error is None:
+            self._call(self.client.begin_weight_update(), "POST /begin_weight_update")
 
     def _restore_engine(self) -> None:
-        """Rank 0, after the transfer: bring back the rest of the released memory (KV cache, graphs)."""
+        """Rank 0, after the transfer (also a failed one): close the session, then bring back the
+        rest of the released memory (KV cache, graphs)."""
+        if self.needs_session:
+            self._call(self.client.end_weight_update(), "POST /end_weight_update")
         if self._error is None and self._released:
             self._resume(list(self._released))
 

@@ -52,6 +52,7 @@ def _refusal(reply: Future, wait_s: float) -> str | None:
 
 class DistributedSync(WeightSync):
     mode = "distributed"
+    needs_session = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

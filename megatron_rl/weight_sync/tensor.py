@@ -23,6 +23,7 @@ from megatron_rl.weight_sync.send import serialize_named_tensors
 
 class TensorSync(WeightSync):
     mode = "tensor"
+    needs_session = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
