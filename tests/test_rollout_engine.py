@@ -354,29 +354,10 @@ def test_request_bodies_match_sglang_schema(engine, tmp_path_factory):
 
 def _sglang_api_types(tmp_path_factory):
     """SGLang 0.5.23's generated request schema, loaded by file path from the wheel (never committed)."""
-    import importlib.util
-    import subprocess
-    import sys
-    import zipfile
-
     pytest.importorskip("msgspec", reason="msgspec is needed to load sglang's api_types.py")
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "megatron-rl", "sglang-0.5.23")
-    target = os.path.join(cache, "api_types.py")
-    if not os.path.exists(target):
-        wheels = tmp_path_factory.mktemp("wheel")
-        cmd = [sys.executable, "-m", "pip", "download", "sglang==0.5.23", "--no-deps", "-d", str(wheels), "-q"]
-        try:
-            subprocess.run(cmd, check=True, timeout=300, capture_output=True)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
-            pytest.skip(f"sglang 0.5.23 wheel not downloadable here ({type(err).__name__})")
-        wheel = next(iter(wheels.glob("sglang-0.5.23-*.whl")))
-        os.makedirs(cache, exist_ok=True)
-        with zipfile.ZipFile(wheel) as zf, open(target, "wb") as out:
-            out.write(zf.read("sglang/api/v1/api_types.py"))
-    spec = importlib.util.spec_from_file_location("sglang_api_types", target)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import sglang_wheel
+
+    return sglang_wheel.load_module("api/v1/api_types.py", "sglang_api_types")
 
 
 def test_routed_experts_decode_checks_the_size():

@@ -11,8 +11,9 @@ import torch
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import wire
 from megatron_rl.weight_sync import send
-from megatron_rl.weight_sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
+from megatron_rl.weight_sync.packing import ALIGN, broadcasts_flat, pack_bucket, with_last
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
+from megatron_rl.weight_sync.tensor import payload_devices, rank_payloads
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -38,8 +39,7 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
         ("c", torch.randn(2, 2, generator=gen)),  # 16 bytes at 32
         ("d", torch.randn(4, 3, generator=gen).t()),  # a non-contiguous view: 48 bytes at 48
     ]
-    packer = PackingBuffer()
-    flat, meta = packer.pack(bucket)
+    flat, meta = pack_bucket(bucket)
     assert ALIGN == 16
     assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in meta] == [
         ("a", 0, 12, 12),
@@ -55,13 +55,25 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
     for (name, want), (got_name, value) in zip(bucket, got, strict=True):
         assert got_name == name and value.dtype == want.dtype and torch.equal(value, want), name
 
-    # the next bucket reuses the same shared buffer when it fits, and a larger one gets a new buffer
-    again, _ = packer.pack(bucket[:2])
-    assert again.data_ptr() == flat.data_ptr() and again.numel() == 26
-    bigger, _ = packer.pack([("e", torch.zeros(100))])
-    assert bigger.numel() == 400 and bigger.data_ptr() != flat.data_ptr() and bigger.is_shared()
+    # every bucket gets a buffer of its own: SGLang replies before its copies finish, so the next
+    # bucket must not write where the engine may still be reading
+    again, _ = pack_bucket(bucket[:2])
+    assert again.data_ptr() != flat.data_ptr() and again.numel() == 26 and again.is_shared()
+    assert torch.equal(flat[:12], again[:12])  # the first bucket's bytes are untouched by the second
     with pytest.raises(ValueError, match="empty bucket"):
-        packer.pack([])
+        pack_bucket([])
+
+
+def test_one_serialisation_per_engine_rank() -> None:
+    bucket = [("a", torch.arange(6.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    devices = payload_devices(torch.device("cpu"), servers=2, engine_gpus=2)
+    assert devices == [[torch.device("cpu")] * 2] * 2
+    payloads = rank_payloads(bucket, devices)
+    assert [len(row) for row in payloads] == [2, 2]
+    for payload in (p for row in payloads for p in row):
+        got = wire.deserialize_named_tensors(payload)
+        named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
+        assert [n for n, _ in named] == ["a", "b"] and torch.equal(named[0][1], bucket[0][1])
 
 
 def test_flattened_broadcast_needs_natural_alignment() -> None:

@@ -499,20 +499,28 @@ class SGLangClient:
 
     async def update_weights_from_tensor(
         self,
-        serialized_named_tensors: list[str],
+        serialized_named_tensors: list[str] | list[list[str]],
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> list[dict]:
-        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes them)."""
+        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes
+        them), the same for every server, or one such list per server (in `urls` order)."""
         body = {
-            "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,
             "weight_version": weight_version,
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
+        if serialized_named_tensors and all(isinstance(p, list) for p in serialized_named_tensors):
+            if len(serialized_named_tensors) != len(self.urls):
+                raise ValueError(
+                    f"update_weights_from_tensor: {len(serialized_named_tensors)} payload lists for {len(self.urls)} servers"
+                )
+            per_server = [{"serialized_named_tensors": p} for p in serialized_named_tensors]
+            return await self._update("/update_weights_from_tensor", body, retry=False, per_server=per_server)
+        body["serialized_named_tensors"] = serialized_named_tensors
         return await self._update("/update_weights_from_tensor", body, retry=False)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
