@@ -90,3 +90,64 @@ def test_distributed_flattened_layout_is_sglangs(monkeypatch: pytest.MonkeyPatch
         wire.flattened_layout(["a", "b"], [torch.bfloat16, torch.float32], [[3], [1]])
     with pytest.raises(ValueError, match="Unaligned"):
         tb.FlattenedTensorBucket.empty(["a", "b"], [torch.bfloat16, torch.float32], [[3], [1]], "cpu")
+
+
+def test_weight_update_session_is_feature_detected() -> None:
+    """0.5.9-0.5.20 have no session endpoints (404: updated without one); a session left open by a
+    trainer that died is closed and opened again; any other refusal is raised."""
+    import asyncio
+
+    from aiohttp import web
+
+    from megatron_rl.parallel.launch import free_port
+    from megatron_rl.rollout.sglang import BadRequestError, SGLangClient
+
+    calls: list[str] = []
+    state = {"open": True}  # SGLang 0.5.23's messages (scheduler_components/weight_updater.py)
+
+    async def begin(request: web.Request) -> web.Response:
+        calls.append("begin")
+        if state["open"]:
+            message = "a weight-update session is already open; call end_weight_update() first"
+            return web.json_response({"success": False, "message": message}, status=400)
+        state["open"] = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end(request: web.Request) -> web.Response:
+        calls.append("end")
+        ok, state["open"] = state["open"], False
+        return web.json_response(
+            {"success": ok, "message": "Success" if ok else "no session"}, status=200 if ok else 400
+        )
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "the engine is shutting down"}, status=400)
+
+    async def go() -> None:
+        new, old, refusing = web.Application(), web.Application(), web.Application()
+        new.router.add_post("/begin_weight_update", begin)
+        new.router.add_post("/end_weight_update", end)
+        refusing.router.add_post("/begin_weight_update", refuse)
+        runners = [web.AppRunner(app) for app in (new, old, refusing)]
+        urls = []
+        for runner in runners:
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            urls.append(f"http://127.0.0.1:{port}")
+        try:
+            async with SGLangClient(urls[:2], max_retries=0) as client:
+                assert await client.begin_weight_update() == [True, False]
+                assert calls == ["begin", "end", "begin"] and state["open"]  # the stale session was closed first
+                await client.end_weight_update()
+                assert calls[-1] == "end" and not state["open"]
+                await client.end_weight_update()  # nothing open any more: no call
+                assert calls.count("end") == 2
+            async with SGLangClient(urls[2:], max_retries=0) as client:
+                with pytest.raises(BadRequestError, match="the engine is shutting down"):
+                    await client.begin_weight_update()
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(go())

@@ -100,3 +100,48 @@ def test_rendezvous_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     group = wire.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "agent-store-check", "gloo", 20.0)
     assert group.size() == 1
     wire.destroy_weights_update_group(group)
+
+
+@pytest.mark.gpu
+def test_cuda_payload_names_the_device_by_uuid_and_rebuilds_on_it() -> None:
+    import base64
+
+    bucket = [("a", torch.arange(6.0, device="cuda")), ("b", torch.ones(3, dtype=torch.bfloat16, device="cuda"))]
+    (row,) = rank_payloads(bucket, payload_devices(torch.device("cuda", 0), servers=1, engine_gpus=1))
+    (payload,) = row
+    assert wire.cuda_device_uuid(0).encode() in base64.b64decode(payload)  # SGLang's patch_torch form
+    got = wire.deserialize_named_tensors(payload)
+    named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
+    assert got["flattened_tensor"].device == torch.device("cuda", 0)
+    assert torch.equal(named[0][1], bucket[0][1]) and torch.equal(named[1][1], bucket[1][1])
+    assert wire.cuda_device_index(wire.cuda_device_uuid(0)) == 0 and wire.cuda_device_index(0) == 0
+    with pytest.raises(Exception, match="no visible GPU has this UUID"):
+        wire.cuda_device_index("GPU-00000000-0000-0000-0000-000000000000")
+
+
+@pytest.mark.gpu
+def test_payload_devices_refuse_engine_gpus_rank0_cannot_see() -> None:
+    from megatron_rl.weight_sync.base import WeightSyncError
+
+    visible = torch.cuda.device_count()
+    assert payload_devices(torch.device("cuda", 0), 1, visible)[0] == [torch.device("cuda", k) for k in range(visible)]
+    with pytest.raises(WeightSyncError, match=rf"trainer rank 0 sees {visible} GPU\(s\)"):
+        payload_devices(torch.device("cuda", 0), 1, visible + 1)
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_round_trip_keeps_the_state() -> None:
+    from megatron_rl.weight_sync.memory import OptimizerOffload
+
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[model.weight].items() if v.dim() > 0}
+    offload = OptimizerOffload(optimizer)
+    assert offload.to_host() == 2 * 64 * 65 * 4  # exp_avg and exp_avg_sq of weight (64x64) and bias (64), fp32
+    assert optimizer.state[model.weight]["exp_avg"].device.type == "cpu" and offload.offloaded
+    offload.to_device()
+    after = optimizer.state[model.weight]
+    assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
+    assert not offload.offloaded
