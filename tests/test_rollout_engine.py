@@ -4,6 +4,7 @@ experts, abort/pause, auth and validation, the three weight-update paths, and fa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -266,6 +267,26 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
                 await asyncio.gather(reply, return_exceptions=True)
             serves(await generate(client), models["A"], "v-flat")
             await client.destroy_weights_update_group()
+
+    asyncio.run(go())
+
+
+def test_colocated_engines_release_before_the_trainer_builds_its_state(engine, models):
+    from megatron_rl.config import Config, RolloutConfig
+    from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
+
+    colocated = RolloutConfig(engine="sglang", sglang_urls=[engine.url], api_key=KEY, colocate=True)
+    assert not release_colocated_engines(Config(rollout=dataclasses.replace(colocated, colocate=False)))
+    assert colocated_engines_released(Config(rollout=colocated))
+    assert release_colocated_engines(Config(rollout=colocated))
+
+    async def go():
+        async with client_for(engine.url) as client:
+            # released: the engine takes no weights until the first sync resumes them
+            with pytest.raises(BadRequestError, match="weights are released; call /resume_memory_occupation"):
+                await client.update_weights_from_disk(models["A"], weight_version="released")
+            await client.resume_memory_occupation()
+            await client.update_weights_from_disk(models["A"], weight_version="resumed")
 
     asyncio.run(go())
 

@@ -126,7 +126,7 @@ class DistributedSync(WeightSync):
                 flush_cache=version is not None,
             )
         )
-        what = f"bucket of {len(bucket)} tensors from {names[0]!r}"
+        what = f"bucket of {len(bucket)} tensors from {names[0]!r} to {', '.join(self.client.urls)}"
         try:
             sent = broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
         except (RuntimeError, TimeoutError) as err:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.wire import SGLANG_METADATA_CLASS, FlattenedTensorMetadata, cuda_device_uuid
+from megatron_rl.weight_sync.rendezvous import in_daemon_thread
 
 
 @contextlib.contextmanager
@@ -125,17 +126,20 @@ def broadcast_named_tensors(
         buffers = [flat]
     else:
         buffers = [t.detach().contiguous() for _, t in named]
-    works = [dist.broadcast(b, src=0, group=group, async_op=True) for b in buffers]
+    # Issued on a thread of its own: NCCL builds a group's communicator at its first collective, and
+    # that call blocks until every engine rank joins, which a refusing engine never does.
+    issued = in_daemon_thread(lambda: [dist.broadcast(b, src=0, group=group, async_op=True) for b in buffers])
     deadline = time.monotonic() + timeout_s
-    while not all(w.is_completed() for w in works):
+    while not (issued.done() and all(w.is_completed() for w in issued.result())):
         if reply is not None and reply.done() and reply.exception() is not None:
             raise RuntimeError(
                 f"the engine refused the update before receiving it ({reply.exception()}); "
                 "the weight-update group is now out of step: destroy and re-create it"
             ) from reply.exception()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"broadcast of {len(named)} tensors did not finish within {timeout_s:.0f} s")
+            stage = "did not finish" if issued.done() else "did not start (the engines never joined it)"
+            raise TimeoutError(f"broadcast of {len(named)} tensors {stage} within {timeout_s:.0f} s")
         time.sleep(poll_s)
-    for work in works:
+    for work in issued.result():
         work.wait()
     return sum(b.numel() * b.element_size() for b in buffers)
