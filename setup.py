@@ -27,7 +27,9 @@ setup(
         "matplotlib",  # megatron-rl plot
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
+        # sglang: the weight-update protocol of 0.5.9 to 0.5.x (the session of 0.5.21+ is feature-detected);
+        # README "Tested versions"
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9,<0.6", "sglang-router"],
         "test": ["pytest>=8", "ruff", "msgspec", "math-verify>=0.9"],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],

@@ -104,6 +104,9 @@ class RolloutConfig:
     sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
     bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)
     colocate: bool = _f(False, "engine and trainer share devices (release/resume memory around phases)")
+    colocate_offload: bool = _f(
+        False, "colocated: the optimizer state waits in pinned host memory while the engine generates"
+    )
     engine_gpus: int = _f(1, "GPUs per SGLang server", ge=1)
     host: str = _f("127.0.0.1", "address the local engine binds")
     port: int | None = _f(None, "port of the local engine; null = a free one")
@@ -528,6 +531,10 @@ def _validate_rollout(cfg: Config) -> None:
     _require(
         not (ro.weight_sync == "tensor" and not ro.colocate),
         "rollout.weight_sync = 'tensor' passes tensors by handle and needs rollout.colocate = true",
+    )
+    _require(
+        not (ro.colocate_offload and not ro.colocate),
+        "rollout.colocate_offload = true frees GPU memory for a colocated engine and needs rollout.colocate = true",
     )
     _require(
         not (cfg.algorithm.routing_replay == "r3" and not ro.return_routed_experts),

@@ -141,11 +141,14 @@ class Trainer:
         `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
         from megatron_rl.weight_sync import make_weight_sync
+        from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
 
         cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
         run_folder = RunFolder(cfg, rank=rank, resume=resume)
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
+        if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
+            release_colocated_engines(cfg)
         actor = run_folder.start_actor(cfg)
         stack.callback(actor.close)
         if data is not None:
@@ -170,7 +173,9 @@ class Trainer:
 
         stack.callback(close_weight_sync)
         trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0)
-        if run_folder.start_step > 0 or cfg.checkpoint.load:
+        if colocated_engines_released(cfg):
+            weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
+        if run_folder.start_step > 0 or cfg.checkpoint.load or colocated_engines_released(cfg):
             trainer._sync(run_folder.start_step)  # the engine serves model.hf_path: give it the checkpoint's weights
         return trainer
 

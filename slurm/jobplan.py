@@ -15,7 +15,13 @@ prints one error naming the problem (exit 2) or shell assignments for `eval`. It
   SGLang servers per node (a server of more GPUs than a node has spans several nodes), or one
   local engine (`megatron-rl serve`) per node on CPU. Weights go over a NCCL (gloo on CPU) group.
 - colocated: every node trains and serves; the engines release their memory while the trainer
-  updates. Weights go by handle (`rollout.weight_sync=tensor`) on one node, over a group on more.
+  updates (`--enable-memory-saver`, a default `--mem-fraction-static`). Weights go by handle
+  (`rollout.weight_sync=tensor`) on one node; on more, from disk on GPUs (a NCCL group would hold
+  one GPU twice, which NCCL refuses) and over a gloo group on CPU.
+
+GPU jobs export NCCL_CUMEM_ENABLE and NCCL_NVLS_ENABLE to every step (SGLang's defaults unless set
+at submission), so trainer and engines agree in the weight-update group. SGLang may run from an
+environment of its own (`--sglang-python`, SGLANG_PYTHON in the scripts).
 
 Anything the user set explicitly in the YAML or the overrides wins over these defaults, unless the
 placement makes it impossible (then the error says which key and why).
@@ -66,6 +72,7 @@ class JobPlan:
     trainer_overrides: list[str] = field(default_factory=list)
     router: bool = False
     api_key: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # exported to every step (trainer and engines)
 
     @property
     def world_size(self) -> int:
@@ -136,9 +143,24 @@ def _engine_layout(
     return [[(node, 0) for node in rollout_nodes[i : i + span]] for i in range(0, len(rollout_nodes), span)]
 
 
+# SGLang sets these in its own processes unless they are set (sglang/srt/entrypoints/engine.py,
+# 0.5.23: both 0 without symmetric memory); the trainer must use the same values in the weight-update
+# group, so the job exports them to every step. A value set at submission wins, on both sides.
+NCCL_ENV_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+# A colocated engine's static share (weights + KV cache) of each GPU; the trainer keeps the rest
+# while the engine generates (its model, gradients and, without rollout.colocate_offload, optimizer state).
+COLOCATED_MEM_FRACTION = {False: "0.5", True: "0.7"}  # by rollout.colocate_offload
+
+
+def nccl_env(environ: dict[str, str]) -> dict[str, str]:
+    """The NCCL settings a GPU job exports: the submission's where set, else SGLang's own defaults."""
+    return {key: environ.get(key, default) for key, default in NCCL_ENV_DEFAULTS.items()}
+
+
 def _engine_command(
     cfg: Any, gpu: bool, python: str, bind: str, base_gpu: int, nnodes: int, dist_init: str, extra: Sequence[str]
 ) -> tuple[str, ...]:
+    """`python` runs the engine: megatron-rl's (CPU: the local engine) or SGLang's own environment."""
     ro = cfg.rollout
     model = str(Path(cfg.model.hf_path).resolve())
     if not gpu:
@@ -149,6 +171,8 @@ def _engine_command(
         cmd += ["--tp-size", str(ro.engine_gpus), "--base-gpu-id", str(base_gpu)]
         if ro.colocate:
             cmd.append("--enable-memory-saver")
+            if "--mem-fraction-static" not in extra:
+                cmd += ["--mem-fraction-static", COLOCATED_MEM_FRACTION[bool(ro.colocate_offload)]]
         if ro.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if nnodes > 1:
@@ -159,7 +183,7 @@ def _engine_command(
 
 
 def _placement(
-    mode: str, nodes: Sequence[str], train_nodes: int | None, cfg: Any, explicit: set[str]
+    mode: str, nodes: Sequence[str], train_nodes: int | None, cfg: Any, explicit: set[str], gpu: bool
 ) -> tuple[int, list[str], list[str]]:
     """(training nodes, rollout nodes, the trainer's placement overrides) of `mode`."""
     nnodes = len(nodes)
@@ -190,13 +214,22 @@ def _placement(
             "unset it, or use slurm/train.sbatch to split nodes"
         )
     forced.append("rollout.colocate=true")
+    # On GPUs a colocated group would hold trainer rank 0 and engine 0's first TP rank on one GPU,
+    # which NCCL refuses: several nodes fall back to disk, one node passes CUDA-IPC handles.
+    multi_node = "disk" if gpu else "distributed"
     if "rollout.weight_sync" not in explicit:
-        forced.append("rollout.weight_sync=" + ("tensor" if nnodes == 1 else "distributed"))
+        forced.append("rollout.weight_sync=" + ("tensor" if nnodes == 1 else multi_node))
     elif cfg.rollout.weight_sync == "tensor" and nnodes > 1:
         raise PlanError(
             f"rollout.weight_sync = tensor hands tensors over by handle on one machine, and only global rank 0 "
             f"sends: engines on the other {nnodes - 1} node(s) could not open them. Use "
-            "rollout.weight_sync=distributed, or --nodes=1"
+            f"rollout.weight_sync={multi_node}, or --nodes=1"
+        )
+    elif cfg.rollout.weight_sync == "distributed" and gpu:
+        raise PlanError(
+            "rollout.weight_sync = distributed on colocated GPUs puts trainer rank 0 and engine 0's first TP rank "
+            "(both on GPU 0) in one NCCL communicator, which NCCL refuses (duplicate GPU). Use "
+            "rollout.weight_sync=tensor with --nodes=1, or rollout.weight_sync=disk"
         )
     return nnodes, list(nodes), forced
 
@@ -228,8 +261,12 @@ def make_plan(
     bind: str = "0.0.0.0",
     engine_args: Sequence[str] = (),
     router: bool = False,
+    sglang_python: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> JobPlan:
-    """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError."""
+    """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError.
+    `sglang_python` runs the SGLang servers (default `python`: one environment for both roles);
+    `environ` (default os.environ) gives NCCL settings set at submission."""
     from megatron_rl.config import load_config
 
     if mode not in ("disaggregated", "colocated"):
@@ -242,7 +279,9 @@ def make_plan(
         raise PlanError(f"config file {config_path} does not exist (relative paths start at {os.getcwd()})")
     placement = ["rollout.colocate=true"] if mode == "colocated" else []
     cfg = load_config(config_path, [*overrides, *placement])
-    n_train, rollout_nodes, forced = _placement(mode, nodes, train_nodes, cfg, _explicit_keys(config_path, overrides))
+    n_train, rollout_nodes, forced = _placement(
+        mode, nodes, train_nodes, cfg, _explicit_keys(config_path, overrides), gpus_per_node > 0
+    )
     if not gpus_per_node:
         forced.append("rollout.engine_gpus=1")  # the local engine is one process
 
@@ -272,7 +311,10 @@ def make_plan(
     for i, placed in enumerate(_engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes)):
         first, base_gpu = placed[0]
         dist_init = f"{addr_of[first]}:{base_port + i}"
-        command = _engine_command(cfg, gpus_per_node > 0, python, bind, base_gpu, len(placed), dist_init, engine_args)
+        engine_python = (sglang_python or python) if gpus_per_node else python
+        command = _engine_command(
+            cfg, gpus_per_node > 0, engine_python, bind, base_gpu, len(placed), dist_init, engine_args
+        )
         engines.append(Engine(i, tuple(n for n, _ in placed), addr_of[first], base_gpu, command))
 
     run_dir = str(Path(cfg.logging.run_dir).resolve())
@@ -288,6 +330,7 @@ def make_plan(
         trainer_overrides=forced,
         router=router,
         api_key=cfg.rollout.api_key,
+        env=nccl_env(dict(os.environ if environ is None else environ)) if gpus_per_node else {},
     )
 
 
@@ -312,6 +355,7 @@ def to_shell(plan: JobPlan) -> str:
         f"START_ROUTER={int(plan.router)}",
         f"ENGINE_API_KEY={q(plan.api_key or '')}",
     ]
+    lines += [f"export {key}={q(value)}" for key, value in plan.env.items()]
     for e in plan.engines:
         lines += [
             array(f"ENGINE_NODES_{e.index}", e.nodes),
@@ -331,6 +375,8 @@ def describe(plan: JobPlan) -> str:
         f"run folder {plan.run_dir}, logs {plan.log_dir}",
         "trainer overrides: " + " ".join(plan.trainer_overrides),
     ]
+    if plan.env:
+        out.append("exported to every step: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
     return "\n".join(out)
 
 
@@ -409,6 +455,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default="0.0.0.0", help="address the engines bind")
     p.add_argument("--engine-args", default="", help="extra engine arguments (shell words)")
     p.add_argument("--router", action="store_true", help="start an sglang-router in front of the engines")
+    p.add_argument("--sglang-python", default="", help="interpreter of the SGLang servers; empty = the planner's")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("free-port", help="print a free TCP port of this machine")
@@ -443,6 +490,7 @@ def _main(argv: list[str] | None = None) -> int:
                 bind=args.bind,
                 engine_args=shlex.split(args.engine_args),
                 router=args.router,
+                sglang_python=args.sglang_python or None,
             )
             print(describe(plan), file=sys.stderr)
             print(to_shell(plan), end="")

@@ -27,6 +27,10 @@
 #   ENGINE_TIMEOUT     seconds for the servers to answer /health (default 1800)
 #   STOP_GRACE         seconds between SIGTERM and SIGKILL when stopping steps (default 30)
 #   PYTHON             interpreter with megatron-rl installed (default: python on PATH)
+#   SGLANG_PYTHON      interpreter of the SGLang servers and the router (default: $PYTHON); sglang 0.5.23
+#                      pins its own torch and transformers, so it may live in an environment of its own
+#   NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE  exported to every step of a GPU job (default 0 and 0, SGLang's
+#                      own defaults), so trainer and engines agree in the weight-update group
 #   DRY_RUN            1: print the plan and the commands, start nothing
 
 say() { echo "[$(date '+%F %T')] $*"; }
@@ -142,7 +146,8 @@ detect_gpus() {
 require_job() {
   [[ -n ${SLURM_JOB_ID:-} ]] || die "submit this script with sbatch (no SLURM_JOB_ID)"
   PYTHON=${PYTHON:-$(command -v python || command -v python3)}
-  export PYTHON
+  SGLANG_PYTHON=${SGLANG_PYTHON:-$PYTHON}
+  export PYTHON SGLANG_PYTHON
 }
 
 show_tail() {
@@ -213,7 +218,7 @@ start_engines() {
 
 start_router() {
   local -n hosts="ENGINE_NODES_0" addr="ENGINE_ADDR_0"
-  start_server router "$addr" "${hosts[0]}" --overlap -- "$PYTHON" -m sglang_router.launch_router \
+  start_server router "$addr" "${hosts[0]}" --overlap -- "$SGLANG_PYTHON" -m sglang_router.launch_router \
     --worker-urls "${ENGINE_URLS[@]}" --host "${ENGINE_BIND:-0.0.0.0}" --policy "${ROUTER_POLICY:-cache_aware}"
   local url pid=${BG_PIDS[-1]}
   url=$(wait_url router "$pid") || exit 2
@@ -242,19 +247,19 @@ run_job() {
   router=${ROUTER:-}
   if [[ -z $router ]]; then
     router=0
-    ((gpus > 0)) && "$PYTHON" -c "import sglang_router" 2>/dev/null && router=1
+    ((gpus > 0)) && "$SGLANG_PYTHON" -c "import sglang_router" 2>/dev/null && router=1
   fi
   engine_args=${LOCAL_ENGINE_ARGS:-}
   ((gpus > 0)) && engine_args=${SGLANG_ARGS:-}
   local -a plan_args=(--mode "$mode" --job-id "$SLURM_JOB_ID" --gpus-per-node "$gpus"
     --nodes "$(join_by , "${nodes[@]}")" --addrs "$(join_by , "${addrs[@]}")"
     --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}"
-    --bind "${ENGINE_BIND:-0.0.0.0}" --engine-args "$engine_args")
+    --bind "${ENGINE_BIND:-0.0.0.0}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON")
   ((router)) && plan_args+=(--router)
 
   say "job $SLURM_JOB_ID ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
   plan=$("$PYTHON" "$SLURM_DIR/jobplan.py" plan "${plan_args[@]}" "$config" "${overrides[@]}") || exit 2
-  eval "$plan"
+  eval "$plan" # also exports the NCCL settings of a GPU job, before any step starts
   local -a overlap=()
   [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
   KEY_ARG=()

@@ -4,6 +4,7 @@ experts, abort/pause, auth and validation, the three weight-update paths, and fa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -211,6 +212,10 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
 
             named = _checkpoint(models["C"])
             payload = send.serialize_named_tensors(named)
+            # as SGLang >= 0.5.21: tensor and distributed updates only inside a weight-update session
+            with pytest.raises(BadRequestError, match=r"must run between begin_weight_update\(\) and end_weight_"):
+                await client.update_weights_from_tensor([payload], weight_version="no-session")
+            assert await client.begin_weight_update() == [True]
             await client.update_weights_from_tensor([payload], weight_version="v-tensor")
             serves(await generate(client), models["C"], "v-tensor")
 
@@ -251,7 +256,37 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             ):
                 await client.update_weights_from_disk(str(tmp_path), weight_version="bad")
             serves(await generate(client), models["A"], "v-flat")
+            await client.end_weight_update()
+            # outside a session the engine refuses before receiving: the broadcast ends with its error, never hangs
+            named = _checkpoint(models["B"])
+            reply = asyncio.ensure_future(client.update_weights_from_distributed(*send.tensor_specs(named)))
+            with pytest.raises((RuntimeError, BadRequestError), match="must run between begin_weight_update"):
+                await asyncio.to_thread(send.broadcast_named_tensors, group, named, False, reply, 60.0)
+                await reply
+            if not reply.done():
+                await asyncio.gather(reply, return_exceptions=True)
+            serves(await generate(client), models["A"], "v-flat")
             await client.destroy_weights_update_group()
+
+    asyncio.run(go())
+
+
+def test_colocated_engines_release_before_the_trainer_builds_its_state(engine, models):
+    from megatron_rl.config import Config, RolloutConfig
+    from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
+
+    colocated = RolloutConfig(engine="sglang", sglang_urls=[engine.url], api_key=KEY, colocate=True)
+    assert not release_colocated_engines(Config(rollout=dataclasses.replace(colocated, colocate=False)))
+    assert colocated_engines_released(Config(rollout=colocated))
+    assert release_colocated_engines(Config(rollout=colocated))
+
+    async def go():
+        async with client_for(engine.url) as client:
+            # released: the engine takes no weights until the first sync resumes them
+            with pytest.raises(BadRequestError, match="weights are released; call /resume_memory_occupation"):
+                await client.update_weights_from_disk(models["A"], weight_version="released")
+            await client.resume_memory_occupation()
+            await client.update_weights_from_disk(models["A"], weight_version="resumed")
 
     asyncio.run(go())
 
@@ -340,29 +375,10 @@ def test_request_bodies_match_sglang_schema(engine, tmp_path_factory):
 
 def _sglang_api_types(tmp_path_factory):
     """SGLang 0.5.23's generated request schema, loaded by file path from the wheel (never committed)."""
-    import importlib.util
-    import subprocess
-    import sys
-    import zipfile
-
     pytest.importorskip("msgspec", reason="msgspec is needed to load sglang's api_types.py")
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "megatron-rl", "sglang-0.5.23")
-    target = os.path.join(cache, "api_types.py")
-    if not os.path.exists(target):
-        wheels = tmp_path_factory.mktemp("wheel")
-        cmd = [sys.executable, "-m", "pip", "download", "sglang==0.5.23", "--no-deps", "-d", str(wheels), "-q"]
-        try:
-            subprocess.run(cmd, check=True, timeout=300, capture_output=True)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
-            pytest.skip(f"sglang 0.5.23 wheel not downloadable here ({type(err).__name__})")
-        wheel = next(iter(wheels.glob("sglang-0.5.23-*.whl")))
-        os.makedirs(cache, exist_ok=True)
-        with zipfile.ZipFile(wheel) as zf, open(target, "wb") as out:
-            out.write(zf.read("sglang/api/v1/api_types.py"))
-    spec = importlib.util.spec_from_file_location("sglang_api_types", target)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import sglang_wheel
+
+    return sglang_wheel.load_module("api/v1/api_types.py", "sglang_api_types")
 
 
 def test_routed_experts_decode_checks_the_size():

@@ -255,13 +255,32 @@ def test_plan_defaults_multi_node_engines_and_explicit_sync(big: Path) -> None:
 def test_plan_colocated(big: Path) -> None:
     one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1)
     assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
-    assert "--enable-memory-saver" in one.engines[0].command
+    cmd = one.engines[0].command
+    assert "--enable-memory-saver" in cmd and cmd[cmd.index("--mem-fraction-static") + 1] == "0.5"
     assert one.trainer_overrides == ["rollout.engine=sglang", "rollout.colocate=true", "rollout.weight_sync=tensor"]
+    offload = plan(big, "colocated", "rollout.colocate_offload=true", nodes=1).engines[0].command
+    assert offload[offload.index("--mem-fraction-static") + 1] == "0.7"
+    mine = plan(big, "colocated", nodes=1, engine_args=["--mem-fraction-static", "0.6"]).engines[0].command
+    assert mine.count("--mem-fraction-static") == 1 and mine[-1] == "0.6"  # SGLANG_ARGS wins
+    # several nodes: never a NCCL group holding GPU 0 twice (trainer rank 0 and engine 0's TP rank 0)
     two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2)
     assert two.world_size == 16 and [e.nodes for e in two.engines] == [("gpu1",), ("gpu2",)]
-    assert "rollout.weight_sync=distributed" in two.trainer_overrides
+    assert "rollout.weight_sync=disk" in two.trainer_overrides
     with pytest.raises(jobplan.PlanError, match=r"rollout.weight_sync = tensor .* other 1 node"):
         plan(big, "colocated", "rollout.weight_sync=tensor", nodes=2)
+    with pytest.raises(jobplan.PlanError, match=r"one NCCL communicator, which NCCL refuses \(duplicate GPU\)"):
+        plan(big, "colocated", "rollout.weight_sync=distributed", nodes=1)
+    assert "rollout.weight_sync=distributed" in plan(big, "colocated", nodes=2, gpus=0).trainer_overrides  # gloo
+
+
+def test_plan_exports_nccl_settings_and_runs_sglang_from_its_own_python(big: Path) -> None:
+    p = plan(big, "disaggregated", sglang_python="/envs/sglang/bin/python", environ={"NCCL_NVLS_ENABLE": "1"})
+    assert p.env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "1"}  # SGLang's default, or the submission's
+    shell = jobplan.to_shell(p)
+    assert "export NCCL_CUMEM_ENABLE=0\n" in shell and "export NCCL_NVLS_ENABLE=1\n" in shell
+    assert all(e.command[:3] == ("/envs/sglang/bin/python", "-m", "sglang.launch_server") for e in p.engines)
+    cpu = plan(big, "disaggregated", nodes=2, gpus=0, sglang_python="/envs/sglang/bin/python", environ={})
+    assert cpu.env == {} and cpu.engines[0].command[0] == sys.executable  # the local engine is megatron-rl's
 
 
 def test_plan_cpu_uses_the_least_world_and_the_local_engine(big: Path) -> None:

@@ -11,8 +11,9 @@ import torch
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import wire
 from megatron_rl.weight_sync import send
-from megatron_rl.weight_sync.packing import ALIGN, PackingBuffer, broadcasts_flat, with_last
+from megatron_rl.weight_sync.packing import ALIGN, broadcasts_flat, pack_bucket, with_last
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
+from megatron_rl.weight_sync.tensor import payload_devices, rank_payloads
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -38,8 +39,7 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
         ("c", torch.randn(2, 2, generator=gen)),  # 16 bytes at 32
         ("d", torch.randn(4, 3, generator=gen).t()),  # a non-contiguous view: 48 bytes at 48
     ]
-    packer = PackingBuffer()
-    flat, meta = packer.pack(bucket)
+    flat, meta = pack_bucket(bucket)
     assert ALIGN == 16
     assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in meta] == [
         ("a", 0, 12, 12),
@@ -55,13 +55,25 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
     for (name, want), (got_name, value) in zip(bucket, got, strict=True):
         assert got_name == name and value.dtype == want.dtype and torch.equal(value, want), name
 
-    # the next bucket reuses the same shared buffer when it fits, and a larger one gets a new buffer
-    again, _ = packer.pack(bucket[:2])
-    assert again.data_ptr() == flat.data_ptr() and again.numel() == 26
-    bigger, _ = packer.pack([("e", torch.zeros(100))])
-    assert bigger.numel() == 400 and bigger.data_ptr() != flat.data_ptr() and bigger.is_shared()
+    # every bucket gets a buffer of its own: SGLang replies before its copies finish, so the next
+    # bucket must not write where the engine may still be reading
+    again, _ = pack_bucket(bucket[:2])
+    assert again.data_ptr() != flat.data_ptr() and again.numel() == 26 and again.is_shared()
+    assert torch.equal(flat[:12], again[:12])  # the first bucket's bytes are untouched by the second
     with pytest.raises(ValueError, match="empty bucket"):
-        packer.pack([])
+        pack_bucket([])
+
+
+def test_one_serialisation_per_engine_rank() -> None:
+    bucket = [("a", torch.arange(6.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    devices = payload_devices(torch.device("cpu"), servers=2, engine_gpus=2)
+    assert devices == [[torch.device("cpu")] * 2] * 2
+    payloads = rank_payloads(bucket, devices)
+    assert [len(row) for row in payloads] == [2, 2]
+    for payload in (p for row in payloads for p in row):
+        got = wire.deserialize_named_tensors(payload)
+        named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
+        assert [n for n, _ in named] == ["a", "b"] and torch.equal(named[0][1], bucket[0][1])
 
 
 def test_flattened_broadcast_needs_natural_alignment() -> None:
@@ -88,3 +100,48 @@ def test_rendezvous_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     group = wire.init_weights_update_group("127.0.0.1", free_port(), 0, 1, "agent-store-check", "gloo", 20.0)
     assert group.size() == 1
     wire.destroy_weights_update_group(group)
+
+
+@pytest.mark.gpu
+def test_cuda_payload_names_the_device_by_uuid_and_rebuilds_on_it() -> None:
+    import base64
+
+    bucket = [("a", torch.arange(6.0, device="cuda")), ("b", torch.ones(3, dtype=torch.bfloat16, device="cuda"))]
+    (row,) = rank_payloads(bucket, payload_devices(torch.device("cuda", 0), servers=1, engine_gpus=1))
+    (payload,) = row
+    assert wire.cuda_device_uuid(0).encode() in base64.b64decode(payload)  # SGLang's patch_torch form
+    got = wire.deserialize_named_tensors(payload)
+    named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
+    assert got["flattened_tensor"].device == torch.device("cuda", 0)
+    assert torch.equal(named[0][1], bucket[0][1]) and torch.equal(named[1][1], bucket[1][1])
+    assert wire.cuda_device_index(wire.cuda_device_uuid(0)) == 0 and wire.cuda_device_index(0) == 0
+    with pytest.raises(Exception, match="no visible GPU has this UUID"):
+        wire.cuda_device_index("GPU-00000000-0000-0000-0000-000000000000")
+
+
+@pytest.mark.gpu
+def test_payload_devices_refuse_engine_gpus_rank0_cannot_see() -> None:
+    from megatron_rl.weight_sync.base import WeightSyncError
+
+    visible = torch.cuda.device_count()
+    assert payload_devices(torch.device("cuda", 0), 1, visible)[0] == [torch.device("cuda", k) for k in range(visible)]
+    with pytest.raises(WeightSyncError, match=rf"trainer rank 0 sees {visible} GPU\(s\)"):
+        payload_devices(torch.device("cuda", 0), 1, visible + 1)
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_round_trip_keeps_the_state() -> None:
+    from megatron_rl.weight_sync.memory import OptimizerOffload
+
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[model.weight].items() if v.dim() > 0}
+    offload = OptimizerOffload(optimizer)
+    assert offload.to_host() == 2 * 64 * 65 * 4  # exp_avg and exp_avg_sq of weight (64x64) and bias (64), fp32
+    assert optimizer.state[model.weight]["exp_avg"].device.type == "cpu" and offload.offloaded
+    offload.to_device()
+    after = optimizer.state[model.weight]
+    assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
+    assert not offload.offloaded

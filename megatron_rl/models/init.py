@@ -92,12 +92,23 @@ def iter_param_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> Iter
                 local_name=local_name,
                 global_name=_global_name(local_name, chunk, model.tie_word_embeddings),
                 param=param,
-                partition_dim=param.partition_dim if split else None,
+                partition_dim=_partition_dim(local_name, param) if split else None,
                 shard_rank=rank,
                 shard_count=count,
                 glu=split and chunk.config.gated_linear_unit and _is_fc1(local_name),
                 is_expert=is_expert,
             )
+
+
+def _partition_dim(local_name: str, param: torch.nn.Parameter) -> int:
+    """The dimension a split parameter is split on. Grouped experts (TE's `GroupedLinear`,
+    `weight{i}`): from the role, fc1 (column-parallel) on 0 and fc2 (row-parallel) on 1. With
+    explicit expert comms Megatron hides the parallelism from TE, which then tags every `weight{i}`
+    with partition dim 0, fc2 included. Every other parameter: Megatron's tag."""
+    grouped = _GROUPED_EXPERT.search(local_name)
+    if grouped is not None:
+        return 0 if grouped.group(1) == "linear_fc1" else 1
+    return param.partition_dim
 
 
 def _is_fc1(name: str) -> bool:

@@ -8,7 +8,8 @@
   exponential backoff, on another server when there are several; after the last try one
   `SGLangError` names the server, the endpoint and the request. A 400 is raised at once as
   `BadRequestError` with the server's message, a 401 as `UnauthorizedError`.
-- Control endpoints (pause, continue, abort, flush, memory, weight updates) go to every server.
+- Control endpoints (pause, continue, abort, flush, memory, weight updates and the weight-update
+  session of SGLang >= 0.5.21, feature-detected) go to every server.
   Give worker addresses for those: a router forwards only /generate, /health and /flush_cache.
 """
 
@@ -97,6 +98,7 @@ class SGLangClient:
         self._order = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._sessions: set[str] = set()  # servers with a weight-update session open
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -390,6 +392,49 @@ class SGLangClient:
 
         return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))
 
+    async def begin_weight_update(self) -> list[bool]:
+        """Open a weight-update session on every server: SGLang >= 0.5.21 refuses distributed and
+        tensor updates outside one (and, over NCCL, without joining the broadcast). True where a
+        session was opened; False where the server has no such endpoint (HTTP 404: SGLang 0.5.9 to
+        0.5.20, which needs none). A session left open (a trainer that died mid-sync) is closed
+        and opened again. `end_weight_update` closes what this opened."""
+
+        async def one(url: str) -> bool:
+            for attempt in range(2):
+                try:
+                    reply = await self._json("POST", "/begin_weight_update", {}, server=url, retry=False)
+                except BadRequestError as err:
+                    if attempt == 0 and "already open" in str(err):
+                        log.warning("%s had a weight-update session open; closing it first", url)
+                        await self._json("POST", "/end_weight_update", {}, server=url, retry=False)
+                        continue
+                    raise
+                except SGLangError as err:
+                    if err.status == 404:
+                        return False
+                    raise
+                if not isinstance(reply, dict) or not reply.get("success", False):
+                    raise SGLangError(f"/begin_weight_update on {url} failed: {reply}", server=url)
+                self._sessions.add(url)
+                return True
+            raise AssertionError("unreachable")
+
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+    async def end_weight_update(self) -> None:
+        """Close the sessions `begin_weight_update` opened (each server's, even if another fails)."""
+        urls = [u for u in self.urls if u in self._sessions]
+        self._sessions -= set(urls)
+        replies = await asyncio.gather(
+            *(self._json("POST", "/end_weight_update", {}, server=u, retry=False) for u in urls),
+            return_exceptions=True,
+        )
+        for url, reply in zip(urls, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            if not isinstance(reply, dict) or not reply.get("success", False):
+                raise SGLangError(f"/end_weight_update on {url} failed: {reply}", server=url)
+
     async def update_weights_from_disk(
         self,
         model_path: str,
@@ -454,20 +499,28 @@ class SGLangClient:
 
     async def update_weights_from_tensor(
         self,
-        serialized_named_tensors: list[str],
+        serialized_named_tensors: list[str] | list[list[str]],
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> list[dict]:
-        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes them)."""
+        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes
+        them), the same for every server, or one such list per server (in `urls` order)."""
         body = {
-            "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,
             "weight_version": weight_version,
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
+        if serialized_named_tensors and all(isinstance(p, list) for p in serialized_named_tensors):
+            if len(serialized_named_tensors) != len(self.urls):
+                raise ValueError(
+                    f"update_weights_from_tensor: {len(serialized_named_tensors)} payload lists for {len(self.urls)} servers"
+                )
+            per_server = [{"serialized_named_tensors": p} for p in serialized_named_tensors]
+            return await self._update("/update_weights_from_tensor", body, retry=False, per_server=per_server)
+        body["serialized_named_tensors"] = serialized_named_tensors
         return await self._update("/update_weights_from_tensor", body, retry=False)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:

@@ -5,8 +5,10 @@
   Both sides must build it the same way (not with `init_process_group`), the trainer as rank 0.
 - `deserialize_named_tensors`: reads the `/update_weights_from_tensor` payload, base64 of a
   `ForkingPickler` dump of `[(name, tensor), ...]` as SGLang's `MultiprocessingSerializer` writes
-  it (the trainer's writer is `megatron_rl/weight_sync/send.py`). Unpickling accepts only torch's
-  tensor-rebuild functions (shared-memory file, CUDA IPC), dtypes, sizes and plain containers.
+  it (the trainer's writer is `megatron_rl/weight_sync/send.py`). Unpickling accepts a subset of
+  the globals SGLang's `SafeUnpickler` accepts: torch's tensor-rebuild functions (shared-memory
+  file, CUDA IPC with the device named by UUID or index), dtypes, sizes, plain containers and
+  SGLang's `FlattenedTensorMetadata`.
 - `FlattenedTensorMetadata` / `flattened_layout` / `unflatten_tensors`: the "flattened_bucket"
   layout: tensors' bytes back to back in one uint8 buffer.
 """
@@ -68,7 +70,9 @@ def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
 
 @dataclass
 class FlattenedTensorMetadata:
-    """One tensor inside a flattened bucket (same fields as SGLang's class of this name)."""
+    """One tensor inside a flattened bucket: SGLang's class of this name, field for field. Payloads
+    carry it under SGLang's name (`SGLANG_METADATA_CLASS`; `weight_sync.send` writes it so), which
+    is the only metadata class SGLang's unpickler admits."""
 
     name: str
     shape: torch.Size
@@ -103,41 +107,87 @@ def unflatten_tensors(flat: torch.Tensor, meta: list[FlattenedTensorMetadata]) -
     return out
 
 
-_ALLOWED: set[tuple[str, str]] = {
-    ("builtins", n) for n in ("list", "tuple", "dict", "int", "float", "str", "bool", "bytes", "bytearray", "slice")
-} | {
-    ("collections", "OrderedDict"),
-    ("copyreg", "__newobj__"),
-    ("copyreg", "_reconstructor"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch", "Tensor"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-}
-_METADATA_CLASSES = {
-    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
-    (__name__, "FlattenedTensorMetadata"),
-}
+# SGLang's `SafeUnpickler` (sglang/srt/utils/common.py) admits an exact list of globals. The local
+# engine admits a subset of it (tests/test_sglang_compat.py checks that against SGLang's own list),
+# so a payload it accepts is one SGLang accepts too.
+SGLANG_METADATA_CLASS = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+_REBUILD_CUDA = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+)
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("builtins", n) for n in ("list", "tuple", "dict", "int", "float", "str", "bool", "bytes", "bytearray", "slice")}
+    | {("torch", n) for n in DTYPES}
+    | {
+        ("collections", "OrderedDict"),
+        ("copyreg", "__newobj__"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch", "Tensor"),
+        ("torch", "UntypedStorage"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        _REBUILD_CUDA,
+        SGLANG_METADATA_CLASS,
+    }
+)
+
+
+def cuda_device_uuid(index: int) -> str:
+    """The UUID of CUDA device `index` (what SGLang's patched reductions put in a CUDA-IPC handle)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def cuda_device_index(device: int | str) -> int:
+    """A CUDA-IPC handle's device (an index, or a UUID as SGLang's `patch_torch` writes it) as this
+    process's device index: processes with different CUDA_VISIBLE_DEVICES number GPUs differently."""
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if cuda_device_uuid(index) == device:
+            return index
+    raise pickle.UnpicklingError(f"CUDA-IPC handle for device {device!r}: no visible GPU has this UUID")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    from torch.multiprocessing import reductions
+
+    device = 6  # the storage-device argument of torch's rebuild_cuda_tensor (as SGLang's patch_torch)
+    args = (*args[:device], cuda_device_index(args[device]), *args[device + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
+        if (module, name) == SGLANG_METADATA_CLASS:
             return FlattenedTensorMetadata
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED:
+        if (module, name) == _REBUILD_CUDA:
+            return _rebuild_cuda_tensor
+        if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         hint = ""
         if name == "rebuild_storage_fd" or module == "multiprocessing.resource_sharer":
             hint = " (CPU tensors must be shared with the file_system strategy: use megatron_rl.weight_sync.send.serialize_named_tensors)"
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight-update payload{hint}")
+        elif name == "FlattenedTensorMetadata":
+            hint = f" (SGLang's unpickler admits only {'.'.join(SGLANG_METADATA_CLASS)})"
+        raise pickle.UnpicklingError(
+            f"global {module}.{name} is not allowed in a weight-update payload (SGLang 0.5.23 refuses it){hint}"
+        )
 
 
 def deserialize_named_tensors(payload: str | bytes) -> Any:

@@ -18,6 +18,9 @@ ranks may pass None. Modes (`rollout.weight_sync`):
 - `tensor`: colocated; buckets by shared-memory / CUDA-IPC handle through
   `/update_weights_from_tensor`, with generation paused (`tensor.py`).
 
+Distributed and tensor syncs run inside SGLang's weight-update session (0.5.21+; `base.py`).
+Colocated memory (release at start-up, CUDA cache, optimizer offload): `memory.py`.
+
 With PP > 1, disk mode writes from every stage. The other two modes first gather each stage's
 buckets on rank 0, point to point (`buckets.py`). Every rank gets the same `SyncReport`, or the
 same `WeightSyncError`, and a refused update names the tensor. The engine validates each request

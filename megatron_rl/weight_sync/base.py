@@ -7,9 +7,15 @@ exporter's collectives to the end. The error is remembered, later engine calls a
 and at the end rank 0 shares the outcome. So every rank returns the same `SyncReport` or raises
 the same `WeightSyncError`.
 
+The distributed and tensor modes run inside SGLang's weight-update session (`/begin_weight_update`
+before the first bucket, `/end_weight_update` after the last, also after an error; servers without
+the endpoints, SGLang < 0.5.21, need none).
+
 Colocated runs can hand the engine's memory back between rollout and training with
-`release_engine_memory()`. The next `sync` then resumes the weights before writing them and
-everything else afterwards (SGLang's order: weights, update, KV cache).
+`release_engine_memory()`. The next `sync` then empties every rank's CUDA cache (and, with
+`rollout.colocate_offload`, moves the optimizer state to the host first), resumes the weights before
+writing them and everything else afterwards (SGLang's order: weights, update, KV cache); see
+`memory.py` for the memory plan.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_rl.rollout.sglang import SGLangClient, SGLangError
 from megatron_rl.rollout.types import MEMORY_TAGS
+from megatron_rl.weight_sync.memory import OptimizerOffload, empty_cuda_cache
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
@@ -63,6 +70,8 @@ class WeightSync(ABC):
     """Pushes the actor's current weights to the rollout engine; see the module docstring."""
 
     mode: ClassVar[str]
+    # Distributed and tensor updates run inside SGLang's weight-update session (>= 0.5.21).
+    needs_session: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -87,7 +96,8 @@ class WeightSync(ABC):
                 "make_weight_sync: global rank 0 talks to the engine and needs its RolloutEngine (got None)"
             )
         self.engine = engine if self.is_controller else None
-        self._released: list[str] = []
+        self.offload = OptimizerOffload(actor.state.optimizer) if cfg.rollout.colocate_offload else None
+        self._released: list[str] = []  # the engine memory released now (the same on every rank)
         self._error: str | None = None
         self._version = ""
 
@@ -106,6 +116,11 @@ class WeightSync(ABC):
             raise ValueError("weight sync: the version must not be empty")
         started = time.perf_counter()
         self._error, self._version = None, version
+        if self._released:  # colocated: make room on every rank's GPU before the engine takes it back
+            if self.offload is not None:
+                self.offload.to_host()
+            empty_cuda_cache()
+            dist.barrier()
         if self.is_controller:
             self._prepare_engine()
         try:
@@ -115,7 +130,9 @@ class WeightSync(ABC):
                 self._restore_engine()
         if self.is_controller and self._error is None:
             self._check_version(version)
-        error, nbytes, seconds = shared_outcome((self._error, int(nbytes), time.perf_counter() - started))
+        error, nbytes, seconds, self._released = shared_outcome(
+            (self._error, int(nbytes), time.perf_counter() - started, self._released)
+        )
         if error is not None:
             raise WeightSyncError(error)
         if self.is_controller:
@@ -128,12 +145,18 @@ class WeightSync(ABC):
         `self._error` is set); returns the weight bytes sent (rank 0)."""
 
     def _prepare_engine(self) -> None:
-        """Rank 0, before the transfer: bring back released weights (they are about to be written)."""
+        """Rank 0, before the transfer: bring back released weights (they are about to be written),
+        then open the weight-update session where the mode needs one."""
         if "weights" in self._released:
             self._resume(["weights"])
+        if self.needs_session and self._error is None:
+            self._call(self.client.begin_weight_update(), "POST /begin_weight_update")
 
     def _restore_engine(self) -> None:
-        """Rank 0, after the transfer: bring back the rest of the released memory (KV cache, graphs)."""
+        """Rank 0, after the transfer (also a failed one): close the session, then bring back the
+        rest of the released memory (KV cache, graphs)."""
+        if self.needs_session:
+            self._call(self.client.end_weight_update(), "POST /end_weight_update")
         if self._error is None and self._released:
             self._resume(list(self._released))
 
@@ -176,12 +199,24 @@ class WeightSync(ABC):
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise ValueError(f"release_engine_memory: unknown tags {bad}; allowed {list(MEMORY_TAGS)}")
-        if not self.is_controller:
-            return
         new = [t for t in tags if t not in self._released]
-        if new:
-            self.engine.run(self.client.release_memory_occupation(new), timeout=self.timeout_s)
-            self._released += new
+        problem = None
+        if new and self.is_controller:
+            try:
+                self.engine.run(self.client.release_memory_occupation(new), timeout=self.timeout_s)
+            except ENGINE_ERRORS as err:
+                problem = f"release_memory_occupation {new}: {err}"
+        problem = shared_outcome(problem)  # also the barrier: the engine's memory is free from here on
+        if problem is not None:
+            raise WeightSyncError(problem)
+        self._released += new
+        if self.offload is not None and self.offload.offloaded:
+            self.offload.to_device()
+
+    def mark_released(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Record memory the engine released before this sync existed (`memory.release_colocated_engines`
+        at start-up); the next `sync` resumes it. Call on every rank."""
+        self._released += [t for t in tags if t not in self._released]
 
     def _resume(self, tags: list[str]) -> None:
         self._call(self.client.resume_memory_occupation(tags), f"resume_memory_occupation {tags}")

@@ -52,11 +52,18 @@ def _refusal(reply: Future, wait_s: float) -> str | None:
 
 class DistributedSync(WeightSync):
     mode = "distributed"
+    needs_session = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.senders = stage_senders()
         self.backend = "nccl" if params_device(self.chunks).type == "cuda" else "gloo"
+        if self.backend == "nccl" and self.cfg.rollout.colocate:
+            raise WeightSyncError(
+                "rollout.weight_sync = distributed with rollout.colocate = true on GPUs: trainer rank 0 and the "
+                "engine's first TP rank share a GPU, and NCCL refuses a communicator holding one GPU twice; use "
+                "rollout.weight_sync=tensor (engines on rank 0's node) or rollout.weight_sync=disk"
+            )
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
@@ -119,7 +126,7 @@ class DistributedSync(WeightSync):
                 flush_cache=version is not None,
             )
         )
-        what = f"bucket of {len(bucket)} tensors from {names[0]!r}"
+        what = f"bucket of {len(bucket)} tensors from {names[0]!r} to {', '.join(self.client.urls)}"
         try:
             sent = broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
         except (RuntimeError, TimeoutError) as err:

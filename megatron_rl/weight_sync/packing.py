@@ -1,5 +1,5 @@
-"""Buckets packed for sending (no Megatron code here): SGLang's flattened-bucket form in a reusable
-buffer, the test for the distributed flattened layout, and one item of look-ahead."""
+"""Buckets packed for sending (no Megatron code here): SGLang's flattened-bucket form in a new
+buffer per bucket, the test for the distributed flattened layout, and one item of look-ahead."""
 
 from __future__ import annotations
 
@@ -40,41 +40,35 @@ def broadcasts_flat(bucket: Bucket) -> bool:
     return True
 
 
-class PackingBuffer:
-    """One reusable uint8 buffer that holds a bucket in SGLang's flattened-bucket form.
+def pack_bucket(bucket: Bucket) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """The bucket in SGLang's flattened-bucket form, in a new uint8 buffer on the tensors' device.
 
     The receiver views bytes [start_idx, end_idx) of each tensor as its dtype, so each tensor
-    starts at an ALIGN-byte offset, whatever the dtypes. A CPU buffer lives in shared memory
-    (file-system strategy), so the engine maps it instead of copying it through the pickle. The
-    buffer is rewritten by the next `pack`: use a packed bucket only until the engine's reply.
+    starts at an ALIGN-byte offset, whatever the dtypes (SGLang's `reconstruct_tensors` reads any
+    offsets). A CPU buffer lives in shared memory (file-system strategy), so the engine maps it
+    instead of copying it through the pickle. The buffer is new for every bucket: SGLang answers
+    `/update_weights_from_tensor` once its copies are queued, not done, so a reused buffer could be
+    overwritten under a copy still reading it; torch keeps a CUDA buffer shared by IPC alive until
+    the engine releases it.
     """
+    if not bucket:
+        raise ValueError("cannot pack an empty bucket")
+    meta, offset = [], 0
+    for name, tensor in bucket:
+        offset = -(-offset // ALIGN) * ALIGN
+        size = tensor.numel() * tensor.element_size()
+        meta.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + size, size))
+        offset += size
+    buffer = shareable_empty(offset, bucket[0][1].device)
+    for (_, tensor), m in zip(bucket, meta, strict=True):
+        buffer[m.start_idx : m.end_idx].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return buffer, meta
 
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
 
-    def pack(self, bucket: Bucket) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-        if not bucket:
-            raise ValueError("cannot pack an empty bucket")
-        meta, offset = [], 0
-        for name, tensor in bucket:
-            offset = -(-offset // ALIGN) * ALIGN
-            size = tensor.numel() * tensor.element_size()
-            meta.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + size, size))
-            offset += size
-        buffer = self._reserve(offset, bucket[0][1].device)
-        for (_, tensor), m in zip(bucket, meta, strict=True):
-            buffer[m.start_idx : m.end_idx].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        return buffer[:offset], meta
-
-    def _reserve(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        buffer = self._buffer
-        if buffer is None or buffer.device != device or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            if device.type == "cpu":
-                with file_system_sharing():
-                    buffer.share_memory_()
-            self._buffer = buffer
-        return buffer
-
-    def close(self) -> None:
-        self._buffer = None
+def shareable_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A new uint8 buffer another process can open: shared memory on the CPU, any CUDA memory (IPC)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        with file_system_sharing():
+            buffer.share_memory_()
+    return buffer

@@ -1,8 +1,8 @@
 """The trainer's side of the wire formats in `megatron_rl/rollout/wire.py`: what goes out to an engine.
 
-- `serialize_named_tensors`: the `/update_weights_from_tensor` payload, base64 of a
-  `ForkingPickler` dump of `[(name, tensor), ...]` (or a flattened bucket dict) as SGLang's
-  `MultiprocessingSerializer` writes it. CPU tensors travel through shared memory (file-system
+- `serialize_named_tensors`: the `/update_weights_from_tensor` payload, base64 of a pickle of
+  `[(name, tensor), ...]` (or a flattened bucket dict) with `ForkingPickler`'s reductions, as
+  SGLang's `MultiprocessingSerializer` writes it (SGLang's metadata class name, devices by UUID). CPU tensors travel through shared memory (file-system
   strategy, so unrelated processes can open them; file descriptors cannot cross unrelated
   processes) and must stay alive until the call returns.
 - `flatten_tensors`: tensors' bytes back to back in one uint8 buffer (the "flattened_bucket").
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copyreg
 import io
+import pickle
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.wire import FlattenedTensorMetadata
+from megatron_rl.rollout.wire import SGLANG_METADATA_CLASS, FlattenedTensorMetadata, cuda_device_uuid
+from megatron_rl.weight_sync.rendezvous import in_daemon_thread
 
 
 @contextlib.contextmanager
@@ -37,15 +40,47 @@ def file_system_sharing() -> Iterator[None]:
         tmp.set_sharing_strategy(previous)
 
 
+class _SGLangPickler(pickle._Pickler):
+    """`ForkingPickler`'s reductions (shared memory, CUDA IPC) in the form SGLang reads back:
+    `FlattenedTensorMetadata` under SGLang's module name (so no SGLang import is needed here), and a
+    CUDA tensor's device named by UUID, as SGLang's `patch_torch` does, so that an engine process
+    with another CUDA_VISIBLE_DEVICES opens the right GPU. The pure-Python pickler, because only it
+    lets a class be written under another name; a payload is a few handles, never the weights."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing.reductions  # noqa: F401  (registers the shared-memory reducers)
+
+        super().__init__(file)
+        self.dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers}
+        self.dispatch_table[torch.Tensor] = _reduce_tensor
+        self.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is FlattenedTensorMetadata:
+            module, qualname = SGLANG_METADATA_CLASS
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[6], int):
+        args = (*args[:6], cuda_device_uuid(args[6]), *args[7:])  # arg 6: the storage device
+    return rebuild, args
+
+
 def serialize_named_tensors(obj: Any) -> str:
-    """Base64 `ForkingPickler` dump of `obj` (a list of (name, tensor) or a flattened bucket dict)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing.reductions  # noqa: F401  (registers the shared-memory reducers)
-
+    """Base64 pickle of `obj` (a list of (name, tensor) or a flattened bucket dict) as SGLang's
+    `MultiprocessingSerializer` writes it (see `_SGLangPickler`)."""
     buf = io.BytesIO()
     with file_system_sharing():
-        ForkingPickler(buf).dump(obj)
+        _SGLangPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -91,17 +126,20 @@ def broadcast_named_tensors(
         buffers = [flat]
     else:
         buffers = [t.detach().contiguous() for _, t in named]
-    works = [dist.broadcast(b, src=0, group=group, async_op=True) for b in buffers]
+    # Issued on a thread of its own: NCCL builds a group's communicator at its first collective, and
+    # that call blocks until every engine rank joins, which a refusing engine never does.
+    issued = in_daemon_thread(lambda: [dist.broadcast(b, src=0, group=group, async_op=True) for b in buffers])
     deadline = time.monotonic() + timeout_s
-    while not all(w.is_completed() for w in works):
+    while not (issued.done() and all(w.is_completed() for w in issued.result())):
         if reply is not None and reply.done() and reply.exception() is not None:
             raise RuntimeError(
                 f"the engine refused the update before receiving it ({reply.exception()}); "
                 "the weight-update group is now out of step: destroy and re-create it"
             ) from reply.exception()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"broadcast of {len(named)} tensors did not finish within {timeout_s:.0f} s")
+            stage = "did not finish" if issued.done() else "did not start (the engines never joined it)"
+            raise TimeoutError(f"broadcast of {len(named)} tensors {stage} within {timeout_s:.0f} s")
         time.sleep(poll_s)
-    for work in works:
+    for work in issued.result():
         work.wait()
     return sum(b.numel() * b.element_size() for b in buffers)

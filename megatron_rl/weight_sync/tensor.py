@@ -1,34 +1,80 @@
 """`rollout.weight_sync = tensor` (colocated): tensors by handle through `/update_weights_from_tensor`.
 
-Rank 0 pauses generation (mode "abort"), then brings back released weights. It packs each
-bucket into one reusable flattened buffer and posts the buffer's handle:
-`{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer` does,
-repeated once per engine TP rank (`rollout.engine_gpus`), as SGLang's own `Engine` does. A CPU
-buffer goes through shared memory, a GPU buffer as a CUDA IPC handle, so the engine must run on
-the same machine. Each call returns only after the engine has copied the weights, and only then
-is the buffer refilled. The new version and the cache flush go with the last bucket. Afterwards
-rank 0 resumes the rest of the released memory and continues generation (also after an error).
-With PP > 1 the other stages' buckets reach rank 0 first (`buckets.rank0_buckets`).
+Rank 0 pauses generation (mode "abort"), brings back released weights and opens the weight-update
+session. It packs each bucket into a new flattened buffer (`packing.pack_bucket`: SGLang answers
+once its copies are queued, so a reused buffer could be overwritten under them) and posts
+`{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer` does, one
+serialisation per engine TP rank, as SGLang's own `Engine` does (each rank opens its own handle;
+CUDA IPC counts references per serialisation). A CPU buffer goes through shared memory and serves
+every rank. On a GPU, engine server i's TP rank k runs on GPU i * rollout.engine_gpus + k of rank
+0's node (slurm/jobplan.py places colocated engines so), and its payload is a copy of the bucket on
+that GPU, named by UUID: each engine process opens memory of its own GPU only. So the engine must
+run on the same machine. The new version and the cache flush go with the last bucket. Afterwards
+rank 0 closes the session, resumes the rest of the released memory and continues generation (also
+after an error). With PP > 1 the other stages' buckets reach rank 0 first (`buckets.rank0_buckets`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.weight_sync.base import WeightSync
-from megatron_rl.weight_sync.buckets import rank0_buckets, stage_senders
-from megatron_rl.weight_sync.packing import Bucket, PackingBuffer, with_last
+import torch
+
+from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
+from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
+from megatron_rl.weight_sync.packing import Bucket, pack_bucket, with_last
 from megatron_rl.weight_sync.send import serialize_named_tensors
+
+
+def payload_devices(device: torch.device, servers: int, engine_gpus: int) -> list[list[torch.device]]:
+    """Where each engine TP rank's copy of a bucket lives, by server: `device` for a CPU bucket (one
+    shared-memory buffer serves every rank), else the GPU that TP rank runs on."""
+    if device.type != "cuda":
+        return [[device] * engine_gpus for _ in range(servers)]
+    needed, visible = servers * engine_gpus, torch.cuda.device_count()
+    if visible < needed:
+        raise WeightSyncError(
+            f"rollout.weight_sync = tensor: {servers} colocated server(s) x rollout.engine_gpus = {engine_gpus} run on "
+            f"GPUs 0-{needed - 1} of this node, but trainer rank 0 sees {visible} GPU(s) (CUDA_VISIBLE_DEVICES): "
+            "it must see every GPU of its node to hand each engine rank a buffer on its own GPU"
+        )
+    return [[torch.device("cuda", i * engine_gpus + k) for k in range(engine_gpus)] for i in range(servers)]
+
+
+def rank_payloads(bucket: Bucket, devices: list[list[torch.device]]) -> list[list[str]]:
+    """The serialised flattened bucket for each engine TP rank (by server): one new buffer per
+    device, one serialisation per rank."""
+    flat, meta = pack_bucket(bucket)
+    copies = {flat.device: flat}
+    payloads = []
+    for server in devices:
+        row = []
+        for device in server:
+            if device not in copies:
+                copies[device] = flat.to(device)
+            row.append(serialize_named_tensors({"flattened_tensor": copies[device], "metadata": meta}))
+        payloads.append(row)
+    return payloads
 
 
 class TensorSync(WeightSync):
     mode = "tensor"
+    needs_session = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.senders = stage_senders()
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
-        self._buffer = PackingBuffer()
+        self._devices: list[list[torch.device]] = []
+        problem = None
+        if self.is_controller:
+            try:
+                self._devices = payload_devices(params_device(self.chunks), len(self.client.urls), self.engine_ranks)
+            except WeightSyncError as err:
+                problem = str(err)
+        problem = shared_outcome(problem)
+        if problem is not None:
+            raise WeightSyncError(problem)
 
     def _prepare_engine(self) -> None:
         self._call(self.client.pause_generation("abort"), "POST /pause_generation")
@@ -46,18 +92,16 @@ class TensorSync(WeightSync):
         return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
-        flat, meta = self._buffer.pack(bucket)
-        payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+        payloads = rank_payloads(bucket, self._devices)
         self._call(
             self.client.update_weights_from_tensor(
-                [payload] * self.engine_ranks,
+                payloads,
                 load_format="flattened_bucket",
                 weight_version=version,
                 flush_cache=version is not None,
             ),
             f"POST /update_weights_from_tensor (bucket of {len(bucket)} tensors from {bucket[0][0]!r})",
         )
-        return 0 if self._error is not None else sum(m.numel for m in meta)
-
-    def close(self) -> None:
-        self._buffer.close()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # frees earlier buckets' buffers the engines have released
+        return 0 if self._error is not None else sum(t.numel() * t.element_size() for _, t in bucket)

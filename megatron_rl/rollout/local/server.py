@@ -3,7 +3,8 @@
 Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's field names and
 response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
 updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
-/update_weights_from_tensor), /pause_generation, /continue_generation, /abort_request,
+/update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
+session as SGLang 0.5.21+ requires), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 """
 
@@ -67,6 +68,7 @@ class LocalServer:
     def __init__(self, engine: EngineThread, info: ModelInfo, api_key: str | None, tokenizer: Any = None):
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
         self.groups: dict[str, Any] = {}
+        self.session_open = False  # SGLang >= 0.5.21's weight-update session
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 34)
@@ -86,6 +88,8 @@ class LocalServer:
             ("/get_server_info", ["GET"], self.server_info),
             ("/server_info", ["GET"], self.server_info),
             ("/update_weights_from_disk", ["POST"], self.update_from_disk),
+            ("/begin_weight_update", ["POST"], self.begin_weight_update),
+            ("/end_weight_update", ["POST"], self.end_weight_update),
             ("/init_weights_update_group", ["POST"], self.init_group),
             ("/destroy_weights_update_group", ["POST"], self.destroy_group),
             ("/update_weights_from_distributed", ["POST"], self.update_from_distributed),
@@ -324,8 +328,36 @@ class LocalServer:
             UpdateOptions.parse(body), lambda e: load_safetensors_dir(e.layout, path), "update_weights_from_disk"
         )
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        selector = get_field(body, "selector", "str", "all")
+        if selector not in ("target", "draft", "all"):
+            raise FieldError(f"selector: {selector!r}; allowed: target, draft, all")
+        if self.session_open:
+            return _update_reply(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return _update_reply(True, "Success")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        check_body(await _json_body(request))
+        if not self.session_open:
+            return _update_reply(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return _update_reply(True, "Success")
+
+    def _outside_session(self, what: str) -> web.Response | None:
+        """SGLang 0.5.23's refusal of a distributed or tensor update outside a session (given before
+        anything is received, as SGLang gives it, so a trainer that skips the session sees it)."""
+        if self.session_open:
+            return None
+        log.warning("%s refused: no weight-update session is open", what)
+        return _update_reply(False, f"{what} must run between begin_weight_update() and end_weight_update()")
+
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = check_body(await _json_body(request))
+        refused = self._outside_session("update_weights_from_tensor")
+        if refused is not None:
+            return refused
         payloads = get_field(body, "serialized_named_tensors", "str_list", required=True)
         if len(payloads) != 1:
             raise FieldError(
@@ -390,6 +422,9 @@ class LocalServer:
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         spec = DistributedUpdate.parse(check_body(await _json_body(request)))
+        refused = self._outside_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         group = self.groups.get(spec.group_name)
         if group is None:
             raise FieldError(f"group_name: no group {spec.group_name!r}; call /init_weights_update_group first")

@@ -1,0 +1,107 @@
+"""SGLang 0.5.23's own code for the tests, without its dependencies (nothing of SGLang's is committed).
+
+The wheel is installed with `pip install --no-deps sglang==0.5.23` (the README's test command does);
+without it, the wheel is downloaded once into ~/.cache/megatron-rl. Importing `sglang` runs its
+heavy `__init__`, so files are read by path: whole modules that need only torch
+(`srt/weight_sync/tensor_bucket.py`) are loaded under their real names, and single definitions of
+modules that need more (`SafeUnpickler` in `srt/utils/common.py`) are executed on their own.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import io
+import os
+import pickle
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+VERSION = "0.5.23"
+_CACHE = Path(os.path.expanduser("~")) / ".cache" / "megatron-rl" / f"sglang-{VERSION}"
+
+
+def source(relpath: str) -> Path:
+    """The file `sglang/<relpath>` of SGLang 0.5.23 (installed, or from the cached wheel); skips the
+    test when neither is available."""
+    installed = _installed_version()
+    if installed is not None:
+        if installed != VERSION:
+            pytest.skip(f"sglang {installed} is installed; these checks read {VERSION}")
+        from importlib.metadata import distribution
+
+        path = Path(distribution("sglang").locate_file(f"sglang/{relpath}"))  # finds the file, imports nothing
+        if path.is_file():
+            return path
+    target = _CACHE / relpath
+    if not target.is_file():
+        wheel = _download_wheel()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as zf:
+            target.write_bytes(zf.read(f"sglang/{relpath}"))
+    return target
+
+
+def _installed_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def _download_wheel() -> Path:
+    wheels = _CACHE / "wheel"
+    found = sorted(wheels.glob(f"sglang-{VERSION}-*.whl"))
+    if found:
+        return found[0]
+    cmd = [sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps", "-d", str(wheels), "-q"]
+    try:
+        subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"sglang {VERSION} is neither installed nor downloadable here ({type(err).__name__})")
+    return sorted(wheels.glob(f"sglang-{VERSION}-*.whl"))[0]
+
+
+def load_module(relpath: str, name: str | None = None) -> types.ModuleType:
+    """`sglang/<relpath>` executed as a module of its own (`name`, default a private one)."""
+    spec = importlib.util.spec_from_file_location(name or f"sglang_{Path(relpath).stem}", source(relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tensor_bucket(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """SGLang's `sglang.srt.weight_sync.tensor_bucket`, registered under its real name (with empty
+    parent packages, for the test's duration) so that SGLang's unpickler resolves the class in it."""
+    name = "sglang.srt.weight_sync.tensor_bucket"
+    if name in sys.modules:
+        return sys.modules[name]
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        if parent not in sys.modules:
+            package = types.ModuleType(parent)
+            package.__path__ = []
+            monkeypatch.setitem(sys.modules, parent, package)
+    module = load_module("srt/weight_sync/tensor_bucket.py", name)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def safe_unpickler() -> type[pickle.Unpickler]:
+    """SGLang's `SafeUnpickler` class (and the helper it calls), executed from `srt/utils/common.py`."""
+    tree = ast.parse(source("srt/utils/common.py").read_text(encoding="utf-8"))
+    wanted = {"SafeUnpickler", "_safe_load_torch_storage"}
+    nodes = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in wanted]
+    if {n.name for n in nodes} != wanted:
+        raise AssertionError(f"sglang {VERSION}'s common.py no longer defines {sorted(wanted)}")
+    namespace: dict[str, Any] = {"pickle": pickle, "io": io, "torch": torch}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
+    return namespace["SafeUnpickler"]

@@ -1,0 +1,153 @@
+"""Our wire formats read by SGLang 0.5.23's own code (tests/sglang_wheel.py loads it from the wheel,
+without SGLang's dependencies): its `SafeUnpickler` on our tensor payloads, its
+`FlattenedTensorBucket` on our buckets, its allowlist against the local engine's."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import sglang_wheel
+import torch
+
+from megatron_rl.rollout import wire
+from megatron_rl.weight_sync import send
+from megatron_rl.weight_sync.packing import pack_bucket
+
+
+def _bucket() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        ("model.embed_tokens.weight", torch.randn(5, 3, generator=gen)),  # 60 bytes at 0
+        ("model.norm.weight", torch.randn(7, generator=gen).to(torch.bfloat16)),  # 14 bytes at 64
+        ("lm_head.weight", torch.randn(4, 2, generator=gen).to(torch.float16)),  # 16 bytes at 80
+    ]
+
+
+def _sglang_load(payload: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    sglang_wheel.tensor_bucket(monkeypatch)
+    unpickler = sglang_wheel.safe_unpickler()
+    return unpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+
+
+def test_local_unpickler_admits_only_what_sglang_admits() -> None:
+    sglang_allowed = sglang_wheel.safe_unpickler().ALLOWED_GLOBALS
+    extra = sorted(wire.ALLOWED_GLOBALS - sglang_allowed)
+    assert not extra, f"the local engine admits globals SGLang 0.5.23 refuses: {extra}"
+    assert wire.SGLANG_METADATA_CLASS in sglang_allowed
+
+
+def test_sglang_reads_our_flattened_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = _bucket()
+    flat, meta = pack_bucket(bucket)
+    payload = send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+    loaded = _sglang_load(payload, monkeypatch)
+    tb = sglang_wheel.tensor_bucket(monkeypatch)
+    assert all(type(m) is tb.FlattenedTensorMetadata for m in loaded["metadata"])
+    assert [(m.start_idx, m.end_idx) for m in loaded["metadata"]] == [(0, 60), (64, 78), (80, 96)]
+    got = tb.FlattenedTensorBucket(flattened_tensor=loaded["flattened_tensor"], metadata=loaded["metadata"])
+    for (name, want), (got_name, value) in zip(bucket, got.reconstruct_tensors(), strict=True):
+        assert got_name == name and value.dtype == want.dtype and torch.equal(value, want), name
+
+
+def test_sglang_reads_our_named_tensor_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = _bucket()
+    loaded = _sglang_load(send.serialize_named_tensors(bucket), monkeypatch)
+    assert [n for n, _ in loaded] == [n for n, _ in bucket]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded, bucket, strict=True))
+
+
+@dataclass
+class FlattenedTensorMetadata:  # a metadata class of another module, as megatron-rl once sent
+    name: str
+    start_idx: int
+
+
+def test_a_metadata_class_sglang_refuses_is_refused_by_the_local_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump({"metadata": [FlattenedTensorMetadata("x", 0)]})
+    payload = base64.b64encode(buf.getvalue()).decode()
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        _sglang_load(payload, monkeypatch)
+    with pytest.raises(pickle.UnpicklingError, match="admits only sglang.srt.weight_sync.tensor_bucket"):
+        wire.deserialize_named_tensors(payload)
+
+
+def test_distributed_flattened_layout_is_sglangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    tb = sglang_wheel.tensor_bucket(monkeypatch)
+    names, dtypes, shapes = ["a", "b", "c"], [torch.float32, torch.bfloat16, torch.bfloat16], [[3], [5], [2, 2]]
+    ours = wire.flattened_layout(names, dtypes, shapes)
+    theirs = tb.FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu").get_metadata()
+    assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in ours] == [
+        (m.name, m.start_idx, m.end_idx, m.numel) for m in theirs
+    ]
+    with pytest.raises(ValueError, match="not aligned"):
+        wire.flattened_layout(["a", "b"], [torch.bfloat16, torch.float32], [[3], [1]])
+    with pytest.raises(ValueError, match="Unaligned"):
+        tb.FlattenedTensorBucket.empty(["a", "b"], [torch.bfloat16, torch.float32], [[3], [1]], "cpu")
+
+
+def test_weight_update_session_is_feature_detected() -> None:
+    """0.5.9-0.5.20 have no session endpoints (404: updated without one); a session left open by a
+    trainer that died is closed and opened again; any other refusal is raised."""
+    import asyncio
+
+    from aiohttp import web
+
+    from megatron_rl.parallel.launch import free_port
+    from megatron_rl.rollout.sglang import BadRequestError, SGLangClient
+
+    calls: list[str] = []
+    state = {"open": True}  # SGLang 0.5.23's messages (scheduler_components/weight_updater.py)
+
+    async def begin(request: web.Request) -> web.Response:
+        calls.append("begin")
+        if state["open"]:
+            message = "a weight-update session is already open; call end_weight_update() first"
+            return web.json_response({"success": False, "message": message}, status=400)
+        state["open"] = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end(request: web.Request) -> web.Response:
+        calls.append("end")
+        ok, state["open"] = state["open"], False
+        return web.json_response(
+            {"success": ok, "message": "Success" if ok else "no session"}, status=200 if ok else 400
+        )
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "the engine is shutting down"}, status=400)
+
+    async def go() -> None:
+        new, old, refusing = web.Application(), web.Application(), web.Application()
+        new.router.add_post("/begin_weight_update", begin)
+        new.router.add_post("/end_weight_update", end)
+        refusing.router.add_post("/begin_weight_update", refuse)
+        runners = [web.AppRunner(app) for app in (new, old, refusing)]
+        urls = []
+        for runner in runners:
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            urls.append(f"http://127.0.0.1:{port}")
+        try:
+            async with SGLangClient(urls[:2], max_retries=0) as client:
+                assert await client.begin_weight_update() == [True, False]
+                assert calls == ["begin", "end", "begin"] and state["open"]  # the stale session was closed first
+                await client.end_weight_update()
+                assert calls[-1] == "end" and not state["open"]
+                await client.end_weight_update()  # nothing open any more: no call
+                assert calls.count("end") == 2
+            async with SGLangClient(urls[2:], max_retries=0) as client:
+                with pytest.raises(BadRequestError, match="the engine is shutting down"):
+                    await client.begin_weight_update()
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(go())
