@@ -62,6 +62,7 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "rollout.temperature = 0: greedy rollouts give every response of a group the same tokens, so "
             "every advantage is 0; train with a temperature > 0 (greedy evaluation is eval.temperature = 0)"
         )
+    _check_rl_batch(cfg, 1)  # at once; against the real data-parallel size once the layout is known
 
 
 def _check_rl_batch(cfg: Config, data_parallel_size: int) -> None:
