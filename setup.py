@@ -28,7 +28,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "sglang-router"],
-        "test": ["pytest>=8", "ruff", "msgspec", "math-verify>=0.9"],
+        # sglang-router: tests/test_router.py runs the real router (a Rust binary wheel) in front of local engines
+        "test": ["pytest>=8", "ruff", "msgspec", "math-verify>=0.9", "sglang-router"],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
     },
