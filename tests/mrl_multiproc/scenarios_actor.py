@@ -271,9 +271,9 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
         save_ref(ctx, name, value)
 
     history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
-    # warm-up over 1 step, then linear decay to 3e-4 at step 6: step 2 is 1/5 of the way
+    # warm-up over 1 update, then linear decay towards 3e-4, reached after update 6: update 2 is 1/6 of the way
     lrs = [h["lr"] for h in history]
-    assert abs(lrs[0] - 3e-3) < 1e-12 and abs(lrs[1] - (3e-3 - 0.2 * 2.7e-3)) < 1e-12, lrs
+    assert abs(lrs[0] - 3e-3) < 1e-12 and abs(lrs[1] - (3e-3 - 2.7e-3 / 6)) < 1e-12, lrs
     assert history[0]["routing_changed_frac"] == 0.0, "first update replays routing of unchanged weights"
     assert history[1]["routing_changed_frac"] > 0.0, "the second update sees re-routed tokens"
     save_ref(ctx, "history", history)
