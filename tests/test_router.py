@@ -118,6 +118,15 @@ def test_router_generates_and_weight_updates_reach_every_worker(
         router.stop()
 
 
+def test_plain_servers_are_not_taken_for_a_router(workers: list[LocalEngineProcess], models: dict[str, str]) -> None:
+    cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0)
+    engine = RolloutEngine.from_config(cfg, models["A"])
+    try:
+        assert engine.client.router is None and engine.client.urls == [w.url for w in workers]
+    finally:
+        engine.close()
+
+
 def test_router_without_reachable_workers_fails_at_start_naming_the_address(
     workers: list[LocalEngineProcess], models: dict[str, str]
 ) -> None:
@@ -127,12 +136,15 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
             RolloutEngine.from_config(_rollout(empty.url), models["A"])
     finally:
         empty.stop()
-    # a worker the router still lists but this machine cannot reach (here: it has stopped)
-    lost = start_local_engine(models["A"], extra_args=["--threads", "1"], env=ENV)
+    # a worker the router still lists but this machine cannot reach (here: it has stopped; the module's
+    # last test, so the other tests keep both workers)
+    lost = workers[1]
     router = Router([lost.url])
     try:
         lost.stop()
-        with pytest.raises(SGLangError, match=rf"sglang-router {router.url} (lists workers \['{lost.url}'\], but|lists no)"):
+        with pytest.raises(
+            SGLangError, match=rf"sglang-router {router.url} (lists workers \['{lost.url}'\], but|lists no)"
+        ):
             RolloutEngine.from_config(_rollout(router.url), models["A"])
         # a router next to other addresses is ambiguous
         mixed = RolloutConfig(engine="sglang", sglang_urls=[router.url, workers[0].url], max_retries=0)
@@ -140,12 +152,3 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
             RolloutEngine.from_config(mixed, models["A"])
     finally:
         router.stop()
-
-
-def test_plain_servers_are_not_taken_for_a_router(workers: list[LocalEngineProcess], models: dict[str, str]) -> None:
-    cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0)
-    engine = RolloutEngine.from_config(cfg, models["A"])
-    try:
-        assert engine.client.router is None and engine.client.urls == [w.url for w in workers]
-    finally:
-        engine.close()
