@@ -1,15 +1,16 @@
 """One RL update of the actor: mini-batches (optimizer steps) x micro-batches through Megatron's schedule.
 
 Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
-mini-batches (fewer for a short batch: as many as hold one sample per DP rank); each gets one global normaliser (`megatron_rl.losses.global_normalizer` over its
-whole response mask), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
+mini-batches (fewer for a short batch: as many as hold one sample per DP rank); each gets one
+global normaliser (`megatron_rl.losses.global_normalizer` over its whole response mask, after
+`algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
 and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
 the SFT cross-entropy), then one optimizer step with
 gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics`, plus entropy_mean (per loss token), grad_norm (before
-clipping), lr (the update's), update_skipped, micro_batches (per DP rank), is_rejected_frac (the share of
-loss tokens `algorithm.is_correction = reject` removed, from the mask and the normaliser) and, when replaying routing,
+clipping), lr (the update's), update_skipped, micro_batches (per DP rank), is_rejected_frac (with
+is_correction reject: the share of the loss tokens rejected) and, when replaying routing,
 routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
 top-k expert set differs) and routing_changed_frac (all layers).
 """
