@@ -138,9 +138,15 @@ class AlgorithmConfig:
     )
     kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
     is_correction: Literal[IS_MODES] = _f(
-        "none", "rollout/trainer mismatch weight: truncate at C or mask outside [C_min, C_max]"
+        "none",
+        "rollout/trainer mismatch weight pi_old/pi_rollout: truncate = min(w, C); mask = weight 0 outside "
+        "[C_min, C_max] (still counted in the loss normaliser); reject = removed from the loss and its normaliser",
     )
-    is_level: Literal[IS_LEVELS] = _f("token", "importance weight per token or per sequence (geometric mean)")
+    is_level: Literal[IS_LEVELS] = _f(
+        "token",
+        "level of the importance weight (verl's names): token; sequence = product of the token weights; "
+        "geometric = their geometric mean",
+    )
     is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", **BOUNDS["is_threshold"])
     is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", **BOUNDS["is_mask_min"])
     is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", **BOUNDS["is_mask_max"])

@@ -7,7 +7,8 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
 1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's);
 2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`);
 3. `megatron_rl.config.validate` on the resolved configuration: ranges, choices, combinations;
-4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`);
+4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
+   and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
 5. the torch.distributed backend against the device.
 
 It reads config.json and nothing else, so it is cheap and idempotent: code deeper in (`run_training`,
@@ -49,11 +50,31 @@ def _check_rl_loop_needs(cfg: Config) -> None:
         )
     if cfg.eval.every and not cfg.data.eval_path:
         raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")
-    samples = cfg.train.prompts_per_step * ro.n_samples_per_prompt
-    if cfg.train.updates_per_step > samples:
+    if ro.n_samples_per_prompt < 2:
+        # verl's GRPO would use the raw reward as the advantage of a group of one; every objective
+        # here is group-relative (advantage = reward - group mean), which is 0 for a group of one
         raise ConfigError(
-            f"train.updates_per_step ({cfg.train.updates_per_step}) exceeds the samples of a step "
-            f"(train.prompts_per_step x rollout.n_samples_per_prompt = {samples})"
+            f"rollout.n_samples_per_prompt = {ro.n_samples_per_prompt}: algorithm.name = {alg.name!r} computes "
+            "group-relative advantages, which are 0 for a group of one response (nothing to learn); set it >= 2"
+        )
+    if ro.temperature == 0:
+        raise ConfigError(
+            "rollout.temperature = 0: greedy rollouts give every response of a group the same tokens, so "
+            "every advantage is 0; train with a temperature > 0 (greedy evaluation is eval.temperature = 0)"
+        )
+    _check_rl_batch(cfg, 1)  # at once; against the real data-parallel size once the layout is known
+
+
+def _check_rl_batch(cfg: Config, data_parallel_size: int) -> None:
+    """The full batch of a step against the updates and the data-parallel ranks it is split over."""
+    samples = cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    updates = cfg.train.updates_per_step
+    if samples < updates * data_parallel_size:
+        raise ConfigError(
+            f"the samples of a step (train.prompts_per_step x rollout.n_samples_per_prompt = {samples}) are fewer "
+            f"than train.updates_per_step ({updates}) x the data-parallel size ({data_parallel_size}): every "
+            "update needs one sample per data-parallel rank; raise train.prompts_per_step or lower "
+            "train.updates_per_step"
         )
 
 
@@ -87,6 +108,8 @@ def validate_run(
     resolved = resolve_model(cfg)
     validate(resolved)
     world = read_launch_env().world_size if world_size is None else world_size
-    check_layout(resolved.parallel, world, resolved.model)
+    layout = check_layout(resolved.parallel, world, resolved.model)
+    if command == "train":
+        _check_rl_batch(resolved, layout.data_parallel_size)
     resolve_backend(resolved.parallel.backend, cuda_available)
     return resolved

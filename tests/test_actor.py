@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -10,15 +11,16 @@ import torch
 
 from megatron_rl.actor.batch import ActorBatch, build_inputs
 from megatron_rl.actor.micro_batches import MicroBatch
-from megatron_rl.actor.optimizer import lr_scheduler
+from megatron_rl.actor.optimizer import TrainingState, apply_update, lr_scheduler
 from megatron_rl.actor.routing_replay import (
     check_routing_values,
     given_routing,
     routed_token_mask,
     token_slice,
 )
-from megatron_rl.actor.train_step import mini_batches
-from megatron_rl.config import TrainConfig
+from megatron_rl.actor.train_step import mini_batches, reject_tokens
+from megatron_rl.config import TrainConfig, preset
+from megatron_rl.losses import LossSpec
 
 
 def _batch() -> ActorBatch:
@@ -117,29 +119,66 @@ def test_check_routing_values() -> None:
 def test_mini_batches() -> None:
     assert mini_batches(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert mini_batches(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]
-    with pytest.raises(ValueError, match="updates_per_step = 3"):
-        mini_batches(2, 3)
+    # a short batch (dynamic sampling ran out of rounds): fewer mini-batches, each with >= DP samples
+    assert mini_batches(2, 3) == [[0], [1]]
+    assert mini_batches(5, 4, min_size=2) == [[0, 1], [2, 3, 4]]
+    with pytest.raises(
+        ValueError,
+        match=r"cannot cut 1 samples into mini-batches of >= 2 \(the data-parallel size\) for train.updates_per_step = 1",
+    ):
+        mini_batches(1, 1, min_size=2)
 
 
-def _lrs(train: TrainConfig) -> list[float]:
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=train.lr)
-    sched = lr_scheduler(opt, train)
-    out = []
-    for _ in range(train.steps * train.updates_per_step):
-        sched.step(increment=1)  # before each optimizer step, as the train step does
-        out.append(opt.param_groups[0]["lr"])
-    return out
+def test_reject_tokens_leave_the_response_mask_and_are_counted() -> None:
+    batch = _batch().with_fields(
+        old_log_probs=[torch.zeros(3), torch.zeros(2)],
+        rollout_log_probs=[-torch.log(torch.tensor([3.0, 1.0, 1.2])), -torch.log(torch.tensor([0.25, 1.0]))],
+    )
+    spec = LossSpec.from_section(dataclasses.replace(preset("grpo"), is_correction="reject", is_mask_max=2.0))
+    kept, frac = reject_tokens(batch, spec)
+    # token 0 of sample 0 (w = 3 > 2) and token 0 of sample 1 (w = 0.25 < 0.5) are rejected; token 1 of
+    # sample 0 was already out of the loss
+    assert [m.tolist() for m in kept.response_mask] == [[False, False, True], [False, True]]
+    assert frac == pytest.approx(2 / 4)
+    same, zero = reject_tokens(batch, dataclasses.replace(spec, is_correction="mask"))
+    assert same is batch and zero == 0.0
+
+
+class _StubOptimizer:
+    """Megatron's optimizer interface as `apply_update` uses it: step() -> (applied, grad_norm, zeros)."""
+
+    def __init__(self, lr: float, applied: list[bool]) -> None:
+        self.param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr}]
+        self.applied = iter(applied)
+
+    def step(self) -> tuple[bool, float, None]:
+        return next(self.applied), 1.0, None
+
+
+def _lrs(train: TrainConfig, applied: list[bool] | None = None) -> list[float]:
+    """The learning rate of every update through `apply_update`, the train step's own path."""
+    n = train.steps * train.updates_per_step
+    applied = [True] * n if applied is None else applied
+    opt = _StubOptimizer(train.lr, applied)
+    state = TrainingState(model=[], optimizer=opt, scheduler=lr_scheduler(opt, train))  # type: ignore[arg-type]
+    return [apply_update(state)[2] for _ in applied]
 
 
 def test_lr_schedule_warmup_then_decay() -> None:
     linear = TrainConfig(steps=3, updates_per_step=2, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="linear")
-    # warm-up k/2, then 1 - (k - 2)/4 * 0.9 down to min_lr at the last step
-    assert _lrs(linear) == pytest.approx([0.5, 1.0, 0.775, 0.55, 0.325, 0.1])
+    # warm-up k/2, then 1 - (k - 2)/5 * 0.9: min_lr is reached after the last update, not at it
+    assert _lrs(linear) == pytest.approx([0.5, 1.0, 0.82, 0.64, 0.46, 0.28])
     cosine = TrainConfig(steps=2, updates_per_step=2, lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="cosine")
-    assert _lrs(cosine) == pytest.approx([0.853553, 0.5, 0.146447, 0.0], abs=1e-6)
+    assert _lrs(cosine) == pytest.approx([1.0, 0.853553, 0.5, 0.146447], abs=1e-6)
+    assert _lrs(cosine)[-1] > 0.1  # the last update is not at lr 0
     constant = TrainConfig(steps=2, updates_per_step=1, lr=0.3, lr_warmup_steps=4, lr_decay_style="constant")
     assert _lrs(constant) == pytest.approx([0.075, 0.15])
+
+
+def test_lr_schedule_does_not_advance_on_skipped_updates() -> None:
+    linear = TrainConfig(steps=4, updates_per_step=1, lr=1.0, min_lr=0.0, lr_decay_style="linear")
+    # the 2nd update is skipped (non-finite gradients): the 3rd runs at the value the 2nd would have had
+    assert _lrs(linear, [True, False, True, True]) == pytest.approx([1.0, 0.75, 0.75, 0.5])
     with pytest.raises(ValueError, match="train.lr_warmup_steps \\(4\\) must be below"):
         lr_scheduler(
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),

@@ -15,8 +15,9 @@ import pytest
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
 WORLDS = {
-    1: ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds"],
+    1: ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds", "w1_reject_reference"],
     2: [
+        "w2_reject_dp2",
         "w2_tp2_sp",
         "w2_ep2_alltoall",
         "w2_pp2",

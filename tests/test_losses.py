@@ -12,6 +12,8 @@ import torch
 
 from megatron_rl.config import AlgorithmConfig, ConfigError, loss_spec, preset
 from megatron_rl.losses import LossSpec, finalize_metrics, global_normalizer, policy_loss
+from megatron_rl.losses.importance import kept_mask
+from megatron_rl.losses.spec import IS_LEVELS
 
 F64 = torch.float64
 
@@ -261,15 +263,62 @@ def test_importance_weight_truncation_and_masking_token_level():
     assert finalize_metrics(metrics)["rollout_kl_mean"] == pytest.approx(k3)
 
 
-def test_importance_weight_sequence_level_is_geometric_mean():
+def test_importance_weight_geometric_level_is_geometric_mean():
     # row 0: exp(mean(log 3, log 1/3, log 1)) = 1; row 1: exp(mean(log 4, log 4)) = 4 -> truncated to 2 / masked
     w = [[3.0, 1 / 3, 1.0], [4.0, 4.0, 1.0]]
-    loss, grad, metrics = _is_case("truncate", "sequence", w)
+    loss, grad, metrics = _is_case("truncate", "geometric", w)
     assert loss == pytest.approx(-(3 * 1.0 + 2 * 2.0) / 5)
     assert metrics["is_truncated_tokens"].item() == 2
-    loss, grad, metrics = _is_case("mask", "sequence", w)
+    loss, grad, metrics = _is_case("mask", "geometric", w)
     assert loss == pytest.approx(-3.0 / 5)
     assert metrics["is_dropped_tokens"].item() == 2 and torch.count_nonzero(grad[1]).item() == 0
+
+
+def test_importance_weight_sequence_level_is_the_product_as_in_verl():
+    # 100 tokens with log w = 0.01 each: the product e^1 = 2.718 (capped at C = 2), the geometric mean e^0.01
+    cfg = {level: spec("dapo", is_correction="truncate", is_level=level, is_threshold=2.0) for level in IS_LEVELS}
+    lp = torch.zeros(1, 100, dtype=F64)
+    rollout = torch.full((1, 100), -0.01, dtype=F64)
+    mask = torch.ones(1, 100)
+    weights = {}
+    for level, c in cfg.items():
+        loss, metrics = policy_loss(lp, lp, torch.ones(1, 100, dtype=F64), mask, c, rollout_log_probs=rollout)
+        weights[level] = (-loss.item(), metrics["is_weight_max"].item(), metrics["is_truncated_tokens"].item())
+    assert weights["sequence"] == (pytest.approx(2.0), pytest.approx(math.e, rel=1e-12), 100)
+    assert weights["geometric"] == (pytest.approx(math.exp(0.01)), pytest.approx(math.exp(0.01), rel=1e-12), 0)
+    assert weights["token"] == (pytest.approx(math.exp(0.01)), pytest.approx(math.exp(0.01), rel=1e-12), 0)
+    # row 1: product 4 * 0.25 * 1 = 1 (kept), geometric mean 1 too; row 0: product 3 * 3 = 9 -> truncated
+    loss, _, metrics = _is_case("truncate", "sequence", [[3.0, 3.0, 1.0], [4.0, 0.25, 1.0]])
+    assert loss == pytest.approx(-(3 * 2.0 + 2 * 1.0) / 5)
+    assert metrics["is_weight_max"].item() == pytest.approx(9.0)
+    # the summed log-weight is clamped to +-max_log_ratio: 100 tokens of log w = 5 give e^20, not inf
+    loss, metrics = policy_loss(lp, lp, torch.ones(1, 100, dtype=F64), mask, cfg["sequence"],
+                                rollout_log_probs=torch.full((1, 100), -5.0, dtype=F64))  # fmt: skip
+    assert metrics["is_weight_max"].item() == pytest.approx(math.exp(20.0), rel=1e-12) and loss.item() == -2.0
+
+
+def test_rejection_removes_tokens_from_the_normaliser_weighting_only_mask_does_not():
+    w = [[3.0, 0.25, 1.5], [1.0, 2.0, 99.0]]  # last entry is padding; 3.0 and 0.25 are outside [0.5, 2]
+    # token-mean: mask keeps 5 tokens in the denominator, reject only the 3 kept ones
+    loss, grad, metrics = _is_case("mask", "token", w)
+    assert loss == pytest.approx(-(1.5 + 1.0 + 2.0) / 5)
+    loss, grad, metrics = _is_case("reject", "token", w)
+    assert loss == pytest.approx(-(1.5 + 1.0 + 2.0) / 3)
+    torch.testing.assert_close(grad, -torch.tensor([[0.0, 0.0, 1.5], [1.0, 2.0, 0.0]], dtype=F64) / 3)
+    assert metrics["tokens"].item() == 3 and "is_dropped_tokens" not in metrics
+    # sequence level (the product): row 0's 3 * 0.25 * 1.5 = 1.125 is kept, row 1's 1 * 2 = 2 too;
+    # with C_max = 1.5 row 1 is rejected whole: seq-mean-token-mean over the one sequence left
+    cfg = spec("grpo", is_correction="reject", is_level="sequence", is_mask_min=0.5, is_mask_max=1.5)
+    rollout = -torch.tensor(w, dtype=F64).log()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    lp = torch.zeros(2, 3, dtype=F64)
+    kept = kept_mask(cfg, mask, lp, rollout)
+    assert kept.tolist() == [[True, True, True], [False, False, False]]
+    loss, metrics = policy_loss(lp, lp, torch.ones(2, 3, dtype=F64), mask, cfg, rollout_log_probs=rollout)
+    assert loss.item() == pytest.approx(-1.125) and metrics["sequences"].item() == 1
+    masked, _ = policy_loss(lp, lp, torch.ones(2, 3, dtype=F64), mask, dataclasses.replace(cfg, is_correction="mask"),
+                            rollout_log_probs=rollout)  # fmt: skip
+    assert masked.item() == pytest.approx(-1.125 / 2)  # weighting only: row 1 still counts as a sequence
 
 
 def test_log_ratios_of_50_are_finite_and_clamped():

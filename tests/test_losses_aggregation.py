@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.config import preset
 from megatron_rl.losses import LossSpec, Normalizer, finalize_metrics, global_normalizer, merge_metrics, policy_loss
+from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.spec import AGGREGATION_MODES
 
 F64 = torch.float64
@@ -87,6 +88,32 @@ def test_split_over_ranks_and_micro_batches_matches_whole_batch(name, mode):
     # teeth: each micro-batch normalised on its own gives a different gradient
     _, local_grad, _ = _split_run(cfg, log_probs, old, adv, mask, rollout, ref, None)
     assert not torch.allclose(local_grad, whole.grad, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_rejection_split_matches_whole_batch_with_the_normaliser_of_the_kept_masks(level, mode):
+    cfg = dataclasses.replace(_config("grpo", mode), is_correction="reject", is_level=level,
+                              is_mask_min=0.7, is_mask_max=1.4)  # fmt: skip
+    log_probs, old, adv, mask, rollout, ref = _batch(0)
+    kept = kept_mask(cfg, mask, old, rollout)
+    rejected = int((mask & ~kept).sum())
+    assert 0 < rejected < int(mask.sum()) - 10  # some rejected, most kept
+    whole = log_probs.clone().requires_grad_()
+    loss, metrics = policy_loss(whole, old, adv, mask, cfg, rollout_log_probs=rollout, ref_log_probs=ref)
+    loss.backward()
+    assert metrics["tokens"].item() == int(mask.sum()) - rejected
+    # the normaliser is global: built before the micro-batches from every row's kept mask
+    normalizer = global_normalizer(
+        [kept_mask(cfg, mask[i : i + 1], old[i : i + 1], rollout[i : i + 1]) for i in range(B)]
+    )
+    assert normalizer.num_tokens == int(kept.sum()) and normalizer.num_sequences == int((kept.sum(-1) > 0).sum())
+    split_loss, split_grad, _ = _split_run(cfg, log_probs, old, adv, mask, rollout, ref, normalizer)
+    torch.testing.assert_close(split_loss, loss.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(split_grad, whole.grad, rtol=1e-13, atol=1e-16)
+    # teeth: the normaliser of the response masks (rejected tokens still counted) is another loss
+    wrong, _, _ = _split_run(cfg, log_probs, old, adv, mask, rollout, ref, global_normalizer(mask))
+    assert not torch.allclose(wrong, loss.detach(), rtol=1e-6, atol=0)
 
 
 def test_normalizer_from_micro_batch_masks_and_token_norm():

@@ -59,7 +59,9 @@ class ScriptedEngine:
             text = self.script[key][k % len(self.script[key])]
             ids = [ord(c) for c in text][: self.max_new_tokens]
             finish = "length" if len(text) >= self.max_new_tokens else "stop"
-            if finish == "stop":
+            if text == ABORT:  # the engine aborted the request after a few tokens
+                finish = "abort"
+            elif finish == "stop":
                 ids.append(0)
             lps = [-0.5] * len(ids)
             out.append(Sample(list(prompt), ids, lps, finish, weight_version="0"))
@@ -91,7 +93,7 @@ def collector(
     return RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward), sampler), engine
 
 
-RIGHT, WRONG = "Answer: 7", "Answer: 3"
+RIGHT, WRONG, ABORT = "Answer: 7", "Answer: 3", "Answer: 7?"
 
 
 def test_sampling_seeds_are_stable_distinct_and_63_bit() -> None:
@@ -159,6 +161,39 @@ def test_without_dynamic_sampling_one_round_is_used_whole() -> None:
     assert len(plan.batch) == 8
     assert torch.stack(plan.batch.advantages[:4]).abs().max() == 0  # the uninformative group trains on nothing
     assert m["reward/accuracy"] == 2 / 8 and m["reward/mean"] == (2 - 6) / 8
+
+
+def test_aborted_requests_leave_their_group_out_of_the_batch() -> None:
+    cfg = make_cfg()
+    # prompt 0's third response was aborted (its text would even score as right); prompt 1's group is whole
+    script = {100: [RIGHT, WRONG, ABORT, WRONG], 101: [RIGHT, WRONG, WRONG, WRONG]}
+    col, _ = collector(cfg, script, [prompt(0, "7"), prompt(1, "7")])
+    plan = col.collect(step=1)
+    m = plan.metrics
+    assert (m["rollout/aborted"], m["groups/aborted"], m["groups/groups_used"]) == (1.0, 1.0, 1.0)
+    assert len(plan.batch) == 4 and all(int(t[0]) == 101 for t in plan.batch.tokens)
+    # only the whole group is scored: rewards 1, -1, -1, -1 -> advantages (r - mean) / std
+    adv = torch.stack([a.reshape(-1)[0] for a in plan.batch.advantages])
+    std = torch.tensor([1.0, -1.0, -1.0, -1.0]).std()
+    torch.testing.assert_close(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (std + 1e-6))
+    assert m["reward/count"] == 4.0
+    # every group aborted: nothing to train on, the step is skipped (no crash)
+    col, _ = collector(cfg, {100: [ABORT], 101: [RIGHT, ABORT]}, [prompt(0, "7"), prompt(1, "7")])
+    plan = col.collect(step=1)
+    assert plan.batch is None and plan.metrics["groups/aborted"] == 2.0 and plan.metrics["rollout/aborted"] == 6.0
+
+
+def test_short_batch_with_fewer_samples_than_data_parallel_ranks_is_dropped() -> None:
+    cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.max_gen_rounds": 1, "algorithm.overlong_buffer_len": 4})
+    script = {100: [RIGHT, WRONG], 101: [WRONG]}  # one informative group of 4 after the only round
+    for dp, dropped in ((8, True), (4, False)):
+        engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
+        sampler = PromptSampler([prompt(0, "7"), prompt(1, "7")], shuffle=False)
+        col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward), sampler, min_samples=dp)
+        plan = col.collect(step=1)
+        assert plan.metrics["groups/target_missed"] == 1.0 and plan.metrics["groups/groups_used"] == 1.0
+        assert plan.metrics["groups/short_batch_dropped"] == float(dropped)
+        assert (plan.batch is None) == dropped and (dropped or len(plan.batch) == 4)
 
 
 def test_overlong_shaping_filtering_and_reward_failures() -> None:

@@ -188,3 +188,33 @@ def test_validate_run_resolves_the_model_and_is_idempotent(folder: Path) -> None
         validate_run(load_config(None, [f"model.hf_path={folder / 'model'}"]), "sft", world_size=1)
     with pytest.raises(ValueError, match=r"command 'serve'; allowed: \['train', 'sft', 'convert'\]"):
         validate_run(cfg, "serve", world_size=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "expected"),
+    [
+        (["rollout.n_samples_per_prompt=1"], 1, "rollout.n_samples_per_prompt = 1: algorithm.name = 'grpo' computes "
+         "group-relative advantages, which are 0 for a group of one"),
+        (["algorithm.name=dapo", "rollout.n_samples_per_prompt=1"], 1, "algorithm.name = 'dapo'"),
+        (["rollout.temperature=0"], 1, "rollout.temperature = 0: greedy rollouts"),
+        (["train.prompts_per_step=1", "rollout.n_samples_per_prompt=4", "train.updates_per_step=2"], 4,
+         r"the samples of a step \(train.prompts_per_step x rollout.n_samples_per_prompt = 4\) are fewer than "
+         r"train.updates_per_step \(2\) x the data-parallel size \(4\)"),
+    ],
+)  # fmt: skip
+def test_rl_loop_edge_cases_are_refused(folder: Path, overrides: list[str], world: int, expected: str) -> None:
+    cfg = load_config(folder / "run.yaml", overrides)
+    with pytest.raises(ConfigError, match=expected):
+        validate_run(cfg, "train", world_size=world)
+
+
+def test_rl_batch_check_counts_the_data_parallel_ranks(folder: Path) -> None:
+    cfg = load_config(folder / "run.yaml", ["train.prompts_per_step=2", "rollout.n_samples_per_prompt=2"])
+    validate_run(cfg, "train", world_size=4)  # 4 samples over DP 4: one update fits
+    tp2 = load_config(folder / "run.yaml", ["train.prompts_per_step=1", "rollout.n_samples_per_prompt=2",
+                                            "parallel.tensor_model_parallel_size=2"])  # fmt: skip
+    validate_run(tp2, "train", world_size=4)  # TP 2 on 4 ranks: DP 2, 2 samples fit
+    with pytest.raises(ConfigError, match=r"data-parallel size \(4\)"):
+        validate_run(tp2, "train", world_size=8)
+    # evaluation keeps its own temperature: greedy held-out evaluation is fine
+    validate_run(load_config(folder / "run.yaml", ["eval.temperature=0"]), "train", world_size=1)

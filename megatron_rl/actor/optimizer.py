@@ -5,9 +5,13 @@ Gradient convention: Megatron's DDP (with `calculate_per_token_loss` off) scales
 loss function multiplies its loss by both (`loss_scale`), so the gradient is the SUM of the
 micro-batch gradients over all micro-batches and DP ranks, as `megatron_rl.losses` requires.
 
-LR schedule: optimizer step k (1-based) uses Megatron's `OptimizerParamScheduler` value at step
-k: linear warm-up lr * k / W for k <= W = `train.lr_warmup_steps`, then `train.lr_decay_style`
-from lr to `train.min_lr` at the last step (`train.steps x train.updates_per_step`).
+LR schedule: Megatron's `OptimizerParamScheduler`, advanced as Megatron's own training loop does,
+once after each APPLIED optimizer step (`apply_update`: not before the step, not on a step the
+optimizer skipped), so update k (1-based, counting applied updates) runs at the schedule's value
+after k - 1 of them: linear warm-up lr * k / W for k <= W = `train.lr_warmup_steps`, then
+`train.lr_decay_style` from lr towards `train.min_lr`, which it reaches after the last update
+(N = `train.steps x train.updates_per_step`): the last update runs at
+min_lr + (lr - min_lr) / (N - max(W - 1, 0)) with linear decay, not at min_lr.
 """
 
 from __future__ import annotations
@@ -75,7 +79,11 @@ def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype:
 
 
 def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerParamScheduler:
-    """Megatron's scheduler over `train.steps x train.updates_per_step` optimizer steps (see module doc)."""
+    """Megatron's scheduler over `train.steps x train.updates_per_step` optimizer steps (see module doc).
+
+    Its value after n applied updates is lr * (n + 1) / W during the warm-up (Megatron's warm-up of
+    W - 1 steps from lr / W), then the decay, reaching min_lr at n = N.
+    """
     total = train.steps * train.updates_per_step
     if train.lr_warmup_steps >= max(total, 2) and train.lr_decay_style != "constant":
         raise ValueError(
@@ -84,13 +92,14 @@ def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerP
         )
     if train.min_lr > train.lr:
         raise ValueError(f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+    warmup = max(train.lr_warmup_steps - 1, 0)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if train.lr_warmup_steps > 0 else train.lr,
+        init_lr=train.lr / train.lr_warmup_steps if train.lr_warmup_steps > 0 else train.lr,
         max_lr=train.lr,
         min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_steps,
-        lr_decay_steps=max(total, train.lr_warmup_steps + 1),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total, warmup + 1),
         lr_decay_style=train.lr_decay_style,
         start_wd=train.weight_decay,
         end_wd=train.weight_decay,
@@ -107,6 +116,20 @@ def build_training_state(
     model = wrap_ddp(chunks, parallel.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(optimizer_config(train, parallel, config.params_dtype), model)
     return TrainingState(model=model, optimizer=optimizer, scheduler=lr_scheduler(optimizer, train))
+
+
+def apply_update(state: TrainingState) -> tuple[bool, float | None, float]:
+    """One optimizer step on the accumulated gradients, then the schedule advances if it was applied.
+
+    Returns (applied, grad norm before clipping, the learning rate the step used). Megatron's
+    optimizer skips a step (applied False) on non-finite gradients under loss scaling.
+    """
+    lr = float(state.optimizer.param_groups[0]["lr"])
+    applied, grad_norm, _ = state.optimizer.step()
+    if applied:
+        state.scheduler.step(increment=1)
+    state.step += 1
+    return bool(applied), grad_norm, lr
 
 
 def loss_scale(num_micro_batches: int) -> float:

@@ -1,14 +1,16 @@
 """One RL update of the actor: mini-batches (optimizer steps) x micro-batches through Megatron's schedule.
 
 Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
-mini-batches; each gets one global normaliser (`megatron_rl.losses.global_normalizer` over its
-whole response mask), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
+mini-batches (fewer for a short batch: as many as hold one sample per DP rank); each gets one
+global normaliser (`megatron_rl.losses.global_normalizer` over its whole response mask, after
+`algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
 and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
 the SFT cross-entropy), then one optimizer step with
 gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics`, plus entropy_mean (per loss token), grad_norm (before
-clipping), lr, update_skipped, micro_batches (per DP rank) and, when replaying routing,
+clipping), lr (the update's), update_skipped, micro_batches (per DP rank), is_rejected_frac (with
+is_correction reject: the share of the loss tokens rejected) and, when replaying routing,
 routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
 top-k expert set differs) and routing_changed_frac (all layers).
 """
@@ -19,13 +21,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
 from megatron_rl.actor.forward import is_output_owner, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
-from megatron_rl.actor.optimizer import TrainingState, loss_scale
+from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.losses import (
     LossSpec,
@@ -36,6 +39,7 @@ from megatron_rl.losses import (
     metric_reduce_op,
     policy_loss,
 )
+from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.metrics import masked_sum
 from megatron_rl.parallel.device import local_device
 
@@ -43,12 +47,34 @@ _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def mini_batches(num_samples: int, updates: int) -> list[list[int]]:
-    """`updates` consecutive, near-equal runs of sample indices (groups stay together when they divide)."""
-    if updates < 1 or num_samples < updates:
-        raise ValueError(f"cannot cut {num_samples} samples into train.updates_per_step = {updates} mini-batches")
-    bounds = [round(k * num_samples / updates) for k in range(updates + 1)]
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(updates)]
+def mini_batches(num_samples: int, updates: int, min_size: int = 1) -> list[list[int]]:
+    """Consecutive, near-equal runs of sample indices (groups stay together when they divide): `updates`
+    of them, or fewer for a short batch, as many as hold `min_size` samples each (the DP size)."""
+    count = min(updates, num_samples // min_size)
+    if updates < 1 or count < 1:
+        raise ValueError(
+            f"cannot cut {num_samples} samples into mini-batches of >= {min_size} (the data-parallel size) "
+            f"for train.updates_per_step = {updates}"
+        )
+    bounds = [round(k * num_samples / count) for k in range(count + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(count)]
+
+
+def reject_tokens(batch: ActorBatch, spec: LossSpec) -> tuple[ActorBatch, float]:
+    """`batch` with the tokens that `algorithm.is_correction = reject` rejects out of its response mask
+    (`losses.importance.kept_mask`), and the share of its loss tokens rejected; unchanged otherwise."""
+    if spec.is_correction != "reject":
+        return batch, 0.0
+    if batch.old_log_probs is None or batch.rollout_log_probs is None:
+        raise ValueError("algorithm.is_correction = 'reject' needs ActorBatch.old_log_probs and rollout_log_probs")
+    given = [batch.loss_mask(i) for i in range(len(batch))]
+    kept = [
+        kept_mask(spec, m.view(1, -1), old.view(1, -1), ro.view(1, -1)).view(-1)
+        for m, old, ro in zip(given, batch.old_log_probs, batch.rollout_log_probs, strict=True)
+    ]
+    total = sum(int(m.sum()) for m in given)
+    rejected = total - sum(int(m.sum()) for m in kept)
+    return batch.with_fields(response_mask=kept), rejected / total if total else 0.0
 
 
 def reduce_metrics(local: dict[str, Tensor] | None, contribute: bool) -> dict[str, Tensor]:
@@ -151,6 +177,7 @@ def train_on_batch(
     (plus rollout/ref log-probs when the algorithm uses them); any other `TokenLoss` (e.g. the SFT
     cross-entropy) gets the fields the batch has. With `replay`, routed_experts (R2 recorded or R3).
     """
+    policy = loss is None
     if loss is None:
         for name in ("old_log_probs", "advantages"):
             if getattr(batch, name) is None:
@@ -159,8 +186,8 @@ def train_on_batch(
     fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
     config = get_model_config(state.model[0])
     history = []
-    for indices in mini_batches(len(batch), updates):
-        sub = batch.subset(indices)
+    for indices in mini_batches(len(batch), updates, ps.get_data_parallel_world_size()):
+        sub, rejected = reject_tokens(batch.subset(indices), spec) if policy else (batch.subset(indices), 0.0)
         masks = [sub.loss_mask(i).view(1, -1) for i in range(len(sub))]
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, max_tokens)
@@ -179,17 +206,17 @@ def train_on_batch(
             routing_mode="replay" if replay else None,
             measure_routing=replay,
         )
-        state.scheduler.step(increment=1)
-        ok, grad_norm, _ = state.optimizer.step()
-        state.step += 1
+        ok, grad_norm, lr = apply_update(state)
         local = merge_metrics(result.extras) if result.extras else None  # every last-stage rank
         metrics = finalize_metrics(reduce_metrics(local, is_output_owner()))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            lr=float(state.optimizer.param_groups[0]["lr"]),
+            lr=lr,
             update_skipped=0.0 if ok else 1.0,
             micro_batches=float(len(inputs)),
         )
+        if policy and spec.is_correction == "reject":
+            metrics["is_rejected_frac"] = rejected
         if replay and routing is not None:
             metrics.update(_routing_metrics(routing, config.num_layers))
         history.append(metrics)

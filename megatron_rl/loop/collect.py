@@ -14,6 +14,16 @@
    ran; then the kept groups are used as they are and `groups/target_missed` is 1 (the warning);
 4. group advantages of the shaped rewards, and the `ActorBatch` (prompt + response tokens, engine
    log-probs, routed experts for R3, the overlong-filter mask).
+
+Aborted requests (the engine's finish reason "abort": an engine error, a timeout, a paused or
+disconnected request) are not trained on: a group with an aborted response is left out whole, before
+rewards and dynamic sampling (its advantages would compare against a response that never finished);
+`rollout/aborted` counts the aborted responses, `groups/aborted` the groups left out.
+
+A batch is split over the data-parallel ranks, one sample each at least: a short batch (dynamic
+sampling out of rounds) with fewer samples than `min_samples` (the DP size) is dropped, the step is
+skipped and `groups/short_batch_dropped` is 1; one with fewer than `train.updates_per_step` x DP
+samples gets fewer mini-batches (the actor's `mini_batches`).
 """
 
 from __future__ import annotations
@@ -63,12 +73,15 @@ class StepBatch:
 class RolloutCollector:
     """Builds each step's batch from `engine` (anything with `generate(prompts, params, return_routed_experts)`)."""
 
-    def __init__(self, cfg: Config, engine: Any, tokenizer: Any, scorer: RewardScorer, sampler: Any) -> None:
+    def __init__(
+        self, cfg: Config, engine: Any, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
+    ) -> None:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.sampler = sampler
+        self.min_samples = min_samples  # the data-parallel size: a smaller batch cannot be split
 
     # ---- pieces ----
     def generate(self, prompts: Sequence[Prompt], step: int, round_: int) -> list[list[Sample]]:
@@ -82,6 +95,8 @@ class RolloutCollector:
         ]
         samples = self.engine.generate(requests, params, return_routed_experts=ro.return_routed_experts)
         for i, sample in enumerate(samples):
+            if sample.aborted:
+                continue  # left out with its group (see the module doc)
             if sample.logprobs is None or len(sample.logprobs) != len(sample.output_ids):
                 raise RuntimeError(f"rollout engine: request {i} of step {step} returned no log-prob per output token")
         return [samples[k * g : (k + 1) * g] for k in range(len(prompts))]
@@ -89,6 +104,8 @@ class RolloutCollector:
     def score(self, prompts: Sequence[Prompt], grouped: Sequence[Sequence[Sample]]) -> tuple[list[Group], RewardStats]:
         """Rule rewards and shaped rewards of every group."""
         alg, ro = self.cfg.algorithm, self.cfg.rollout
+        if not grouped:  # every group of the round was aborted
+            return [], RewardStats()
         flat = [s for group in grouped for s in group]
         texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
         result = self.scorer.score_prompts(texts, [p for p, group in zip(prompts, grouped, strict=True) for _ in group])
@@ -144,19 +161,22 @@ class RolloutCollector:
         acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds) if dynamic else None
         stats, generated = RewardStats(), []
         seconds = {"generate": 0.0, "reward": 0.0}
-        informative, rounds = 0, 0
+        informative, rounds, aborted_groups = 0, 0, 0
         used: list[Group] = []
         while True:
             prompts = self.sampler.next(per_round)
             began = time.perf_counter()
             grouped = self.generate(prompts, step, rounds)
+            generated += [s for group in grouped for s in group]
+            whole = [k for k, group in enumerate(grouped) if not any(s.aborted for s in group)]
+            aborted_groups += len(grouped) - len(whole)
+            prompts, grouped = [prompts[k] for k in whole], [grouped[k] for k in whole]
             scored = time.perf_counter()
             groups, round_stats = self.score(prompts, grouped)
             seconds["generate"] += scored - began
             seconds["reward"] += time.perf_counter() - scored
             rounds += 1
             stats = stats.merge(round_stats)
-            generated += [s for group in grouped for s in group]
             scores = torch.tensor([r for grp in groups for r in grp.scores], dtype=torch.float32)
             if acc is None:
                 informative, used = filter_groups(scores, g).kept, groups
@@ -177,12 +197,15 @@ class RolloutCollector:
             }
         group_metrics["groups/informative"] = float(informative)
         group_metrics["groups/filtered"] = group_metrics["groups/groups_generated"] - informative
+        group_metrics["groups/aborted"] = float(aborted_groups)
+        short = 0 < len(used) * g < self.min_samples
+        group_metrics["groups/short_batch_dropped"] = 1.0 if short else 0.0
         metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(generated)}
         metrics["time/generate"] = seconds["generate"]
         metrics["time/reward"] = seconds["reward"]
         tokens = metrics["response/tokens"]
         metrics["throughput/generate_tokens_per_s"] = tokens / seconds["generate"] if seconds["generate"] else 0.0
-        if not used:
+        if not used or short:
             return StepBatch(None, metrics)
         batch = self.to_batch(used)
         metrics["reward/train_mean"] = sum(r for grp in used for r in grp.rewards) / (len(used) * g)
@@ -195,7 +218,7 @@ class RolloutCollector:
             "response/length_mean": sum(lengths) / n,
             "response/length_max": float(max(lengths, default=0)),
             "response/clipped_frac": sum(s.truncated for s in samples) / n,
-            "response/aborted": float(sum(s.aborted for s in samples)),
+            "rollout/aborted": float(sum(s.aborted for s in samples)),
             "response/tokens": float(sum(lengths)),
         }
 

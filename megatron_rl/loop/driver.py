@@ -17,6 +17,8 @@ from megatron_rl.config import Config
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
 from megatron_rl.models.source import tokenizer_source
+from megatron_rl.parallel.launch import read_launch_env
+from megatron_rl.parallel.layout import check_layout
 from megatron_rl.rewards import RewardScorer
 
 if TYPE_CHECKING:
@@ -70,7 +72,9 @@ class RolloutDriver:
         self.engine: RolloutEngine = RolloutEngine.from_config(
             cfg.rollout, model_path=model_path, log_path=str(engine_log)
         )
-        self.collector = RolloutCollector(cfg, self.engine, data.tokenizer, data.scorer, data.sampler)
+        # the batch is split over the data-parallel ranks (validate_run checked this layout)
+        dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
+        self.collector = RolloutCollector(cfg, self.engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
 
     def collect(self, step: int) -> StepBatch:
         """The step's batch and its rollout metrics (with the data counts)."""

@@ -6,7 +6,7 @@ import torch
 
 from megatron_rl.losses.aggregation import Normalizer, normalizer_from_lengths, token_weights
 from megatron_rl.losses.gates import gate
-from megatron_rl.losses.importance import importance_weights
+from megatron_rl.losses.importance import importance_weights, kept_mask
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.losses.metrics import count, masked_max, masked_min, masked_sum
 from megatron_rl.losses.ratios import ratio, token_log_ratio
@@ -52,6 +52,10 @@ def policy_loss(
     returning (loss, reduced), `calculate_per_token_loss=False`) the schedule divides each loss
     by num_microbatches and DDP scales gradients by 1/dp_size, so the actor returns
     loss * num_microbatches * dp_size. Without `normalizer`, the call's own mask is the whole batch.
+    With `is_correction` reject, the rejected tokens (or sequences) leave the response mask before
+    anything else (`losses.importance.kept_mask`): build the normaliser from the kept masks,
+    `global_normalizer([kept_mask(spec, m, old, rollout) ...])`, and the contract holds as stated
+    (the actor does so and reports the rejected share as is_rejected_frac).
 
     Metrics: detached 0-dim float64 tensors, reduced per `losses.metrics.metric_reduce_op` (SUM,
     or MAX/MIN for `_max`/`_min` keys), then `finalize_metrics`. The key set depends only on the
@@ -66,7 +70,7 @@ def policy_loss(
     - ref_log_probs given: kl_loss (beta * aggregated KL share), ref_kl_sum (per-token estimate);
     - rollout_log_probs given: is_weight_sum/_max/_min (raw pi_old/pi_rollout at `is_level`),
       rollout_kl_sum (k3 estimate of KL(pi_rollout || pi_old)), is_truncated_tokens (mode
-      truncate), is_dropped_tokens (mode mask).
+      truncate), is_dropped_tokens (mode mask; mode reject has removed them before, see above).
     """
     if not isinstance(spec, LossSpec):
         raise TypeError(f"policy_loss: spec must be a LossSpec, got {type(spec).__name__}")
@@ -77,7 +81,7 @@ def policy_loss(
         raise ValueError(f"algorithm.kl_coef = {spec.kl_coef} needs ref_log_probs (got None)")
 
     dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
-    mask = response_mask.bool()
+    mask = kept_mask(spec, response_mask, old_log_probs, rollout_log_probs)
     lengths = mask.sum(dim=-1)
     logp, old = log_probs.to(dtype), old_log_probs.detach().to(dtype)
     adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
@@ -91,7 +95,7 @@ def policy_loss(
     iw = None
     if rollout_log_probs is not None:
         iw = importance_weights(
-            old, rollout_log_probs.detach().to(dtype), mask, lengths, mode=spec.is_correction, level=spec.is_level,
+            old, rollout_log_probs.detach().to(dtype), mask, mode=spec.is_correction, level=spec.is_level,
             threshold=spec.is_threshold, mask_min=spec.is_mask_min, mask_max=spec.is_mask_max,
             max_log_ratio=spec.max_log_ratio,
         )  # fmt: skip

@@ -17,8 +17,9 @@ RATIO_LEVELS = ("token", "sequence", "sequence_token")
 GATES = ("clip", "soft")
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-IS_MODES = ("none", "truncate", "mask")
-IS_LEVELS = ("token", "sequence")
+IS_MODES = ("none", "truncate", "mask", "reject")
+# sequence = the product of the token weights (verl's "sequence"), geometric = their geometric mean
+IS_LEVELS = ("token", "sequence", "geometric")
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "ratio_level": RATIO_LEVELS,

@@ -3,7 +3,9 @@
 `SamplingParams` and `Sample` are plain data (`types.py`). `RolloutEngine` is the synchronous handle
 the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so the trainer needs no
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
-address is configured. Any client coroutine can also be run with `run` or started with `submit`
+address is configured. A configured address that is an sglang-router is found at start-up
+(`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
+workers it lists. Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
 """
 
@@ -66,7 +68,14 @@ class RolloutEngine:
             max_retries=rollout.max_retries,
             routed_experts_layout=moe_layout(model_path) if model_path else None,
         )
-        return cls(client, process)
+        engine = cls(client, process)
+        if process is None:
+            try:
+                engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
+            except BaseException:
+                engine.close()
+                raise
+        return engine
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a client coroutine on the engine's loop and wait for its result."""

@@ -10,7 +10,11 @@
   `BadRequestError` with the server's message, a 401 as `UnauthorizedError`.
 - Control endpoints (pause, continue, abort, flush, memory, weight updates and the weight-update
   session of SGLang >= 0.5.21, feature-detected) go to every server.
-  Give worker addresses for those: a router forwards only /generate, /health and /flush_cache.
+- An sglang-router address: `use_router` (the trainer's engine calls it at start-up) asks each
+  address for `GET /workers`, which sglang-router answers with its worker list and a server with
+  404. A router then takes every /generate (it balances them), while `urls`, the servers that
+  control calls and weight updates reach, become the workers it lists (a router forwards only
+  /generate, /health and /flush_cache: a weight update sent to it fails with an empty 404).
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class SGLangClient:
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s, self.connect_timeout_s = max_retries, backoff_s, connect_timeout_s
         self.routed_experts_layout = routed_experts_layout
+        self.router: str | None = None  # set by `use_router`: where /generate goes instead of `urls`
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._order = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -120,11 +125,75 @@ class SGLangClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+    # ---- router discovery ----
+    async def use_router(self) -> str | None:
+        """If an address is an sglang-router, generate through it and control its workers; returns it.
+
+        Raises SGLangError naming the address when a router lists no worker, lists workers this
+        machine cannot reach, or is given next to other addresses, and what to pass instead.
+        """
+        found = {url: await self._router_workers(url) for url in self.urls}
+        routers = {url: workers for url, workers in found.items() if workers is not None}
+        if not routers:
+            return None
+        router, workers = next(iter(routers.items()))
+        if len(self.urls) > 1:
+            raise SGLangError(
+                f"rollout.sglang_urls {self.urls}: {router} is an sglang-router; give the router alone "
+                "(its workers are found through GET /workers) or only the servers' own addresses",
+                server=router,
+            )
+        instead = "pass the servers' own addresses in rollout.sglang_urls instead of the router's"
+        if not workers:
+            raise SGLangError(f"sglang-router {router} lists no worker (GET /workers); {instead}", server=router)
+        workers = [w.rstrip("/") for w in workers]
+        unreachable = [w for w, ok in (await self._reachable(workers)).items() if not ok]
+        if unreachable:
+            raise SGLangError(
+                f"sglang-router {router} lists workers {workers}, but {unreachable} do not answer /health from "
+                f"this machine (weight updates must reach every worker); {instead}, as this machine reaches them",
+                server=router,
+            )
+        self.router, self.urls = router, workers
+        self._in_flight = dict.fromkeys([router, *workers], 0)
+        await self.close()  # nothing is in flight yet: start again with `max_concurrency` per worker
+        await self.start()
+        return router
+
+    async def _router_workers(self, url: str) -> list[str] | None:
+        """The worker URLs sglang-router at `url` lists, or None when `url` is not a router (404)."""
+        try:
+            reply = await self._json("GET", "/workers", server=url, retry=False, timeout_s=30)
+        except SGLangError as err:
+            if err.status == 404:
+                return None
+            raise
+        entries = reply.get("workers") if isinstance(reply, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "url" in e for e in entries):
+            raise SGLangError(
+                f"GET /workers on {url}: not sglang-router's worker list ({str(reply)[:200]!r}); "
+                "pass the servers' own addresses in rollout.sglang_urls",
+                server=url,
+            )
+        return [str(e["url"]) for e in entries]
+
+    async def _reachable(self, urls: Sequence[str]) -> dict[str, bool]:
+        async def one(url: str) -> bool:
+            try:
+                await self._call("GET", "/health", server=url, retry=False, timeout_s=30)
+                return True
+            except SGLangError:
+                return False
+
+        results = await asyncio.gather(*(one(u) for u in urls))
+        return dict(zip(urls, results, strict=True))
+
     # ---- transport ----
     def _pick(self, exclude: set[str]) -> str:
-        candidates = [u for u in self.urls if u not in exclude] or self.urls
+        targets = [self.router] if self.router is not None else self.urls
+        candidates = [u for u in targets if u not in exclude] or targets
         tick = next(self._order)
-        return min(candidates, key=lambda u: (self._in_flight[u], (self.urls.index(u) - tick) % len(self.urls)))
+        return min(candidates, key=lambda u: (self._in_flight[u], (targets.index(u) - tick) % len(targets)))
 
     async def _call(
         self,
@@ -146,7 +215,7 @@ class SGLangClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         for attempt in range(tries):
             url = server or self._pick(failed)
-            self._in_flight[url] += 1
+            self._in_flight[url] = self._in_flight.get(url, 0) + 1
             try:
                 async with self._session.request(method, url + path, json=body, timeout=timeout) as resp:
                     text = await resp.text()
@@ -352,16 +421,7 @@ class SGLangClient:
 
     async def health(self) -> dict[str, bool]:
         """Each server's /health (200 = healthy); never raises."""
-
-        async def one(url: str) -> bool:
-            try:
-                await self._call("GET", "/health", server=url, retry=False, timeout_s=30)
-                return True
-            except SGLangError:
-                return False
-
-        results = await asyncio.gather(*(one(u) for u in self.urls))
-        return dict(zip(self.urls, results, strict=True))
+        return await self._reachable(self.urls)
 
     async def wait_healthy(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
         """Wait until every server answers /health with 200."""

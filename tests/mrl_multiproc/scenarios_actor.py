@@ -271,9 +271,9 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
         save_ref(ctx, name, value)
 
     history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
-    # warm-up over 1 step, then linear decay to 3e-4 at step 6: step 2 is 1/5 of the way
+    # warm-up over 1 update, then linear decay towards 3e-4, reached after update 6: update 2 is 1/6 of the way
     lrs = [h["lr"] for h in history]
-    assert abs(lrs[0] - 3e-3) < 1e-12 and abs(lrs[1] - (3e-3 - 0.2 * 2.7e-3)) < 1e-12, lrs
+    assert abs(lrs[0] - 3e-3) < 1e-12 and abs(lrs[1] - (3e-3 - 2.7e-3 / 6)) < 1e-12, lrs
     assert history[0]["routing_changed_frac"] == 0.0, "first update replays routing of unchanged weights"
     assert history[1]["routing_changed_frac"] > 0.0, "the second update sees re-routed tokens"
     save_ref(ctx, "history", history)
@@ -348,7 +348,42 @@ def w1_checkpoint_load_both_kinds(ctx) -> None:  # noqa: ANN001
     actor.close()
 
 
+def reject_run(ctx, parallel: ParallelConfig) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:  # noqa: ANN001
+    """Two updates with `algorithm.is_correction = reject` on engine log-probs 0.3-noisy around the old ones."""
+    cfg = actor_config(parallel)
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, is_correction="reject", is_mask_min=0.8, is_mask_max=1.25)
+    actor = MegatronActor(cfg)
+    old = load_ref(ctx, "log_probs")
+    gen = torch.Generator().manual_seed(9)
+    rollout = [lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in old]
+    batch = make_batch(cfg.model.vocab_size).with_fields(
+        old_log_probs=old, rollout_log_probs=rollout, routed_experts=load_ref(ctx, "routing")
+    )
+    history = actor.train(batch)
+    params = actor.full_params()
+    actor.close()
+    return history, params
+
+
+def w1_reject_reference(ctx) -> None:  # noqa: ANN001
+    """IS rejection: some tokens rejected (out of the normaliser), the reference for data parallelism."""
+    history, params = reject_run(ctx, layout())
+    assert all(0.1 < h["is_rejected_frac"] < 0.9 for h in history), [h["is_rejected_frac"] for h in history]
+    save_ref(ctx, "reject_history", history)
+    save_ref(ctx, "reject_params", params)
+
+
 # --- world size 2 --------------------------------------------------------------------------
+
+
+def w2_reject_dp2(ctx) -> None:  # noqa: ANN001
+    """IS rejection over 2 DP ranks equals one rank: the kept masks, and so the global normaliser, agree."""
+    history, params = reject_run(ctx, layout())
+    for got, want in zip(history, load_ref(ctx, "reject_history"), strict=True):
+        for key in ("loss", "grad_norm", "tokens", "is_rejected_frac"):
+            if abs(got[key] - want[key]) > 1e-5 * max(1.0, abs(want[key])):
+                raise AssertionError(f"metric {key}: {got[key]} vs reference {want[key]}, DP 2")
+    assert_params_close(params, load_ref(ctx, "reject_params"), "parameters after 2 rejection updates, DP 2")
 
 
 def w2_tp2_sp(ctx) -> None:  # noqa: ANN001

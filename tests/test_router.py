@@ -1,0 +1,154 @@
+"""An sglang-router address in `rollout.sglang_urls`: the real router (PyPI `sglang-router`, a Rust binary)
+in front of two local engines (`megatron-rl serve`). Generation goes through the router, weight updates
+reach both workers it lists; a router whose workers cannot be found fails at start-up, naming it.
+
+Skipped only when the sglang-router package (its binary) is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.parallel.launch import free_port
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
+from megatron_rl.rollout.sglang import SGLangError
+from megatron_rl.rollout.types import SamplingParams
+
+from mrl_configs import make_tiny_model
+
+pytest.importorskip("sglang_router.sglang_router_rs", reason="the sglang-router binary is not installed")
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+class Router:
+    """`python -m sglang_router launch` on a free port, in front of `workers`."""
+
+    def __init__(self, workers: list[str]) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", port]
+        cmd += ["--policy", "round_robin", "--log-level", "warn"]
+        if workers:
+            cmd += ["--worker-urls", *workers]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(f"sglang-router exited: {self.process.stdout.read().decode()[-2000:]}")
+            try:
+                if len(_get(self.url + "/workers")["workers"]) == len(workers):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"sglang-router at {self.url} did not list {workers} in 120 s")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("router")
+    return {name: make_tiny_model(str(root / name), "qwen3_moe", seed=i) for i, name in enumerate("AB")}
+
+
+@pytest.fixture(scope="module")
+def workers(models: dict[str, str]) -> Iterator[list[LocalEngineProcess]]:
+    procs = [start_local_engine(models["A"], extra_args=["--threads", "1"], env=ENV) for _ in range(2)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _rollout(url: str) -> RolloutConfig:
+    return RolloutConfig(engine="sglang", sglang_urls=[url], max_concurrency=4, max_retries=1)
+
+
+def test_router_generates_and_weight_updates_reach_every_worker(
+    workers: list[LocalEngineProcess], models: dict[str, str]
+) -> None:
+    worker_urls = [w.url for w in workers]
+    router = Router(worker_urls)
+    try:
+        engine = RolloutEngine.from_config(_rollout(router.url), models["A"])
+        try:
+            client = engine.client
+            assert client.router == router.url and sorted(client.urls) == sorted(worker_urls)
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            before = engine.generate([[5, 6, 7]] * 4, greedy)
+            assert {s.server for s in before} == {router.url}  # every request went through the router
+            assert len({tuple(s.logprobs) for s in before}) == 1  # both workers serve model A
+            # the weight update goes to the workers the router listed (the router itself answers 404)
+            replies = engine.run(client.update_weights_from_disk(models["B"], weight_version="7"))
+            assert len(replies) == 2 and all(r["success"] for r in replies)
+            for url in worker_urls:
+                assert _get(url + "/get_model_info")["weight_version"] == "7"
+            after = engine.generate([[5, 6, 7]] * 4, greedy)
+            assert {s.weight_version for s in after} == {"7"} and len({tuple(s.logprobs) for s in after}) == 1
+            assert after[0].logprobs != before[0].logprobs  # model B's weights serve now
+            assert engine.run(client.health()) == dict.fromkeys(client.urls, True)
+        finally:
+            engine.close()
+    finally:
+        router.stop()
+
+
+def test_plain_servers_are_not_taken_for_a_router(workers: list[LocalEngineProcess], models: dict[str, str]) -> None:
+    cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0)
+    engine = RolloutEngine.from_config(cfg, models["A"])
+    try:
+        assert engine.client.router is None and engine.client.urls == [w.url for w in workers]
+    finally:
+        engine.close()
+
+
+def test_router_without_reachable_workers_fails_at_start_naming_the_address(
+    workers: list[LocalEngineProcess], models: dict[str, str]
+) -> None:
+    empty = Router([])
+    try:
+        with pytest.raises(SGLangError, match=rf"sglang-router {empty.url} lists no worker .* pass the servers' own"):
+            RolloutEngine.from_config(_rollout(empty.url), models["A"])
+    finally:
+        empty.stop()
+    # a worker the router still lists but this machine cannot reach (here: it has stopped; the module's
+    # last test, so the other tests keep both workers)
+    lost = workers[1]
+    router = Router([lost.url])
+    try:
+        lost.stop()
+        with pytest.raises(
+            SGLangError, match=rf"sglang-router {router.url} (lists workers \['{lost.url}'\], but|lists no)"
+        ):
+            RolloutEngine.from_config(_rollout(router.url), models["A"])
+        # a router next to other addresses is ambiguous
+        mixed = RolloutConfig(engine="sglang", sglang_urls=[router.url, workers[0].url], max_retries=0)
+        with pytest.raises(SGLangError, match=rf"{router.url} is an sglang-router; give the router alone"):
+            RolloutEngine.from_config(mixed, models["A"])
+    finally:
+        router.stop()
