@@ -43,9 +43,11 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
             "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
         )
-    if alg.kl_coef > 0:
+    if alg.routing_replay == "r2" and alg.old_logprob_source == "rollout":
         raise ConfigError(
-            f"algorithm.kl_coef = {alg.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
+            "algorithm.routing_replay = 'r2' replays the routing recorded while recomputing the old log-probs "
+            "and needs algorithm.old_logprob_source = 'recompute'; with the engine's log-probs use "
+            "routing_replay = 'r3' (the engine's routing)"
         )
     if cfg.eval.every and not cfg.data.eval_path:
         raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")

@@ -15,7 +15,13 @@ import pytest
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
 WORLDS = {
-    1: ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds"],
+    1: [
+        "w1_reference",
+        "w1_recompute_replay",
+        "w1_checkpoint_load_both_kinds",
+        "w1_reference_policy_kl",
+        "w1_kl_gradient_by_hand",
+    ],
     2: [
         "w2_tp2_sp",
         "w2_ep2_alltoall",
