@@ -17,8 +17,11 @@ One step (see docs/architecture.md): sample prompts -> generate `rollout.n_sampl
 (seeded per request) -> reward, overlong shaping -> dynamic sampling (more rounds until the batch
 holds `train.prompts_per_step` informative groups or `algorithm.max_gen_rounds`) -> group advantages
 (`megatron_rl.loop.collect`) -> old log-probs: recomputed by the actor (`recompute`; with R2 the
-routing is recorded and replayed) or the engine's (`rollout`; R3 replays the engine's routing) ->
-updates -> weight sync -> evaluation every `eval.every` steps.
+routing is recorded and replayed; R3 replays the engine's routing) or the engine's (`rollout`) ->
+the frozen reference's log-probs under the same routing, when a KL term needs them
+(`megatron_rl.actor.policy.FrozenPolicy`, the start policy; `algorithm.kl_in_reward` then
+re-computes the advantages of R - beta * KL) -> updates -> weight sync -> evaluation every
+`eval.every` steps.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the

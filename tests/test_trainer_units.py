@@ -214,6 +214,10 @@ def test_loop_config_checks_name_the_key() -> None:
         validate_run(make_cfg(**{"algorithm.name": "dapo"}), "train", world_size=1)  # 256 > max_new_tokens 12
     with pytest.raises(ConfigError, match="data.eval_path"):
         validate_run(make_cfg(**{"eval.every": 2}), "train", world_size=1)
+    with pytest.raises(ConfigError, match="algorithm.ref_path = '/no/such/folder' is not a folder"):
+        validate_run(
+            make_cfg(**{"algorithm.kl_coef": 0.04, "algorithm.ref_path": "/no/such/folder"}), "train", world_size=1
+        )
     with pytest.raises(ConfigError, match="routing_replay = 'r2' replays the routing recorded"):
         validate_run(
             make_cfg(**{"algorithm.routing_replay": "r2", "algorithm.old_logprob_source": "rollout"}),
