@@ -1,6 +1,7 @@
 """End to end: `megatron-rl train` with the local engine on the tiny_math model (2 trainer ranks, EP=2).
 
-- lr 0 with GRPO's KL term: the KL to the frozen reference is exactly 0; the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
+- lr 0 with GRPO's KL term and R3 + recomputed old log-probs + truncated IS: the KL to the frozen
+  reference is exactly 0, the IS weight 1 (<= 1e-4); the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
   (<= 1e-4) before and after a weight sync, the exported HF folder holds the starting weights, bad
   data rows and reward failures are counted, the engine is gone after the run.
 - kill -9 during a step after a checkpoint, `--resume` (KL penalty in the reward): the metrics equal an
@@ -145,8 +146,17 @@ def steps_logged(run_dir: Path) -> list[dict]:
 
 def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "lr0"
-    # GRPO's KL term to the frozen reference (the start policy): at lr 0 the KL is exactly 0
-    records = train(work, run_dir, "train.lr=0", "checkpoint.every=0", "algorithm.kl_coef=0.04")
+    # GRPO's KL term to the frozen reference (the start policy): at lr 0 the KL is exactly 0. R3 with
+    # recomputed old log-probs: the actor and the reference replay the engine's routing, and the
+    # importance weight pi_old / pi_rollout is 1 up to the engine/trainer numerics
+    kl_r3 = (
+        "algorithm.kl_coef=0.04",
+        "algorithm.routing_replay=r3",
+        "rollout.return_routed_experts=true",
+        "algorithm.old_logprob_source=recompute",
+        "algorithm.is_correction=truncate",
+    )
+    records = train(work, run_dir, "train.lr=0", "checkpoint.every=0", *kl_r3)
     by_step = {r["step"]: r for r in records}
     assert sorted(by_step) == [0, 1, 2]
     for step in (1, 2):  # step 2 generates after a weight sync of the unchanged weights
@@ -155,6 +165,7 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
         assert r["actor/kl_ref_mean"] == r["actor/kl_ref_max"] == 0.0  # pi_old vs pi_ref, before the update
         assert r["actor/ref_kl_mean"] == r["actor/kl_loss"] == 0.0  # in the update's loss
         assert r["time/ref_logprobs"] > 0.0
+        assert abs(r["actor/is_weight_mean"] - 1.0) <= 1e-4 and "actor/routing_changed_frac" in r  # replayed
         assert r["logprob_gap/abs_max"] <= 1e-4, r["logprob_gap/abs_max"]
         assert r["groups/groups_used"] == 4 and r["actor/tokens"] == r["response/tokens"]
         assert r["data/train_rows_kept"] == GOOD_ROWS and r["data/train_rows_skipped"] == sum(BAD_ROWS.values())
