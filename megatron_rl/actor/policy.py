@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.checkpoint import rng_state, set_rng_state
 from megatron_rl.actor.forward import LogProbResult, compute_log_probs
 from megatron_rl.actor.routing_replay import RoutingReplay, check_routing_values
 from megatron_rl.config import Config, ConfigError, ModelConfig
@@ -198,9 +199,13 @@ class FrozenPolicy(Policy):
             initializer = hf_initializer(
                 cfg.model, key="algorithm.ref_path" if cfg.algorithm.ref_path else "model.hf_path"
             )
-        super().__init__(cfg, initializer=initializer)
-        if cfg.checkpoint.load:
-            load_model_weights(self.chunks, cfg.checkpoint.load)
+        generators = rng_state()  # building draws from them: leave them as the actor set (or restored) them
+        try:
+            super().__init__(cfg, initializer=initializer)
+            if cfg.checkpoint.load:
+                load_model_weights(self.chunks, cfg.checkpoint.load)
+        finally:
+            set_rng_state(generators)
         for chunk in self.chunks:
             chunk.requires_grad_(False)
             chunk.eval()

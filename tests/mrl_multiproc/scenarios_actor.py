@@ -508,7 +508,9 @@ def w1_reference_policy_kl(ctx) -> None:  # noqa: ANN001
 
     cfg = kl_config()
     actor = MegatronActor(cfg)
+    generator = torch.get_rng_state()
     reference = FrozenPolicy.start(cfg)
+    assert torch.equal(torch.get_rng_state(), generator), "building the reference moved the actor's generator"
     assert all(not p.requires_grad for p in reference.chunks[0].parameters())
     batch = make_batch(cfg.model.vocab_size)
     masks = [batch.loss_mask(i) for i in range(len(batch))]
