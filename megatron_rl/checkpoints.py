@@ -13,7 +13,8 @@ skips; `checkpoint.keep_last` complete folders are kept. Rollout sampling needs 
 every request's `sampling_seed` is derived from (train.seed, step, round, index)
 (`megatron_rl.loop.collect.sampling_seed`). Resuming (`RunFolder(..., resume=True)`) continues from
 the newest complete checkpoint and drops the records of later steps from metrics.jsonl; without
-one the run starts from scratch.
+one the run starts from scratch. The frozen reference policy of a KL term is not saved: it is
+the start policy (or `algorithm.ref_path`), rebuilt from the configuration on resume.
 """
 
 from __future__ import annotations

@@ -134,9 +134,28 @@ class AlgorithmConfig:
         20.0, "log-ratios are clamped to +-this before exp (numerical safety)", **BOUNDS["max_log_ratio"]
     )
     kl_coef: float = _f(
-        0.0, "beta: weight of KL(pi || pi_ref) in the loss; 0 = no reference model", **BOUNDS["kl_coef"]
+        0.0,
+        "beta: weight of KL(pi || pi_ref) to the frozen reference policy, in the loss (or the reward with "
+        "kl_in_reward); 0 = no reference model unless ref_kl_metrics",
+        **BOUNDS["kl_coef"],
     )
     kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    kl_in_reward: bool = _f(
+        False,
+        "PPO-style: subtract beta x (the response's summed per-token KL to the reference at pi_old) from its "
+        "reward before group advantages, instead of adding beta x KL to the loss",
+    )
+    ref_path: str | None = _f(
+        None,
+        "the reference policy: a Hugging Face folder or a Megatron checkpoint; null = the start policy "
+        "(model.hf_path, then checkpoint.load)",
+    )
+    ref_offload: bool = _f(
+        False, "GPU: keep the reference's weights in pinned host memory between uses (one copy to the device per step)"
+    )
+    ref_kl_metrics: bool = _f(
+        False, "build the reference also at kl_coef = 0 and report actor/kl_ref_* (one more forward per step)"
+    )
     is_correction: Literal[IS_MODES] = _f(
         "none",
         "rollout/trainer mismatch weight pi_old/pi_rollout: truncate = min(w, C); mask = weight 0 outside "
@@ -264,6 +283,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         clip_eps_low=0.2,
         clip_eps_high=0.2,
         loss_agg_mode="seq-mean-token-mean",
+        kl_coef=0.0,  # beta 0 unless set: DeepSeekMath's 0.04 is algorithm.kl_coef=0.04
         kl_estimator="k3",
     ),
     "dapo": dict(
@@ -463,10 +483,18 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_reward(cfg.reward)
 
 
+def uses_reference(alg: AlgorithmConfig) -> bool:
+    """Whether the run builds the frozen reference policy (a KL term, or the KL metrics asked for)."""
+    return alg.kl_coef > 0 or alg.ref_kl_metrics
+
+
 def loss_spec(alg: AlgorithmConfig) -> LossSpec:
-    """The run's `LossSpec` from its `algorithm` section (ConfigError naming the key when it cannot run)."""
+    """The run's `LossSpec` from its `algorithm` section (ConfigError naming the key when it cannot run).
+
+    With `kl_in_reward` the KL is in the reward, so the loss's beta is 0 (the KL is only reported)."""
+    section = dataclasses.replace(alg, kl_coef=0.0) if alg.kl_in_reward else alg
     try:
-        return LossSpec.from_section(alg)
+        return LossSpec.from_section(section)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
@@ -474,10 +502,16 @@ def loss_spec(alg: AlgorithmConfig) -> LossSpec:
 def _validate_algorithm(alg: AlgorithmConfig) -> None:
     loss_spec(alg)
     _require(
-        not (alg.routing_replay == "r3" and alg.old_logprob_source != "rollout"),
-        "algorithm.routing_replay = 'r3' replays the engine's routing and needs "
-        "algorithm.old_logprob_source = 'rollout'",
+        not (alg.kl_in_reward and alg.kl_coef == 0),
+        "algorithm.kl_in_reward = true needs algorithm.kl_coef > 0 (the beta of the KL penalty in the reward)",
     )
+    if not uses_reference(alg):
+        for key in ("ref_path", "ref_offload"):
+            _require(
+                not getattr(alg, key),
+                f"algorithm.{key} = {getattr(alg, key)!r} but no reference model is built "
+                "(algorithm.kl_coef = 0 and algorithm.ref_kl_metrics = false)",
+            )
 
 
 def _validate_model(model: ModelConfig) -> None:

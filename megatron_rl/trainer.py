@@ -17,8 +17,11 @@ One step (see docs/architecture.md): sample prompts -> generate `rollout.n_sampl
 (seeded per request) -> reward, overlong shaping -> dynamic sampling (more rounds until the batch
 holds `train.prompts_per_step` informative groups or `algorithm.max_gen_rounds`) -> group advantages
 (`megatron_rl.loop.collect`) -> old log-probs: recomputed by the actor (`recompute`; with R2 the
-routing is recorded and replayed) or the engine's (`rollout`; R3 replays the engine's routing) ->
-updates -> weight sync -> evaluation every `eval.every` steps.
+routing is recorded and replayed; R3 replays the engine's routing) or the engine's (`rollout`) ->
+the frozen reference's log-probs under the same routing, when a KL term needs them
+(`megatron_rl.actor.policy.FrozenPolicy`, the start policy; `algorithm.kl_in_reward` then
+re-computes the advantages of R - beta * KL) -> updates -> weight sync -> evaluation every
+`eval.every` steps.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
@@ -46,8 +49,10 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.checkpoints import RunFolder
-from megatron_rl.config import Config
+from megatron_rl.config import Config, uses_reference
+from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
+from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
 from megatron_rl.parallel.rank0 import on_rank0
@@ -55,6 +60,7 @@ from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.policy import FrozenPolicy
     from megatron_rl.weight_sync import WeightSync
 
 T = TypeVar("T")
@@ -104,6 +110,26 @@ def logprob_gap(trainer: list[torch.Tensor], rollout: list[torch.Tensor]) -> dic
     }
 
 
+def reference_kl(
+    log_probs: list[torch.Tensor],
+    ref_log_probs: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    estimator: str,
+    max_log_ratio: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token KL(pi || pi_ref) estimates (`algorithm.kl_estimator`) over each sample's loss tokens:
+    their sum per sample (float64 [N]) and `actor/kl_ref_mean` (per token) and `actor/kl_ref_max`."""
+    per_token = [
+        kl_estimate(lp.double(), ref.double(), m.bool(), estimator, max_log_ratio)
+        for lp, ref, m in zip(log_probs, ref_log_probs, masks, strict=True)
+    ]
+    sums = torch.stack([k.sum() for k in per_token])
+    kept = torch.cat([k[m.bool()] for k, m in zip(per_token, masks, strict=True)])
+    if kept.numel() == 0:
+        return sums, {}
+    return sums, {"actor/kl_ref_mean": float(kept.mean()), "actor/kl_ref_max": float(kept.max())}
+
+
 def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) -> str | None:
     """The folder the engine starts from: the policy's HF folder; for a local engine and a policy
     without one, RUN_DIR/hf_start, exported here (collective) before the engine starts."""
@@ -127,10 +153,12 @@ class Trainer:
         log: MetricsLogger,
         weight_sync: WeightSync,
         rank0: RolloutDriver | None,
+        reference: FrozenPolicy | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_folder = run_folder
         self.actor = actor
+        self.reference = reference
         self.log = log
         self.weight_sync = weight_sync
         self.rank0 = rank0
@@ -151,6 +179,13 @@ class Trainer:
             release_colocated_engines(cfg)
         actor = run_folder.start_actor(cfg)
         stack.callback(actor.close)
+        reference = None
+        if uses_reference(cfg.algorithm):
+            from megatron_rl.actor.policy import FrozenPolicy
+
+            # from `cfg`, not the resumed checkpoint: the reference is the start policy (or ref_path)
+            reference = FrozenPolicy.start(cfg)
+            stack.callback(reference.close)
         if data is not None:
             run_folder.restore_sampler(data.sampler)
         log = run_folder.open_log(desc="rl")
@@ -172,7 +207,7 @@ class Trainer:
                 weight_sync.close()
 
         stack.callback(close_weight_sync)
-        trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0)
+        trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0, reference)
         if colocated_engines_released(cfg):
             weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
         if run_folder.start_step > 0 or cfg.checkpoint.load or colocated_engines_released(cfg):
@@ -225,36 +260,64 @@ class Trainer:
         else:
             if self.cfg.rollout.colocate:
                 self.weight_sync.release_engine_memory()
-            metrics.update(self._update(plan.batch))
+            metrics.update(self._update(plan))
             metrics["actor/skipped"] = 0.0
             metrics.update(self._sync(step))
         metrics["time/step"] = time.perf_counter() - began
         return metrics
 
-    def _update(self, batch: ActorBatch) -> dict[str, float]:
-        """Old log-probs, then `train.updates_per_step` updates; their metrics and timings."""
+    def _update(self, plan: StepBatch) -> dict[str, float]:
+        """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
+
+        Old log-probs: recomputed (R2 records the routing; R3 replays the engine's) or the engine's.
+        The reference runs under the same routing as the updates (R2's recorded, R3's engine routing)."""
         alg = self.cfg.algorithm
+        batch = plan.batch
+        assert batch is not None
         out: dict[str, float] = {}
         began = time.perf_counter()
         if alg.old_logprob_source == "recompute":
-            r2 = alg.routing_replay == "r2"
-            old = self.actor.compute_log_probs(batch, record_routing=r2)
+            r2, r3 = alg.routing_replay == "r2", alg.routing_replay == "r3"
+            old = self.actor.compute_log_probs(batch, record_routing=r2, replay_routing=r3)
             routed = old.routed_experts if r2 else batch.routed_experts
             batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=routed)
             out.update(logprob_gap(old.log_probs, batch.rollout_log_probs))
         else:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
+        referenced = time.perf_counter()
+        if self.reference is not None:
+            batch = self._with_reference(batch, plan.rewards, out)
         trained = time.perf_counter()
         history = self.actor.train(batch)
         done = time.perf_counter()
         out.update(summarize_updates(history))
         tokens = float(sum(batch.lengths))
-        out["time/old_logprobs"] = trained - began
+        out["time/old_logprobs"] = referenced - began
+        if self.reference is not None:
+            out["time/ref_logprobs"] = trained - referenced
         out["time/train"] = done - trained
         out["throughput/train_tokens_per_s"] = tokens / (done - trained) if done > trained else 0.0
         if not all(math.isfinite(h.get("loss", 0.0)) for h in history):
             raise FloatingPointError(f"the loss is not finite: {[h.get('loss') for h in history]} (lower train.lr?)")
         return out
+
+    def _with_reference(self, batch: ActorBatch, rewards: torch.Tensor | None, out: dict[str, float]) -> ActorBatch:
+        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
+        advantages); KL(pi_old || pi_ref) metrics into `out`."""
+        alg = self.cfg.algorithm
+        assert self.reference is not None and batch.old_log_probs is not None
+        ref = self.reference.compute_log_probs(batch, replay_routing=alg.routing_replay != "none")
+        batch = batch.with_fields(ref_log_probs=ref.log_probs)
+        masks = [batch.loss_mask(i) for i in range(len(batch))]
+        kl_sums, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
+        out.update(metrics)
+        if alg.kl_in_reward:
+            if rewards is None:
+                raise ValueError("algorithm.kl_in_reward: the step's batch came without its rewards")
+            advantages, reward_metrics = kl_penalized_advantages(self.cfg, rewards, kl_sums)
+            batch = batch.with_fields(advantages=advantages)
+            out.update(reward_metrics)
+        return batch
 
     def _sync(self, step: int) -> dict[str, float]:
         report = self.weight_sync.sync(str(step))

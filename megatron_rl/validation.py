@@ -17,6 +17,7 @@ It reads config.json and nothing else, so it is cheap and idempotent: code deepe
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
@@ -44,9 +45,15 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "algorithm.is_correction corrects pi_old / pi_rollout, which is 1 when "
             "algorithm.old_logprob_source = 'rollout'; use 'recompute' or set is_correction = 'none'"
         )
-    if alg.kl_coef > 0:
+    if alg.routing_replay == "r2" and alg.old_logprob_source == "rollout":
         raise ConfigError(
-            f"algorithm.kl_coef = {alg.kl_coef}: megatron-rl train has no reference model yet; set it to 0"
+            "algorithm.routing_replay = 'r2' replays the routing recorded while recomputing the old log-probs "
+            "and needs algorithm.old_logprob_source = 'recompute'; with the engine's log-probs use "
+            "routing_replay = 'r3' (the engine's routing)"
+        )
+    if alg.ref_path is not None and not Path(alg.ref_path).is_dir():
+        raise ConfigError(
+            f"algorithm.ref_path = {alg.ref_path!r} is not a folder (a Hugging Face folder or a Megatron checkpoint)"
         )
     if cfg.eval.every and not cfg.data.eval_path:
         raise ConfigError(f"eval.every = {cfg.eval.every} needs data.eval_path (the held-out prompts)")

@@ -15,7 +15,14 @@ import pytest
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
 WORLDS = {
-    1: ["w1_reference", "w1_recompute_replay", "w1_checkpoint_load_both_kinds", "w1_reject_reference"],
+    1: [
+        "w1_reference",
+        "w1_recompute_replay",
+        "w1_checkpoint_load_both_kinds",
+        "w1_reference_policy_kl",
+        "w1_kl_gradient_by_hand",
+        "w1_reject_reference",
+    ],
     2: [
         "w2_reject_dp2",
         "w2_tp2_sp",

@@ -73,8 +73,10 @@ def test_override_can_switch_preset_of_yaml(tmp_path):
         ),
         (["algorithm.name=sapo", "algorithm.ratio_level=sequence"], r"algorithm\.gate = 'soft'"),
         (["algorithm.dual_clip_c=0.5"], r"algorithm\.dual_clip_c = 0\.5 is out of range; allowed: float > 1"),
-        (["algorithm.routing_replay=r3"], r"algorithm\.old_logprob_source = 'rollout'"),
+        (["algorithm.routing_replay=r3"], r"rollout\.return_routed_experts"),
         (["algorithm.routing_replay=r3", "algorithm.old_logprob_source=rollout"], r"rollout\.return_routed_experts"),
+        (["algorithm.kl_in_reward=true"], r"algorithm\.kl_in_reward = true needs algorithm\.kl_coef > 0"),
+        (["algorithm.ref_path=/x"], r"algorithm\.ref_path = '/x' but no reference model is built"),
         (
             ["parallel.expert_model_parallel_size=3"],
             r"parallel\.expert_model_parallel_size \(3\) must divide model\.num_experts \(8\)",

@@ -1,9 +1,11 @@
 """End to end: `megatron-rl train` with the local engine on the tiny_math model (2 trainer ranks, EP=2).
 
-- lr 0: the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
+- lr 0 with GRPO's KL term and R3 + recomputed old log-probs + truncated IS: the KL to the frozen
+  reference is exactly 0, the IS weight 1 (<= 1e-4); the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
   (<= 1e-4) before and after a weight sync, the exported HF folder holds the starting weights, bad
   data rows and reward failures are counted, the engine is gone after the run.
-- kill -9 during a step after a checkpoint, `--resume`: the metrics equal an uninterrupted run's.
+- kill -9 during a step after a checkpoint, `--resume` (KL penalty in the reward): the metrics equal an
+  uninterrupted run's, the reference is the start policy in both, the KL to it grows.
 - dynamic sampling on a task the policy always fails stops at the round limit with the warning
   metric; SIGTERM (torchrun) and SIGINT (a single process) end the run with no process left.
 
@@ -144,12 +146,26 @@ def steps_logged(run_dir: Path) -> list[dict]:
 
 def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "lr0"
-    records = train(work, run_dir, "train.lr=0", "checkpoint.every=0")  # saves only at the end
+    # GRPO's KL term to the frozen reference (the start policy): at lr 0 the KL is exactly 0. R3 with
+    # recomputed old log-probs: the actor and the reference replay the engine's routing, and the
+    # importance weight pi_old / pi_rollout is 1 up to the engine/trainer numerics
+    kl_r3 = (
+        "algorithm.kl_coef=0.04",
+        "algorithm.routing_replay=r3",
+        "rollout.return_routed_experts=true",
+        "algorithm.old_logprob_source=recompute",
+        "algorithm.is_correction=truncate",
+    )
+    records = train(work, run_dir, "train.lr=0", "checkpoint.every=0", *kl_r3)
     by_step = {r["step"]: r for r in records}
     assert sorted(by_step) == [0, 1, 2]
     for step in (1, 2):  # step 2 generates after a weight sync of the unchanged weights
         r = by_step[step]
         assert r["actor/approx_kl_mean_first_update"] == 0.0 and r["actor/lr"] == 0.0
+        assert r["actor/kl_ref_mean"] == r["actor/kl_ref_max"] == 0.0  # pi_old vs pi_ref, before the update
+        assert r["actor/ref_kl_mean"] == r["actor/kl_loss"] == 0.0  # in the update's loss
+        assert r["time/ref_logprobs"] > 0.0
+        assert abs(r["actor/is_weight_mean"] - 1.0) <= 1e-4 and "actor/routing_changed_frac" in r  # replayed
         assert r["logprob_gap/abs_max"] <= 1e-4, r["logprob_gap/abs_max"]
         assert r["groups/groups_used"] == 4 and r["actor/tokens"] == r["response/tokens"]
         assert r["data/train_rows_kept"] == GOOD_ROWS and r["data/train_rows_skipped"] == sum(BAD_ROWS.values())
@@ -175,7 +191,16 @@ def comparable(records: list[dict]) -> list[dict]:
 
 
 def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(work: Path, tmp_path: Path) -> None:
-    overrides = ("train.steps=3", "train.updates_per_step=2", "eval.every=0", "checkpoint.every=2")
+    """With a KL penalty in the reward: the resumed run's reference is the start policy, as the
+    uninterrupted run's (a reference taken from the checkpoint would read KL 0 at step 3)."""
+    overrides = (
+        "train.steps=3",
+        "train.updates_per_step=2",
+        "eval.every=0",
+        "checkpoint.every=2",
+        "algorithm.kl_coef=0.5",
+        "algorithm.kl_in_reward=true",
+    )
     reference = train(work, tmp_path / "straight", *overrides)
     run_dir = tmp_path / "killed"
     log = tmp_path / "killed.log"
@@ -190,6 +215,10 @@ def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(work: Path,
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert comparable(resumed) == comparable(reference)
     assert reference[-1]["actor/approx_kl_mean"] > 0.0  # the second update moved the policy: not vacuous
+    kl_ref = [r["actor/kl_ref_mean"] for r in reference]
+    assert kl_ref[0] == 0.0 < kl_ref[1] < kl_ref[2], kl_ref  # pi_old moves away from the reference
+    assert reference[-1]["reward/kl_penalty_mean"] > 0.0 and reference[0]["reward/kl_penalty_mean"] == 0.0
+    assert "actor/kl_loss" in reference[0] and reference[0]["actor/kl_loss"] == 0.0  # in the reward, not the loss
     assert leftovers(work) == []
 
 

@@ -21,15 +21,21 @@ from megatron_rl.checkpoints import (
     restore_rng,
     save_loop_state,
 )
-from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.config import Config, ConfigError, load_config, loss_spec, preset, uses_reference
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
-from megatron_rl.loop.collect import RolloutCollector, evaluate, sampling_seed
+from megatron_rl.loop.collect import (
+    RolloutCollector,
+    advantages_of,
+    evaluate,
+    kl_penalized_advantages,
+    sampling_seed,
+)
 from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
 from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.rollout.types import Sample
-from megatron_rl.trainer import logprob_gap
+from megatron_rl.trainer import logprob_gap, reference_kl
 from megatron_rl.validation import validate_run
 
 
@@ -147,6 +153,7 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
     want = [1.5 / std1, -0.5 / std1, -0.5 / std1, -0.5 / std1, 1 / std2, 1 / std2, -1 / std2, -1 / std2]
     torch.testing.assert_close(adv, torch.tensor(want))
     assert plan.metrics["reward/train_mean"] == pytest.approx((-2 + 0) / 8 - 0.5)
+    assert plan.rewards.tolist() == [0.5, -1.5, -1.5, -1.5, 0.5, 0.5, -1.5, -1.5]  # shaped: the advantages' input
     assert batch.prompt_lengths == [2] * 8 and batch.response_mask is None
     assert batch.tokens[0].tolist() == [101, 61, *[ord(c) for c in RIGHT], 0]
     assert batch.rollout_log_probs[0].tolist() == [-0.5] * 10
@@ -242,8 +249,16 @@ def test_loop_config_checks_name_the_key() -> None:
         validate_run(make_cfg(**{"algorithm.name": "dapo"}), "train", world_size=1)  # 256 > max_new_tokens 12
     with pytest.raises(ConfigError, match="data.eval_path"):
         validate_run(make_cfg(**{"eval.every": 2}), "train", world_size=1)
-    with pytest.raises(ConfigError, match="algorithm.kl_coef"):
-        validate_run(make_cfg(**{"algorithm.kl_coef": 0.1}), "train", world_size=1)
+    with pytest.raises(ConfigError, match="algorithm.ref_path = '/no/such/folder' is not a folder"):
+        validate_run(
+            make_cfg(**{"algorithm.kl_coef": 0.04, "algorithm.ref_path": "/no/such/folder"}), "train", world_size=1
+        )
+    with pytest.raises(ConfigError, match="routing_replay = 'r2' replays the routing recorded"):
+        validate_run(
+            make_cfg(**{"algorithm.routing_replay": "r2", "algorithm.old_logprob_source": "rollout"}),
+            "train",
+            world_size=1,
+        )
     with pytest.raises(ConfigError, match="updates_per_step"):
         validate_run(make_cfg(**{"train.updates_per_step": 9}), "train", world_size=1)
 
@@ -307,6 +322,75 @@ def test_loop_state_round_trip_latest_and_pruning(tmp_path: Path) -> None:
     assert sorted(p.name for p in removed) == ["step_000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003", "step_000004"]
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_kl_to_a_reference_and_r3_with_recomputed_old_logprobs_are_accepted(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    model = {"model.hf_path": tmp_path}
+    for over in (
+        {"algorithm.kl_coef": 0.04},  # GRPO's KL term (refused before the reference policy existed)
+        {"algorithm.kl_coef": 0.04, "algorithm.kl_in_reward": True, "algorithm.kl_estimator": "k1"},
+        {"algorithm.ref_kl_metrics": True, "algorithm.ref_path": str(tmp_path)},
+        {
+            "algorithm.routing_replay": "r3",
+            "algorithm.old_logprob_source": "recompute",
+            "algorithm.is_correction": "truncate",
+            "rollout.return_routed_experts": True,
+        },
+    ):
+        cfg = validate_run(make_cfg(**model, **over), "train", world_size=1)
+        assert all(getattr(cfg.algorithm, k.split(".")[1]) == v for k, v in over.items() if k.startswith("algo"))
+    spec = loss_spec(make_cfg(**{"algorithm.kl_coef": 0.04, "algorithm.kl_in_reward": True}).algorithm)
+    assert spec.kl_coef == 0.0  # the KL is in the reward: the loss only reports it
+    assert loss_spec(make_cfg(**{"algorithm.kl_coef": 0.04}).algorithm).kl_coef == 0.04
+    assert preset("grpo").kl_coef == 0.0 and not uses_reference(preset("grpo"))
+
+
+def test_reference_kl_and_kl_penalised_advantages_by_hand() -> None:
+    old = [torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.25, -3.0])]
+    ref = [torch.tensor([-1.5, -1.0, -0.5]), torch.tensor([-0.25, -1.0])]
+    masks = [torch.tensor([True, True, False]), torch.tensor([True, True])]
+    k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731 - x = log pi_ref - log pi
+    per_token = [[k3(-0.5), k3(1.0)], [k3(0.0), k3(2.0)]]  # the third token of sample 0 is masked out
+    sums, metrics = reference_kl(old, ref, masks, "k3", 20.0)
+    assert sums.tolist() == pytest.approx([sum(t) for t in per_token])
+    assert metrics["actor/kl_ref_mean"] == pytest.approx(sum(map(sum, per_token)) / 4)
+    assert metrics["actor/kl_ref_max"] == pytest.approx(k3(2.0))
+    k1_sums, _ = reference_kl(old, ref, masks, "k1", 20.0)
+    assert k1_sums.tolist() == pytest.approx([0.5 - 1.0, -2.0])  # k1 = log pi - log pi_ref
+
+    # kl_in_reward: group advantages of R - beta * KL; groups of 2 (n_samples_per_prompt), mean-only
+    cfg = make_cfg(**{"rollout.n_samples_per_prompt": 2, "algorithm.kl_coef": 0.5, "algorithm.adv_norm_std": False})
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    kl = torch.tensor([0.0, 2.0, 1.0, 1.0], dtype=torch.float64)
+    adv, m = kl_penalized_advantages(cfg, rewards, kl)
+    # group 1: R - 0.5 KL = [1, 0] -> [0.5, -0.5]; group 2: [-0.5, 0.5] -> [-0.5, 0.5]
+    assert [float(a) for a in adv] == [0.5, -0.5, -0.5, 0.5]
+    assert m["reward/kl_penalty_mean"] == pytest.approx(0.5 * 4 / 4)
+    assert [float(a) for a in advantages_of(cfg, rewards)] == [0.0, 0.0, -0.5, 0.5]  # without the penalty
+    with pytest.raises(ValueError, match="kl_sums has shape"):
+        kl_penalized_advantages(cfg, rewards, kl[:3])
+
+
+HF_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "vocab_size": 50,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_model_config_comes_from_config_json(tmp_path: Path) -> None:

@@ -58,15 +58,17 @@ print(json.dumps(results))
 """
 
 
+R2_ROLLOUT = ["algorithm.routing_replay=r2", "algorithm.old_logprob_source=rollout"]
+R2_ROLLOUT_ERROR = "algorithm.routing_replay = 'r2' replays the routing recorded while recomputing"
+
+
 def _cases(folder: Path) -> dict[str, dict[str, Any]]:
     """Per case: the launch environment, the entry point and its arguments, the expected message."""
     config = str(folder / "run.yaml")
     out = str(folder / "converted")
     plan = ["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "10.0.0.1,10.0.0.2", "--gpus-per-node"]
     return {
-        "train: an RL-loop need": dict(
-            entry="cli", argv=["train", config, "algorithm.kl_coef=0.1"], expected="algorithm.kl_coef = 0.1"
-        ),
+        "train: an RL-loop need": dict(entry="cli", argv=["train", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR),
         "train: the model from config.json": dict(
             entry="cli",
             argv=["train", config, "parallel.expert_model_parallel_size=8"],
@@ -110,7 +112,7 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             expected="world size 3 is not divisible by --tp (2) x --pp (1)",
         ),
         "planner: an RL-loop need": dict(
-            entry="planner", argv=[*plan, "8", config, "algorithm.kl_coef=0.1"], expected="algorithm.kl_coef = 0.1"
+            entry="planner", argv=[*plan, "8", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR
         ),
         "planner: the layout against the model": dict(
             entry="planner",

@@ -64,10 +64,34 @@ class Group:
 
 @dataclass
 class StepBatch:
-    """The batch to train on (None when no group was usable) and the rollout metrics of the step."""
+    """The batch to train on (None when no group was usable) and the rollout metrics of the step;
+    `rewards`: float32 [N], the shaped reward of each sample of `batch` (its advantages' input)."""
 
     batch: ActorBatch | None
     metrics: dict[str, float]
+    rewards: torch.Tensor | None = None
+
+
+def advantages_of(cfg: Config, rewards: torch.Tensor) -> list[torch.Tensor]:
+    """Group advantages (`algorithm.adv_norm_std`, `adv_eps`) of [N] rewards, one 0-dim tensor per sample."""
+    alg = cfg.algorithm
+    adv = group_advantages(rewards, cfg.rollout.n_samples_per_prompt, norm_std=alg.adv_norm_std, eps=alg.adv_eps)
+    return list(adv.unbind(0))
+
+
+def kl_penalized_advantages(
+    cfg: Config, rewards: torch.Tensor, kl_sums: torch.Tensor
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """`algorithm.kl_in_reward`: group advantages of R_i - beta * KL_i, KL_i a response's summed
+    per-token KL to the reference (verl's `use_kl_in_reward` with the outcome advantage of GRPO)."""
+    if kl_sums.shape != rewards.shape:
+        raise ValueError(f"kl_sums has shape {tuple(kl_sums.shape)}, rewards has {tuple(rewards.shape)}")
+    penalty = cfg.algorithm.kl_coef * kl_sums.to(torch.float32)
+    metrics = {
+        "reward/kl_penalty_mean": float(penalty.mean()),
+        "reward/kl_penalized_mean": float((rewards - penalty).mean()),
+    }
+    return advantages_of(cfg, rewards.to(torch.float32) - penalty), metrics
 
 
 class RolloutCollector:
@@ -127,7 +151,6 @@ class RolloutCollector:
         """The actor batch of `groups`: group advantages of the shaped rewards on every response token."""
         alg, ro = self.cfg.algorithm, self.cfg.rollout
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        advantages = group_advantages(rewards, ro.n_samples_per_prompt, norm_std=alg.adv_norm_std, eps=alg.adv_eps)
         samples = [s for g in groups for s in g.samples]
         tokens = [torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in samples]
         mask = None
@@ -146,7 +169,7 @@ class RolloutCollector:
             tokens=tokens,
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             response_mask=mask,
-            advantages=list(advantages.unbind(0)),
+            advantages=advantages_of(self.cfg, rewards),
             rollout_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
             routed_experts=routed,
         )
@@ -209,7 +232,7 @@ class RolloutCollector:
             return StepBatch(None, metrics)
         batch = self.to_batch(used)
         metrics["reward/train_mean"] = sum(r for grp in used for r in grp.rewards) / (len(used) * g)
-        return StepBatch(batch, metrics)
+        return StepBatch(batch, metrics, torch.tensor([r for grp in used for r in grp.rewards], dtype=torch.float32))
 
     def _response_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
         lengths = [len(s.output_ids) for s in samples]

@@ -518,3 +518,96 @@ def w4_load_pp2_checkpoint(ctx) -> None:  # noqa: ANN001
     actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), "PP2 checkpoint + 2 steps under TP2xEP2")
     actor.close()
+
+
+# --- the frozen reference policy (world size 1) --------------------------------------------
+
+BETA = 0.04
+
+
+def kl_config(**train: object) -> Config:
+    """`actor_config` with GRPO's KL term to the reference (beta 0.04, k3)."""
+    cfg = actor_config(layout())
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, kl_coef=BETA)
+    cfg.train = dataclasses.replace(cfg.train, **train)
+    validate(cfg)
+    return cfg
+
+
+def w1_reference_policy_kl(ctx) -> None:  # noqa: ANN001
+    """The reference built from the actor's start: its log-probs equal the actor's bit for bit (free
+    routing and R2 replay), so KL(pi_old || pi_ref) is exactly 0 before any update; after updates it is
+    positive and grows, and the reference's own log-probs never move (no optimizer reaches it)."""
+    from megatron_rl.actor.policy import FrozenPolicy
+    from megatron_rl.trainer import reference_kl
+
+    cfg = kl_config()
+    actor = MegatronActor(cfg)
+    generator = torch.get_rng_state()
+    reference = FrozenPolicy.start(cfg)
+    assert torch.equal(torch.get_rng_state(), generator), "building the reference moved the actor's generator"
+    assert all(not p.requires_grad for p in reference.chunks[0].parameters())
+    batch = make_batch(cfg.model.vocab_size)
+    masks = [batch.loss_mask(i) for i in range(len(batch))]
+    old = actor.compute_log_probs(batch, record_routing=True)
+    start_routing = batch.with_fields(routed_experts=old.routed_experts)
+    ref = reference.compute_log_probs(start_routing, replay_routing=True)
+    assert diff(ref.log_probs, old.log_probs) == 0.0, "reference at the start policy, R2 replay"
+    assert diff(reference.compute_log_probs(batch).log_probs, old.log_probs) == 0.0, "reference, free routing"
+    _, kl = reference_kl(old.log_probs, ref.log_probs, masks, "k3", cfg.algorithm.max_log_ratio)
+    assert kl == {"actor/kl_ref_mean": 0.0, "actor/kl_ref_max": 0.0}, kl
+
+    kls = []
+    for _ in range(2):  # 2 steps of 2 updates each, the trainer's order: old log-probs (R2), reference, update
+        old = actor.compute_log_probs(batch, record_routing=True)
+        routed = batch.with_fields(old_log_probs=old.log_probs, routed_experts=old.routed_experts)
+        ref_now = reference.compute_log_probs(routed, replay_routing=True)
+        history = actor.train(routed.with_fields(ref_log_probs=ref_now.log_probs))
+        assert all(h["kl_loss"] >= 0.0 for h in history)
+        now = actor.compute_log_probs(batch).log_probs
+        kls.append(reference_kl(now, ref.log_probs, masks, "k3", cfg.algorithm.max_log_ratio)[1]["actor/kl_ref_mean"])
+    assert 0.0 < kls[0] < kls[1], kls
+    assert diff(reference.compute_log_probs(start_routing, replay_routing=True).log_probs, ref.log_probs) == 0.0
+    reference.close()
+    actor.close()
+
+
+def w1_kl_gradient_by_hand(ctx) -> None:  # noqa: ANN001
+    """One update with all advantages 0 (the policy-gradient term and its gradient vanish) against a
+    reference with other weights: the loss is beta * sum_i 1/(B n_i) sum_t (e^x - 1 - x), x = log pi_ref
+    - log pi, and the gradient norm equals that of this expression differentiated by autograd through a
+    plain full-vocabulary forward of the same model."""
+    from megatron_rl.actor.policy import FrozenPolicy
+
+    cfg = kl_config(updates_per_step=1, grad_clip=1e9, lr=0.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant")
+    actor = MegatronActor(cfg)
+    reference = FrozenPolicy.start(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=12)))
+    batch = make_batch(cfg.model.vocab_size)
+    batch = batch.with_fields(advantages=[torch.zeros(()) for _ in batch.tokens])
+    old = actor.compute_log_probs(batch, record_routing=True)
+    ref = reference.compute_log_probs(batch.with_fields(routed_experts=old.routed_experts), replay_routing=True)
+    assert diff(ref.log_probs, old.log_probs) > 0.1, "the reference must differ from the policy"
+
+    chunk = actor.chunks[0]
+    hand = torch.zeros((), dtype=torch.float64)
+    for tok, p, ref_lp in zip(batch.tokens, batch.prompt_lengths, ref.log_probs, strict=True):
+        positions = torch.arange(tok.shape[0]).unsqueeze(0)
+        logits = chunk(tok.unsqueeze(0), positions, None)[0, :, : cfg.model.vocab_size].double() / TEMPERATURE
+        logp = F.log_softmax(logits, dim=-1)[p - 1 : -1].gather(-1, tok[p:].unsqueeze(-1)).squeeze(-1)
+        x = ref_lp.double() - logp
+        hand = hand + (torch.exp(x) - 1 - x).sum() / (len(LENGTHS) * x.numel())
+    hand = BETA * hand
+    grads = torch.autograd.grad(hand, [q for q in chunk.parameters() if q.requires_grad], allow_unused=True)
+    hand_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+
+    history = actor.train(
+        batch.with_fields(old_log_probs=old.log_probs, routed_experts=old.routed_experts, ref_log_probs=ref.log_probs)
+    )
+    (h,) = history
+    assert h["pg_loss"] == 0.0, h["pg_loss"]
+    for key, got, want in (("loss", h["loss"], float(hand)), ("grad_norm", h["grad_norm"], hand_norm)):
+        if abs(got - want) > 1e-5 * abs(want):
+            raise AssertionError(f"{key}: actor {got!r}, by hand {want!r}")
+    assert hand_norm > 1e-3, hand_norm
+    reference.close()
+    actor.close()
