@@ -481,6 +481,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
         _validate_parallel(cfg)
     _validate_rollout(cfg)
     _validate_reward(cfg.reward)
+    _validate_train(cfg.train)
 
 
 def uses_reference(alg: AlgorithmConfig) -> bool:
@@ -584,6 +585,16 @@ def _validate_rollout(cfg: Config) -> None:
         not (cfg.algorithm.routing_replay != "none" and cfg.model.num_experts is None),
         f"algorithm.routing_replay = {cfg.algorithm.routing_replay!r} needs an MoE model (model.num_experts)",
     )
+
+
+def _validate_train(train: TrainConfig) -> None:
+    total = train.steps * train.updates_per_step
+    _require(
+        train.lr_warmup_steps < max(total, 2) or train.lr_decay_style == "constant",
+        f"train.lr_warmup_steps ({train.lr_warmup_steps}) must be below the number of optimizer steps "
+        f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}",
+    )
+    _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
 
 
 def _validate_reward(reward: RewardConfig) -> None:

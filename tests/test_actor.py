@@ -19,7 +19,7 @@ from megatron_rl.actor.routing_replay import (
     token_slice,
 )
 from megatron_rl.actor.train_step import mini_batches, reject_tokens
-from megatron_rl.config import TrainConfig, preset
+from megatron_rl.config import Config, TrainConfig, preset, validate
 from megatron_rl.losses import LossSpec
 
 
@@ -180,10 +180,7 @@ def test_lr_schedule_does_not_advance_on_skipped_updates() -> None:
     # the 2nd update is skipped (non-finite gradients): the 3rd runs at the value the 2nd would have had
     assert _lrs(linear, [True, False, True, True]) == pytest.approx([1.0, 0.75, 0.75, 0.5])
     with pytest.raises(ValueError, match="train.lr_warmup_steps \\(4\\) must be below"):
-        lr_scheduler(
-            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
-            TrainConfig(steps=2, updates_per_step=1, lr_warmup_steps=4, lr_decay_style="linear"),
-        )
+        validate(Config(train=TrainConfig(steps=2, updates_per_step=1, lr_warmup_steps=4, lr_decay_style="linear")))
 
 
 def test_package_exports_megatron_parts_lazily() -> None:

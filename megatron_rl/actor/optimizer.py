@@ -84,14 +84,7 @@ def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerP
     Its value after n applied updates is lr * (n + 1) / W during the warm-up (Megatron's warm-up of
     W - 1 steps from lr / W), then the decay, reaching min_lr at n = N.
     """
-    total = train.steps * train.updates_per_step
-    if train.lr_warmup_steps >= max(total, 2) and train.lr_decay_style != "constant":
-        raise ValueError(
-            f"train.lr_warmup_steps ({train.lr_warmup_steps}) must be below the number of optimizer steps "
-            f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}"
-        )
-    if train.min_lr > train.lr:
-        raise ValueError(f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+    total = train.steps * train.updates_per_step  # warm-up and min_lr were checked by config.validate
     warmup = max(train.lr_warmup_steps - 1, 0)
     return OptimizerParamScheduler(
         optimizer,
