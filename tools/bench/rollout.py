@@ -15,7 +15,10 @@ against this process during `generate`). One JSON line per scenario:
   20 of 1024), so lengths vary as RL responses do and a finished row stops costing compute;
 - `groups`: --prompts/8 prompts x 8 samples each (GRPO groups), varied lengths.
 
-    python tools/bench/rollout.py [--requests 64] [--max-new-tokens 128] [--threads 1] [--repeats 3]
+--size picks the model: `example` (BENCH_MODEL, the reduced-size policy, 2.0M parameters) or `10x`
+(BENCH_MODEL_10X: wider, twice as deep, larger experts, 10.3x the parameters).
+
+    python tools/bench/rollout.py [--size example|10x] [--requests 64] [--max-new-tokens 128] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -51,14 +54,25 @@ BENCH_MODEL = dict(
     pad_token_id=0,
     tie_word_embeddings=False,
 )
+# The same family and vocabulary with 10.3x the parameters (21M): 2x wider, 2x deeper, 3x wider experts.
+BENCH_MODEL_10X = dict(
+    BENCH_MODEL,
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=512,
+    moe_intermediate_size=384,
+)
+SIZES = {"example": BENCH_MODEL, "10x": BENCH_MODEL_10X}
 
 
-def make_bench_model(folder: str, seed: int) -> str:
-    """Save a randomly initialised (seeded) Qwen3-MoE of BENCH_MODEL's shape to `folder`."""
+def make_bench_model(folder: str, seed: int, shape: dict = BENCH_MODEL) -> str:
+    """Save a randomly initialised (seeded) Qwen3-MoE of `shape` (BENCH_MODEL by default) to `folder`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**BENCH_MODEL)).save_pretrained(folder)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).save_pretrained(folder)
     return folder
 
 
@@ -129,6 +143,7 @@ def _rate(run: tuple[int, float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="example", help="bench model: example or 10x")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop-ids", type=int, default=20, help="stop tokens of the varied-length scenarios")
@@ -140,7 +155,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    folder = make_bench_model(tempfile.mkdtemp(prefix="bench-rollout-"), args.seed)
+    folder = make_bench_model(tempfile.mkdtemp(prefix="bench-rollout-"), args.seed, SIZES[args.size])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     stop_ids = tuple(range(2, 2 + args.stop_ids))
     scenarios = [
@@ -171,6 +186,7 @@ def main() -> None:
                     {
                         "bench": "rollout",
                         "scenario": name,
+                        "size": args.size,
                         "figure": "generated tokens/s",
                         "requests": len(prompts),
                         "max_new_tokens": params.max_new_tokens,
