@@ -134,6 +134,11 @@ class AlgorithmConfig:
         0.0, "beta: weight of KL(pi || pi_ref) in the loss; 0 = no reference model", **BOUNDS["kl_coef"]
     )
     kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus: loss -= coef x mean entropy per loss token (verl's entropy_coeff); 0 = off",
+        **BOUNDS["entropy_coef"],
+    )
     is_correction: Literal[IS_MODES] = _f(
         "none", "rollout/trainer mismatch weight: truncate at C or mask outside [C_min, C_max]"
     )
