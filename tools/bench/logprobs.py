@@ -50,7 +50,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the one sample")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16, help="attention heads (head dim 64, 4 query groups)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (head dim 64, up to 4 query groups)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="train.logprob_chunk_tokens of the actor")
     p.add_argument("--before", default="main", help="git revision of the 'before' figure; '' = skip it")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
@@ -131,7 +131,7 @@ def _actor_child(args: argparse.Namespace) -> dict:
         hidden_size=args.hidden,
         ffn_hidden_size=3 * args.hidden,
         num_attention_heads=args.heads,
-        num_query_groups=4,
+        num_query_groups=min(4, args.heads),
         kv_channels=64,
         vocab_size=args.vocab,
         max_position_embeddings=args.tokens,
