@@ -92,9 +92,8 @@ class LogProbHead:
         parallelism, a copy whose gradient is all-reduced over TP; the weight shard of
         `output_layer` or, tied, the embedding's."""
         gpt = unwrap_model(model)
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        if weight is None:
-            weight = gpt.output_layer.weight
+        tied = gpt.share_embeddings_and_output_weights
+        weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
         sequence_parallel = gpt.output_layer.sequence_parallel
         if sequence_parallel:
             hidden = gather_from_sequence_parallel_region(
