@@ -140,6 +140,11 @@ class AlgorithmConfig:
         **BOUNDS["kl_coef"],
     )
     kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus: loss -= coef x mean entropy per loss token (verl's entropy_coeff); 0 = off",
+        **BOUNDS["entropy_coef"],
+    )
     kl_in_reward: bool = _f(
         False,
         "PPO-style: subtract beta x (the response's summed per-token KL to the reference at pi_old) from its "

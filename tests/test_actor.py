@@ -198,3 +198,51 @@ def test_package_exports_megatron_parts_lazily() -> None:
     assert {"MegatronActor", "LogProbResult", "ActorBatch"} <= set(actor.__all__) <= set(dir(actor))
     with pytest.raises(AttributeError, match="NoSuchName"):
         _ = actor.NoSuchName
+
+
+def test_entropy_coef_adds_the_bonus_to_the_policy_loss() -> None:
+    """The train step's micro-batch loss with `algorithm.entropy_coef` = c on a tiny batch: loss and
+    gradients equal autograd through a full log_softmax of policy_loss - c x H_mean (H_mean over the
+    loss tokens of the whole batch); the metrics report the bonus and include it in `loss`; c = 0
+    leaves the entropy without gradient and the policy loss as it was."""
+    import dataclasses
+
+    from megatron_rl.actor.logprobs import vocab_parallel_logprobs_from_hidden
+    from megatron_rl.actor.train_step import _loss_fn, policy_token_loss
+    from megatron_rl.config import loss_spec, preset
+    from megatron_rl.losses import global_normalizer, policy_loss
+
+    batch = _batch()
+    mb = MicroBatch(indices=(0, 1), lengths=(5, 3))
+    inp = build_inputs(batch, mb, torch.device("cpu"), with_fields=("old_log_probs", "advantages"))
+    norm = global_normalizer([inp.target_mask], token_norm=8.0)
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    temperature = 0.7
+    results = {}
+    for coef in (0.0, 0.25):
+        spec = loss_spec(dataclasses.replace(preset("grpo"), entropy_coef=coef))
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = vocab_parallel_logprobs_from_hidden(h, w, inp.target, temperature, mask=inp.target_mask, chunk_tokens=3)
+        loss, metrics = _loss_fn(policy_token_loss(spec), norm, 1.0, spec.entropy_coef)(inp, out)
+        loss.backward()
+
+        hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lsm = torch.log_softmax(hr @ wr.t() / temperature, dim=-1)
+        logp = lsm.gather(-1, inp.target.unsqueeze(-1)).squeeze(-1)
+        ent = -(lsm.exp() * lsm).sum(-1)
+        f = inp.fields
+        ref_pg, _ = policy_loss(logp, f["old_log_probs"], f["advantages"], inp.target_mask, spec, normalizer=norm)
+        h_mean = ent[inp.target_mask].sum() / 4  # 4 loss tokens in the whole batch
+        ref = ref_pg - coef * h_mean
+        ref.backward()
+        assert abs(loss.item() - ref.item()) <= 1e-5
+        assert (h.grad - hr.grad).abs().max() <= 1e-5 and (w.grad - wr.grad).abs().max() <= 1e-5
+        assert abs(float(metrics["loss"]) - ref.item()) <= 1e-5
+        if coef:
+            assert abs(float(metrics["entropy_bonus"]) + coef * h_mean.item()) <= 1e-5
+        else:
+            assert "entropy_bonus" not in metrics
+        results[coef] = (w.grad, float(metrics["entropy_sum"]))
+    assert (results[0.0][0] - results[0.25][0]).abs().max() > 1e-3, "the bonus must change the gradient"
+    assert results[0.0][1] == pytest.approx(results[0.25][1])

@@ -1,7 +1,10 @@
 """The Megatron actor across layouts: one gloo launch per world size (tests/mrl_multiproc/scenarios_actor.py).
 
-The world-size-1 launch computes the references (log-probs and entropy against a plain full-vocab
-log_softmax, recorded routing, parameters after optimizer steps, a checkpoint); TP=2 with SP,
+Every layout first checks the actor's log-prob path (hidden states, no logits) against the logits
+path on the same weights: log-probs, entropy and every parameter's gradient within 1e-5 (also with
+tied embeddings at TP=1, TP=2 and PP=2). The world-size-1 launch computes the references (log-probs
+and entropy against a plain full-vocab log_softmax, recorded routing, parameters after optimizer
+steps, a checkpoint); TP=2 with SP,
 EP=2 (alltoall), PP=2 and TP=2 x EP=2 must reproduce them: log-probs/entropy within 1e-5,
 parameters after two Adam steps within 1e-6, routing replay exact, checkpoints loadable across layouts
 (also across vocabulary paddings: TP1 <-> TP2, model and optimizer tensors bit for bit) and
@@ -17,6 +20,7 @@ from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 WORLDS = {
     1: [
         "w1_reference",
+        "w1_hidden_path_tied",
         "w1_recompute_replay",
         "w1_checkpoint_load_both_kinds",
         "w1_reference_policy_kl",
@@ -29,6 +33,8 @@ WORLDS = {
         "w2_ep2_alltoall",
         "w2_pp2",
         "w2_pp2_allgather",
+        "w2_pp2_hidden_path_tied",
+        "w2_tp2_hidden_path_tied",
         "w2_pp2_recompute_replay",
         "w2_bad_layout",
         "w2_vocab_padding_tp1_tp2_tp1",

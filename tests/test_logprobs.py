@@ -1,4 +1,4 @@
-"""Vocab-parallel log-probs and entropy against a plain full-vocabulary log_softmax reference."""
+"""Vocab-parallel log-probs and entropy from hidden states against a plain full-vocabulary log_softmax reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_from_hidden
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs_from_hidden
+from megatron_rl.losses import Normalizer
+from megatron_rl.losses.entropy import entropy_bonus
 
 TEMPERATURES = [0.0, 1.0, 0.6, 1.7]
 TOL = 1e-5
@@ -29,11 +31,10 @@ def make_case(seed: int, lead=(2, 11), vocab: int = 96, hidden: int = 16):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(*lead, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g) * 0.8
-    logits = torch.randn(*lead, vocab, generator=g) * 3.0
     target = torch.randint(0, vocab, lead, generator=g)
     mask = torch.rand(*lead, generator=g) > 0.25
     g_logp, g_ent = torch.randn(*lead, generator=g), torch.randn(*lead, generator=g)
-    return h, w, logits, target, mask, g_logp, g_ent
+    return h, w, target, mask, g_logp, g_ent
 
 
 def loss_of(logp, entropy, g_logp, g_ent):
@@ -45,27 +46,9 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("chunk", [1, 5, 22, 1000])
-def test_from_logits_matches_full_vocab(temperature: float, chunk: int) -> None:
-    _, _, logits, target, mask, g_logp, g_ent = make_case(1)
-    x = logits.clone().requires_grad_()
-    out = vocab_parallel_logprobs(x, target, temperature, mask=mask, chunk_tokens=chunk)
-    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == target.shape
-    (grad,) = torch.autograd.grad(loss_of(*out, g_logp, g_ent), x)
-
-    xr = logits.clone().requires_grad_()
-    ref_logp, ref_ent = reference(xr, target, mask, temperature)
-    (ref_grad,) = torch.autograd.grad(loss_of(ref_logp, ref_ent, g_logp, g_ent), xr)
-    assert max_diff(out.logprobs, ref_logp) <= TOL
-    assert max_diff(out.entropy, ref_ent) <= TOL
-    assert max_diff(grad, ref_grad) <= TOL
-    assert torch.equal(x.detach(), logits), "the caller's logits were modified"
-
-
-@pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("chunk", [3, 22])
+@pytest.mark.parametrize("chunk", [1, 3, 22, 1000])
 def test_from_hidden_matches_full_vocab(temperature: float, chunk: int) -> None:
-    hidden, weight, _, target, mask, g_logp, g_ent = make_case(2)
+    hidden, weight, target, mask, g_logp, g_ent = make_case(2)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = vocab_parallel_logprobs_from_hidden(h, w, target, temperature, mask=mask, chunk_tokens=chunk)
     grads = torch.autograd.grad(loss_of(*out, g_logp, g_ent), [h, w])
@@ -82,84 +65,117 @@ def test_from_hidden_matches_full_vocab(temperature: float, chunk: int) -> None:
 @pytest.mark.parametrize("use", ["logprobs", "entropy"])
 def test_one_output_backward(use: str) -> None:
     """Backward through only one output (the other's gradient arrives as None)."""
-    hidden, weight, logits, target, mask, g_logp, _ = make_case(3)
+    hidden, weight, target, mask, g_logp, _ = make_case(3)
     pick = 0 if use == "logprobs" else 1
-    x, w = logits.clone().requires_grad_(), weight.clone().requires_grad_()
-    (grad,) = torch.autograd.grad((vocab_parallel_logprobs(x, target, 0.8, mask=mask)[pick] * g_logp).sum(), x)
-    (grad_w,) = torch.autograd.grad(
-        (vocab_parallel_logprobs_from_hidden(hidden, w, target, 0.8, mask=mask)[pick] * g_logp).sum(), w
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    grads = torch.autograd.grad(
+        (vocab_parallel_logprobs_from_hidden(h, w, target, 0.8, mask=mask)[pick] * g_logp).sum(), [h, w]
     )
-    xr, wr = logits.clone().requires_grad_(), weight.clone().requires_grad_()
-    (ref,) = torch.autograd.grad((reference(xr, target, mask, 0.8)[pick] * g_logp).sum(), xr)
-    (ref_w,) = torch.autograd.grad((reference(hidden @ wr.t(), target, mask, 0.8)[pick] * g_logp).sum(), wr)
-    assert max_diff(grad, ref) <= TOL
-    assert max_diff(grad_w, ref_w) <= TOL
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = torch.autograd.grad((reference(hr @ wr.t(), target, mask, 0.8)[pick] * g_logp).sum(), [hr, wr])
+    assert max_diff(grads[0], ref[0]) <= TOL
+    assert max_diff(grads[1], ref[1]) <= TOL
 
 
 def test_hand_computed_two_token_vocab() -> None:
-    """logits [0, ln 3]: p = [1/4, 3/4]; logp(1) = ln 3/4, H = ln 4 - (3/4) ln 3; d logp(1)/d logits = [-1/4, 1/4]."""
-    x = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]], requires_grad=True)
-    out = vocab_parallel_logprobs(x, torch.tensor([1]))
+    """hidden [0, ln 3], W = I: logits [0, ln 3], p = [1/4, 3/4]; logp(1) = ln 3/4,
+    H = ln 4 - (3/4) ln 3; d logp(1)/d logits = [-1/4, 1/4] = d/d hidden, and d/d W = outer([-1/4, 1/4], h)."""
+    ln3 = float(torch.log(torch.tensor(3.0)))
+    h = torch.tensor([[0.0, ln3]], requires_grad=True)
+    w = torch.eye(2).requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(h, w, torch.tensor([1]))
     assert abs(out.logprobs.item() - torch.log(torch.tensor(0.75)).item()) <= 1e-7
-    assert abs(out.entropy.item() - (torch.log(torch.tensor(4.0)) - 0.75 * torch.log(torch.tensor(3.0))).item()) <= 1e-7
+    assert abs(out.entropy.item() - (torch.log(torch.tensor(4.0)) - 0.75 * ln3).item()) <= 1e-7
     out.logprobs.sum().backward()
-    assert torch.allclose(x.grad, torch.tensor([[-0.25, 0.25]]), atol=1e-7)
+    assert torch.allclose(h.grad, torch.tensor([[-0.25, 0.25]]), atol=1e-7)
+    assert torch.allclose(w.grad, torch.tensor([[0.0, -0.25 * ln3], [0.0, 0.25 * ln3]]), atol=1e-7)
 
 
 def test_masked_positions_are_zero_and_unchecked() -> None:
-    _, _, logits, target, mask, g_logp, g_ent = make_case(4)
+    hidden, weight, target, mask, g_logp, g_ent = make_case(4)
     target = torch.where(mask, target, torch.full_like(target, -100))  # ignore-index style padding
-    x = logits.clone().requires_grad_()
-    out = vocab_parallel_logprobs(x, target, 1.0, mask=mask, chunk_tokens=4)
+    h = hidden.clone().requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(h, weight, target, 1.0, mask=mask, chunk_tokens=4)
     loss_of(*out, g_logp, g_ent).backward()
     assert torch.all(out.logprobs[~mask] == 0) and torch.all(out.entropy[~mask] == 0)
-    assert torch.all(x.grad[~mask] == 0)
-    assert torch.all(x.grad[mask].abs().sum(-1) > 0)
+    assert torch.all(h.grad[~mask] == 0)
+    assert torch.all(h.grad[mask].abs().sum(-1) > 0)
 
 
 def test_padded_vocab_columns_are_ignored() -> None:
-    """Columns at ids >= vocab_size (Megatron's vocab padding) take no part and get no gradient."""
-    hidden, weight, logits, target, mask, g_logp, g_ent = make_case(5)
+    """Rows of W at ids >= vocab_size (Megatron's vocab padding) take no part and get no gradient."""
+    hidden, weight, target, mask, g_logp, g_ent = make_case(5)
     real = 90
     target = target.clamp(max=real - 1)
-    x = logits.clone().requires_grad_()
-    out = vocab_parallel_logprobs(x, target, 0.7, mask=mask, vocab_size=real, chunk_tokens=7)
+    w = weight.clone().requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(hidden, w, target, 0.7, mask=mask, vocab_size=real, chunk_tokens=7)
     loss_of(*out, g_logp, g_ent).backward()
-    xr = logits[..., :real].clone().requires_grad_()
-    ref = reference(xr, target, mask, 0.7)
+    wr = weight[:real].clone().requires_grad_()
+    ref = reference(hidden @ wr.t(), target, mask, 0.7)
     loss_of(*ref, g_logp, g_ent).backward()
     assert max_diff(out.logprobs, ref[0]) <= TOL and max_diff(out.entropy, ref[1]) <= TOL
-    assert max_diff(x.grad[..., :real], xr.grad) <= TOL
-    assert torch.all(x.grad[..., real:] == 0)
-
-    w = weight.clone().requires_grad_()
-    out_h = vocab_parallel_logprobs_from_hidden(hidden, w, target, 0.7, mask=mask, vocab_size=real)
-    assert max_diff(out_h.logprobs, reference(hidden @ weight[:real].t(), target, mask, 0.7)[0]) <= TOL
-    loss_of(*out_h, g_logp, g_ent).backward()
+    assert max_diff(w.grad[:real], wr.grad) <= TOL
     assert torch.all(w.grad[real:] == 0)
 
 
-def test_bf16_inputs_give_fp32_outputs() -> None:
-    hidden, weight, logits, target, mask, g_logp, g_ent = make_case(6)
-    x = logits.bfloat16().requires_grad_()
-    out = vocab_parallel_logprobs(x, target, 0.9, mask=mask, chunk_tokens=5)
+def test_weight_gradient_goes_into_main_grad() -> None:
+    """A weight with Megatron DDP's fp32 `main_grad` gets its gradient added there (what was in it
+    stays), autograd gets None; a bf16 `main_grad` is not used."""
+    hidden, weight, target, mask, g_logp, g_ent = make_case(7)
+    w = weight.clone().requires_grad_()
+    w.main_grad = torch.full(weight.shape, 0.5)
+    h = hidden.clone().requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(h, w, target, 0.9, mask=mask, chunk_tokens=4)
     loss_of(*out, g_logp, g_ent).backward()
-    assert out.logprobs.dtype == torch.float32 and out.entropy.dtype == torch.float32
-    assert x.grad.dtype == torch.bfloat16
-    # exact for the bf16 values it was given, within bf16 rounding of the fp32 logits
-    exact = reference(x.detach().float(), target, mask, 0.9)
-    assert max_diff(out.logprobs, exact[0]) <= TOL and max_diff(out.entropy, exact[1]) <= TOL
-    fp32 = reference(logits, target, mask, 0.9)
-    assert max_diff(out.logprobs, fp32[0]) <= 0.1 and max_diff(out.entropy, fp32[1]) <= 0.05
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_of(*reference(hr @ wr.t(), target, mask, 0.9), g_logp, g_ent).backward()
+    assert w.grad is None
+    assert max_diff(w.main_grad, wr.grad + 0.5) <= TOL
+    assert max_diff(h.grad, hr.grad) <= TOL
 
+    w.main_grad = torch.zeros(weight.shape, dtype=torch.bfloat16)
+    out = vocab_parallel_logprobs_from_hidden(hidden, w, target, 0.9, mask=mask, chunk_tokens=4)
+    loss_of(*out, g_logp, g_ent).backward()
+    assert max_diff(w.grad, wr.grad) <= TOL and not w.main_grad.any()
+
+
+def test_entropy_bonus_gradient_matches_autograd() -> None:
+    """loss = sum(-logp)/N + entropy_bonus(coef) on a tiny batch: the bonus is -coef x the mean entropy
+    over the loss tokens (hand value), and the gradients of hidden and W equal autograd's through a
+    full log_softmax; with coef = 0 the bonus is 0 and the entropy carries no gradient."""
+    hidden, weight, target, mask, _, _ = make_case(8, lead=(3, 5), vocab=12, hidden=6)
+    norm = Normalizer(num_tokens=float(mask.sum()) + 4, num_sequences=3.0, token_norm=5.0)  # other micro-batches too
+    for coef in (0.0, 0.3):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = vocab_parallel_logprobs_from_hidden(h, w, target, 0.8, mask=mask, chunk_tokens=2)
+        bonus = entropy_bonus(out.entropy, mask, coef, norm)
+        assert abs(bonus.item() - (-coef * out.entropy[mask].sum().item() / norm.num_tokens)) <= 1e-7
+        (-(out.logprobs[mask]).sum() / norm.num_tokens + bonus).backward()
+
+        hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lsm = torch.log_softmax((hr @ wr.t()) / 0.8, dim=-1)
+        ent = -(lsm.exp() * lsm).sum(-1)
+        logp = lsm.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        (-(logp[mask]).sum() / norm.num_tokens - coef * ent[mask].sum() / norm.num_tokens).backward()
+        assert max_diff(h.grad, hr.grad) <= TOL and max_diff(w.grad, wr.grad) <= TOL
+    with pytest.raises(ValueError, match=r"entropy shape \(3, 5\) must equal mask shape \(3, 4\)"):
+        entropy_bonus(out.entropy, mask[:, :4], 0.1, norm)
+
+
+def test_bf16_inputs_give_fp32_outputs() -> None:
+    hidden, weight, target, mask, g_logp, g_ent = make_case(6)
     hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
     out_h = vocab_parallel_logprobs_from_hidden(hb, wb, target, 0.9, mask=mask, chunk_tokens=5)
     loss_of(*out_h, g_logp, g_ent).backward()
-    assert out_h.logprobs.dtype == torch.float32 and wb.grad.dtype == torch.bfloat16
+    assert out_h.logprobs.dtype == torch.float32 and out_h.entropy.dtype == torch.float32
+    assert wb.grad.dtype == torch.bfloat16 and hb.grad.dtype == torch.bfloat16
+    # exact for the bf16 logits it computed, within bf16 rounding of the fp32 ones
+    exact = reference((hb.detach() @ wb.detach().t()).float(), target, mask, 0.9)
+    assert max_diff(out_h.logprobs, exact[0]) <= TOL and max_diff(out_h.entropy, exact[1]) <= TOL
     wr = weight.clone().requires_grad_()
     ref = reference(hidden @ wr.t(), target, mask, 0.9)
     loss_of(*ref, g_logp, g_ent).backward()
-    assert max_diff(out_h.logprobs, ref[0]) <= 0.1
+    assert max_diff(out_h.logprobs, ref[0]) <= 0.1 and max_diff(out_h.entropy, ref[1]) <= 0.05
     assert max_diff(wb.grad, wr.grad) <= 0.05 * wr.grad.abs().max().item()
 
 
@@ -191,38 +207,38 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def test_memory_is_bounded_by_the_chunk() -> None:
-    """No op allocates more than one fp32 chunk of logits (except the logits gradient, in the input dtype)."""
+    """No op allocates more than one fp32 chunk of logits: no [tokens, V] tensor in forward or backward."""
     n, vocab, hid, chunk = 64, 512, 8, 8
-    logits = torch.randn(n, vocab).bfloat16().requires_grad_()
     target = torch.randint(0, vocab, (n,))
-    with _LargestNewTensor() as seen:
-        vocab_parallel_logprobs(logits, target, 0.7, chunk_tokens=chunk).logprobs.sum().backward()
-    grad_bytes = n * vocab * 2
-    assert seen.largest[0] == grad_bytes, seen.largest  # the bf16 gradient, not an fp32 [n, V] copy
-
     hidden, weight = torch.randn(n, hid, requires_grad=True), torch.randn(vocab, hid, requires_grad=True)
+    weight.main_grad = torch.zeros(vocab, hid)  # as under Megatron's DDP: no [V, H] accumulator either
     with _LargestNewTensor() as seen:
         out = vocab_parallel_logprobs_from_hidden(hidden, weight, target, 0.7, chunk_tokens=chunk)
         (out.logprobs.sum() + out.entropy.sum()).backward()
     assert seen.largest[0] <= chunk * vocab * 4, seen.largest
+    assert weight.main_grad.abs().sum() > 0
 
 
 def test_bad_inputs_name_the_culprit() -> None:
-    logits, target = torch.randn(4, 10), torch.randint(0, 10, (4,))
-    with pytest.raises(ValueError, match=r"target shape \(3,\) must equal logits"):
-        vocab_parallel_logprobs(logits, target[:3])
+    hidden, weight, target = torch.randn(4, 6), torch.randn(10, 6), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match=r"target shape \(3,\) must equal hidden"):
+        vocab_parallel_logprobs_from_hidden(hidden, weight, target[:3])
     with pytest.raises(ValueError, match=r"target\[2\] = 10 is outside the vocabulary \[0, 10\)"):
-        vocab_parallel_logprobs(logits, torch.tensor([0, 1, 10, 2]))
+        vocab_parallel_logprobs_from_hidden(hidden, weight, torch.tensor([0, 1, 10, 2]))
     with pytest.raises(ValueError, match="temperature must be >= 0"):
-        vocab_parallel_logprobs(logits, target, -1.0)
+        vocab_parallel_logprobs_from_hidden(hidden, weight, target, -1.0)
     with pytest.raises(ValueError, match="train.logprob_chunk_tokens"):
-        vocab_parallel_logprobs(logits, target, chunk_tokens=0)
+        vocab_parallel_logprobs_from_hidden(hidden, weight, target, chunk_tokens=0)
     with pytest.raises(ValueError, match=r"vocab_size \(11\) must be in \[1, 10\]"):
-        vocab_parallel_logprobs(logits, target, vocab_size=11)
+        vocab_parallel_logprobs_from_hidden(hidden, weight, target, vocab_size=11)
     with pytest.raises(ValueError, match="cannot be viewed"):
-        vocab_parallel_logprobs(torch.randn(4, 3, 10).transpose(0, 1), torch.zeros(3, 4, dtype=torch.long))
+        vocab_parallel_logprobs_from_hidden(
+            torch.randn(4, 3, 6).transpose(0, 1), weight, torch.zeros(3, 4, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match=r"weight shape \(10, 5\) must be \[V/TP, H\]"):
-        vocab_parallel_logprobs_from_hidden(torch.randn(4, 6), torch.randn(10, 5), target)
+        vocab_parallel_logprobs_from_hidden(hidden, torch.randn(10, 5), target)
+    with pytest.raises(TypeError, match="hidden dtype torch.float32 differs from weight dtype torch.bfloat16"):
+        vocab_parallel_logprobs_from_hidden(hidden, weight.bfloat16(), target)
 
 
 # ---- TP = 2: a real 2-process gloo group, every scenario in one launch ----
@@ -245,18 +261,8 @@ def _shard(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
 
 
 def _check_tp_case(rank: int, world: int, seed: int, temperature: float, chunk: int) -> None:
-    hidden, weight, logits, target, mask, g_logp, g_ent = make_case(seed)
+    hidden, weight, target, mask, g_logp, g_ent = make_case(seed)
     where = f"rank {rank}, seed {seed}, T={temperature}, chunk={chunk}"
-    x = _shard(logits, rank, world, -1).requires_grad_()
-    out = vocab_parallel_logprobs(x, target, temperature, mask=mask, chunk_tokens=chunk, group=dist.group.WORLD)
-    loss_of(*out, g_logp, g_ent).backward()
-    xr = logits.clone().requires_grad_()
-    ref = reference(xr, target, mask, temperature)
-    loss_of(*ref, g_logp, g_ent).backward()
-    assert max_diff(out.logprobs, ref[0]) <= TOL, where
-    assert max_diff(out.entropy, ref[1]) <= TOL, where
-    assert max_diff(x.grad, _shard(xr.grad, rank, world, -1)) <= TOL, where
-
     h, w = hidden.clone().requires_grad_(), _shard(weight, rank, world, 0).requires_grad_()
     out = vocab_parallel_logprobs_from_hidden(
         h, w, target, temperature, mask=mask, chunk_tokens=chunk, group=dist.group.WORLD
@@ -273,21 +279,10 @@ def _check_tp_case(rank: int, world: int, seed: int, temperature: float, chunk: 
 
 def _check_tp_padded_vocab(rank: int, world: int) -> None:
     """V/TP = 48 per rank; a real vocabulary of 60 leaves 36 padding columns on rank 1, one of 40 leaves rank 1 only padding."""
-    hidden, weight, logits, target, mask, g_logp, g_ent = make_case(14)
+    hidden, weight, target, mask, g_logp, g_ent = make_case(14)
     for real in (60, 40):  # 40: rank 1 holds only padding
         where = f"rank {rank}, vocab {real}"
         tgt = target.clamp(max=real - 1)
-        x = _shard(logits, rank, world, -1).requires_grad_()
-        out = vocab_parallel_logprobs(x, tgt, 0.8, mask=mask, chunk_tokens=6, vocab_size=real, group=dist.group.WORLD)
-        loss_of(*out, g_logp, g_ent).backward()
-        xr = logits[..., :real].clone().requires_grad_()
-        ref = reference(xr, tgt, mask, 0.8)
-        loss_of(*ref, g_logp, g_ent).backward()
-        full_grad = torch.cat([xr.grad, torch.zeros(*xr.shape[:-1], logits.shape[-1] - real)], dim=-1)
-        assert max_diff(out.logprobs, ref[0]) <= TOL, where
-        assert max_diff(out.entropy, ref[1]) <= TOL, where
-        assert max_diff(x.grad, _shard(full_grad, rank, world, -1)) <= TOL, where
-
         h, w = hidden.clone().requires_grad_(), _shard(weight, rank, world, 0).requires_grad_()
         out = vocab_parallel_logprobs_from_hidden(
             h, w, tgt, 0.8, mask=mask, chunk_tokens=6, vocab_size=real, group=dist.group.WORLD
@@ -298,19 +293,20 @@ def _check_tp_padded_vocab(rank: int, world: int) -> None:
         loss_of(*ref, g_logp, g_ent).backward()
         full_grad_w = torch.cat([wr.grad, torch.zeros(weight.shape[0] - real, weight.shape[1])])
         assert max_diff(out.logprobs, ref[0]) <= TOL, where
+        assert max_diff(out.entropy, ref[1]) <= TOL, where
         assert max_diff(h.grad, hr.grad) <= TOL, where
         assert max_diff(w.grad, _shard(full_grad_w, rank, world, 0)) <= TOL, where
 
 
 def _check_tp_bf16(rank: int, world: int) -> None:
-    _, _, logits, target, mask, g_logp, g_ent = make_case(15)
-    x = _shard(logits, rank, world, -1).bfloat16().requires_grad_()
-    out = vocab_parallel_logprobs(x, target, 1.0, mask=mask, chunk_tokens=4, group=dist.group.WORLD)
+    hidden, weight, target, mask, g_logp, g_ent = make_case(15)
+    hb, wb = hidden.bfloat16().requires_grad_(), _shard(weight, rank, world, 0).bfloat16().requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(hb, wb, target, 1.0, mask=mask, chunk_tokens=4, group=dist.group.WORLD)
     loss_of(*out, g_logp, g_ent).backward()
-    assert out.logprobs.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    exact = reference(logits.bfloat16().float(), target, mask, 1.0)
+    assert out.logprobs.dtype == torch.float32 and wb.grad.dtype == torch.bfloat16
+    exact = reference((hidden.bfloat16() @ weight.bfloat16().t()).float(), target, mask, 1.0)
     assert max_diff(out.logprobs, exact[0]) <= TOL and max_diff(out.entropy, exact[1]) <= TOL
-    assert max_diff(out.logprobs, reference(logits, target, mask, 1.0)[0]) <= 0.1
+    assert max_diff(out.logprobs, reference(hidden @ weight.t(), target, mask, 1.0)[0]) <= 0.1
 
 
 def test_tensor_parallel_two_ranks(tmp_path, monkeypatch) -> None:

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs, vocab_parallel_logprobs_from_hidden
+from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
 from megatron_rl.actor.micro_batches import (
     MicroBatch,
     MicroBatchPlan,
@@ -41,7 +41,6 @@ __all__ = [
     "plan_micro_batches",
     "plans_with_equal_count",
     "unpad",
-    "vocab_parallel_logprobs",
     "vocab_parallel_logprobs_from_hidden",
 ]
 

@@ -3,7 +3,10 @@
 Every rank holds the whole batch. `plan_for_rank` splits it over the data-parallel (DP) ranks
 (token-balanced) and cuts this rank's share into right-padded micro-batches with the same count
 on every DP rank; `run_schedule` feeds them to `get_forward_backward_func()` (1F1B when PP > 1),
-driving routing record/replay per micro-batch; `compute_log_probs` returns the log-probs and
+driving routing record/replay per micro-batch. On the last stage the model stops at the decoder's
+final hidden states (no logits): `LogProbHead` turns them and the output layer's weight shard into
+log-probs and entropy chunk by chunk (`logprobs.vocab_parallel_logprobs_from_hidden`), so no
+[tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` returns the log-probs and
 entropy of every response token (and, recording, the routing in SGLang's layout) of the WHOLE
 batch on EVERY rank: owners fill their part of a zero buffer and one all-reduce sums it (exact:
 each value has a single contributor).
@@ -11,7 +14,8 @@ each value has a single contributor).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +23,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
 from megatron_rl.actor.micro_batches import MicroBatch, balance_across_ranks, plans_with_equal_count
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.parallel.device import local_device
 
-LossFn = Callable[[MicroBatchInputs, Tensor], tuple[Tensor, Any]]
+LossFn = Callable[[MicroBatchInputs, LogProbs], tuple[Tensor, Any]]
 
 
 def plan_for_rank(lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
@@ -71,6 +76,58 @@ def prepare_inputs(
     ]
 
 
+@dataclass(frozen=True)
+class LogProbHead:
+    """The last stage's output: log-probs of the targets and entropy, at `temperature`, over the real
+    vocabulary (`vocab_size`: Megatron's padding rows ignored), `chunk_tokens` rows at a time."""
+
+    temperature: float
+    vocab_size: int
+    chunk_tokens: int
+
+    def __call__(self, model: torch.nn.Module, hidden: Tensor, mb: MicroBatchInputs) -> LogProbs:
+        """`hidden`: what the last stage's GPTModel returned with its output layer skipped, [s, b, H]
+        (s / TP rows under sequence parallelism). The output layer's computation as Megatron does it:
+        the sequence gathered over TP (its backward a reduce-scatter), or, without sequence
+        parallelism, a copy whose gradient is all-reduced over TP; the weight shard of
+        `output_layer` or, tied, the embedding's."""
+        gpt = unwrap_model(model)
+        tied = gpt.share_embeddings_and_output_weights
+        weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+        sequence_parallel = gpt.output_layer.sequence_parallel
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=ps.get_tensor_model_parallel_group()
+            )
+        # Float16Module upcasts the last stage's output; the output layer computes in the weights' dtype
+        hidden = hidden.to(weight.dtype)
+        # [s, b] views of the [b, s] targets: the hidden states are used as they lie, never copied
+        out = vocab_parallel_logprobs_from_hidden(
+            hidden,
+            weight,
+            mb.target.t(),
+            self.temperature,
+            mask=mb.target_mask.t(),
+            chunk_tokens=self.chunk_tokens,
+            vocab_size=self.vocab_size,
+            reduce_hidden_grad=not sequence_parallel,
+        )
+        return LogProbs(out.logprobs.t(), out.entropy.t())
+
+
+@contextmanager
+def hidden_states_out(model: torch.nn.Module) -> Iterator[None]:
+    """While open, a last-stage GPTModel returns its final hidden states instead of logits (what its
+    `post_process = False` means: the decoder, final norm included, but no output layer)."""
+    gpt = unwrap_model(model)
+    last = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = last
+
+
 @dataclass
 class ScheduleOutput:
     """Per micro-batch, in plan order: what `loss_fn` returned second (last stage only, else empty),
@@ -85,6 +142,7 @@ def run_schedule(
     inputs: Sequence[MicroBatchInputs],
     loss_fn: LossFn,
     *,
+    head: LogProbHead,
     forward_only: bool,
     routing: RoutingReplay | None = None,
     routing_mode: str | None = None,
@@ -92,9 +150,10 @@ def run_schedule(
 ) -> ScheduleOutput:
     """One call of Megatron's forward-backward function over `inputs`.
 
-    `loss_fn(inputs, logits)` runs on the last pipeline stage with logits [rows, max_len, V/TP]
-    and returns (loss to back-propagate, anything to keep). `routing_mode`: None (free routing),
-    "record" or "replay" (the inputs' `routed_experts`, also during recompute in backward).
+    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)`: `LogProbs` [rows,
+    max_len] at the target positions (0 outside `target_mask`), both differentiable, and returns
+    (loss to back-propagate, anything to keep). `routing_mode`: None (free routing), "record" or
+    "replay" (the inputs' `routed_experts`, also during recompute in backward).
     """
     if routing_mode not in (None, "record", "replay"):
         raise ValueError(f"routing_mode must be None, 'record' or 'replay', got {routing_mode!r}")
@@ -113,14 +172,15 @@ def run_schedule(
             routing.start_replay(mb.routed_experts, mb.lengths, mb.max_len, measure_routing)
         elif routing_mode == "record":
             routing.start_recording()
-        output = model(mb.input_ids, mb.position_ids, None)
+        with hidden_states_out(model):
+            output = model(mb.input_ids, mb.position_ids, None)
         if routing_mode == "record":
             recorded.append(routing.take_recorded(mb.rows, mb.max_len))
         elif routing_mode == "replay" and not forward_only:
             routing.replay_in_backward(output)
 
-        def loss_func(logits: Tensor):
-            loss, extra = loss_fn(mb, logits)
+        def loss_func(hidden: Tensor):
+            loss, extra = loss_fn(mb, head(model, hidden, mb))
             extras.append(extra)
             return loss, {}
 
@@ -200,12 +260,10 @@ def compute_log_probs(
     """Log-probs and entropy of every response token (no grad), optionally recording or replaying routing."""
     micro_batches = plan_for_rank(batch.lengths, max_tokens)
     inputs = prepare_inputs(chunks, batch, micro_batches, every_response_token=True)
+    head = LogProbHead(temperature, vocab_size, chunk_tokens)
 
-    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, Any]:
-        out = vocab_parallel_logprobs(
-            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
-        )
-        return logits.new_zeros(()), (mb.response_rows(out.logprobs), mb.response_rows(out.entropy))
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs) -> tuple[Tensor, Any]:
+        return out.logprobs.new_zeros(()), (mb.response_rows(out.logprobs), mb.response_rows(out.entropy))
 
     training = [c.training for c in chunks]
     for c in chunks:
@@ -213,7 +271,7 @@ def compute_log_probs(
     try:
         with torch.no_grad():
             result = run_schedule(
-                chunks, inputs, loss_fn, forward_only=True, routing=routing, routing_mode=routing_mode
+                chunks, inputs, loss_fn, head=head, forward_only=True, routing=routing, routing_mode=routing_mode
             )
     finally:
         for c, was in zip(chunks, training, strict=True):

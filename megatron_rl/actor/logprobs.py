@@ -1,24 +1,24 @@
-"""Per-token log-probs and entropy from vocabulary-sharded logits, in fp32, chunked over tokens.
+"""Per-token log-probs and entropy from the output layer's input and weight shard, in fp32, chunked
+over tokens: logits are never materialised.
 
-Each tensor-parallel (TP) rank holds the logits of its contiguous vocabulary slice
-[rank * V/TP, (rank + 1) * V/TP), as Megatron's ColumnParallelLinear output layer produces them.
-The full vocabulary is never gathered: per chunk of tokens the ranks all-reduce one max and
-three sums per token. Temperature follows SGLang: `log_softmax(logits / T)`, no division for
-T = 0 (greedy) and T = 1.
+Each tensor-parallel (TP) rank holds the rows of the output layer for its contiguous vocabulary
+slice [rank * V/TP, (rank + 1) * V/TP), as Megatron's ColumnParallelLinear does. Per chunk of
+`chunk_tokens` rows, `vocab_parallel_logprobs_from_hidden` computes that chunk's logits
+(hidden @ W.T) into an fp32 buffer, and the ranks all-reduce one max and three sums per token; the
+full vocabulary is never gathered. Temperature follows SGLang: `log_softmax(logits / T)`, no
+division for T = 0 (greedy) and T = 1.
 
-Memory: both paths work on `chunk_tokens` rows at a time in fp32, in two scratch buffers of
-chunk_tokens x V/TP that every chunk reuses, in forward and in backward. Backward recomputes each
-chunk from what forward saved (the caller's input tensors, plus log Z and the entropy per token),
-so no [tokens, V/TP] fp32 tensor is ever materialised. `vocab_parallel_logprobs` still returns a
-gradient the shape (and dtype) of its input logits. `vocab_parallel_logprobs_from_hidden` takes
-the output layer's input and weight instead and computes each chunk's logits itself (plus one
-chunk in the weight dtype when it is not fp32, and an fp32 weight-gradient accumulator), so no
-[tokens, V/TP] tensor exists at all, at the price of one more matmul (the recompute) in backward:
-four matmuls of tokens x H x V/TP instead of three.
+Memory: two fp32 scratch buffers of chunk_tokens x V/TP that every chunk reuses, in forward and in
+backward (plus one chunk in the weight dtype when it is not fp32). Backward recomputes each chunk's
+logits from what forward saved (hidden, weight, log Z and the entropy per token) and accumulates
+the gradients chunk by chunk: of the hidden states into one [tokens, H] tensor, of the weight into
+Megatron's fp32 `main_grad` buffer when the weight has one (as Megatron's gradient-accumulation
+fusion does), else into one fp32 [V/TP, H] accumulator. The price is one more matmul (the
+recompute): four of tokens x H x V/TP instead of three.
 
 Both outputs are differentiable: the log-probs (the policy loss) and the entropy (an entropy
-bonus). Backward needs no communication except, on the hidden path, the TP all-reduce of the
-hidden-state gradient (see `reduce_hidden_grad`).
+bonus). Backward needs no communication except the TP all-reduce of the hidden-state gradient
+(see `reduce_hidden_grad`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _tp_group(group: ProcessGroup) -> tuple[ProcessGroup, int, int]:
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
-            "vocab_parallel_logprobs: torch.distributed is initialised but Megatron parallel_state is not; "
+            "vocab_parallel_logprobs_from_hidden: torch.distributed is initialised but Megatron parallel_state is not; "
             "pass group= (the tensor-parallel process group) explicitly"
         )
     tp = parallel_state.get_tensor_model_parallel_group()
@@ -238,41 +238,6 @@ def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
     return grad
 
 
-class _FromLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, mask: Tensor, shard: _Shard) -> tuple[Tensor, Tensor]:
-        n = logits.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
-        local, owned = _local_targets(target, mask, shard)
-        scratch = _Scratch(n, shard, logits.device)
-        for c in _chunks(n, shard):
-            x, tmp = scratch.take(c)
-            x.copy_(logits[c, : shard.width])
-            logp[c], lse[c], entropy[c] = _forward_chunk(x, tmp, local[c], owned[c], shard)
-        logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
-        ctx.save_for_backward(logits, local, owned, mask, lse, entropy)
-        ctx.shard = shard
-        ctx.set_materialize_grads(False)
-        return logp, entropy
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
-        logits, *saved = ctx.saved_tensors
-        shard: _Shard = ctx.shard
-        b = _Backward.make(tuple(saved), g_logp, g_ent)
-        if b.empty:
-            return torch.zeros_like(logits), None, None, None
-        grad = torch.zeros_like(logits) if shard.width < logits.shape[1] else torch.empty_like(logits)
-        scratch = _Scratch(logits.shape[0], shard, logits.device)
-        for c in _chunks(logits.shape[0], shard):
-            x, tmp = scratch.take(c)
-            x.copy_(logits[c, : shard.width])
-            grad[c, : shard.width] = _grad_chunk(x, tmp, b.rows(c), shard)
-        return grad, None, None, None
-
-
 def _project(h: Tensor, w: Tensor, out: Tensor) -> Tensor:
     """out (fp32) = h @ w.T; in the parameters' dtype, as the output layer computes it."""
     if h.dtype == torch.float32:
@@ -310,10 +275,17 @@ class _FromHidden(torch.autograd.Function):
         b = _Backward.make(tuple(saved), g_logp, g_ent)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp32 = weight.dtype == torch.float32
-        # every row of grad_h is written by one chunk; grad_w accumulates over chunks in fp32 whatever
-        # the parameter dtype
+        # every row of grad_h is written by one chunk; the weight gradient accumulates over chunks in
+        # fp32 whatever the parameter dtype: straight into Megatron DDP's gradient buffer when there is
+        # one (returning None, so autograd adds nothing more), else into one accumulator returned
         grad_h = (torch.zeros_like(hidden) if b.empty else torch.empty_like(hidden)) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_w = acc_w = None
+        if want_w:
+            main = getattr(weight, "main_grad", None)
+            if main is not None and main.dtype == torch.float32 and main.shape == weight.shape:
+                acc_w = main
+            else:
+                acc_w = grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if not b.empty:
             w = weight[: shard.width]
             scratch = _Scratch(hidden.shape[0], shard, hidden.device)
@@ -321,8 +293,8 @@ class _FromHidden(torch.autograd.Function):
                 x, tmp = scratch.take(c)
                 h = hidden[c]
                 dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard)
-                if grad_w is not None:
-                    grad_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
+                if acc_w is not None:
+                    acc_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
                 if grad_h is not None:
                     torch.mm(dx.to(hidden.dtype), w, out=grad_h[c])
         if grad_h is not None and ctx.reduce_hidden_grad:
@@ -330,35 +302,6 @@ class _FromHidden(torch.autograd.Function):
         if grad_w is not None and not fp32:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
-
-
-def vocab_parallel_logprobs(
-    logits: Tensor,
-    target: Tensor,
-    temperature: float = 1.0,
-    *,
-    mask: Tensor | None = None,
-    chunk_tokens: int = 1024,
-    vocab_size: int | None = None,
-    group: ProcessGroup = None,
-) -> LogProbs:
-    """Log-prob of `target` and entropy of softmax(logits / T), from this rank's vocabulary shard.
-
-    logits: [..., V/TP] (any float dtype; never modified, never copied whole), this rank's slice.
-    target: [...] integer token ids in the full vocabulary (the next token: shift before calling).
-    mask: [...] bool, False = padding/prompt: outputs and gradients are 0 there and targets unchecked.
-    vocab_size: real vocabulary size; columns at ids >= vocab_size (Megatron's padding) are ignored.
-    group: the TP process group; None = Megatron's TP group when torch.distributed is initialised.
-    Returns fp32 LogProbs shaped [...]; gradients flow to `logits` through both outputs.
-    """
-    if logits.dim() < 1:
-        raise ValueError(f"logits must have a vocabulary dim, got shape {tuple(logits.shape)}")
-    mask = _check_inputs("logits", logits.shape[:-1], target, mask)
-    shard = _make_shard(logits.shape[-1], vocab_size, temperature, chunk_tokens, group)
-    _check_targets(target, mask, vocab_size or logits.shape[-1] * shard.world)
-    flat = _flat(logits, logits.shape[-1], "logits")
-    logp, entropy = _FromLogits.apply(flat, target.reshape(-1), mask.reshape(-1), shard)
-    return LogProbs(logp.view(target.shape), entropy.view(target.shape))
 
 
 def vocab_parallel_logprobs_from_hidden(
@@ -373,10 +316,18 @@ def vocab_parallel_logprobs_from_hidden(
     group: ProcessGroup = None,
     reduce_hidden_grad: bool = True,
 ) -> LogProbs:
-    """As `vocab_parallel_logprobs` for logits = hidden @ weight.T, computed chunk by chunk.
+    """Log-prob of `target` and entropy of softmax(logits / T) for logits = hidden @ weight.T, from
+    this rank's vocabulary shard, computed chunk by chunk (see the module docstring).
 
-    hidden: [..., H], the full sequence (gathered if sequence parallel), the same on every TP rank.
+    hidden: [..., H] (leading dims viewable as one, never copied), the full sequence (gathered if
+    sequence parallel), the same on every TP rank.
     weight: [V/TP, H], this rank's rows of the output layer (ColumnParallelLinear.weight); no bias.
+    When it carries Megatron DDP's fp32 `main_grad`, its gradient is added there and autograd gets None.
+    target: [...] integer token ids in the full vocabulary (the next token: shift before calling).
+    mask: [...] bool, False = padding/prompt: outputs and gradients are 0 there and targets unchecked.
+    vocab_size: real vocabulary size; rows at ids >= vocab_size (Megatron's padding) are ignored.
+    group: the TP process group; None = Megatron's TP group when torch.distributed is initialised.
+    Returns fp32 LogProbs shaped [...]; gradients flow to `hidden` and `weight` through both outputs.
     The gradient of `hidden` is all-reduced over the TP group when `reduce_hidden_grad` is True (the
     caller did a plain copy into the TP region). Pass False when the caller's own region op reduces it,
     e.g. Megatron's gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True).

@@ -5,12 +5,16 @@ mini-batches (fewer for a short batch: as many as hold one sample per DP rank); 
 global normaliser (`megatron_rl.losses.global_normalizer` over its whole response mask, after
 `algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
 and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
-the SFT cross-entropy), then one optimizer step with
-gradient clipping. Metrics are reduced over micro-batches and ranks with each key's own
+the SFT cross-entropy), then one optimizer step with gradient clipping. Log-probs and entropy come
+from the decoder's hidden states without logits (`forward.LogProbHead`). With the policy loss,
+`algorithm.entropy_coef` > 0 adds the entropy bonus (`losses.entropy_bonus`: -coef x the token-mean
+entropy over the loss tokens, as entropy_mean is computed), back-propagated through the entropy.
+Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
-`policy_loss` after `finalize_metrics`, plus entropy_mean (per loss token), grad_norm (before
-clipping), lr (the update's), update_skipped, micro_batches (per DP rank), is_rejected_frac (with
-is_correction reject: the share of the loss tokens rejected) and, when replaying routing,
+`policy_loss` after `finalize_metrics` (with a bonus, `loss` includes it and `entropy_bonus` is
+its value), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
+update_skipped, micro_batches (per DP rank), is_rejected_frac (with is_correction reject: the share
+of the loss tokens rejected) and, when replaying routing,
 routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
 top-k expert set differs) and routing_changed_frac (all layers).
 """
@@ -26,8 +30,8 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
-from megatron_rl.actor.forward import is_output_owner, plan_for_rank, prepare_inputs, run_schedule
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.forward import LogProbHead, is_output_owner, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.logprobs import LogProbs
 from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.losses import (
@@ -39,6 +43,7 @@ from megatron_rl.losses import (
     metric_reduce_op,
     policy_loss,
 )
+from megatron_rl.losses.entropy import entropy_bonus
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.metrics import masked_sum
 from megatron_rl.parallel.device import local_device
@@ -125,15 +130,15 @@ def policy_token_loss(spec: LossSpec) -> TokenLoss:
     return loss
 
 
-def _loss_fn(
-    token_loss: TokenLoss, normalizer: Normalizer, scale: float, temperature: float, vocab_size: int, chunk_tokens: int
-):
-    def loss_fn(mb: MicroBatchInputs, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        out = vocab_parallel_logprobs(
-            logits, mb.target, temperature, mask=mb.target_mask, chunk_tokens=chunk_tokens, vocab_size=vocab_size
-        )
+def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float):
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs) -> tuple[Tensor, dict[str, Tensor]]:
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
+        if entropy_coef > 0:
+            bonus = entropy_bonus(out.entropy, mb.target_mask, entropy_coef, normalizer)
+            loss = loss + bonus
+            metrics["loss"] = metrics["loss"] + bonus.detach().to(torch.float64)
+            metrics["entropy_bonus"] = bonus.detach().to(torch.float64)
         return loss * scale, metrics
 
     return loss_fn
@@ -173,11 +178,13 @@ def train_on_batch(
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`; one metrics dict per step.
 
-    `loss`: None = the policy loss of `spec`, for which `batch` needs old_log_probs and advantages
-    (plus rollout/ref log-probs when the algorithm uses them); any other `TokenLoss` (e.g. the SFT
-    cross-entropy) gets the fields the batch has. With `replay`, routed_experts (R2 recorded or R3).
+    `loss`: None = the policy loss of `spec` (with its entropy bonus), for which `batch` needs
+    old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses them); any other
+    `TokenLoss` (e.g. the SFT cross-entropy) gets the fields the batch has, and no entropy bonus.
+    With `replay`, routed_experts (R2 recorded or R3).
     """
     policy = loss is None
+    entropy_coef = spec.entropy_coef if policy else 0.0
     if loss is None:
         for name in ("old_log_probs", "advantages"):
             if getattr(batch, name) is None:
@@ -192,7 +199,7 @@ def train_on_batch(
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, max_tokens)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
-        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), temperature, vocab_size, chunk_tokens)
+        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef)
         for chunk in state.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -201,6 +208,7 @@ def train_on_batch(
             state.model,
             inputs,
             loss_fn,
+            head=LogProbHead(temperature, vocab_size, chunk_tokens),
             forward_only=False,
             routing=routing if replay else None,
             routing_mode="replay" if replay else None,

@@ -39,6 +39,7 @@ BOUNDS: dict[str, dict[str, float]] = {
     "sapo_tau_neg": {"gt": 0},
     "max_log_ratio": {"gt": 0},
     "kl_coef": {"ge": 0},
+    "entropy_coef": {"ge": 0},
     "is_threshold": {"gt": 0},
     "is_mask_min": {"ge": 0},
     "is_mask_max": {"gt": 0},
@@ -76,6 +77,7 @@ class LossSpec:
     max_log_ratio: float
     kl_coef: float
     kl_estimator: str
+    entropy_coef: float
     is_correction: str
     is_level: str
     is_threshold: float

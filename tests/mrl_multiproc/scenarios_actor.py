@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.forward import padded_shapes, plan_for_rank
+from megatron_rl.actor.forward import LogProbHead, padded_shapes, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.config import Config, ConfigError, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
@@ -137,6 +137,116 @@ def plain_log_probs(actor: MegatronActor, batch: ActorBatch) -> tuple[list[torch
     return logp, ent
 
 
+# --- the hidden-state log-prob path against the logits path -------------------------------
+
+
+def _logits_path(actor: MegatronActor, inputs, coef) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """The pre-fusion path: the model's own output layer, its logits gathered over TP, a full-vocabulary
+    fp32 log_softmax / T; forward and backward of `_probe_loss` through Megatron's schedule."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    vocab = actor.cfg.model.vocab_size
+    outs = []
+    it = iter(zip(inputs, coef, strict=True))
+
+    def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract
+        mb, (a, b) = next(data_iterator)
+
+        def loss_func(logits: torch.Tensor):  # noqa: ANN202
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                logits = gather_from_tensor_model_parallel_region(logits)
+            lsm = F.log_softmax(logits[..., :vocab].float() / TEMPERATURE, dim=-1)
+            logp = lsm.gather(-1, mb.target.unsqueeze(-1)).squeeze(-1).where(mb.target_mask, 0.0)
+            ent = (-(lsm.exp() * lsm).sum(-1)).where(mb.target_mask, 0.0)
+            outs.append((logp.detach(), ent.detach()))
+            return _probe_loss(logp, ent, a, b), {}
+
+        return model(mb.input_ids, mb.position_ids, None), loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=it,
+        model=list(actor.state.model),
+        num_microbatches=len(inputs),
+        seq_length=inputs[0].max_len,
+        micro_batch_size=inputs[0].rows,
+        forward_only=False,
+    )
+    return outs
+
+
+def _hidden_path(actor: MegatronActor, inputs, coef) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """The actor's path: `run_schedule` with its `LogProbHead`, forward and backward of `_probe_loss`."""
+    outs = []
+    pairs = dict(zip((id(mb) for mb in inputs), coef, strict=True))
+
+    def loss_fn(mb, out):  # noqa: ANN001, ANN202
+        a, b = pairs[id(mb)]
+        outs.append((out.logprobs.detach(), out.entropy.detach()))
+        return _probe_loss(out.logprobs, out.entropy, a, b), None
+
+    cfg = actor.cfg
+    head = LogProbHead(TEMPERATURE, cfg.model.vocab_size, cfg.train.logprob_chunk_tokens)
+    run_schedule(actor.state.model, inputs, loss_fn, head=head, forward_only=False)
+    return outs
+
+
+def _probe_loss(logp: torch.Tensor, ent: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (logp * a).sum() + (ent * b).sum()
+
+
+def _grads(actor: MegatronActor) -> dict[str, torch.Tensor]:
+    return {
+        f"{k}.{name}": p.main_grad.detach().clone()
+        for k, chunk in enumerate(actor.state.model)
+        for name, p in chunk.named_parameters()
+    }
+
+
+def check_hidden_path_against_logits(actor: MegatronActor, batch: ActorBatch, what: str) -> None:
+    """The actor's log-prob path (decoder hidden states -> `LogProbHead`, no logits) against the logits
+    path on the same weights and layout: log-probs, entropy and the gradient of every parameter (this
+    rank's shard, after Megatron's gradient finalisation) of sum_t a_t logp_t + b_t H_t with random
+    a, b over the response tokens, so both outputs' gradients count; within 1e-5 (gradients: relative
+    to their largest entry when it exceeds 1). Leaves the gradients zeroed."""
+    model = actor.state.model
+    micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
+    inputs = prepare_inputs(model, batch, micro, every_response_token=True)
+    gen = torch.Generator().manual_seed(17)
+    coef = [tuple(torch.randn(mb.target.shape, generator=gen).to(mb.target.device) for _ in "ab") for mb in inputs]
+    results = []
+    for path in (_hidden_path, _logits_path):
+        for chunk in model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        outs = path(actor, inputs, coef)
+        results.append((outs, _grads(actor)))
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    (fused, fused_grads), (plain, plain_grads) = results
+    from megatron.core import parallel_state as ps
+
+    expected = len(inputs) if ps.is_pipeline_last_stage() else 0
+    assert len(fused) == len(plain) == expected, (len(fused), len(plain), expected)
+    for k, ((lp, ent), (lp_ref, ent_ref)) in enumerate(zip(fused, plain, strict=True)):
+        for name, got, want in (("log-probs", lp, lp_ref), ("entropy", ent, ent_ref)):
+            d = float((got.double() - want.double()).abs().max())
+            if not d <= LOGPROB_TOL:
+                raise AssertionError(f"hidden vs logits path, {name} of micro-batch {k}: {d:.3e} > 1e-5, {what}")
+    assert fused_grads.keys() == plain_grads.keys()
+    assert any(float(g.abs().max()) > 0 for g in plain_grads.values()), "no gradient reached the parameters"
+    for name, want in plain_grads.items():
+        # fp32 sums in another order: 1e-5 relative to the gradient's largest entry (absolute below 1)
+        scale = max(1.0, float(want.abs().max()))
+        d = float((fused_grads[name].double() - want.double()).abs().max())
+        if not d <= LOGPROB_TOL * scale:
+            raise AssertionError(
+                f"hidden vs logits path, gradient of {name}: {d:.3e} > 1e-5 x {scale:.3g} (its max), {what}"
+            )
+
+
 # --- routing checks ------------------------------------------------------------------------
 
 
@@ -197,6 +307,7 @@ def check_layout_against_reference(
     batch = make_batch(cfg.model.vocab_size)
     what = f"layout {parallel}"
 
+    check_hidden_path_against_logits(actor, batch, what)
     out = actor.compute_log_probs(batch, record_routing=True)
     assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, f"log-probs, {what}")
     assert_close(out.entropy, load_ref(ctx, "entropy"), LOGPROB_TOL, f"entropy, {what}")
@@ -247,6 +358,7 @@ def w1_reference(ctx) -> None:  # noqa: ANN001
     cfg = actor_config(layout())
     actor = MegatronActor(cfg)
     batch = make_batch(cfg.model.vocab_size)
+    check_hidden_path_against_logits(actor, batch, "world size 1")
     out = actor.compute_log_probs(batch, record_routing=True)
     ref_lp, ref_ent = plain_log_probs(actor, batch)
     assert_close(out.log_probs, ref_lp, LOGPROB_TOL, "log-probs vs full-vocab log_softmax")
@@ -312,6 +424,20 @@ def recompute_replay(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
         actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 steps with recompute, {parallel}"
     )
     actor.close()
+
+
+def hidden_path_tied(parallel: ParallelConfig) -> None:
+    """Tied embeddings: the log-prob path reads the embedding's weight (PP = 1) or the last stage's
+    copy of it (PP = 2, its gradient then summed over the embedding group); the logits path agrees."""
+    cfg = actor_config(parallel, tie_word_embeddings=True)
+    actor = MegatronActor(cfg)
+    assert all(chunk.share_embeddings_and_output_weights for chunk in actor.chunks)
+    check_hidden_path_against_logits(actor, make_batch(cfg.model.vocab_size), f"tied embeddings, {parallel}")
+    actor.close()
+
+
+def w1_hidden_path_tied(ctx) -> None:  # noqa: ANN001
+    hidden_path_tied(layout())
 
 
 def w1_recompute_replay(ctx) -> None:  # noqa: ANN001
@@ -412,6 +538,14 @@ def w2_pp2_allgather(ctx) -> None:  # noqa: ANN001
     actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     assert_params_close(actor.full_params(), load_ref(ctx, "params_2"), "parameters after 2 steps, PP2 allgather")
     actor.close()
+
+
+def w2_pp2_hidden_path_tied(ctx) -> None:  # noqa: ANN001
+    hidden_path_tied(layout(pp=2))
+
+
+def w2_tp2_hidden_path_tied(ctx) -> None:  # noqa: ANN001
+    hidden_path_tied(layout(tp=2))
 
 
 def w2_pp2_recompute_replay(ctx) -> None:  # noqa: ANN001
