@@ -11,7 +11,7 @@ import torch
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import wire
 from megatron_rl.weight_sync import send
-from megatron_rl.weight_sync.packing import ALIGN, broadcasts_flat, pack_bucket, with_last
+from megatron_rl.weight_sync.packing import ALIGN, PackBuffers, broadcasts_flat, pack_bucket, with_last
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.tensor import payload_devices, rank_payloads
 
@@ -62,6 +62,22 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
     assert torch.equal(flat[:12], again[:12])  # the first bucket's bytes are untouched by the second
     with pytest.raises(ValueError, match="empty bucket"):
         pack_bucket([])
+
+
+def test_host_pack_buffer_is_reused_and_grown() -> None:
+    # on the CPU the engine has read a bucket when it answers, so the next bucket may reuse the buffer
+    buffers = PackBuffers()
+    first = [("a", torch.arange(8.0)), ("b", torch.full((3,), 2.0))]  # 32 bytes, then 12 at 32
+    flat, meta = pack_bucket(first, buffers)
+    assert flat.numel() == 44 and flat.is_shared() and meta[1].start_idx == 32
+    smaller, _ = pack_bucket([("c", torch.full((2,), 7.0))], buffers)
+    assert smaller.data_ptr() == flat.data_ptr() and smaller.numel() == 8 and smaller.is_shared()
+    assert torch.equal(smaller.view(torch.float32), torch.full((2,), 7.0))
+    got = wire.deserialize_named_tensors(send.serialize_named_tensors({"flattened_tensor": smaller, "metadata": []}))
+    assert got["flattened_tensor"].numel() == 8  # the view travels, not the whole buffer
+    larger, meta = pack_bucket([("d", torch.arange(20.0))], buffers)
+    assert larger.numel() == 80 and larger.is_shared()
+    assert torch.equal(wire.unflatten_tensors(larger, meta)[0][1], torch.arange(20.0))
 
 
 def test_one_serialisation_per_engine_rank() -> None:
