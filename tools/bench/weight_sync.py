@@ -113,8 +113,8 @@ def _bf16_export(actor) -> dict:  # noqa: ANN001
 
 
 def unchanged_bytes(args: argparse.Namespace) -> dict:
-    """One optimizer step of the actor (GRPO loss, 16 samples of 64 random tokens, advantages of both
-    signs) at --unchanged-lr; the bf16 weights before and after: the share of bytes and of tensors
+    """One optimizer step of the actor (its policy loss with recomputed old log-probs, 16 samples of 64
+    random tokens, advantages of both signs) at --unchanged-lr; the bf16 weights before and after: the share of bytes and of tensors
     that did not change, i.e. what a delta sync (only changed tensors) would skip."""
     import torch.distributed as dist
 
@@ -131,6 +131,7 @@ def unchanged_bytes(args: argparse.Namespace) -> dict:
         prompt_lengths=[16] * 16,
         advantages=[torch.tensor(1.0 if i % 2 else -1.0) for i in range(16)],
     )
+    batch.old_log_probs = actor.compute_log_probs(batch).log_probs  # on-policy, as an RL step recomputes them
     before = _bf16_export(actor)
     actor.train(batch)
     after = _bf16_export(actor)
