@@ -161,3 +161,22 @@ def test_optimizer_offload_round_trip_keeps_the_state() -> None:
     after = optimizer.state[model.weight]
     assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
     assert not offload.offloaded
+
+
+def test_in_place_targets_only_when_every_tensor_fits() -> None:
+    from megatron_rl.rollout.local.weights import CheckpointLayout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    layout = CheckpointLayout(model, "qwen3_moe")
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    views = layout.in_place_targets(["0.weight", "1.weight"], [fp32, fp32], [[3, 4], [2, 3]], cpu)
+    assert views is not None and [v.data_ptr() for v in views] == [
+        model[0].weight.data_ptr(),
+        model[1].weight.data_ptr(),
+    ]
+    views[1].copy_(torch.full((2, 3), 5.0))  # a receive into the view lands in the parameter
+    assert torch.equal(model[1].weight.detach(), torch.full((2, 3), 5.0))
+    # any tensor that needs a conversion or fails validation sends the whole request the copying way
+    assert layout.in_place_targets(["0.weight", "1.weight"], [fp32, torch.bfloat16], [[3, 4], [2, 3]], cpu) is None
+    assert layout.in_place_targets(["0.weight", "2.weight"], [fp32, fp32], [[3, 4], [2, 3]], cpu) is None
+    assert layout.in_place_targets(["0.weight"], [fp32], [[4, 3]], cpu) is None
