@@ -69,6 +69,9 @@ class LocalServer:
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
         self.groups: dict[str, Any] = {}
         self.session_open = False  # SGLang >= 0.5.21's weight-update session
+        # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
+        # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
+        self._last_host_bucket: torch.Tensor | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 34)
@@ -371,6 +374,8 @@ class LocalServer:
         except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
             raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
         named = _named_tensors(obj, load_format == "flattened_bucket")
+        flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
+        self._last_host_bucket = flat if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" else None
         return await self._apply(
             UpdateOptions.parse(body), lambda e: apply_named_tensors(e.layout, named), "update_weights_from_tensor"
         )
