@@ -11,7 +11,7 @@ import torch
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout import wire
 from megatron_rl.weight_sync import send
-from megatron_rl.weight_sync.packing import ALIGN, broadcasts_flat, pack_bucket, with_last
+from megatron_rl.weight_sync.packing import ALIGN, PackBuffers, broadcasts_flat, pack_bucket, with_last
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.tensor import payload_devices, rank_payloads
 
@@ -62,6 +62,22 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
     assert torch.equal(flat[:12], again[:12])  # the first bucket's bytes are untouched by the second
     with pytest.raises(ValueError, match="empty bucket"):
         pack_bucket([])
+
+
+def test_host_pack_buffer_is_reused_and_grown() -> None:
+    # on the CPU the engine has read a bucket when it answers, so the next bucket may reuse the buffer
+    buffers = PackBuffers()
+    first = [("a", torch.arange(8.0)), ("b", torch.full((3,), 2.0))]  # 32 bytes, then 12 at 32
+    flat, meta = pack_bucket(first, buffers)
+    assert flat.numel() == 44 and flat.is_shared() and meta[1].start_idx == 32
+    smaller, _ = pack_bucket([("c", torch.full((2,), 7.0))], buffers)
+    assert smaller.data_ptr() == flat.data_ptr() and smaller.numel() == 8 and smaller.is_shared()
+    assert torch.equal(smaller.view(torch.float32), torch.full((2,), 7.0))
+    got = wire.deserialize_named_tensors(send.serialize_named_tensors({"flattened_tensor": smaller, "metadata": []}))
+    assert got["flattened_tensor"].numel() == 8  # the view travels, not the whole buffer
+    larger, meta = pack_bucket([("d", torch.arange(20.0))], buffers)
+    assert larger.numel() == 80 and larger.is_shared()
+    assert torch.equal(wire.unflatten_tensors(larger, meta)[0][1], torch.arange(20.0))
 
 
 def test_one_serialisation_per_engine_rank() -> None:
@@ -145,3 +161,22 @@ def test_optimizer_offload_round_trip_keeps_the_state() -> None:
     after = optimizer.state[model.weight]
     assert all(after[k].device.type == "cuda" and torch.equal(after[k], v) for k, v in before.items())
     assert not offload.offloaded
+
+
+def test_in_place_targets_only_when_every_tensor_fits() -> None:
+    from megatron_rl.rollout.local.weights import CheckpointLayout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    layout = CheckpointLayout(model, "qwen3_moe")
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    views = layout.in_place_targets(["0.weight", "1.weight"], [fp32, fp32], [[3, 4], [2, 3]], cpu)
+    assert views is not None and [v.data_ptr() for v in views] == [
+        model[0].weight.data_ptr(),
+        model[1].weight.data_ptr(),
+    ]
+    views[1].copy_(torch.full((2, 3), 5.0))  # a receive into the view lands in the parameter
+    assert torch.equal(model[1].weight.detach(), torch.full((2, 3), 5.0))
+    # any tensor that needs a conversion or fails validation sends the whole request the copying way
+    assert layout.in_place_targets(["0.weight", "1.weight"], [fp32, torch.bfloat16], [[3, 4], [2, 3]], cpu) is None
+    assert layout.in_place_targets(["0.weight", "2.weight"], [fp32, fp32], [[3, 4], [2, 3]], cpu) is None
+    assert layout.in_place_targets(["0.weight"], [fp32], [[4, 3]], cpu) is None

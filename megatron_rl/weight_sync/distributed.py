@@ -114,7 +114,10 @@ class DistributedSync(WeightSync):
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
         names, dtypes, shapes = tensor_specs(bucket)
-        flattened = broadcasts_flat(bucket)
+        # NCCL: one flattened broadcast (a device copy costs little, a collective launch more). Gloo:
+        # tensor by tensor, from the parameters' own memory into the engine's (no packing copy on
+        # either side; the local engine receives into its parameters in place).
+        flattened = self.backend == "nccl" and broadcasts_flat(bucket)
         reply = self.engine.submit(
             self.client.update_weights_from_distributed(
                 names,

@@ -1,8 +1,9 @@
 """`rollout.weight_sync = tensor` (colocated): tensors by handle through `/update_weights_from_tensor`.
 
 Rank 0 pauses generation (mode "abort"), brings back released weights and opens the weight-update
-session. It packs each bucket into a new flattened buffer (`packing.pack_bucket`: SGLang answers
-once its copies are queued, so a reused buffer could be overwritten under them) and posts
+session. It packs each bucket into a flattened buffer (`packing.pack_bucket`; a new one per bucket
+on a GPU, because SGLang answers once its copies are queued and a reused buffer could be overwritten
+under them; one reused shared-memory buffer on the CPU, see `packing.PackBuffers`) and posts
 `{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer` does, one
 serialisation per engine TP rank, as SGLang's own `Engine` does (each rank opens its own handle;
 CUDA IPC counts references per serialisation). A CPU buffer goes through shared memory and serves
@@ -22,7 +23,7 @@ import torch
 
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
 from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
-from megatron_rl.weight_sync.packing import Bucket, pack_bucket, with_last
+from megatron_rl.weight_sync.packing import Bucket, PackBuffers, pack_bucket, with_last
 from megatron_rl.weight_sync.send import serialize_named_tensors
 
 
@@ -41,10 +42,12 @@ def payload_devices(device: torch.device, servers: int, engine_gpus: int) -> lis
     return [[torch.device("cuda", i * engine_gpus + k) for k in range(engine_gpus)] for i in range(servers)]
 
 
-def rank_payloads(bucket: Bucket, devices: list[list[torch.device]]) -> list[list[str]]:
-    """The serialised flattened bucket for each engine TP rank (by server): one new buffer per
-    device, one serialisation per rank."""
-    flat, meta = pack_bucket(bucket)
+def rank_payloads(
+    bucket: Bucket, devices: list[list[torch.device]], buffers: PackBuffers | None = None
+) -> list[list[str]]:
+    """The serialised flattened bucket for each engine TP rank (by server): one buffer per device
+    (`PackBuffers` says when one is reused), one serialisation per rank."""
+    flat, meta = pack_bucket(bucket, buffers)
     copies = {flat.device: flat}
     payloads = []
     for server in devices:
@@ -66,6 +69,7 @@ class TensorSync(WeightSync):
         self.senders = stage_senders()
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
         self._devices: list[list[torch.device]] = []
+        self._buffers = PackBuffers()
         problem = None
         if self.is_controller:
             try:
@@ -92,7 +96,7 @@ class TensorSync(WeightSync):
         return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
-        payloads = rank_payloads(bucket, self._devices)
+        payloads = rank_payloads(bucket, self._devices, self._buffers)
         self._call(
             self.client.update_weights_from_tensor(
                 payloads,

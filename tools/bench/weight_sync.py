@@ -12,6 +12,7 @@ the engine of the distributed mode on one GPU.
 
     python tools/bench/weight_sync.py [--hidden 256] [--layers 4] [--experts 8] [--bucket-mb 64] [--repeats 5]
     torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2          # stage 1 gathered on rank 0
+    python tools/bench/weight_sync.py --unchanged-lr 1e-6                  # bf16 bytes one step leaves unchanged
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument(
         "--engine-device", default=None, help="the engine's device (default: cpu, or the last GPU when there are GPUs)"
+    )
+    p.add_argument(
+        "--unchanged-lr",
+        type=float,
+        default=None,
+        help="instead of timing syncs: the share of bf16 weight bytes one optimizer step at this learning rate "
+        "leaves unchanged (a GRPO step on random tokens, advantages of both signs)",
     )
     p.add_argument("--workdir", default=None, help="folder for the model and disk syncs (default: a temp folder)")
     return p.parse_args(argv)
@@ -92,6 +100,57 @@ def _memcpy_seconds(src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> float:
     if src.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - began
+
+
+def _bf16_export(actor) -> dict:  # noqa: ANN001
+    from megatron_rl.models.export import export_hf_weights
+
+    return {
+        n: t.to(torch.bfloat16).cpu()
+        for bucket in export_hf_weights(actor.chunks, actor.cfg.model, bucket_mb=512)
+        for n, t in bucket
+    }
+
+
+def unchanged_bytes(args: argparse.Namespace) -> dict:
+    """One optimizer step of the actor (its policy loss with recomputed old log-probs, 16 samples of 64
+    random tokens, advantages of both signs) at --unchanged-lr; the bf16 weights before and after: the share of bytes and of tensors
+    that did not change, i.e. what a delta sync (only changed tensors) would skip."""
+    import torch.distributed as dist
+
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.batch import ActorBatch
+
+    torch.set_num_threads(args.threads)
+    cfg = _config(args, Path(tempfile.gettempdir()))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=args.unchanged_lr, lr_warmup_steps=0))
+    actor = MegatronActor(cfg)
+    gen = torch.Generator().manual_seed(0)
+    batch = ActorBatch(
+        tokens=[torch.randint(0, args.vocab, (64,), generator=gen) for _ in range(16)],
+        prompt_lengths=[16] * 16,
+        advantages=[torch.tensor(1.0 if i % 2 else -1.0) for i in range(16)],
+    )
+    batch.old_log_probs = actor.compute_log_probs(batch).log_probs  # on-policy, as an RL step recomputes them
+    before = _bf16_export(actor)
+    actor.train(batch)
+    after = _bf16_export(actor)
+    if dist.get_rank() != 0:
+        return {}
+    total = sum(t.numel() * 2 for t in before.values())
+    same_elements = sum(int((before[n] == after[n]).sum()) * 2 for n in before)
+    same_tensors = [n for n in before if torch.equal(before[n], after[n])]
+    same_tensor_bytes = sum(before[n].numel() * 2 for n in same_tensors)
+    return {
+        "figure": "bf16_bytes_unchanged_by_one_step",
+        "lr": args.unchanged_lr,
+        "bf16_bytes": total,
+        "unchanged_element_share": round(same_elements / total, 4),
+        "unchanged_tensor_share_of_bytes": round(same_tensor_bytes / total, 4),
+        "unchanged_tensors": len(same_tensors),
+        "tensors": len(before),
+        "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -188,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     ensure_launch_env()
     try:
-        lines = run(args)
+        lines = [unchanged_bytes(args)] if args.unchanged_lr is not None else run(args)
         if dist.get_rank() == 0:
             for line in lines:
                 print(json.dumps(line), flush=True)

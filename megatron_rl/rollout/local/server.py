@@ -69,6 +69,9 @@ class LocalServer:
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
         self.groups: dict[str, Any] = {}
         self.session_open = False  # SGLang >= 0.5.21's weight-update session
+        # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
+        # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
+        self._last_host_bucket: torch.Tensor | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 34)
@@ -371,6 +374,8 @@ class LocalServer:
         except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
             raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
         named = _named_tensors(obj, load_format == "flattened_bucket")
+        flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
+        self._last_host_bucket = flat if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" else None
         return await self._apply(
             UpdateOptions.parse(body), lambda e: apply_named_tensors(e.layout, named), "update_weights_from_tensor"
         )
@@ -428,11 +433,21 @@ class LocalServer:
         group = self.groups.get(spec.group_name)
         if group is None:
             raise FieldError(f"group_name: no group {spec.group_name!r}; call /init_weights_update_group first")
-        # Receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
-        named = await asyncio.to_thread(_receive, spec, group, self.info.device)
-        return await self._apply(
-            spec.options, lambda e: apply_named_tensors(e.layout, named), "update_weights_from_distributed"
+        what = "update_weights_from_distributed"
+        device = self.info.device
+        direct = not spec.flattened and await self._engine(
+            lambda e: (
+                "weights" not in e.released
+                and e.layout.in_place_targets(spec.names, spec.dtypes, spec.shapes, device) is not None
+            )
         )
+        if direct:
+            # Every tensor validates and its parameter can take the bytes as they come: receive
+            # straight into the parameters, on the engine thread so no decoding step sees half of it.
+            return await self._apply(spec.options, lambda e: _receive_in_place(spec, group, e, device), what)
+        # Otherwise receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
+        named = await asyncio.to_thread(_receive, spec, group, device)
+        return await self._apply(spec.options, lambda e: apply_named_tensors(e.layout, named), what)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = check_body(await _json_body(request))
@@ -477,6 +492,18 @@ def _named_tensors(obj: Any, flattened: bool) -> list[tuple[str, torch.Tensor]]:
     ):
         raise FieldError("serialized_named_tensors[0]: expected a list of (name, tensor) pairs")
     return [(name, tensor) for name, tensor in obj]
+
+
+def _receive_in_place(spec: DistributedUpdate, group: Any, e: EngineThread, device: torch.device) -> int:
+    """Receive a per-tensor broadcast straight into the engine's parameters; returns the bytes."""
+    import torch.distributed as dist
+
+    views = e.layout.in_place_targets(spec.names, spec.dtypes, spec.shapes, device)
+    if views is None:  # checked just before, on this thread; the model does not change in between
+        raise EngineStateError("update_weights_from_distributed: the parameters changed under the update")
+    for handle in [dist.broadcast(v, src=0, group=group, async_op=True) for v in views]:
+        handle.wait()
+    return sum(v.numel() * v.element_size() for v in views)
 
 
 def _receive(spec: DistributedUpdate, group: Any, device: torch.device) -> list[tuple[str, torch.Tensor]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.models.safetensors_io import DTYPES, MappedSafetensors, SafetensorsFormatError, read_header
+
 _FUSED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
 _FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
@@ -77,6 +79,23 @@ class CheckpointLayout:
         if dtype is not None and dtype not in _FLOAT_DTYPES:
             raise WeightUpdateError(f"tensor {name!r}: dtype {dtype} is not a floating-point type")
 
+    def in_place_targets(
+        self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """The parameter views that tensors announced so can be received into directly (every name
+        valid, and each view contiguous, of that dtype, on `device`), or None when any one cannot."""
+        views = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            try:
+                self.check(name, shape, dtype)
+            except WeightUpdateError:
+                return None
+            view = self.targets[name]
+            if view.dtype != dtype or view.device != device or not view.is_contiguous():
+                return None
+            views.append(view)
+        return views
+
     def copy(self, name: str, value: torch.Tensor) -> None:
         target = self.targets[name]
         target.copy_(value.to(device=target.device, dtype=target.dtype))
@@ -104,40 +123,37 @@ def safetensors_files(folder: str) -> list[Path]:
     return files
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
 def check_safetensors_dir(layout: CheckpointLayout, folder: str) -> list[str]:
     """Validate every tensor of a safetensors folder from the file headers; returns their names."""
-    from safetensors import safe_open
-
     names: list[str] = []
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-                if dtype is None:
-                    raise WeightUpdateError(f"tensor {name!r} in {file.name}: dtype {piece.get_dtype()} is not float")
-                try:
-                    layout.check(name, piece.get_shape(), dtype)
-                except WeightUpdateError as err:
-                    raise WeightUpdateError(f"{err} (in {file})") from None
-                names.append(name)
+        try:
+            entries, _ = read_header(file)
+        except SafetensorsFormatError as err:
+            raise WeightUpdateError(str(err)) from None
+        for name, entry in entries.items():
+            dtype = DTYPES.get(entry["dtype"])
+            if dtype not in _FLOAT_DTYPES:
+                raise WeightUpdateError(f"tensor {name!r} in {file.name}: dtype {entry['dtype']} is not float")
+            try:
+                layout.check(name, entry["shape"], dtype)
+            except WeightUpdateError as err:
+                raise WeightUpdateError(f"{err} (in {file})") from None
+            names.append(name)
     return names
 
 
 def iter_safetensors_dir(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+    """Each tensor of the folder as a view of its file's memory map (read once, by whoever copies it)."""
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        mapped = MappedSafetensors(file)
+        for name in mapped.entries:
+            yield name, mapped.get(name)
 
 
 def load_safetensors_dir(layout: CheckpointLayout, folder: str) -> int:
-    """Validate a folder from its headers, then stream its tensors into the model; returns bytes."""
+    """Validate a folder from its headers, then copy its tensors from the page cache straight into the
+    model's parameters (one copy per byte); returns bytes."""
     check_safetensors_dir(layout, folder)
     total = 0
     with torch.no_grad():
