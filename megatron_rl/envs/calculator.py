@@ -9,6 +9,7 @@ at most `MAX_DIGITS` digits, so no input can make it run long or use much memory
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from typing import Any
@@ -91,7 +92,8 @@ class _Parser:
             raise CalculatorError(f"exponents must be integers of at most {MAX_EXPONENT} in magnitude")
         if base == 0 and exponent < 0:
             raise CalculatorError("division by zero")
-        if abs(base.numerator) > 1 and len(str(abs(base.numerator))) * abs(int(exponent)) > MAX_DIGITS + 1:
+        largest = max(abs(base.numerator), base.denominator)
+        if abs(int(exponent)) * math.log10(largest) > MAX_DIGITS:  # checked before computing it
             raise CalculatorError(f"result has more than {MAX_DIGITS} digits")
         return _bounded(base ** int(exponent))
 
@@ -99,8 +101,9 @@ class _Parser:
         tok = self.take()
         if tok == "(":
             value = self.expr()
-            if self.take() != ")":
+            if self.peek() != ")":
                 raise CalculatorError("missing ')'")
+            self.take()
             return value
         if tok[0].isdigit() or tok[0] == ".":
             return Fraction(tok)

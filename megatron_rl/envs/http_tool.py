@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from megatron_rl.envs.tools import ToolEnvironment
+from megatron_rl.envs.tools import ToolEnvironment, ToolTimeout
 
 
 class ToolServerError(RuntimeError):
@@ -36,6 +36,12 @@ class HttpToolEnv(ToolEnvironment):
                 answer = json.loads(reply.read().decode())
         except urllib.error.HTTPError as err:
             raise ToolServerError(f"tool server {url} answered HTTP {err.code}") from err
+        except TimeoutError as err:
+            raise ToolTimeout(f"tool server {url} did not answer within {self.cfg.tool_timeout_s}s") from err
+        except urllib.error.URLError as err:
+            if isinstance(err.reason, TimeoutError):
+                raise ToolTimeout(f"tool server {url} did not answer within {self.cfg.tool_timeout_s}s") from err
+            raise ToolServerError(f"tool server {url} is unreachable: {err.reason}") from err
         except json.JSONDecodeError as err:
             raise ToolServerError(f"tool server {url} answered with invalid JSON: {err.msg}") from err
         if not isinstance(answer, dict) or ("result" not in answer and "error" not in answer):

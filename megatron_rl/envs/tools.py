@@ -68,6 +68,10 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
     return calls
 
 
+class ToolTimeout(Exception):
+    """Raised by a tool that enforces its own deadline (e.g. an HTTP timeout): counted as a timeout."""
+
+
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     """("ok", result), ("error", the exception) or ("timeout", None) after `timeout_s` seconds.
 
@@ -119,7 +123,7 @@ class ToolEnvironment(Environment):
             if status == "ok":
                 events.append("tool_call")
                 responses.append(str(value))
-            elif status == "error":
+            elif status == "error" and not isinstance(value, ToolTimeout):
                 events.append("tool_error")
                 responses.append(json.dumps({"error": f"{type(value).__name__}: {value}"}))
             else:
