@@ -304,17 +304,17 @@ def _loss_mask(sample: Sample) -> torch.Tensor:
 def evaluate(
     engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
-    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling."""
+    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
+    episode of the environment (`env.*`) per prompt."""
     temperature = cfg.eval.temperature
-    params = [
-        SamplingParams.from_config(
-            cfg.rollout,
-            temperature=temperature,
-            sampling_seed=sampling_seed(cfg.train.seed, step, "eval", i) if temperature > 0 else None,
-        )
-        for i in range(len(prompts))
-    ]
-    samples = engine.generate([list(p.input_ids) for p in prompts], params)
+
+    def params(turn: int, i: int) -> SamplingParams:
+        key = "eval" if turn == 0 else f"eval.{turn}"
+        seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
+        return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
+
+    make_env = environment_factory(cfg.env)
+    samples = run_episodes(engine, [make_env() for _ in prompts], prompts, params, TurnRenderer(tokenizer), cfg.env)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     result = scorer.score_prompts(texts, prompts)
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
