@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rl.actor.batch import build_inputs
+from megatron_rl.actor.micro_batches import MicroBatch
 from megatron_rl.algorithms import per_turn_advantages, turn_returns
 from megatron_rl.config import ConfigError, EnvConfig, load_config, loss_spec, preset, validate
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
@@ -300,7 +302,11 @@ def test_http_tool_forwards_calls_and_times_out() -> None:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # the slow call's client has gone (timed out) by the time the reply is written
+
+    server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/tool"
@@ -407,6 +413,14 @@ def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories()
     assert adv.shape == (lengths[0],)
     assert torch.allclose(adv[:n_call], a0.expand(n_call)) and torch.allclose(adv[-3:], a1.expand(3))
     assert torch.allclose(per_turn.advantages[1], ((-1.0 - g.mean()) / (g.std() + 1e-6)).expand(lengths[1]))
+    # the actor's padded micro-batch: observation positions are no targets, each target has its turn's advantage
+    per_turn.validate(vocab_size=200, num_layers=1, top_k=1, num_experts=None)
+    n = per_turn.lengths[0]
+    inputs = build_inputs(per_turn, MicroBatch((0,), (n,)), torch.device("cpu"), with_fields=("advantages",))
+    p = per_turn.prompt_lengths[0]
+    assert inputs.target_mask[0, p - 1 : n - 1].tolist() == per_turn.response_mask[0].tolist()
+    assert torch.equal(inputs.fields["advantages"][0, p - 1 : n - 1], adv)
+    assert int(inputs.target_mask[0].sum()) == n_call + len(chars("Answer: 56088")) + 1
 
 
 class _AlternatingEngine(TurnEngine):
