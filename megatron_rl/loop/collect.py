@@ -174,9 +174,7 @@ class RolloutCollector:
         tokens = [torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in samples]
         mask = None
         if alg.overlong_filter or any(_observed(s) for s in samples):
-            mask = [
-                _loss_mask(s) if not (alg.overlong_filter and s.truncated) else _loss_mask(s) & False for s in samples
-            ]
+            mask = [_loss_mask(s) & (not (alg.overlong_filter and s.truncated)) for s in samples]
         routed = None
         if ro.return_routed_experts:
             missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
