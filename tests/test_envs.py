@@ -269,6 +269,19 @@ def test_observation_overflow_env_error_and_max_turns_end_the_episode_with_their
     assert traj.end_reason == "env_error" and traj.events["env_error"] == 1
     assert "bug in the user's environment" in traj.meta_info["env_error"]
 
+    class NoToolRole(ChatTokenizer):
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            if any(m["role"] == "tool" for m in messages):
+                raise ValueError("Conversation roles must alternate user/assistant")
+            return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+    cfg = EnvConfig(max_turns=3)
+    (traj,) = run_episodes(
+        TurnEngine({7: [CALL]}), [CalculatorEnv(cfg)], [row(7)], params, TurnRenderer(NoToolRole()), cfg
+    )
+    assert (traj.end_reason, traj.events["render_error"]) == ("env_error", 1) and all(traj.loss_mask)
+    assert "roles must alternate" in traj.meta_info["env_error"]
+
     traj, engine = run(CalculatorEnv(EnvConfig()), [CALL], max_turns=3)
     assert (traj.end_reason, traj.turns, len(engine.requests)) == ("max_turns", 3, 3)
     assert traj.events["tool_call"] == 3

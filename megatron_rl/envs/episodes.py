@@ -12,8 +12,9 @@ the next call's prefill for the last token of a turn and the observation's token
 An episode ends with one reason, counted as `env/end_<reason>`: `done` (the environment said so),
 `length` (a turn hit its token budget), `abort` (the engine aborted the request),
 `max_turns` (`env.max_turns` turns ran), `max_total_tokens` (the next observation, plus one token to
-generate, would not fit in `env.max_total_tokens`), `env_error` (the environment's `step` raised:
-counted, the episode ends, the step goes on).
+generate, would not fit in `env.max_total_tokens`), `env_error` (the environment's `step` raised,
+counted as `env/env_error`, or its observation could not be rendered, `env/render_error`: the
+episode ends, the step goes on).
 """
 
 from __future__ import annotations
@@ -179,10 +180,15 @@ def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cf
         return ep.end("done")
     if turn + 1 >= cfg.max_turns:
         return ep.end("max_turns")
-    if obs.token_ids is not None:
-        obs_ids = [int(t) for t in obs.token_ids]
-    else:
-        obs_ids = renderer.observation_ids(obs.text, obs.role, out[-1] if out else None)
+    try:
+        if obs.token_ids is not None:
+            obs_ids = [int(t) for t in obs.token_ids]
+        else:
+            obs_ids = renderer.observation_ids(obs.text, obs.role, out[-1] if out else None)
+    except Exception as err:  # e.g. a chat template that refuses the observation's role
+        traj.events["render_error"] += 1
+        traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
+        return ep.end("env_error")
     total = len(ep.prompt_ids) + len(traj.output_ids) + len(obs_ids)
     if cfg.max_total_tokens is not None and total + 1 > cfg.max_total_tokens:
         return ep.end("max_total_tokens")
