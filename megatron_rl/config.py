@@ -187,6 +187,12 @@ class AlgorithmConfig:
         "recompute", "recompute = actor forward before the update; rollout = the engine's log-probs"
     )
     routing_replay: Literal["none", "r2", "r3"] = _f("none", "MoE routing replay: r2 = old-policy, r3 = engine routing")
+    turn_credit: Literal["outcome", "per_turn"] = _f(
+        "outcome",
+        "multi-turn credit: outcome = one advantage per trajectory; per_turn = each turn's tokens get the return "
+        "from that turn on (turn rewards + final reward), normalised by the group's trajectory returns",
+    )
+    turn_discount: float = _f(1.0, "per_turn: gamma, the discount of later turns' rewards", ge=0, le=1)
 
 
 @dataclass
@@ -221,6 +227,26 @@ class RewardConfig:
     timeout_s: float = _f(60.0, "type=remote: seconds to wait for a reply before the request is retried", gt=0)
     max_retries: int = _f(3, "type=remote: tries after a timeout, a connection error or HTTP 429/5xx", ge=0)
     retry_backoff_s: float = _f(1.0, "type=remote: seconds before the first retry, doubled for each next", ge=0)
+
+
+@dataclass
+class EnvConfig:
+    type: str = _f(
+        "single_turn",
+        "the episode's environment: single_turn, calculator, http_tool, or module:Class (a megatron_rl.envs.Environment)",
+    )
+    max_turns: int = _f(1, "model turns per episode at most (single_turn uses one)", ge=1)
+    max_total_tokens: int | None = _f(
+        None,
+        "prompt + every turn and observation of a trajectory, in tokens, at most; null = no cap beyond "
+        "rollout.max_new_tokens per turn",
+        ge=2,
+    )
+    tool_timeout_s: float = _f(
+        10.0, "seconds one tool call may run before it is abandoned (an error observation)", gt=0
+    )
+    tool_url: str | None = _f(None, "http_tool: the tool server's endpoint, POSTed {name, arguments}")
+    tool_api_key: str | None = _f(None, "http_tool: sent as 'Authorization: Bearer KEY'")
 
 
 @dataclass
@@ -273,6 +299,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -487,6 +514,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_rollout(cfg)
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
+    _validate_env(cfg)
 
 
 def uses_reference(alg: AlgorithmConfig) -> bool:
@@ -507,6 +535,17 @@ def loss_spec(alg: AlgorithmConfig) -> LossSpec:
 
 def _validate_algorithm(alg: AlgorithmConfig) -> None:
     loss_spec(alg)
+    _require(
+        not (alg.turn_credit == "per_turn" and alg.ratio_level == "sequence"),
+        "algorithm.turn_credit = 'per_turn' gives each turn's tokens its own advantage, but "
+        "algorithm.ratio_level = 'sequence' (GSPO) has one ratio and one advantage per sequence; use "
+        "algorithm.name = gspo_token (ratio_level = 'sequence_token'), or turn_credit = 'outcome'",
+    )
+    _require(
+        not (alg.turn_credit == "per_turn" and alg.kl_in_reward),
+        "algorithm.kl_in_reward = true penalises each trajectory's reward once, which algorithm.turn_credit = "
+        "'per_turn' does not take; use the KL in the loss (kl_in_reward = false) or turn_credit = 'outcome'",
+    )
     _require(
         not (alg.kl_in_reward and alg.kl_coef == 0),
         "algorithm.kl_in_reward = true needs algorithm.kl_coef > 0 (the beta of the KL penalty in the reward)",
@@ -613,6 +652,23 @@ def _validate_reward(reward: RewardConfig) -> None:
     _require(
         str(reward.url).startswith(("http://", "https://")),
         f"reward.url = {reward.url!r} must start with http:// or https://",
+    )
+
+
+def _validate_env(cfg: Config) -> None:
+    env = cfg.env
+    _require(
+        env.max_total_tokens is None or env.max_total_tokens > cfg.data.max_prompt_tokens,
+        f"env.max_total_tokens ({env.max_total_tokens}) must exceed data.max_prompt_tokens "
+        f"({cfg.data.max_prompt_tokens}): a prompt must leave room for the model's first turn",
+    )
+    _require(
+        env.type != "http_tool" or bool(env.tool_url),
+        "env.type = 'http_tool' needs env.tool_url, the tool server's endpoint (http://host:port/path)",
+    )
+    _require(
+        env.tool_url is None or str(env.tool_url).startswith(("http://", "https://")),
+        f"env.tool_url = {env.tool_url!r} must start with http:// or https://",
     )
 
 

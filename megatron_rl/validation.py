@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
+from megatron_rl.envs.base import environment_class
 from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
@@ -69,6 +70,7 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "rollout.temperature = 0: greedy rollouts give every response of a group the same tokens, so "
             "every advantage is 0; train with a temperature > 0 (greedy evaluation is eval.temperature = 0)"
         )
+    environment_class(cfg.env)  # env.type: a built-in, or a module:Class that imports
     _check_rl_batch(cfg, 1)  # at once; against the real data-parallel size once the layout is known
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -389,3 +391,58 @@ def test_routed_experts_decode_checks_the_size():
     assert client._decode_routed(ok, 3, "w", "u").tolist()[2] == [[8, 9], [10, 11]]
     with pytest.raises(SGLangError, match="hold 12 ids, expected 4 tokens x 2 layers x 2"):
         client._decode_routed(ok, 4, "w", "u")
+
+
+def test_multi_turn_episode_is_token_in_token_out_with_routing_across_turns(engine, models):
+    """Each turn is one /generate of the whole trajectory; the assembled trajectory's log-probs and
+    routed experts equal a plain forward of the final token sequence (observation tokens excluded)."""
+    from megatron_rl.config import EnvConfig
+    from megatron_rl.envs import Environment, Observation, TurnRenderer, run_episodes
+
+    class TokenObservations(Environment):
+        def step(self, turn):
+            return Observation(token_ids=[20, 21, 22]) if turn.index == 0 else Observation(done=True)
+
+    class Engine:
+        def __init__(self) -> None:
+            self.requests: list[list[int]] = []
+
+        def generate(self, prompts, params, return_routed_experts=False):
+            self.requests += [list(p) for p in prompts]
+
+            async def go():
+                async with client_for(engine.url) as client:
+                    jobs = [
+                        client.generate(p, q, return_routed_experts=return_routed_experts)
+                        for p, q in zip(prompts, params, strict=True)
+                    ]
+                    return await asyncio.gather(*jobs)
+
+            return asyncio.run(go())
+
+    class IdText:
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, r)) for r in rows]
+
+    cfg = EnvConfig(max_turns=2)
+    row = type("Row", (), {"input_ids": (5, 6, 7, 8)})()
+    vocab = json.loads((Path(models["A"]) / "config.json").read_text())["vocab_size"]
+    every_token = tuple(range(vocab))  # turn 0 stops at its first token (finish "stop"), turn 1 runs 6 tokens
+
+    def params(turn: int, i: int) -> SamplingParams:
+        stop = every_token if turn == 0 else ()
+        return SamplingParams(
+            temperature=1.0, max_new_tokens=6, stop_token_ids=stop, ignore_eos=turn == 1, sampling_seed=turn
+        )
+
+    eng = Engine()
+    (traj,) = run_episodes(
+        eng, [TokenObservations(cfg)], [row], params, TurnRenderer(IdText()), cfg, return_routed_experts=True
+    )
+    out0, out1 = traj.output_ids[:1], traj.output_ids[4:]
+    assert traj.output_ids[1:4] == [20, 21, 22] and len(out1) == 6 and traj.end_reason == "length"
+    assert eng.requests == [[5, 6, 7, 8], [5, 6, 7, 8, *out0, 20, 21, 22]]
+    assert traj.loss_mask == [True] + [False] * 3 + [True] * 6
+    check_sample(Sample([5, 6, 7, 8], out0, traj.logprobs[:1], "stop"), models["A"], 1.0, routed=False)
+    last = Sample(eng.requests[1], out1, traj.logprobs[4:], "length", routed_experts=traj.routed_experts)
+    check_sample(last, models["A"], 1.0)  # routing of every position of the final trajectory

@@ -8,6 +8,7 @@ model on that step's rows (same rows, prompt masked, EOS included, normalised ov
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -170,7 +171,8 @@ def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
     final = records[-1]
     assert final["eval/prompts"] == 16 and 0 <= final["eval/greedy_accuracy"] <= final["eval/pass@2"] <= 1
     assert records[0]["sft/lr"] == pytest.approx(2e-3)  # a warm-up of 1 step reaches the peak at once
-    assert records[-1]["sft/lr"] == pytest.approx(0.0, abs=1e-12)  # cosine to min_lr = 0 at the last step
+    # cosine towards min_lr = 0, reached after the last update: update k runs at the value after k - 1 steps
+    assert records[-1]["sft/lr"] == pytest.approx(2e-3 * 0.5 * (1 + math.cos(math.pi * (STEPS - 1) / STEPS)))
     assert all(r["sft/tokens"] > ROWS and r["sft/updates"] == 1 for r in records)
     assert (run / "checkpoints" / f"step_{STEPS:06d}").is_dir()
     assert load_config(run / "config.yaml").train.steps == STEPS

@@ -335,7 +335,10 @@ def test_misconfigured_submissions_fail_fast_and_dry_run_prints_the_gpu_plan(
     no_config = submit("train.sbatch", [str(tmp_path / "missing.yaml")], tmp_path, 2)
     dry = submit(
         "train.sbatch",
-        train_args(work, run_dir, "rollout.engine_gpus=4"),
+        # 8 trainer ranks (DP 8) need at least 8 samples a step
+        train_args(
+            work, run_dir, "rollout.engine_gpus=4", "train.prompts_per_step=4", "rollout.n_samples_per_prompt=2"
+        ),
         tmp_path,
         2,
         job_env(GPUS_PER_NODE="8", DRY_RUN="1", SGLANG_ARGS="--mem-fraction-static 0.7"),

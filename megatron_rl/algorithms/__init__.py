@@ -1,6 +1,6 @@
-"""Algorithm pieces around the loss: group advantages, dynamic sampling, overlong reward shaping."""
+"""Algorithm pieces around the loss: group advantages, per-turn credit, dynamic sampling, overlong reward shaping."""
 
-from megatron_rl.algorithms.advantages import broadcast_to_tokens, group_advantages
+from megatron_rl.algorithms.advantages import broadcast_to_tokens, group_advantages, group_baseline
 from megatron_rl.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     DynamicSamplingResult,
@@ -8,6 +8,7 @@ from megatron_rl.algorithms.dynamic_sampling import (
     filter_groups,
 )
 from megatron_rl.algorithms.overlong import overlong_filter_mask, soft_overlong_penalty
+from megatron_rl.algorithms.turn_credit import per_turn_advantages, turn_returns
 
 __all__ = [
     "DynamicSamplingAccumulator",
@@ -16,6 +17,9 @@ __all__ = [
     "broadcast_to_tokens",
     "filter_groups",
     "group_advantages",
+    "group_baseline",
     "overlong_filter_mask",
+    "per_turn_advantages",
     "soft_overlong_penalty",
+    "turn_returns",
 ]

@@ -3,17 +3,19 @@
 `RolloutCollector.collect(step)` runs on the rank that drives the engine (rank 0):
 
 1. take prompts from the sampler (`train.prompts_per_step`, times `algorithm.oversample_factor`
-   with dynamic sampling) and generate `rollout.n_samples_per_prompt` responses for each, every
+   with dynamic sampling) and generate `rollout.n_samples_per_prompt` trajectories for each, one
+   episode of the environment (`env.*`, `megatron_rl.envs`; `single_turn`: one response) each, every
    request with its own `sampling_seed` derived from (train.seed, step, round, index), so the
    responses do not depend on the engine's history (a resumed run samples what the uninterrupted
-   one did);
+   one did); the reward rule reads the whole decoded trajectory after the prompt;
 2. reward them (`reward.*`; a failing reward function gives `reward.failure_reward` and is counted),
    add DAPO's soft overlong penalty when enabled;
 3. with `algorithm.dynamic_sampling`, keep only groups whose rule rewards differ and go on
    generating until `train.prompts_per_step` groups are kept or `algorithm.max_gen_rounds` rounds
    ran; then the kept groups are used as they are and `groups/target_missed` is 1 (the warning);
-4. group advantages of the shaped rewards, and the `ActorBatch` (prompt + response tokens, engine
-   log-probs, routed experts for R3, the overlong-filter mask).
+4. group advantages of the shaped rewards (`algorithm.turn_credit`: one per trajectory, or per
+   turn and so per token), and the `ActorBatch` (prompt + trajectory tokens, engine log-probs,
+   routed experts for R3, the loss mask: observation tokens and the overlong filter's out).
 
 Aborted requests (the engine's finish reason "abort": an engine error, a timeout, a paused or
 disconnected request) are not trained on: a group with an aborted response is left out whole, before
@@ -38,10 +40,16 @@ from typing import Any
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.algorithms import DynamicSamplingAccumulator, group_advantages, soft_overlong_penalty
+from megatron_rl.algorithms import (
+    DynamicSamplingAccumulator,
+    group_advantages,
+    per_turn_advantages,
+    soft_overlong_penalty,
+)
 from megatron_rl.algorithms.dynamic_sampling import filter_groups
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
+from megatron_rl.envs import Trajectory, TurnRenderer, environment_factory, episode_metrics, run_episodes
 from megatron_rl.rewards import RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -106,24 +114,35 @@ class RolloutCollector:
         self.scorer = scorer
         self.sampler = sampler
         self.min_samples = min_samples  # the data-parallel size: a smaller batch cannot be split
+        self.make_env = environment_factory(cfg.env)
+        self.renderer = TurnRenderer(tokenizer)
 
     # ---- pieces ----
     def generate(self, prompts: Sequence[Prompt], step: int, round_: int) -> list[list[Sample]]:
-        """`rollout.n_samples_per_prompt` seeded responses per prompt, grouped by prompt."""
+        """`rollout.n_samples_per_prompt` seeded trajectories per prompt, grouped by prompt.
+
+        Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
+        engine returned it). Turn 0 of request i is seeded with (train.seed, step, round, i),
+        turn t > 0 with (train.seed, step, "round.t", i)."""
         ro = self.cfg.rollout
         g = ro.n_samples_per_prompt
-        requests = [list(p.input_ids) for p in prompts for _ in range(g)]
-        params = [
-            SamplingParams.from_config(ro, sampling_seed=sampling_seed(self.cfg.train.seed, step, round_, i))
-            for i in range(len(requests))
-        ]
-        samples = self.engine.generate(requests, params, return_routed_experts=ro.return_routed_experts)
-        for i, sample in enumerate(samples):
-            if sample.aborted:
-                continue  # left out with its group (see the module doc)
-            if sample.logprobs is None or len(sample.logprobs) != len(sample.output_ids):
-                raise RuntimeError(f"rollout engine: request {i} of step {step} returned no log-prob per output token")
-        return [samples[k * g : (k + 1) * g] for k in range(len(prompts))]
+        rows = [p for p in prompts for _ in range(g)]
+        seed = self.cfg.train.seed
+
+        def params(turn: int, i: int) -> SamplingParams:
+            round_key = round_ if turn == 0 else f"{round_}.{turn}"
+            return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
+
+        trajectories = run_episodes(
+            self.engine,
+            [self.make_env() for _ in rows],
+            rows,
+            params,
+            self.renderer,
+            self.cfg.env,
+            return_routed_experts=ro.return_routed_experts,
+        )
+        return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
     def score(self, prompts: Sequence[Prompt], grouped: Sequence[Sequence[Sample]]) -> tuple[list[Group], RewardStats]:
         """Rule rewards and shaped rewards of every group."""
@@ -154,8 +173,8 @@ class RolloutCollector:
         samples = [s for g in groups for s in g.samples]
         tokens = [torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in samples]
         mask = None
-        if alg.overlong_filter:
-            mask = [torch.full((len(s.output_ids),), not s.truncated, dtype=torch.bool) for s in samples]
+        if alg.overlong_filter or any(_observed(s) for s in samples):
+            mask = [_loss_mask(s) & (not (alg.overlong_filter and s.truncated)) for s in samples]
         routed = None
         if ro.return_routed_experts:
             missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
@@ -169,10 +188,31 @@ class RolloutCollector:
             tokens=tokens,
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             response_mask=mask,
-            advantages=advantages_of(self.cfg, rewards),
+            advantages=self.advantages(samples, rewards),
             rollout_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
             routed_experts=routed,
         )
+
+    def advantages(self, samples: Sequence[Sample], rewards: torch.Tensor) -> list[torch.Tensor]:
+        """`algorithm.turn_credit`: outcome = one 0-dim advantage per trajectory; per_turn = [r_i]
+        per token, each token the advantage of its turn (`megatron_rl.algorithms.turn_credit`)."""
+        alg = self.cfg.algorithm
+        if alg.turn_credit == "outcome":
+            return advantages_of(self.cfg, rewards)
+        turn_rewards = [s.turn_rewards if isinstance(s, Trajectory) else [0.0] for s in samples]
+        per_turn = per_turn_advantages(
+            turn_rewards,
+            rewards,
+            self.cfg.rollout.n_samples_per_prompt,
+            discount=alg.turn_discount,
+            norm_std=alg.adv_norm_std,
+            eps=alg.adv_eps,
+        )
+        out = []
+        for s, adv in zip(samples, per_turn, strict=True):
+            turn_of = s.turn_of_token if isinstance(s, Trajectory) else [0] * len(s.output_ids)
+            out.append(adv[torch.tensor(turn_of, dtype=torch.long)])
+        return out
 
     # ---- one step ----
     def collect(self, step: int) -> StepBatch:
@@ -224,6 +264,8 @@ class RolloutCollector:
         short = 0 < len(used) * g < self.min_samples
         group_metrics["groups/short_batch_dropped"] = 1.0 if short else 0.0
         metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(generated)}
+        if cfg.env.type != "single_turn":
+            metrics.update(episode_metrics([s for s in generated if isinstance(s, Trajectory)]))
         metrics["time/generate"] = seconds["generate"]
         metrics["time/reward"] = seconds["reward"]
         tokens = metrics["response/tokens"]
@@ -246,20 +288,31 @@ class RolloutCollector:
         }
 
 
+def _observed(sample: Sample) -> bool:
+    return isinstance(sample, Trajectory) and sample.has_observations
+
+
+def _loss_mask(sample: Sample) -> torch.Tensor:
+    """bool [r]: the generated tokens of a trajectory (observation tokens are not trained on)."""
+    if isinstance(sample, Trajectory):
+        return torch.tensor(sample.loss_mask, dtype=torch.bool)
+    return torch.ones(len(sample.output_ids), dtype=torch.bool)
+
+
 def evaluate(
     engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
-    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling."""
+    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
+    episode of the environment (`env.*`) per prompt."""
     temperature = cfg.eval.temperature
-    params = [
-        SamplingParams.from_config(
-            cfg.rollout,
-            temperature=temperature,
-            sampling_seed=sampling_seed(cfg.train.seed, step, "eval", i) if temperature > 0 else None,
-        )
-        for i in range(len(prompts))
-    ]
-    samples = engine.generate([list(p.input_ids) for p in prompts], params)
+
+    def params(turn: int, i: int) -> SamplingParams:
+        key = "eval" if turn == 0 else f"eval.{turn}"
+        seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
+        return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
+
+    make_env = environment_factory(cfg.env)
+    samples = run_episodes(engine, [make_env() for _ in prompts], prompts, params, TurnRenderer(tokenizer), cfg.env)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     result = scorer.score_prompts(texts, prompts)
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"

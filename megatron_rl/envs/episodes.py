@@ -1,0 +1,210 @@
+"""Running episodes against the engine, token in, token out.
+
+Every turn is one `/generate` with the whole trajectory's `input_ids`, batched over the live
+episodes. The trajectory is exactly the engine's generated tokens followed by the observation's
+tokens (the chat template's turn delimiters and the observation, tokenized once, by
+`TurnRenderer`): the conversation is never decoded and re-tokenized, so the trainer scores the
+tokens the engine sampled. Observation tokens get loss mask 0 and log-prob 0 (they are never
+compared with the trainer's). Routed experts (R3) are assembled per token of the final trajectory:
+each position from the first call whose routing covers it (the call that generated the token, or
+the next call's prefill for the last token of a turn and the observation's tokens).
+
+An episode ends with one reason, counted as `env/end_<reason>`: `done` (the environment said so),
+`length` (a turn hit its token budget), `abort` (the engine aborted the request),
+`max_turns` (`env.max_turns` turns ran), `max_total_tokens` (the next observation, plus one token to
+generate, would not fit in `env.max_total_tokens`), `env_error` (the environment's `step` raised,
+counted as `env/env_error`, or its observation could not be rendered, `env/render_error`: the
+episode ends, the step goes on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_rl.config import EnvConfig
+from megatron_rl.envs.base import Environment, Observation, Turn
+from megatron_rl.envs.tools import tool_response
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+_USER, _ASSISTANT = "\x00megatron-rl-user\x00", "\x00megatron-rl-assistant\x00"
+
+
+class TurnRenderer:
+    """The token ids of an observation message, through the tokenizer's chat template.
+
+    With a template: the text the template adds after an assistant turn for the message (its
+    delimiters, the message, the next assistant header), less the end-of-turn token when the engine
+    already generated it. Without one: the message on its own lines (a tool result inside
+    `<tool_response>`). Either way tokenized once, with no special tokens added.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+
+    def text(self, content: str, role: str, last_generated_id: int | None) -> str:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return "\n" + (tool_response(content) if role == "tool" else content) + "\n"
+        history = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        rendered = tok.apply_chat_template(
+            [*history, {"role": role, "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        cut = rendered.find(_ASSISTANT)
+        if cut < 0:
+            raise ValueError("the chat template drops the assistant's content; observations cannot be rendered")
+        delta = rendered[cut + len(_ASSISTANT) :]
+        if last_generated_id is not None and last_generated_id in self.special_ids:
+            end_of_turn = tok.decode([last_generated_id])
+            if end_of_turn and delta.startswith(end_of_turn):
+                delta = delta[len(end_of_turn) :]
+        return delta
+
+    def observation_ids(self, content: str, role: str, last_generated_id: int | None) -> list[int]:
+        return list(self.tokenizer.encode(self.text(content, role, last_generated_id), add_special_tokens=False))
+
+    def first_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+
+@dataclass
+class Trajectory(Sample):
+    """A whole episode as one sample: `output_ids` is everything after the prompt (generated and
+    observation tokens), `logprobs` the engine's on generated tokens and 0 on observations.
+    Per output token: `loss_mask` (True = generated), `turn_of_token` (the turn it belongs to or
+    follows). `turn_rewards`: one per generated turn (the environment's, 0 when it gave none)."""
+
+    loss_mask: list[bool] = field(default_factory=list)
+    turn_of_token: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    end_reason: str = ""
+    events: Counter = field(default_factory=Counter)
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_rewards)
+
+    @property
+    def has_observations(self) -> bool:
+        return not all(self.loss_mask)
+
+
+@dataclass
+class _Episode:
+    env: Environment
+    prompt_ids: list[int]
+    traj: Trajectory
+    routing: list[np.ndarray] = field(default_factory=list)
+    covered: int = 0
+    live: bool = True
+
+    def end(self, reason: str) -> None:
+        self.traj.end_reason, self.live = reason, False
+
+
+def run_episodes(
+    engine: Any,
+    envs: Sequence[Environment],
+    rows: Sequence[Any],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: EnvConfig,
+    *,
+    return_routed_experts: bool = False,
+) -> list[Trajectory]:
+    """One trajectory per (environment, data row), in order; `params(turn, i)` the sampling of
+    episode i's turn. `episode_metrics` gives their `env/*` metrics."""
+    episodes = []
+    for env, row in zip(envs, rows, strict=True):
+        messages = env.start(row)
+        prompt_ids = list(row.input_ids) if messages is None else renderer.first_ids(messages)
+        traj = Trajectory(prompt_ids=prompt_ids, output_ids=[], logprobs=[], finish_reason="stop")
+        episodes.append(_Episode(env, prompt_ids, traj))
+    for turn in range(cfg.max_turns):
+        live = [i for i, ep in enumerate(episodes) if ep.live]
+        if not live:
+            break
+        requests, request_params = [], []
+        for i in live:
+            ids = episodes[i].prompt_ids + episodes[i].traj.output_ids
+            p = params(turn, i)
+            if cfg.max_total_tokens is not None:
+                p = dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cfg.max_total_tokens - len(ids)))
+            requests.append(ids)
+            request_params.append(p)
+        samples = engine.generate(requests, request_params, return_routed_experts=return_routed_experts)
+        for i, sample in zip(live, samples, strict=True):
+            _advance(episodes[i], sample, turn, renderer, cfg)
+    return [ep.traj for ep in episodes]
+
+
+def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cfg: EnvConfig) -> None:
+    traj = ep.traj
+    out = list(sample.output_ids)
+    if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
+        raise RuntimeError(f"rollout engine: turn {turn} returned {len(out)} tokens but no log-prob for each")
+    traj.output_ids += out
+    traj.logprobs += list(sample.logprobs or [0.0] * len(out))
+    traj.loss_mask += [True] * len(out)
+    traj.turn_of_token += [turn] * len(out)
+    for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
+        setattr(traj, name, getattr(sample, name))
+    if sample.routed_experts is not None:
+        rows = np.asarray(sample.routed_experts)
+        ep.routing.append(rows[ep.covered :])
+        ep.covered = max(ep.covered, rows.shape[0])
+        traj.routed_experts = np.concatenate(ep.routing, axis=0)
+    traj.turn_rewards.append(0.0)
+    if sample.aborted:
+        return ep.end("abort")
+    if sample.truncated:
+        return ep.end("length")
+    text = renderer.tokenizer.batch_decode([out], skip_special_tokens=True)[0]
+    try:
+        obs = ep.env.step(Turn(turn, text, tuple(out), sample.finish_reason))
+        if not isinstance(obs, Observation):
+            raise TypeError(f"{type(ep.env).__name__}.step returned {type(obs).__name__}, not an Observation")
+    except Exception as err:  # a user environment's bug ends its episode, counted, not the step
+        traj.events["env_error"] += 1
+        traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
+        return ep.end("env_error")
+    traj.events.update(obs.events)
+    traj.turn_rewards[-1] = float(obs.reward or 0.0)
+    if obs.done:
+        return ep.end("done")
+    if turn + 1 >= cfg.max_turns:
+        return ep.end("max_turns")
+    try:
+        if obs.token_ids is not None:
+            obs_ids = [int(t) for t in obs.token_ids]
+        else:
+            obs_ids = renderer.observation_ids(obs.text, obs.role, out[-1] if out else None)
+    except Exception as err:  # e.g. a chat template that refuses the observation's role
+        traj.events["render_error"] += 1
+        traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
+        return ep.end("env_error")
+    total = len(ep.prompt_ids) + len(traj.output_ids) + len(obs_ids)
+    if cfg.max_total_tokens is not None and total + 1 > cfg.max_total_tokens:
+        return ep.end("max_total_tokens")
+    traj.output_ids += obs_ids
+    traj.logprobs += [0.0] * len(obs_ids)
+    traj.loss_mask += [False] * len(obs_ids)
+    traj.turn_of_token += [turn] * len(obs_ids)
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """`env/turns_mean`, `env/end_<reason>` and `env/<event>` counts of a set of trajectories."""
+    n = max(len(trajectories), 1)
+    metrics = {"env/turns_mean": sum(t.turns for t in trajectories) / n}
+    for t in trajectories:
+        key = f"env/end_{t.end_reason}"
+        metrics[key] = metrics.get(key, 0.0) + 1.0
+        for event, count in t.events.items():
+            metrics[f"env/{event}"] = metrics.get(f"env/{event}", 0.0) + float(count)
+    return metrics

@@ -1,0 +1,484 @@
+"""Multi-turn environments: tool calls, the calculator, token-in-token-out episodes, failures, per-turn credit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.actor.batch import build_inputs
+from megatron_rl.actor.micro_batches import MicroBatch
+from megatron_rl.algorithms import per_turn_advantages, turn_returns
+from megatron_rl.config import ConfigError, EnvConfig, load_config, loss_spec, preset, validate
+from megatron_rl.data import Prompt, PromptSampler, RowLocation
+from megatron_rl.envs import (
+    Environment,
+    MalformedCall,
+    Observation,
+    ToolCall,
+    ToolEnvironment,
+    TurnRenderer,
+    environment_class,
+    episode_metrics,
+    parse_tool_calls,
+    run_episodes,
+)
+from megatron_rl.envs.calculator import CalculatorEnv, CalculatorError, evaluate_expression
+from megatron_rl.envs.http_tool import HttpToolEnv
+from megatron_rl.loop.collect import RolloutCollector
+from megatron_rl.losses import policy_loss
+from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+IM_START, IM_END, AB = 1, 2, 5
+SPECIAL = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
+
+
+class ChatTokenizer:
+    """Characters are ord(c) + 10, "ab" also has its own id 5 (so "a", "b" decode to text that re-encodes
+    differently), two special tokens and a Qwen-like chat template rendering tool turns as <tool_response>."""
+
+    chat_template = "qwen-like"
+    all_special_ids = (IM_START, IM_END)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids, pos = [], 0
+        while pos < len(text):
+            for piece, tid in [*SPECIAL.items(), ("ab", AB)]:
+                if text.startswith(piece, pos):
+                    ids.append(tid)
+                    pos += len(piece)
+                    break
+            else:
+                ids.append(ord(text[pos]) + 10)
+                pos += 1
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        names = {v: k for k, v in SPECIAL.items()}
+        out = []
+        for i in ids:
+            if i in names:
+                out.append("" if skip_special_tokens else names[i])
+            else:
+                out.append("ab" if i == AB else chr(i - 10) if i >= 10 else "?")
+        return "".join(out)
+
+    def batch_decode(self, rows: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(r, skip_special_tokens) for r in rows]
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        text = ""
+        for m in messages:
+            if m["role"] == "tool":
+                text += f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n"
+            else:
+                text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        if add_generation_prompt:
+            text += "<|im_start|>assistant\n"
+        return self.encode(text) if tokenize else text
+
+
+TOK = ChatTokenizer()
+
+
+def chars(text: str) -> list[int]:
+    """The engine's tokens of `text`: one per character (never the merged "ab")."""
+    return [ord(c) + 10 for c in text]
+
+
+class TurnEngine:
+    """Answers request k of every episode (by the prompt's first token) with its scripted turn k, plus
+    <|im_end|>; log-prob -0.01 * (position); routed experts: call index * 1000 + position."""
+
+    def __init__(self, script: dict[int, list[str]], layers: int = 2) -> None:
+        self.script, self.layers = script, layers
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        out = []
+        for ids, p in zip(prompts, params, strict=True):
+            call = len(self.requests)
+            self.requests.append((list(ids), p))
+            turn = sum(1 for r, _ in self.requests if r[0] == ids[0]) - 1
+            turns = self.script[ids[0]]
+            text = turns[min(turn, len(turns) - 1)]
+            gen = chars(text)[: p.max_new_tokens]
+            finish = "stop"
+            if len(gen) < p.max_new_tokens:
+                gen.append(IM_END)
+            else:
+                finish = "length"
+            n = len(ids) + len(gen) - 1
+            routed = None
+            if return_routed_experts:
+                routed = (call * 1000 + np.arange(n, dtype=np.int32))[:, None, None].repeat(self.layers, 1)
+            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed))
+        return out
+
+
+def row(key: int, answer: str = "56088") -> Prompt:
+    return Prompt(0, (key, 20, 30), "q", answer, {}, RowLocation("t.jsonl", "line", 1))
+
+
+def params(turn: int, i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=200, sampling_seed=turn * 100 + i)
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+
+
+def run(env: Environment, script: list[str], **env_over: Any):
+    cfg = EnvConfig(**{"max_turns": 4, **env_over})
+    env.cfg = cfg
+    engine = TurnEngine({7: script})
+    (traj,) = run_episodes(engine, [env], [row(7)], params, TurnRenderer(TOK), cfg, return_routed_experts=True)
+    return traj, engine
+
+
+# ---- tool calls and the calculator ----
+def test_tool_calls_parse_leniently_and_malformed_ones_say_why() -> None:
+    text = (
+        'x <tool_call> {"name": "f", "arguments": {"a": 1}} </tool_call>'
+        '<tool_call>```json\n{"name": "g", "parameters": {"b": [2]}}\n```</tool_call>'
+        '<tool_call>{"name": "h", "arguments": "{\\"c\\": 3}"}</tool_call>'
+        "<tool_call>{name: f}</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "k", "arguments": [1]}</tool_call>'
+        '<tool_call>{"name": "open", "arguments": {}}'
+    )
+    calls = parse_tool_calls(text)
+    assert calls[:3] == [ToolCall("f", {"a": 1}), ToolCall("g", {"b": [2]}), ToolCall("h", {"c": 3})]
+    assert [type(c) for c in calls[3:6]] == [MalformedCall] * 3
+    assert "not JSON" in calls[3].reason and '"name"' in calls[4].reason and "list" in calls[5].reason
+    assert calls[6] == ToolCall("open", {})  # left open by a turn that stopped early
+    assert parse_tool_calls("The answer is 4.") == []
+
+
+def test_calculator_is_exact_and_bounded_without_eval() -> None:
+    assert evaluate_expression("123*456") == "56088"
+    assert evaluate_expression("-(2+3)*4 - 7 // 2 + 7 % 3 + 2**10") == str(-(2 + 3) * 4 - 7 // 2 + 7 % 3 + 2**10)
+    assert evaluate_expression("1/3") == "0.333333333333" and evaluate_expression("0.1+0.2") == "0.3"
+    assert evaluate_expression("2**-2") == "0.25" and evaluate_expression("10**63") == "1" + "0" * 63
+    for bad, why in [
+        ("__import__('os')", "unexpected character"),
+        ("10**63 * 10**5", "digits"),
+        ("99**50", "digits"),
+        ("9**9**9", "exponents"),
+        ("1/0", "division by zero"),
+        ("1+" * 200 + "1", "longer than"),
+        ("(1+2", "missing"),
+        ("", "empty"),
+        ("1 2", "after a complete"),
+    ]:
+        with pytest.raises(CalculatorError, match=why):
+            evaluate_expression(bad)
+
+
+# ---- token in, token out ----
+def test_trajectory_is_the_engines_tokens_plus_the_observation_tokenized_once() -> None:
+    first = "ab " + CALL
+    traj, engine = run(CalculatorEnv(EnvConfig()), [first, "Answer: 56088"])
+    prompt = [7, 20, 30]
+    out0, out1 = chars(first) + [IM_END], chars("Answer: 56088") + [IM_END]
+    delta = "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    obs = TOK.encode(delta)
+    assert traj.output_ids == out0 + obs + out1
+    # token in: the second turn's request is the whole trajectory so far, not a re-rendered conversation
+    assert [r for r, _ in engine.requests] == [prompt, prompt + out0 + obs]
+    assert traj.loss_mask == [True] * len(out0) + [False] * len(obs) + [True] * len(out1)
+    assert traj.logprobs == [-0.01 * k for k in range(len(out0))] + [0.0] * len(obs) + [
+        -0.01 * k for k in range(len(out1))
+    ]
+    assert traj.turn_of_token == [0] * (len(out0) + len(obs)) + [1] * len(out1)
+    # decoding and re-encoding the conversation would merge "a","b" into "ab": a different token sequence
+    full = prompt + traj.output_ids
+    reencoded = TOK.encode(TOK.decode(full))
+    assert reencoded != full and TOK.decode(reencoded) == TOK.decode(full)
+    assert full[3:5] == chars("ab") and reencoded[3] == AB
+    # R3: one routing row per position but the last; call 0 up to its last covered position, then call 1
+    n0 = len(prompt) + len(out0) - 1
+    assert traj.routed_experts.shape == (len(full) - 1, 2, 1)
+    assert traj.routed_experts[:, 0, 0].tolist() == list(range(n0)) + [1000 + k for k in range(n0, len(full) - 1)]
+    assert (traj.end_reason, traj.turns, dict(traj.events)) == ("done", 2, {"tool_call": 1})
+
+
+def test_first_messages_go_through_the_chat_template_and_token_observations_are_appended_as_given() -> None:
+    class Scripted(Environment):
+        def start(self, row):
+            return [{"role": "user", "content": "hi"}]
+
+        def step(self, turn):
+            return Observation(token_ids=[40, 41], reward=0.5) if turn.index == 0 else Observation(done=True, reward=2)
+
+    cfg = EnvConfig(max_turns=3)
+    engine = TurnEngine({IM_START: ["x", "y"]})
+    (traj,) = run_episodes(engine, [Scripted(cfg)], [row(9)], params, TurnRenderer(TOK), cfg)
+    first = TOK.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert traj.prompt_ids == first
+    assert traj.output_ids == chars("x") + [IM_END, 40, 41] + chars("y") + [IM_END]
+    assert traj.turn_rewards == [0.5, 2.0]
+
+
+# ---- failures: each ends the turn or the episode with a counted reason ----
+class Raising(ToolEnvironment):
+    def call_tool(self, name, arguments):
+        if name == "hang":
+            time.sleep(30)
+        raise RuntimeError("tool exploded")
+
+
+def test_malformed_call_raising_tool_and_hanging_tool_become_counted_error_observations() -> None:
+    bad = '<tool_call>{"name": calculator}</tool_call>'
+    traj, engine = run(CalculatorEnv(EnvConfig()), [bad, "Answer: 1"])
+    obs_text = TOK.decode(engine.requests[1][0][len(engine.requests[0][0]) + len(chars(bad)) + 1 :])
+    assert "malformed tool call: not JSON" in obs_text
+    assert (traj.end_reason, dict(traj.events)) == ("done", {"malformed_tool_call": 1})
+
+    raising = '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
+    traj, engine = run(Raising(EnvConfig()), [raising, "done"])
+    assert "RuntimeError: tool exploded" in TOK.decode(engine.requests[1][0])
+    assert (traj.end_reason, dict(traj.events)) == ("done", {"tool_error": 1})
+
+    hang = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    began = time.perf_counter()
+    traj, engine = run(Raising(EnvConfig()), [hang, "done"], tool_timeout_s=0.2)
+    assert time.perf_counter() - began < 10  # the 30 s tool was abandoned, not waited for
+    assert "timed out after 0.2s" in TOK.decode(engine.requests[1][0])
+    assert (traj.end_reason, dict(traj.events)) == ("done", {"tool_timeout": 1})
+
+
+def test_observation_overflow_env_error_and_max_turns_end_the_episode_with_their_reason() -> None:
+    # prompt 3 + turn 0 (len(CALL) + 1) fits; the observation (about 60 tokens) would not
+    cap = 3 + len(CALL) + 1 + 10
+    traj, engine = run(CalculatorEnv(EnvConfig()), [CALL, "Answer"], max_total_tokens=cap)
+    assert traj.end_reason == "max_total_tokens" and len(engine.requests) == 1
+    assert traj.output_ids == chars(CALL) + [IM_END] and all(traj.loss_mask)
+
+    class Broken(Environment):
+        def step(self, turn):
+            raise KeyError("bug in the user's environment")
+
+    traj, _ = run(Broken(EnvConfig()), ["x"])
+    assert traj.end_reason == "env_error" and traj.events["env_error"] == 1
+    assert "bug in the user's environment" in traj.meta_info["env_error"]
+
+    class NoToolRole(ChatTokenizer):
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            if any(m["role"] == "tool" for m in messages):
+                raise ValueError("Conversation roles must alternate user/assistant")
+            return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+    cfg = EnvConfig(max_turns=3)
+    (traj,) = run_episodes(
+        TurnEngine({7: [CALL]}), [CalculatorEnv(cfg)], [row(7)], params, TurnRenderer(NoToolRole()), cfg
+    )
+    assert (traj.end_reason, traj.events["render_error"]) == ("env_error", 1) and all(traj.loss_mask)
+    assert "roles must alternate" in traj.meta_info["env_error"]
+
+    traj, engine = run(CalculatorEnv(EnvConfig()), [CALL], max_turns=3)
+    assert (traj.end_reason, traj.turns, len(engine.requests)) == ("max_turns", 3, 3)
+    assert traj.events["tool_call"] == 3
+
+    m = episode_metrics([traj, traj])
+    assert m["env/end_max_turns"] == 2.0 and m["env/tool_call"] == 6.0 and m["env/turns_mean"] == 3.0
+
+
+def test_turn_budget_is_capped_by_max_total_tokens_and_a_cut_turn_ends_with_length() -> None:
+    traj, engine = run(CalculatorEnv(EnvConfig()), [CALL], max_total_tokens=20)
+    assert engine.requests[0][1].max_new_tokens == 20 - 3
+    assert traj.end_reason == "length" and len(traj.output_ids) == 17 and traj.finish_reason == "length"
+
+
+def test_http_tool_forwards_calls_and_times_out() -> None:
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((body, self.headers.get("Authorization")))
+            if body["name"] == "slow":
+                time.sleep(2)
+            reply = {"result": {"sum": sum(body["arguments"]["xs"])}} if body["name"] == "add" else {"error": "no"}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # the slow call's client has gone (timed out) by the time the reply is written
+
+    server = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/tool"
+        env = HttpToolEnv(EnvConfig(type="http_tool", tool_url=url, tool_api_key="K", tool_timeout_s=0.5))
+        turn = '<tool_call>{"name": "add", "arguments": {"xs": [1, 2, 39]}}</tool_call>'
+        obs = env.step(_turn(turn))
+        assert obs.text == '{"sum": 42}' and obs.events == ["tool_call"]
+        assert seen[0] == ({"name": "add", "arguments": {"xs": [1, 2, 39]}}, "Bearer K")
+        obs = env.step(_turn('<tool_call>{"name": "other", "arguments": {}}</tool_call>'))
+        assert obs.events == ["tool_error"] and "ToolServerError: no" in obs.text
+        obs = env.step(_turn('<tool_call>{"name": "slow", "arguments": {}}</tool_call>'))
+        assert obs.events == ["tool_timeout"]
+    finally:
+        server.shutdown()
+
+
+def _turn(text: str):
+    from megatron_rl.envs import Turn
+
+    return Turn(0, text, (), "stop")
+
+
+# ---- loading and config ----
+def test_env_type_loads_builtins_and_user_classes_and_names_bad_values() -> None:
+    assert environment_class(EnvConfig(type="calculator")) is CalculatorEnv
+    assert environment_class(EnvConfig(type="tests.test_envs:Raising")).__qualname__ == "Raising"
+    with pytest.raises(ConfigError, match=r"env.type = 'nope'.*single_turn"):
+        environment_class(EnvConfig(type="nope"))
+    with pytest.raises(ConfigError, match="not a subclass"):
+        environment_class(EnvConfig(type="tests.test_envs:ChatTokenizer"))
+    with pytest.raises(ConfigError, match="cannot import module"):
+        environment_class(EnvConfig(type="no_such_module_xyz:Env"))
+
+
+def test_config_refuses_gspo_per_turn_kl_in_reward_per_turn_and_bad_env_keys() -> None:
+    def cfg(**over):
+        return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+    with pytest.raises(ConfigError, match="gspo_token"):
+        validate(cfg(**{"algorithm.name": "gspo", "algorithm.turn_credit": "per_turn"}))
+    validate(cfg(**{"algorithm.name": "gspo_token", "algorithm.turn_credit": "per_turn"}))
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        validate(cfg(**{"algorithm.turn_credit": "per_turn", "algorithm.kl_in_reward": True, "algorithm.kl_coef": 0.1}))
+    with pytest.raises(ConfigError, match="env.max_total_tokens .* data.max_prompt_tokens"):
+        validate(cfg(**{"env.max_total_tokens": 100, "data.max_prompt_tokens": 100}))
+    with pytest.raises(ConfigError, match="env.tool_url"):
+        validate(cfg(**{"env.type": "http_tool"}))
+    with pytest.raises(ConfigError, match="algorithm.turn_discount"):
+        validate(cfg(**{"algorithm.turn_discount": 1.5}))
+
+
+# ---- credit per turn ----
+def test_turn_returns_and_per_turn_advantages_by_hand() -> None:
+    assert turn_returns([0.2, 0.0], 1.0, 0.5) == pytest.approx([0.7, 1.0])
+    adv = per_turn_advantages([[0.2, 0.0], [0.0]], torch.tensor([1.0, 0.0]), 2, discount=0.5, eps=0.0)
+    std = float(torch.tensor([0.7, 0.0]).std())
+    assert torch.allclose(adv[0], torch.tensor([0.35 / std, 0.65 / std]))
+    assert torch.allclose(adv[1], torch.tensor([-0.35 / std]))
+    # no turn rewards, gamma 1: every turn gets the outcome advantage
+    out = per_turn_advantages([[0.0, 0.0, 0.0], [0.0]], torch.tensor([1.0, -1.0]), 2)
+    assert torch.allclose(out[0], torch.full((3,), 1 / (2**0.5 + 1e-6))) and torch.allclose(out[1], -out[0][:1])
+
+
+class RewardedCalculator(CalculatorEnv):
+    """A calculator that rewards a well-formed tool call with 0.5."""
+
+    def step(self, turn):
+        obs = super().step(turn)
+        obs.reward = 0.5 if "tool_call" in obs.events else 0.0
+        return obs
+
+
+def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories() -> None:
+    base = {
+        "model.hf_path": "unused",
+        "data.train_path": "unused",
+        "rollout.n_samples_per_prompt": 2,
+        "train.prompts_per_step": 1,
+        "env.type": "tests.test_envs:RewardedCalculator",
+        "env.max_turns": 3,
+    }
+
+    def collect(**over):
+        cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])
+        # two episodes of the same prompt: the first calls the tool then answers; the second answers wrong
+        sampler = PromptSampler([row(7)], shuffle=False)
+        col = RolloutCollector(cfg, _AlternatingEngine(), TOK, RewardScorer(cfg.reward), sampler)
+        return col.collect(step=0)
+
+    outcome = collect()
+    batch = outcome.batch
+    assert outcome.metrics["env/tool_call"] == 1.0 and outcome.metrics["env/end_done"] == 2.0
+    lengths = [batch.response_length(i) for i in range(2)]
+    n_call = len(chars(CALL)) + 1
+    assert batch.response_mask[0].tolist()[:n_call] == [True] * n_call
+    assert not batch.response_mask[0][n_call : lengths[0] - len(chars("Answer: 56088")) - 1].any()
+    assert batch.response_mask[1].all()
+    # outcome: rewards 1 (+0.5 on the tool turn, unused by outcome credit) and -1: advantages +-1/sqrt(2)
+    assert [float(a) for a in batch.advantages] == pytest.approx([2**-0.5, -(2**-0.5)], rel=1e-5)
+    per_turn = collect(**{"algorithm.turn_credit": "per_turn", "algorithm.turn_discount": 1.0}).batch
+    g = torch.tensor([1.5, -1.0])  # trajectory returns G_0: 0.5 + 1, and -1
+    a0, a1 = (1.5 - g.mean()) / (g.std() + 1e-6), (1.0 - g.mean()) / (g.std() + 1e-6)
+    adv = per_turn.advantages[0]
+    assert adv.shape == (lengths[0],)
+    assert torch.allclose(adv[:n_call], a0.expand(n_call)) and torch.allclose(adv[-3:], a1.expand(3))
+    assert torch.allclose(per_turn.advantages[1], ((-1.0 - g.mean()) / (g.std() + 1e-6)).expand(lengths[1]))
+    # the actor's padded micro-batch: observation positions are no targets, each target has its turn's advantage
+    per_turn.validate(vocab_size=200, num_layers=1, top_k=1, num_experts=None)
+    n = per_turn.lengths[0]
+    inputs = build_inputs(per_turn, MicroBatch((0,), (n,)), torch.device("cpu"), with_fields=("advantages",))
+    p = per_turn.prompt_lengths[0]
+    assert inputs.target_mask[0, p - 1 : n - 1].tolist() == per_turn.response_mask[0].tolist()
+    assert torch.equal(inputs.fields["advantages"][0, p - 1 : n - 1], adv)
+    assert int(inputs.target_mask[0].sum()) == n_call + len(chars("Answer: 56088")) + 1
+
+
+class _AlternatingEngine(TurnEngine):
+    """Episode 0 of each group calls the calculator and answers right; episode 1 answers wrong at once."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        out = []
+        for k, ids in enumerate(prompts):
+            first_turn = len(ids) == 3
+            if len(prompts) == 2 and k == 1:
+                text = "Answer: 1"
+            else:
+                text = CALL if first_turn else "Answer: 56088"
+            gen = chars(text) + [IM_END]
+            out.append(Sample(list(ids), gen, [-0.1] * len(gen), "stop"))
+        return out
+
+
+# ---- GSPO-token with per-token advantages ----
+def _loss_and_grad(name: str, adv: torch.Tensor, mask: torch.Tensor) -> tuple[float, torch.Tensor]:
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 5)).requires_grad_(True)
+    old = logp.detach().clone()
+    loss, _ = policy_loss(logp, old, adv, mask, loss_spec(preset(name)))
+    loss.backward()
+    return float(loss.detach()), logp.grad.clone()
+
+
+def test_gspo_token_equals_gspo_with_outcome_credit_and_follows_per_turn_advantages() -> None:
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    outcome = torch.tensor([[0.8] * 5, [-0.6] * 5])
+    gspo, gspo_token = _loss_and_grad("gspo", outcome, mask), _loss_and_grad("gspo_token", outcome, mask)
+    assert gspo[0] == pytest.approx(gspo_token[0], abs=1e-7) and torch.allclose(gspo[1], gspo_token[1], atol=1e-7)
+    # per turn: row 0's first two tokens (turn 0) 0.2, its last two (turn 1) 1.4; row 1 keeps -0.6.
+    # At pi = pi_old (s = 1, inside the clip) GSPO-token's gradient on token t of row i is -A_it / (L_i * B)
+    # and its value -mean_i mean_t A_it: the turn-1 tokens are pushed up 1.4 / 0.8 times harder than with outcome
+    # credit, the turn-0 tokens 0.2 / 0.8 times as hard.
+    per_turn = torch.tensor([[0.2, 0.2, 1.4, 1.4, 0.0], [-0.6] * 5])
+    value, grad = _loss_and_grad("gspo_token", per_turn, mask)
+    want = torch.zeros(2, 5)
+    want[0, :4] = -per_turn[0, :4] / (4 * 2)
+    want[1, :3] = 0.6 / (3 * 2)
+    assert torch.allclose(grad, want, atol=1e-6)
+    assert value == pytest.approx(-(0.8 - 0.6) / 2, abs=1e-6)  # row 0's per-turn mean is the outcome's 0.8
+    assert (grad[0, 2:4] < gspo[1][0, 2:4]).all() and (grad[0, :2] > gspo[1][0, :2]).all()
