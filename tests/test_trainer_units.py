@@ -394,26 +394,7 @@ HF_CONFIG = {
 
 
 def test_model_config_comes_from_config_json(tmp_path: Path) -> None:
-    hf = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "vocab_size": 50,
-        "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     cfg = load_config(None, [f"model.hf_path={tmp_path}", "model.num_layers=9", "model.recompute=true"])
     model = resolve_model(cfg).model
     assert (model.num_layers, model.hidden_size, model.num_experts, model.vocab_size) == (3, 64, 4, 50)
