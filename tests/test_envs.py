@@ -345,11 +345,11 @@ def _turn(text: str):
 # ---- loading and config ----
 def test_env_type_loads_builtins_and_user_classes_and_names_bad_values() -> None:
     assert environment_class(EnvConfig(type="calculator")) is CalculatorEnv
-    assert environment_class(EnvConfig(type="tests.test_envs:Raising")).__qualname__ == "Raising"
+    assert environment_class(EnvConfig(type="test_envs:Raising")).__qualname__ == "Raising"
     with pytest.raises(ConfigError, match=r"env.type = 'nope'.*single_turn"):
         environment_class(EnvConfig(type="nope"))
     with pytest.raises(ConfigError, match="not a subclass"):
-        environment_class(EnvConfig(type="tests.test_envs:ChatTokenizer"))
+        environment_class(EnvConfig(type="test_envs:ChatTokenizer"))
     with pytest.raises(ConfigError, match="cannot import module"):
         environment_class(EnvConfig(type="no_such_module_xyz:Env"))
 
@@ -398,7 +398,7 @@ def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories()
         "data.train_path": "unused",
         "rollout.n_samples_per_prompt": 2,
         "train.prompts_per_step": 1,
-        "env.type": "tests.test_envs:RewardedCalculator",
+        "env.type": "test_envs:RewardedCalculator",
         "env.max_turns": 3,
     }
 
