@@ -110,6 +110,19 @@ class RolloutConfig:
     engine_gpus: int = _f(1, "GPUs per SGLang server", ge=1)
     host: str = _f("127.0.0.1", "address the local engine binds")
     port: int | None = _f(None, "port of the local engine; null = a free one")
+    async_mode: Literal["sync", "one_step_off", "fully_async"] = _f(
+        "sync",
+        "sync = generate, then train; one_step_off = the next batch is generated (with the weights one "
+        "update behind) while this one trains; fully_async = the engines generate all the time",
+    )
+    max_staleness: int = _f(
+        1, "fully_async: samples with a token more than this many weight versions behind are dropped", ge=0
+    )
+    partial_rollout: bool = _f(
+        True,
+        "fully_async: requests in flight during a weight update continue with the new weights (per-token "
+        "versions); false = they are aborted and resubmitted",
+    )
 
 
 @dataclass

@@ -78,6 +78,8 @@ class Sample:
     matched_stop: int | str | None = None
     routed_experts: np.ndarray | None = None  # int32 [len(prompt) + len(output) - 1, layers, top_k]
     weight_version: str | None = None
+    # the weight version that generated each output token (SGLang's meta_info.weight_versions); None = not reported
+    weight_versions: list[str] | None = None
     rid: str = ""
     server: str = ""
     meta_info: dict = field(default_factory=dict, repr=False)
