@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -347,3 +348,33 @@ def test_config_needs_an_http_url_for_remote() -> None:
     with pytest.raises(ConfigError, match=r"reward.url = 'host:8000/score' must start with http://"):
         load_config(overrides=["reward.type=remote", "reward.url=host:8000/score"])
     assert load_config(overrides=["reward.type=remote", "reward.url=http://h:1/score"]).reward.batch_size == 64
+
+
+def test_non_finite_json_and_oversized_bodies_are_refused(custom_server: ServerProcess) -> None:
+    """NaN and 1e999 (Python's json reads both) answer 400 naming the field, not a score; a body over
+    --max-request-mb (0.01 MiB) answers 413 naming the limit in bytes."""
+
+    def post(body: bytes) -> tuple[int, str]:
+        request = urllib.request.Request(
+            custom_server.url, data=body, headers={"Authorization": f"Bearer {KEY}"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def body(*weights: str) -> bytes:
+        items = [f'{{"response": "x", "answer": "1", "prompt": "p", "row": {{"weight": {w}}}}}' for w in weights]
+        return ('{"items": [' + ", ".join(items) + "]}").encode()
+
+    assert post(body("2"))[0] == 200
+    for value in ("NaN", "-Infinity", "1e999"):
+        status, text = post(body("1", value))
+        assert status == 400 and f"items[1].row.weight: {value} is not a finite number" in text, text
+    limit = int(0.01 * (1 << 20))
+    status, text = post(b" " * (limit + 1))
+    assert (
+        status == 413
+        and f"--max-request-mb: a body of {limit + 1} bytes is over this endpoint's limit of {limit} bytes" in text
+    )

@@ -5,7 +5,8 @@
 function and the request counts (`in_flight`, `max_in_flight`, `requests`, `items`). The function runs
 in `--workers` processes; each request is split over them. Binds 127.0.0.1 and requires an API key
 (`--api-key` or $MEGATRON_RL_REWARD_API_KEY) unless `--no-auth` is given; bodies larger than
-`--max-request-mb` get HTTP 413. A call of the function that runs past `--item-timeout-s` fails its
+`--max-request-mb` get HTTP 413 and `NaN`/`Infinity` in a body HTTP 400 (`megatron_rl.http_body`, the
+helper the engine server uses). A call of the function that runs past `--item-timeout-s` fails its
 item (and the worker goes on with the next).
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import math
 import multiprocessing
@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from megatron_rl.http_body import BodyError, parse_json, read_body
 from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, RuleOutput, decode_request
 from megatron_rl.rewards.registry import RewardConfigError, RuleCall, load_reward_function, rule_caller
 
@@ -90,7 +91,7 @@ class RewardServer:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes)
+        app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes + 1)
         app.router.add_post(SCORE_PATH, self.score)
         app.router.add_get("/health", self.health)
         return app
@@ -109,8 +110,11 @@ class RewardServer:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             try:
-                items = decode_request(json.loads(await request.read()))
-            except ValueError as err:  # not JSON, or not the protocol's shape
+                body = parse_json(await read_body(request, self.max_request_bytes, "--max-request-mb"))
+                items = decode_request(body)
+            except BodyError as err:
+                return web.json_response({"error": f"bad request: {err}"}, status=err.status)
+            except ValueError as err:  # not the protocol's shape
                 return web.json_response({"error": f"bad request: {err}"}, status=400)
             self.items += len(items)
             try:

@@ -6,6 +6,9 @@ updates (/update_weights_from_disk, /init_weights_update_group + /update_weights
 /update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
 session as SGLang 0.5.21+ requires), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
+
+Request bodies are bounded per endpoint by what it can carry (`body_limits`, HTTP 413 beyond) and
+parsed as strict JSON (`megatron_rl.http_body`: NaN/Infinity answer 400 naming the field).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import logging
 import signal
 import time
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
+from megatron_rl.http_body import BodyError, parse_json, read_body
 from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.engine_thread import EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
@@ -52,14 +55,29 @@ def _update_reply(ok: bool, message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
 
 
+_RAW_BODY = web.RequestKey("raw_body", bytes)
+# What /generate may carry per prompt: 16 bytes per position (a token id and its separator, or a few
+# characters of text) plus the request's other fields (sampling parameters, rid, stop ids).
+GENERATE_BYTES_PER_POSITION = 16
+GENERATE_BYTES_PER_PROMPT = 64 << 10
+# A weight update announces every tensor (name, dtype, shape, offsets: a few hundred bytes each, never
+# the data itself: the tensor payload carries handles, the distributed one only metadata).
+UPDATE_BYTES_PER_TENSOR = 1 << 10
+CONTROL_BODY_BYTES = 1 << 20  # every other endpoint: a few fields (and /update_weights_from_disk a path)
+_WEIGHT_PATHS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
+
+
+def body_limits(info: ModelInfo, max_running: int, checkpoint_tensors: int) -> dict[str, int]:
+    """The largest body of each endpoint in bytes: /generate a batch of `max_running` prompts of the
+    model's positions, the weight updates an announcement of every checkpoint tensor; the others
+    `CONTROL_BODY_BYTES`."""
+    prompt = info.max_positions * GENERATE_BYTES_PER_POSITION + GENERATE_BYTES_PER_PROMPT
+    weights = CONTROL_BODY_BYTES + checkpoint_tensors * UPDATE_BYTES_PER_TENSOR
+    return {"/generate": max_running * prompt, **dict.fromkeys(_WEIGHT_PATHS, weights)}
+
+
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise FieldError(f"body: not valid JSON ({err})") from None
+    return parse_json(request[_RAW_BODY])
 
 
 class LocalServer:
@@ -72,9 +90,12 @@ class LocalServer:
         # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
         # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
         self._last_host_bucket: torch.Tensor | None = None
+        self.body_limits = body_limits(info, engine.generator.max_running, len(engine.layout.targets))
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 34)
+        # the body middleware enforces each endpoint's limit; aiohttp's own cap is never reached first
+        biggest = max(CONTROL_BODY_BYTES, *self.body_limits.values())
+        app = web.Application(middlewares=[self._auth, self._errors, self._body], client_max_size=biggest + 1)
         post, get_post = ["POST", "PUT"], ["GET", "POST"]
         routes = [
             ("/generate", post, self.generate),
@@ -118,6 +139,15 @@ class LocalServer:
             return await handler(request)
         except (FieldError, EngineStateError) as err:
             return _error(400, str(err))
+        except BodyError as err:
+            return _error(err.status, str(err))
+
+    @web.middleware
+    async def _body(self, request: web.Request, handler):
+        """Reads the body within the endpoint's limit (after the key is checked: an unauthenticated
+        client's body is never read)."""
+        request[_RAW_BODY] = await read_body(request, self.body_limits.get(request.path, CONTROL_BODY_BYTES))
+        return await handler(request)
 
     # ---- generation ----
     async def generate(self, request: web.Request) -> web.Response:
@@ -296,6 +326,8 @@ class LocalServer:
                     {"running": len(gen.running), "waiting": len(gen.waiting), "paused": self.engine.paused}
                 ],
                 "version": "megatron-rl-local",
+                # Not in SGLang's reply: the request body limits (413 beyond), by endpoint.
+                "max_body_bytes": {**self.body_limits, "other": CONTROL_BODY_BYTES},
             }
         )
 
