@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
 from megatron_rl.rollout.local.launcher import start_local_engine
 from megatron_rl.rollout.local.server import (
@@ -126,3 +127,53 @@ def test_non_finite_numbers_are_refused_naming_the_field(engine) -> None:
         assert status == 400 and f"{field} is not a finite number" in text, (body, text)
     status, text = post(engine.url, "/update_weights_from_disk", b'{"model_path": "x", "weight_version": NaN}')
     assert status == 400 and "weight_version: NaN is not a finite number" in text
+
+
+def _weights(url: str, name: str) -> list:
+    async def go() -> list:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                url + "/get_weights_by_name", json={"name": name, "truncate_size": 4}, headers=AUTH
+            ) as r:
+                assert r.status == 200
+                return await r.json()
+
+    return asyncio.run(go())
+
+
+def test_a_broken_safetensors_update_answers_400_naming_the_file_and_the_old_weights_serve(
+    engine, model: str, tmp_path: Path
+) -> None:
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    original = load_file(str(Path(model) / "model.safetensors"))
+    changed = {name: tensor + 1.0 for name, tensor in original.items()}
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file(changed, str(good / "model.safetensors"))
+    raw = (good / "model.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    last = max(header, key=lambda n: header[n]["data_offsets"][1])  # its bytes are the ones a truncation cuts
+    probe = next(iter(header))  # the first tensor read: copied first by an update that checks nothing
+    broken = {
+        "truncated": (raw[: len(raw) - 8], f"tensor {last!r} needs data bytes"),
+        "garbage": (bytes(range(256)) * 16, "not a safetensors file"),
+        "bad_entry": (struct.pack("<Q", 16) + b'{"x": 5}        ', "tensor 'x': malformed header entry"),
+    }
+    before = _weights(engine.url, probe)
+    for name, (content, problem) in broken.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(content)
+        status, text = post(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
+        assert status == 400 and str(folder / "model.safetensors") in text and problem in text, (name, text)
+        assert _weights(engine.url, probe) == before  # nothing was copied
+    status, text = post(engine.url, "/update_weights_from_disk", {"model_path": str(good)})
+    assert status == 200, text
+    assert torch.equal(torch.tensor(_weights(engine.url, probe)), torch.tensor(before) + 1.0)
+    status, text = post(engine.url, "/update_weights_from_disk", {"model_path": model})
+    assert status == 200, text

@@ -13,7 +13,9 @@ spaces to a multiple of 8, then the data; offsets are relative to the end of the
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -55,8 +57,43 @@ def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise SafetensorsFormatError(f"{path}: header is not JSON ({err})") from None
+        data_bytes = os.fstat(f.fileno()).st_size - 8 - size
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{path}: header is {type(header).__name__}, not an object of tensors")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        _check_entry(path, name, entry, data_bytes)
     return header, 8 + size
+
+
+def _check_entry(path: str | Path, name: str, entry: Any, data_bytes: int) -> None:
+    """A header entry that describes bytes the file holds: a truncated file fails here, naming the
+    tensor and the bytes it needs, before any tensor is read."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    valid = (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and o >= 0 for o in offsets)
+        and offsets[0] <= offsets[1]
+        and isinstance(shape, list)
+        and all(isinstance(d, int) and d >= 0 for d in shape)
+        and isinstance(entry.get("dtype"), str)
+    )
+    if not valid:
+        raise SafetensorsFormatError(f"{path}: tensor {name!r}: malformed header entry {str(entry)[:120]}")
+    begin, end = offsets
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is not None and math.prod(shape) * dtype.itemsize != end - begin:
+        raise SafetensorsFormatError(
+            f"{path}: tensor {name!r}: {entry['dtype']} {shape} is {math.prod(shape) * dtype.itemsize} bytes, "
+            f"its data_offsets span {end - begin}"
+        )
+    if end > data_bytes:
+        raise SafetensorsFormatError(
+            f"{path}: tensor {name!r} needs data bytes [{begin}, {end}) but the file holds {data_bytes} "
+            "(truncated?)"
+        )
 
 
 class MappedSafetensors:
