@@ -177,3 +177,60 @@ def test_a_broken_safetensors_update_answers_400_naming_the_file_and_the_old_wei
     assert torch.equal(torch.tensor(_weights(engine.url, probe)), torch.tensor(before) + 1.0)
     status, text = post(engine.url, "/update_weights_from_disk", {"model_path": model})
     assert status == 200, text
+
+
+def _group_init(url: str, port: int, timeout_s: float) -> tuple[int, str]:
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+
+    async def go() -> tuple[int, str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.post(url + "/init_weights_update_group", json=body, headers=AUTH) as reply:
+                return reply.status, await reply.text()
+
+    return asyncio.run(go())
+
+
+def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No store listens at the group's port. With a short --group-init-timeout-s the init fails and
+    says so; with a long one, SIGTERM while it waits ends the engine (exit 0) well before it would
+    give up. The launcher's temporary folder (the port file) is gone as soon as the engine serves."""
+    import signal
+    import tempfile
+    import threading
+
+    from megatron_rl.parallel.launch import free_port
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = ["--threads", "1", "--group-init-timeout-s"]
+    quick = start_local_engine(model, api_key=KEY, extra_args=[*args, "2"], env=ENV)
+    try:
+        assert list(tmp_path.glob("megatron-rl-serve-*")) == []
+        status, text = _group_init(quick.url, free_port(), timeout_s=120)
+        assert status == 400 and "Failed to initialize custom process group" in text, text
+        assert "timeout" in text.lower() or "timed out" in text.lower(), text
+    finally:
+        quick.stop()
+    slow = start_local_engine(model, api_key=KEY, extra_args=[*args, "600"], env=ENV)
+    try:
+
+        def wait_on_group() -> None:
+            try:
+                _group_init(slow.url, free_port(), 600)
+            except aiohttp.ClientError:  # the server went away under the request: what SIGTERM does
+                pass
+
+        pending = threading.Thread(target=wait_on_group, daemon=True)
+        pending.start()
+        for _ in range(100):
+            if "joining weight-update group" in slow.log_tail():
+                break
+            threading.Event().wait(0.1)
+        assert "joining weight-update group" in slow.log_tail()
+        slow.process.send_signal(signal.SIGTERM)
+        assert slow.process.wait(60) == 0, slow.log_tail()  # 600 s before the store would time out
+        assert "shutting down" in slow.log_tail()
+    finally:
+        slow.stop()
+    assert list(tmp_path.glob("megatron-rl-serve-*")) == []

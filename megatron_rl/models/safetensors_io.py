@@ -91,8 +91,7 @@ def _check_entry(path: str | Path, name: str, entry: Any, data_bytes: int) -> No
         )
     if end > data_bytes:
         raise SafetensorsFormatError(
-            f"{path}: tensor {name!r} needs data bytes [{begin}, {end}) but the file holds {data_bytes} "
-            "(truncated?)"
+            f"{path}: tensor {name!r} needs data bytes [{begin}, {end}) but the file holds {data_bytes} (truncated?)"
         )
 
 

@@ -20,6 +20,8 @@ import datetime
 import inspect
 import io
 import pickle
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +37,12 @@ def init_weights_update_group(
     group_name: str = "weight_update_group",
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    store_timeout_s: float | None = None,
 ) -> dist.ProcessGroup:
     """Join the weight-update group as SGLang does (`init_custom_process_group`): rank 0 hosts the store.
+
+    `timeout_s` bounds the group's collectives; `store_timeout_s` (default `timeout_s`) the rendezvous,
+    so that a store that cannot be reached fails soon.
 
     The store is built directly rather than through `c10d.rendezvous("tcp://...")`: under torchrun,
     TORCHELASTIC_USE_AGENT_STORE=True makes that rendezvous connect every rank, rank 0 included, to the
@@ -47,7 +53,8 @@ def init_weights_update_group(
     if not group_name:
         raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store_timeout = datetime.timedelta(seconds=timeout_s if store_timeout_s is None else store_timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=store_timeout)
     store = c10d.PrefixStore(group_name, store)
     options = (
         "backend_options"
@@ -63,6 +70,20 @@ def init_weights_update_group(
 
 def destroy_weights_update_group(group: dist.ProcessGroup) -> None:
     dist.destroy_process_group(group)
+
+
+def in_daemon_thread(fn: Any, *args: Any) -> Future:
+    """Run `fn(*args)` on a daemon thread (a rendezvous that never completes must not block exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="weight-update-group", daemon=True).start()
+    return future
 
 
 # ---- the flattened-bucket layout and the tensor payload ----

@@ -4,10 +4,11 @@ side of the rendezvous on a thread of its own (the port: `megatron_rl.parallel.l
 from __future__ import annotations
 
 import socket
-import threading
-from concurrent.futures import Future
-from typing import Any
 from urllib.parse import urlsplit
+
+from megatron_rl.rollout.wire import in_daemon_thread
+
+__all__ = ["in_daemon_thread", "reachable_address"]
 
 
 def reachable_address(url: str) -> str:
@@ -18,17 +19,3 @@ def reachable_address(url: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(sockaddr)  # UDP: picks the route, sends nothing
         return sock.getsockname()[0]
-
-
-def in_daemon_thread(fn: Any, *args: Any) -> Future:
-    """Run `fn(*args)` on a daemon thread (a rendezvous that never completes must not block exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="weight-update-group", daemon=True).start()
-    return future

@@ -1,8 +1,14 @@
-"""Start the local engine (`megatron-rl serve`) as a child process and wait until it serves."""
+"""Start the local engine (`megatron-rl serve`) as a child process and wait until it serves.
+
+The port reaches the parent through a file in a `megatron-rl-serve-*` temporary folder that is removed
+as soon as the engine serves (or fails to); without a `log_path` the engine's output goes to an
+anonymous temporary file, so nothing is left in the temporary directory once the engine exits.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,6 +16,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import IO
+
+API_KEY_ENV = "MEGATRON_RL_SERVE_API_KEY"  # the key `megatron-rl serve` requires when --api-key is not given
 
 
 def _die_with_parent() -> None:
@@ -21,10 +30,11 @@ def _die_with_parent() -> None:
 
 
 class LocalEngineProcess:
-    """A running `megatron-rl serve` child; `stop()` ends it."""
+    """A running `megatron-rl serve` child; `stop()` ends it. Its output is in `log_path`, or (None)
+    in the anonymous `log_file`."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: str):
-        self.process, self.url, self.log_path = process, url, log_path
+    def __init__(self, process: subprocess.Popen, url: str, log_path: str | None, log_file: IO[bytes] | None = None):
+        self.process, self.url, self.log_path, self.log_file = process, url, log_path, log_file
 
     @property
     def port(self) -> int:
@@ -34,10 +44,7 @@ class LocalEngineProcess:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return _tail(self.log_path, self.log_file, lines)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -47,6 +54,22 @@ class LocalEngineProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.log_file is not None:
+            self.log_file.close()
+
+
+def _tail(log_path: str | None, log_file: IO[bytes] | None, lines: int) -> str:
+    try:
+        if log_path is not None:
+            text = Path(log_path).read_text(errors="replace")
+        elif log_file is not None and not log_file.closed:
+            fd = log_file.fileno()
+            text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")  # pread: the child's offset stays
+        else:
+            return ""
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def start_local_engine(
@@ -62,35 +85,66 @@ def start_local_engine(
 ) -> LocalEngineProcess:
     """Launch the engine on `port` (None = a free one) and return once /health answers 200."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
+    try:
+        return _start(model_path, host, port, api_key, device, extra_args, env, log_path, timeout_s, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start(
+    model_path: str,
+    host: str,
+    port: int | None,
+    api_key: str | None,
+    device: str,
+    extra_args: list[str] | None,
+    env: dict[str, str] | None,
+    log_path: str | None,
+    timeout_s: float,
+    workdir: str,
+) -> LocalEngineProcess:
     port_file = os.path.join(workdir, "port")
-    log_path = log_path or os.path.join(workdir, "serve.log")
     cmd = [sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
     cmd += ["--port", str(port or 0), "--port-file", port_file, "--device", device]
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop(API_KEY_ENV, None)
     if api_key:
-        cmd += ["--api-key", api_key]
+        child_env[API_KEY_ENV] = api_key  # not on the command line, which every user of the machine can read
     cmd += list(extra_args or [])
-    with open(log_path, "ab") as log:
+    log = open(log_path, "ab") if log_path else tempfile.TemporaryFile()
+    try:
         process = subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=child_env,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
+    except BaseException:
+        log.close()
+        raise
+    log_file = None if log_path else log
+    if log_path:
+        log.close()
+    where = f"log {log_path}" if log_path else "its output"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            tail = Path(log_path).read_text(errors="replace").splitlines()[-20:]
-            raise RuntimeError(
-                f"local engine exited with code {process.returncode} (log {log_path}):\n" + "\n".join(tail)
-            )
+            tail = _tail(log_path, log_file, 20)
+            if log_file is not None:
+                log_file.close()
+            raise RuntimeError(f"local engine exited with code {process.returncode} ({where}):\n{tail}")
         if os.path.exists(port_file) and open(port_file).read().strip():
             url = f"http://{host}:{int(open(port_file).read())}"
             if _healthy(url, api_key):
-                return LocalEngineProcess(process, url, log_path)
+                return LocalEngineProcess(process, url, log_path, log_file)
         time.sleep(0.2)
     process.kill()
-    raise TimeoutError(f"local engine did not serve within {timeout_s:.0f} s (log {log_path})")
+    process.wait()
+    tail = _tail(log_path, log_file, 20)
+    if log_file is not None:
+        log_file.close()
+    raise TimeoutError(f"local engine did not serve within {timeout_s:.0f} s ({where}):\n{tail}")
 
 
 def _healthy(url: str, api_key: str | None) -> bool:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from megatron_rl.http_body import BodyError, parse_json, read_body
 from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.engine_thread import EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
+from megatron_rl.rollout.local.launcher import API_KEY_ENV
 from megatron_rl.rollout.local.model import ModelInfo, load_model
 from megatron_rl.rollout.local.protocol import (
     DistributedUpdate,
@@ -55,6 +58,7 @@ def _update_reply(ok: bool, message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
 
 
+GROUP_INIT_TIMEOUT_S = 60.0
 _RAW_BODY = web.RequestKey("raw_body", bytes)
 # What /generate may carry per prompt: 16 bytes per position (a token id and its separator, or a few
 # characters of text) plus the request's other fields (sampling parameters, rid, stop ids).
@@ -87,6 +91,7 @@ class LocalServer:
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
         self.groups: dict[str, Any] = {}
         self.session_open = False  # SGLang >= 0.5.21's weight-update session
+        self.group_init_timeout_s = GROUP_INIT_TIMEOUT_S
         # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
         # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
         self._last_host_bucket: torch.Tensor | None = None
@@ -439,10 +444,19 @@ class LocalServer:
             world_size,
             backend,
         )
+        join = functools.partial(
+            wire.init_weights_update_group,
+            address,
+            port,
+            rank_offset,
+            world_size,
+            group_name,
+            backend,
+            store_timeout_s=self.group_init_timeout_s,
+        )
         try:
-            group = await asyncio.to_thread(
-                wire.init_weights_update_group, address, port, rank_offset, world_size, group_name, backend
-            )
+            # a daemon thread, not the default executor: SIGTERM must not wait for a rendezvous to give up
+            group = await asyncio.wrap_future(wire.in_daemon_thread(join))
         except Exception as err:  # rendezvous failures: reported to the trainer, the server keeps running
             return _update_reply(False, f"Failed to initialize custom process group: {err}.")
         self.groups[group_name] = group
@@ -564,7 +578,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on (0 = any free port)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, kept off the command line)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (one GPU)")
     parser.add_argument(
         "--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's on GPU), float32, bfloat16, float16"
@@ -576,6 +594,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true", help="do not load a tokenizer (input_ids only)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    parser.add_argument(
+        "--group-init-timeout-s",
+        type=float,
+        default=GROUP_INIT_TIMEOUT_S,
+        help="an /init_weights_update_group whose rendezvous store cannot be reached fails after this many seconds",
+    )
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
 
@@ -618,7 +642,8 @@ def run(args: argparse.Namespace) -> int:
     generator.set_weight_version(args.weight_version)
     engine = EngineThread(model, info, generator)
     engine.start()
-    server = LocalServer(engine, info, args.api_key, tokenizer)
+    server = LocalServer(engine, info, args.api_key or os.environ.get(API_KEY_ENV) or None, tokenizer)
+    server.group_init_timeout_s = args.group_init_timeout_s
     try:
         asyncio.run(_serve(server, args.host, args.port, args.port_file))
     except KeyboardInterrupt:
@@ -629,7 +654,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(server: LocalServer, host: str, port: int, port_file: str | None) -> None:
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    # on SIGTERM, requests still running (a pending group init, a long generate) get a few seconds
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
