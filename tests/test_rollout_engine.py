@@ -213,12 +213,12 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             serves(await generate(client), models["B"], "v-disk")
 
             named = _checkpoint(models["C"])
-            payload = send.serialize_named_tensors(named)
+            payload, shm = send.serialize_named_tensors(named)
             # as SGLang >= 0.5.21: tensor and distributed updates only inside a weight-update session
             with pytest.raises(BadRequestError, match=r"must run between begin_weight_update\(\) and end_weight_"):
-                await client.update_weights_from_tensor([payload], weight_version="no-session")
+                await client.update_weights_from_tensor([payload], weight_version="no-session", shm_names=shm)
             assert await client.begin_weight_update() == [True]
-            await client.update_weights_from_tensor([payload], weight_version="v-tensor")
+            await client.update_weights_from_tensor([payload], weight_version="v-tensor", shm_names=shm)
             serves(await generate(client), models["C"], "v-tensor")
 
             port = free_port()
@@ -242,7 +242,8 @@ def test_weight_updates_from_disk_tensor_and_distributed(engine, models, tmp_pat
             with pytest.raises(
                 BadRequestError, match=r"up_proj.weight': shape \[16, 31\] does not match the model's \[16, 32\]"
             ):
-                await client.update_weights_from_tensor([send.serialize_named_tensors(wrong)], weight_version="bad")
+                payload, shm = send.serialize_named_tensors(wrong)
+                await client.update_weights_from_tensor([payload], weight_version="bad", shm_names=shm)
             names, dtypes, shapes = send.tensor_specs([("model.layers.0.mlp.experts.3.up.weight", torch.zeros(16, 32))])
             reply = asyncio.ensure_future(
                 client.update_weights_from_distributed(names, dtypes, shapes, weight_version="bad")

@@ -116,11 +116,11 @@ def test_bad_update_names_the_tensor_and_changes_nothing(models):
 
 def test_tensor_payload_round_trip_and_flattened_bucket():
     named = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5, dtype=torch.float64).to(torch.bfloat16))]
-    back = wire.deserialize_named_tensors(send.serialize_named_tensors(named))
+    back = wire.deserialize_named_tensors(*send.serialize_named_tensors(named))
     assert [n for n, _ in back] == ["a.weight", "b.weight"]
     assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(named, back, strict=True))
     flat, meta = send.flatten_tensors(named)
-    obj = wire.deserialize_named_tensors(send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta}))
+    obj = wire.deserialize_named_tensors(*send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta}))
     rebuilt = wire.unflatten_tensors(obj["flattened_tensor"], obj["metadata"])
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, rebuilt, strict=True))
 

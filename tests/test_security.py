@@ -234,3 +234,37 @@ def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
     finally:
         slow.stop()
     assert list(tmp_path.glob("megatron-rl-serve-*")) == []
+
+
+def test_a_tensor_update_maps_only_the_shared_memory_it_announced(engine, model: str) -> None:
+    """The payload's segments must be the ones the request names in shm_names: a payload that names
+    another segment (here: one of a second serialisation, as a foreign process's would be) is
+    refused with 400 and nothing changes; announced, the same payload updates the weights."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.weight_sync import send
+
+    original = sorted(load_file(str(Path(model) / "model.safetensors")).items())
+    probe = original[0][0]
+    payload, names = send.serialize_named_tensors([(n, t + 1.0) for n, t in original])
+    other, other_names = send.serialize_named_tensors([(probe, torch.zeros_like(original[0][1]))])
+    assert names and other_names and not set(names) & set(other_names)
+    before = _weights(engine.url, probe)
+    assert post(engine.url, "/begin_weight_update", {})[0] == 200
+    try:
+        for announced in ([], other_names, [*other_names, *names[1:]]):
+            body = {"serialized_named_tensors": [payload], "shm_names": announced}
+            status, text = post(engine.url, "/update_weights_from_tensor", body)
+            assert status == 400 and f"shared-memory segment {names[0]!r} is not one the sender announced" in text
+            assert _weights(engine.url, probe) == before
+        status, text = post(
+            engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "shm_names": names}
+        )
+        assert status == 200, text
+        assert torch.equal(torch.tensor(_weights(engine.url, probe)), torch.tensor(before) + 1.0)
+        restore, restore_names = send.serialize_named_tensors(original)
+        body = {"serialized_named_tensors": [restore], "shm_names": restore_names}
+        assert post(engine.url, "/update_weights_from_tensor", body)[0] == 200
+        assert _weights(engine.url, probe) == before
+    finally:
+        assert post(engine.url, "/end_weight_update", {})[0] == 200

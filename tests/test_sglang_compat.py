@@ -43,7 +43,7 @@ def test_local_unpickler_admits_only_what_sglang_admits() -> None:
 def test_sglang_reads_our_flattened_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = _bucket()
     flat, meta = pack_bucket(bucket)
-    payload = send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+    payload, _ = send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
     loaded = _sglang_load(payload, monkeypatch)
     tb = sglang_wheel.tensor_bucket(monkeypatch)
     assert all(type(m) is tb.FlattenedTensorMetadata for m in loaded["metadata"])
@@ -55,7 +55,7 @@ def test_sglang_reads_our_flattened_bucket(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_sglang_reads_our_named_tensor_list(monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = _bucket()
-    loaded = _sglang_load(send.serialize_named_tensors(bucket), monkeypatch)
+    loaded = _sglang_load(send.serialize_named_tensors(bucket)[0], monkeypatch)
     assert [n for n, _ in loaded] == [n for n, _ in bucket]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded, bucket, strict=True))
 

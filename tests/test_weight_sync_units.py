@@ -49,7 +49,7 @@ def test_packing_aligns_mixed_dtypes_and_round_trips_through_shared_memory() -> 
     ]
     assert flat.dtype == torch.uint8 and flat.numel() == 96 and flat.is_shared()
     received = wire.deserialize_named_tensors(
-        send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+        *send.serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
     )
     got = wire.unflatten_tensors(received["flattened_tensor"], list(received["metadata"]))
     for (name, want), (got_name, value) in zip(bucket, got, strict=True):
@@ -73,7 +73,7 @@ def test_host_pack_buffer_is_reused_and_grown() -> None:
     smaller, _ = pack_bucket([("c", torch.full((2,), 7.0))], buffers)
     assert smaller.data_ptr() == flat.data_ptr() and smaller.numel() == 8 and smaller.is_shared()
     assert torch.equal(smaller.view(torch.float32), torch.full((2,), 7.0))
-    got = wire.deserialize_named_tensors(send.serialize_named_tensors({"flattened_tensor": smaller, "metadata": []}))
+    got = wire.deserialize_named_tensors(*send.serialize_named_tensors({"flattened_tensor": smaller, "metadata": []}))
     assert got["flattened_tensor"].numel() == 8  # the view travels, not the whole buffer
     larger, meta = pack_bucket([("d", torch.arange(20.0))], buffers)
     assert larger.numel() == 80 and larger.is_shared()
@@ -84,10 +84,10 @@ def test_one_serialisation_per_engine_rank() -> None:
     bucket = [("a", torch.arange(6.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
     devices = payload_devices(torch.device("cpu"), servers=2, engine_gpus=2)
     assert devices == [[torch.device("cpu")] * 2] * 2
-    payloads = rank_payloads(bucket, devices)
-    assert [len(row) for row in payloads] == [2, 2]
+    payloads, shm_names = rank_payloads(bucket, devices)
+    assert [len(row) for row in payloads] == [2, 2] and len(shm_names) == 1  # one shared buffer serves all
     for payload in (p for row in payloads for p in row):
-        got = wire.deserialize_named_tensors(payload)
+        got = wire.deserialize_named_tensors(payload, shm_names)
         named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
         assert [n for n, _ in named] == ["a", "b"] and torch.equal(named[0][1], bucket[0][1])
 
@@ -123,7 +123,8 @@ def test_cuda_payload_names_the_device_by_uuid_and_rebuilds_on_it() -> None:
     import base64
 
     bucket = [("a", torch.arange(6.0, device="cuda")), ("b", torch.ones(3, dtype=torch.bfloat16, device="cuda"))]
-    (row,) = rank_payloads(bucket, payload_devices(torch.device("cuda", 0), servers=1, engine_gpus=1))
+    (row,), shm_names = rank_payloads(bucket, payload_devices(torch.device("cuda", 0), servers=1, engine_gpus=1))
+    assert shm_names == []  # CUDA IPC handles, no shared-memory file
     (payload,) = row
     assert wire.cuda_device_uuid(0).encode() in base64.b64decode(payload)  # SGLang's patch_torch form
     got = wire.deserialize_named_tensors(payload)

@@ -564,10 +564,13 @@ class SGLangClient:
         weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        shm_names: list[str] | None = None,
     ) -> list[dict]:
         """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes
-        them), the same for every server, or one such list per server (in `urls` order)."""
+        them), the same for every server, or one such list per server (in `urls` order). `shm_names`:
+        the shared-memory segments they refer to (the local engine maps no other; SGLang ignores it)."""
         body = {
+            "shm_names": list(shm_names or []),
             "load_format": load_format,
             "weight_version": weight_version,
             "flush_cache": flush_cache,

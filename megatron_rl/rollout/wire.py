@@ -8,7 +8,9 @@
   it (the trainer's writer is `megatron_rl/weight_sync/send.py`). Unpickling accepts a subset of
   the globals SGLang's `SafeUnpickler` accepts: torch's tensor-rebuild functions (shared-memory
   file, CUDA IPC with the device named by UUID or index), dtypes, sizes, plain containers and
-  SGLang's `FlattenedTensorMetadata`.
+  SGLang's `FlattenedTensorMetadata`. A shared-memory segment is mapped only when its name is one
+  the sender announced (`shm_names`: the segments the trainer created for this request), so a
+  payload cannot make the engine map another process's memory by name.
 - `FlattenedTensorMetadata` / `flattened_layout` / `unflatten_tensors`: the "flattened_bucket"
   layout: tensors' bytes back to back in one uint8 buffer.
 """
@@ -21,6 +23,7 @@ import inspect
 import io
 import pickle
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -193,12 +196,32 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     return reductions.rebuild_cuda_tensor(*args)
 
 
+_REBUILD_SHM = ("torch.multiprocessing.reductions", "rebuild_storage_filename")
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, shm_names: Collection[str]) -> None:
+        super().__init__(file)
+        self.shm_names = frozenset(shm_names)
+
+    def _rebuild_storage_filename(self, cls: Any, manager: bytes, handle: bytes, *args: Any) -> Any:
+        from torch.multiprocessing import reductions
+
+        name = handle.decode(errors="replace") if isinstance(handle, bytes) else str(handle)
+        if name not in self.shm_names:
+            raise pickle.UnpicklingError(
+                f"shared-memory segment {name!r} is not one the sender announced (shm_names: "
+                f"{sorted(self.shm_names)[:4]}{' ...' if len(self.shm_names) > 4 else ''}); refused"
+            )
+        return reductions.rebuild_storage_filename(cls, manager, handle, *args)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == SGLANG_METADATA_CLASS:
             return FlattenedTensorMetadata
         if (module, name) == _REBUILD_CUDA:
             return _rebuild_cuda_tensor
+        if (module, name) == _REBUILD_SHM:
+            return self._rebuild_storage_filename
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         hint = ""
@@ -211,9 +234,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def deserialize_named_tensors(payload: str | bytes) -> Any:
-    """Inverse of `weight_sync.send.serialize_named_tensors`, restricted to tensors and plain containers."""
+def deserialize_named_tensors(payload: str | bytes, shm_names: Collection[str] = ()) -> Any:
+    """Inverse of `weight_sync.send.serialize_named_tensors`, restricted to tensors and plain
+    containers, mapping only the shared-memory segments named in `shm_names`."""
     import torch.multiprocessing.reductions  # noqa: F401
 
     raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
-    return _RestrictedUnpickler(io.BytesIO(raw)).load()
+    return _RestrictedUnpickler(io.BytesIO(raw), shm_names).load()

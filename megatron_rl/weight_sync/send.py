@@ -4,7 +4,9 @@
   `[(name, tensor), ...]` (or a flattened bucket dict) with `ForkingPickler`'s reductions, as
   SGLang's `MultiprocessingSerializer` writes it (SGLang's metadata class name, devices by UUID). CPU tensors travel through shared memory (file-system
   strategy, so unrelated processes can open them; file descriptors cannot cross unrelated
-  processes) and must stay alive until the call returns.
+  processes) and must stay alive until the call returns. With the payload come the names of the
+  shared-memory segments it refers to, which the request announces (`shm_names`): the local engine
+  maps no other segment.
 - `flatten_tensors`: tensors' bytes back to back in one uint8 buffer (the "flattened_bucket").
 - `tensor_specs` / `broadcast_named_tensors`: rank 0's half of `/update_weights_from_distributed`.
 """
@@ -53,9 +55,25 @@ class _SGLangPickler(pickle._Pickler):
         import torch.multiprocessing.reductions  # noqa: F401  (registers the shared-memory reducers)
 
         super().__init__(file)
-        self.dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers}
+        self.shm_names: list[str] = []
+        extra = {cls: self._recording(reduce) for cls, reduce in ForkingPickler._extra_reducers.items()}
+        self.dispatch_table = {**copyreg.dispatch_table, **extra}
         self.dispatch_table[torch.Tensor] = _reduce_tensor
         self.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+
+    def _recording(self, reduce: Any) -> Any:
+        """`reduce`, noting the name of every shared-memory segment it hands out."""
+        from torch.multiprocessing import reductions
+
+        def reduce_and_note(obj: Any) -> Any:
+            rebuild, args = reduce(obj)
+            if rebuild is reductions.rebuild_storage_filename:
+                name = args[2].decode() if isinstance(args[2], bytes) else str(args[2])  # (cls, manager, name, size)
+                if name not in self.shm_names:
+                    self.shm_names.append(name)
+            return rebuild, args
+
+        return reduce_and_note
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if obj is FlattenedTensorMetadata:
@@ -75,13 +93,15 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     return rebuild, args
 
 
-def serialize_named_tensors(obj: Any) -> str:
+def serialize_named_tensors(obj: Any) -> tuple[str, list[str]]:
     """Base64 pickle of `obj` (a list of (name, tensor) or a flattened bucket dict) as SGLang's
-    `MultiprocessingSerializer` writes it (see `_SGLangPickler`)."""
+    `MultiprocessingSerializer` writes it (see `_SGLangPickler`), and the names of the shared-memory
+    segments it refers to (what the request announces as `shm_names`)."""
     buf = io.BytesIO()
     with file_system_sharing():
-        _SGLangPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+        pickler = _SGLangPickler(buf)
+        pickler.dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), pickler.shm_names
 
 
 def flatten_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:

@@ -44,20 +44,23 @@ def payload_devices(device: torch.device, servers: int, engine_gpus: int) -> lis
 
 def rank_payloads(
     bucket: Bucket, devices: list[list[torch.device]], buffers: PackBuffers | None = None
-) -> list[list[str]]:
+) -> tuple[list[list[str]], list[str]]:
     """The serialised flattened bucket for each engine TP rank (by server): one buffer per device
-    (`PackBuffers` says when one is reused), one serialisation per rank."""
+    (`PackBuffers` says when one is reused), one serialisation per rank; and the shared-memory
+    segments they refer to (the request's `shm_names`)."""
     flat, meta = pack_bucket(bucket, buffers)
     copies = {flat.device: flat}
-    payloads = []
+    payloads, shm_names = [], []
     for server in devices:
         row = []
         for device in server:
             if device not in copies:
                 copies[device] = flat.to(device)
-            row.append(serialize_named_tensors({"flattened_tensor": copies[device], "metadata": meta}))
+            payload, names = serialize_named_tensors({"flattened_tensor": copies[device], "metadata": meta})
+            row.append(payload)
+            shm_names += [n for n in names if n not in shm_names]
         payloads.append(row)
-    return payloads
+    return payloads, shm_names
 
 
 class TensorSync(WeightSync):
@@ -96,10 +99,11 @@ class TensorSync(WeightSync):
         return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
-        payloads = rank_payloads(bucket, self._devices, self._buffers)
+        payloads, shm_names = rank_payloads(bucket, self._devices, self._buffers)
         self._call(
             self.client.update_weights_from_tensor(
                 payloads,
+                shm_names=shm_names,
                 load_format="flattened_bucket",
                 weight_version=version,
                 flush_cache=version is not None,

@@ -406,8 +406,9 @@ class LocalServer:
         load_format = get_field(body, "load_format", "str")
         if load_format not in (None, "direct", "flattened_bucket"):
             raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct', 'flattened_bucket'")
+        shm_names = get_field(body, "shm_names", "str_list", [])
         try:
-            obj = wire.deserialize_named_tensors(payloads[0])
+            obj = wire.deserialize_named_tensors(payloads[0], shm_names)
         except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
             raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
         named = _named_tensors(obj, load_format == "flattened_bucket")
