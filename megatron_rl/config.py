@@ -90,7 +90,11 @@ class ParallelConfig:
 class RolloutConfig:
     engine: Literal["local", "sglang"] = _f("local", "local = start the embedded SGLang-compatible engine")
     sglang_urls: list = _f([], "SGLang server or router addresses (http://host:port); empty = local engine")
-    api_key: str | None = _f(None, "API key sent to / required by the engine")
+    api_key: str | None = _f(
+        None,
+        "API key sent to / required by the engines; null = a random key per run for the local engine "
+        "(SGLang servers: none); written redacted into config.yaml",
+    )
     n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
     temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -482,8 +486,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+# Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
+# REDACTED in their place, and a config that still says REDACTED is refused.
+SECRET_KEYS = ("rollout.api_key", "reward.api_key", "env.tool_api_key")
+REDACTED = "<redacted>"
+
+
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, secrets (`SECRET_KEYS`) redacted."""
+    node = OmegaConf.structured(cfg)
+    for key in SECRET_KEYS:
+        if OmegaConf.select(node, key) is not None:
+            OmegaConf.update(node, key, REDACTED)
+    return OmegaConf.to_yaml(node)
+
+
+def _validate_secrets(cfg: Config) -> None:
+    for key in SECRET_KEYS:
+        section, name = key.split(".")
+        _require(
+            getattr(getattr(cfg, section), name) != REDACTED,
+            f"{key} = {REDACTED!r} is what config.yaml writes in place of a key: give the key itself",
+        )
 
 
 def _check_bounds(section: Any, prefix: str) -> None:
@@ -524,6 +548,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     if model_shape:
         _validate_model(cfg.model)
         _validate_parallel(cfg)
+    _validate_secrets(cfg)
     _validate_rollout(cfg)
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)

@@ -268,3 +268,43 @@ def test_a_tensor_update_maps_only_the_shared_memory_it_announced(engine, model:
         assert _weights(engine.url, probe) == before
     finally:
         assert post(engine.url, "/end_weight_update", {})[0] == 200
+
+
+def test_config_yaml_redacts_every_key_and_a_redacted_key_is_refused(tmp_path: Path) -> None:
+    from megatron_rl.config import REDACTED, SECRET_KEYS, ConfigError, load_config, to_yaml
+
+    secrets = {key: f"secret-{i}-value" for i, key in enumerate(SECRET_KEYS)}
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in secrets.items()])
+    assert cfg.rollout.api_key == secrets["rollout.api_key"]  # the run itself has the key
+    text = to_yaml(cfg)
+    assert not [v for v in secrets.values() if v in text] and text.count(REDACTED) == len(SECRET_KEYS)
+    (tmp_path / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"rollout\.api_key = '<redacted>' is what config\.yaml writes"):
+        load_config(tmp_path / "config.yaml")
+    assert REDACTED not in to_yaml(load_config())  # unset keys stay null
+
+
+def test_the_local_engine_gets_a_per_run_key_off_the_command_line(model: str) -> None:
+    import psutil
+
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.local.launcher import API_KEY_ENV
+
+    keys = []
+    for _ in range(2):
+        with RolloutEngine.from_config(RolloutConfig(), model, extra_args=["--threads", "1"], env=ENV) as engine:
+            key = engine.client.api_key
+            assert key and len(key) >= 32
+            keys.append(key)
+            child = psutil.Process(engine.local_process.process.pid)
+            assert key not in " ".join(child.cmdline()) and child.environ()[API_KEY_ENV] == key
+            url = engine.local_process.url
+            status, _ = post(url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": ""})
+            assert status == 401
+            assert (
+                post(url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": f"Bearer {key}"})[0]
+                == 200
+            )
+            assert key not in engine.local_process.log_tail(1000)
+    assert keys[0] != keys[1]

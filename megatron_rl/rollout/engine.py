@@ -3,7 +3,7 @@
 `SamplingParams` and `Sample` are plain data (`types.py`). `RolloutEngine` is the synchronous handle
 the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so the trainer needs no
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
-address is configured. A configured address that is an sglang-router is found at start-up
+address is configured, with `rollout.api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
 workers it lists. Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
@@ -12,6 +12,7 @@ workers it lists. Any client coroutine can also be run with `run` or started wit
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
@@ -53,16 +54,19 @@ class RolloutEngine:
         """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none."""
         process = None
         urls = list(rollout.sglang_urls)
+        api_key = rollout.api_key
         if rollout.engine == "local" or not urls:
             if model_path is None:
                 raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")
+            # the engine this run starts requires a key: without one, any local process could post it weights
+            api_key = api_key or secrets.token_urlsafe(32)
             process = start_local_engine(
-                model_path, host=rollout.host, port=rollout.port, api_key=rollout.api_key, **local_kwargs
+                model_path, host=rollout.host, port=rollout.port, api_key=api_key, **local_kwargs
             )
             urls = [process.url]
         client = SGLangClient(
             urls,
-            api_key=rollout.api_key,
+            api_key=api_key,
             max_concurrency=rollout.max_concurrency,
             timeout_s=rollout.request_timeout_s,
             max_retries=rollout.max_retries,
