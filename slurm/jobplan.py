@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.rollout.local.launcher import API_KEY_ENV as ENGINE_API_KEY_ENV
+
 
 class PlanError(ValueError):
     """A submission that cannot run; the message names the setting (variable, flag or config key)."""
@@ -157,6 +159,14 @@ def nccl_env(environ: dict[str, str]) -> dict[str, str]:
     return {key: environ.get(key, default) for key, default in NCCL_ENV_DEFAULTS.items()}
 
 
+def engine_bind(bind: str, job_nodes: int, node_addr: str) -> str:
+    """The address a server binds: `bind` unless "auto", which is 127.0.0.1 on a one-node job (only
+    this machine reaches it) and else the server's node address (the job's other nodes), not 0.0.0.0."""
+    if bind != "auto":
+        return bind
+    return "127.0.0.1" if job_nodes == 1 else node_addr
+
+
 def _engine_command(
     cfg: Any, gpu: bool, python: str, bind: str, base_gpu: int, nnodes: int, dist_init: str, extra: Sequence[str]
 ) -> tuple[str, ...]:
@@ -177,9 +187,7 @@ def _engine_command(
             cmd.append("--enable-return-routed-experts")
         if nnodes > 1:
             cmd += ["--nnodes", str(nnodes), "--dist-init-addr", dist_init]  # --node-rank: per node, in task.sh
-    if ro.api_key:
-        cmd += ["--api-key", ro.api_key]
-    return tuple(cmd + list(extra))
+    return tuple(cmd + list(extra))  # the API key comes from the environment (slurm/task.sh)
 
 
 def _placement(
@@ -258,7 +266,7 @@ def make_plan(
     train_nodes: int | None = None,
     ranks_per_node: int | None = None,
     python: str = sys.executable,
-    bind: str = "0.0.0.0",
+    bind: str = "auto",
     engine_args: Sequence[str] = (),
     router: bool = False,
     sglang_python: str | None = None,
@@ -312,10 +320,12 @@ def make_plan(
         first, base_gpu = placed[0]
         dist_init = f"{addr_of[first]}:{base_port + i}"
         engine_python = (sglang_python or python) if gpus_per_node else python
+        host = engine_bind(bind, len(nodes), addr_of[first])
         command = _engine_command(
-            cfg, gpus_per_node > 0, engine_python, bind, base_gpu, len(placed), dist_init, engine_args
+            cfg, gpus_per_node > 0, engine_python, host, base_gpu, len(placed), dist_init, engine_args
         )
-        engines.append(Engine(i, tuple(n for n, _ in placed), addr_of[first], base_gpu, command))
+        url_host = addr_of[first] if host in ("0.0.0.0", "::") else host
+        engines.append(Engine(i, tuple(n for n, _ in placed), url_host, base_gpu, command))
 
     run_dir = str(Path(cfg.logging.run_dir).resolve())
     return JobPlan(
@@ -452,7 +462,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-id", default="0")
     p.add_argument("--train-nodes", default="", help="nodes that train (disaggregated); empty = half")
     p.add_argument("--ranks-per-node", default="", help="trainer ranks per node; empty = GPUs (CPU: the least)")
-    p.add_argument("--bind", default="0.0.0.0", help="address the engines bind")
+    p.add_argument(
+        "--bind", default="auto", help="address the engines bind; auto = 127.0.0.1 on one node, else the node's"
+    )
     p.add_argument("--engine-args", default="", help="extra engine arguments (shell words)")
     p.add_argument("--router", action="store_true", help="start an sglang-router in front of the engines")
     p.add_argument("--sglang-python", default="", help="interpreter of the SGLang servers; empty = the planner's")
@@ -462,11 +474,11 @@ def _main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("wait-healthy", help="wait until every URL's /health answers 200")
     w.add_argument("--timeout", type=float, default=600.0)
     w.add_argument("--pids", default="", help="processes that must stay alive meanwhile, comma-separated")
-    w.add_argument("--api-key", default=None)
+    w.add_argument("--api-key", default=os.environ.get(ENGINE_API_KEY_ENV), help=f"default ${ENGINE_API_KEY_ENV}")
     w.add_argument("urls", nargs="+")
     v = sub.add_parser("weight-versions", help="print and save each engine's weight version")
     v.add_argument("--out", required=True)
-    v.add_argument("--api-key", default=None)
+    v.add_argument("--api-key", default=os.environ.get(ENGINE_API_KEY_ENV), help=f"default ${ENGINE_API_KEY_ENV}")
     v.add_argument("urls", nargs="+")
     args = parser.parse_args(argv)
 

@@ -23,7 +23,9 @@
 #   ROUTER_POLICY      the router's --policy (default cache_aware)
 #   SGLANG_ARGS        extra sglang.launch_server arguments (e.g. "--mem-fraction-static 0.7 --ep-size 8")
 #   LOCAL_ENGINE_ARGS  extra `megatron-rl serve` arguments (CPU runs)
-#   ENGINE_BIND        address the servers bind (default 0.0.0.0)
+#   ENGINE_BIND        address the servers bind (default: 127.0.0.1 on a one-node job, else each server's
+#                      node address; never 0.0.0.0 unless asked for). Every server requires the job's
+#                      API key (rollout.api_key, else a random one: RUN_DIR/logs/job-ID/engine_api_key)
 #   ENGINE_TIMEOUT     seconds for the servers to answer /health (default 1800)
 #   STOP_GRACE         seconds between SIGTERM and SIGKILL when stopping steps (default 30)
 #   PYTHON             interpreter with megatron-rl installed (default: python on PATH)
@@ -210,7 +212,7 @@ start_engines() {
   done
   say "waiting for ${ENGINE_URLS[*]} to answer /health"
   "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout "${ENGINE_TIMEOUT:-1800}" --pids "$(join_by , "${pids[@]}")" \
-    "${KEY_ARG[@]}" "${ENGINE_URLS[@]}" || {
+    "${ENGINE_URLS[@]}" || {
     show_tail "$LOG_DIR"/engine*.log
     die "the rollout servers did not start"
   }
@@ -219,7 +221,7 @@ start_engines() {
 start_router() {
   local -n hosts="ENGINE_NODES_0" addr="ENGINE_ADDR_0"
   start_server router "$addr" "${hosts[0]}" --overlap -- "$SGLANG_PYTHON" -m sglang_router.launch_router \
-    --worker-urls "${ENGINE_URLS[@]}" --host "${ENGINE_BIND:-0.0.0.0}" --policy "${ROUTER_POLICY:-cache_aware}"
+    --worker-urls "${ENGINE_URLS[@]}" --host "$addr" --policy "${ROUTER_POLICY:-cache_aware}"
   local url pid=${BG_PIDS[-1]}
   url=$(wait_url router "$pid") || exit 2
   "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout 300 --pids "$pid" "$url" || {
@@ -227,6 +229,25 @@ start_router() {
     die "the sglang-router did not start"
   }
   say "router $url in front of the servers (for clients besides the trainer, which updates every server itself)"
+}
+
+# write_job_key FILE: every server of the job requires a key: rollout.api_key, else one made for this
+# job. It lives in FILE (mode 0600, in the run folder) and reaches each step in the environment
+# ($MEGATRON_RL_ENGINE_API_KEY, read by the trainer, `megatron-rl serve`, jobplan.py and task.sh),
+# never on a command line that `ps` or `scontrol` shows to other users.
+write_job_key() {
+  local file=$1
+  (
+    umask 077
+    if [[ -n $ENGINE_API_KEY ]]; then
+      printf '%s' "$ENGINE_API_KEY" >"$file"
+    else
+      "$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32), end="")' >"$file"
+    fi
+  ) || die "cannot write the job's API key file $file"
+  chmod 600 "$file"
+  MEGATRON_RL_ENGINE_API_KEY=$(<"$file")
+  export MEGATRON_RL_ENGINE_API_KEY
 }
 
 # ---- the training job ----
@@ -254,7 +275,7 @@ run_job() {
   local -a plan_args=(--mode "$mode" --job-id "$SLURM_JOB_ID" --gpus-per-node "$gpus"
     --nodes "$(join_by , "${nodes[@]}")" --addrs "$(join_by , "${addrs[@]}")"
     --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}"
-    --bind "${ENGINE_BIND:-0.0.0.0}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON")
+    --bind "${ENGINE_BIND:-auto}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON")
   ((router)) && plan_args+=(--router)
 
   say "job $SLURM_JOB_ID ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
@@ -262,8 +283,6 @@ run_job() {
   eval "$plan" # also exports the NCCL settings of a GPU job, before any step starts
   local -a overlap=()
   [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
-  KEY_ARG=()
-  [[ -n $ENGINE_API_KEY ]] && KEY_ARG=(--api-key "$ENGINE_API_KEY")
   local -a resume=()
   [[ ${RESUME:-1} == 1 ]] && resume=(--resume)
   local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
@@ -280,6 +299,7 @@ run_job() {
   fi
   mkdir -p "$LOG_DIR/endpoints"
   rm -f "$LOG_DIR"/endpoints/*.url
+  write_job_key "$LOG_DIR/engine_api_key"
   install_traps
 
   start_engines
@@ -309,8 +329,7 @@ run_job() {
     show_tail "$LOG_DIR"/train-*-rank0.log
     say "trainer failed (exit $rc); logs in $LOG_DIR"
   fi
-  "$PYTHON" "$SLURM_DIR/jobplan.py" weight-versions --out "$LOG_DIR/engines.json" "${KEY_ARG[@]}" \
-    "${ENGINE_URLS[@]}" 2>&1 || true
+  "$PYTHON" "$SLURM_DIR/jobplan.py" weight-versions --out "$LOG_DIR/engines.json" "${ENGINE_URLS[@]}" 2>&1 || true
   cleanup
   return "$rc"
 }

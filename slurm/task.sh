@@ -6,7 +6,8 @@
 #                                                 # node pick a free port, append --port P, publish
 #                                                 # http://ADDR:P in LOG_DIR/endpoints/NAME.url; on
 #                                                 # the other nodes of a multi-node engine append
-#                                                 # --node-rank (SGLang serves HTTP from node rank 0)
+#                                                 # --node-rank (SGLang serves HTTP from node rank 0);
+#                                                 # the job's API key from the environment (below)
 set -euo pipefail
 
 node=${SLURMD_NODENAME:-$(hostname -s)}
@@ -39,6 +40,14 @@ serve)
     args+=(--node-rank "$node_rank")
   fi
   echo "[$(date '+%F %T')] $name on $node (node rank $node_rank): ${args[*]}"
+  # The job's key ($MEGATRON_RL_ENGINE_API_KEY, from lib.sh's 0600 key file): `megatron-rl serve` reads
+  # it from the environment; SGLang's server and router take --api-key only, so it is appended inside
+  # the interpreter (`python -c`), which keeps it off the command line `ps` shows to everyone.
+  if [[ -n ${MEGATRON_RL_ENGINE_API_KEY:-} && ${args[1]:-} == -m && ${args[2]:-} != megatron_rl.cli ]]; then
+    exec "${args[0]}" -c 'import os, runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:], "--api-key", os.environ["MEGATRON_RL_ENGINE_API_KEY"]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)' "${args[@]:2}"
+  fi
   exec "${args[@]}"
   ;;
 *)

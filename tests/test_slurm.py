@@ -293,6 +293,55 @@ def test_plan_cpu_uses_the_least_world_and_the_local_engine(big: Path) -> None:
     assert plan(big, "disaggregated", *small, nodes=2, gpus=0).ranks_per_node == 2
 
 
+def test_plan_binds_loopback_on_one_node_else_the_node_address_and_no_key_on_a_command_line(big: Path) -> None:
+    one = plan(big, "colocated", "rollout.api_key=user-key-1", "rollout.engine_gpus=8", nodes=1)
+    (engine,) = one.engines
+    assert engine.command[engine.command.index("--host") + 1] == "127.0.0.1" and engine.addr == "127.0.0.1"
+    assert "--api-key" not in engine.command and "user-key-1" not in " ".join(engine.command)
+    assert "ENGINE_API_KEY=user-key-1\n" in jobplan.to_shell(one)  # eval'd by lib.sh into its 0600 key file
+    four = plan(big, "disaggregated", "rollout.engine_gpus=8", train_nodes=2)
+    hosts = [e.command[e.command.index("--host") + 1] for e in four.engines]
+    assert hosts == [e.addr for e in four.engines] == ["10.1.0.3", "10.1.0.4"]  # the node's address, not 0.0.0.0
+    anywhere = plan(
+        big, "disaggregated", "rollout.engine_gpus=8", train_nodes=2, bind="0.0.0.0"
+    )  # ENGINE_BIND=0.0.0.0: asked for
+    assert [e.addr for e in anywhere.engines] == ["10.1.0.3", "10.1.0.4"]
+    assert all(e.command[e.command.index("--host") + 1] == "0.0.0.0" for e in anywhere.engines)
+
+
+def test_the_job_key_file_is_private_and_reaches_the_steps_environment(tmp_path: Path) -> None:
+    """lib.sh's write_job_key: rollout.api_key when set, else a new random key per job, in a 0600 file
+    and $MEGATRON_RL_ENGINE_API_KEY; task.sh appends it to an SGLang command inside the interpreter."""
+    script = (
+        f"source {ROOT / 'slurm' / 'lib.sh'}; PYTHON={sys.executable}; ENGINE_API_KEY=$1; "
+        'write_job_key "$2"; stat -c %a "$2"; echo "$MEGATRON_RL_ENGINE_API_KEY"'
+    )
+
+    def key_of(given: str, name: str) -> tuple[str, str]:
+        out = subprocess.run(["bash", "-c", script, "x", given, str(tmp_path / name)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        mode, key = out.stdout.split()
+        assert (tmp_path / name).read_text() == key
+        return mode, key
+
+    assert key_of("user-key-2", "given") == ("600", "user-key-2")
+    first, second = key_of("", "a"), key_of("", "b")
+    assert first[0] == second[0] == "600" and len(first[1]) >= 32 and first[1] != second[1]
+    # task.sh on a server command: the key is an argument inside Python, not on the command line
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys; print(sys.argv[1:])\n")
+    env = {**os.environ, "MEGATRON_RL_ENGINE_API_KEY": first[1], "PYTHONPATH": str(tmp_path), "SLURM_NODEID": "1"}
+    (tmp_path / "logs").mkdir()
+    cmd = ["bash", str(ROOT / "slurm" / "task.sh"), "serve", "engine0", "127.0.0.1", str(tmp_path / "logs")]
+    out = subprocess.run(
+        [*cmd, "--", sys.executable, "-m", "probe", "--host", "127.0.0.1"], env=env, capture_output=True
+    )
+    assert out.returncode == 0, out.stderr
+    log = next((tmp_path / "logs").glob("engine0-*.log")).read_text()
+    assert f"['--host', '127.0.0.1', '--api-key', '{first[1]}']" in log
+    assert first[1] not in log.splitlines()[0]  # the command line task.sh reports (and ps shows)
+
+
 @pytest.mark.parametrize(
     "mode, overrides, kwargs, message",
     [

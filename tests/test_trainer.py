@@ -7,7 +7,8 @@
 - kill -9 during a step after a checkpoint, `--resume` (KL penalty in the reward): the metrics equal an
   uninterrupted run's, the reference is the start policy in both, the KL to it grows.
 - dynamic sampling on a task the policy always fails stops at the round limit with the warning
-  metric; SIGTERM (torchrun) and SIGINT (a single process) end the run with no process left.
+  metric; mid-run the engine refuses a request without the run's generated key (401), a key found
+  on no command line, in no config.yaml or log; SIGTERM (torchrun) and SIGINT (a single process) end the run with no process left.
 
 The policy is the example's randomly initialised tiny Qwen3-MoE; a custom reward (the share of
 digits in the response, failing on prompts with an odd answer) gives varied rewards.
@@ -22,6 +23,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -245,6 +248,7 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
     assert (first["groups/rounds"], first["groups/target_missed"], first["groups/groups_used"]) == (2.0, 1.0, 0.0)
     assert (first["groups/groups_generated"], first["reward/accuracy"], first["actor/skipped"]) == (8.0, 0.0, 1.0)
     assert any("serve" in p.cmdline() for p in _tree(process.pid))  # the engine runs
+    _engine_refuses_strangers(work, process, run_dir)
     os.kill(process.pid, sig)
     try:
         process.wait(90)
@@ -257,6 +261,33 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
     while leftovers(work) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert leftovers(work) == []
+
+
+def _engine_refuses_strangers(work: Path, process: subprocess.Popen, run_dir: Path) -> None:
+    """Mid-run, the engine the run started wants the run's own key: an unauthenticated POST
+    /update_weights_from_disk (which once trained the next step on a stranger's weights) gets 401.
+    The key is on no command line and not in config.yaml, engine.log or the run's output."""
+    (engine,) = [p for p in _tree(process.pid) if "serve" in p.cmdline()]
+    key = engine.environ()["MEGATRON_RL_ENGINE_API_KEY"]
+    port = next(c.laddr.port for c in engine.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+
+    def status(path: str, headers: dict, body: dict | None = None) -> int:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    stranger = {"model_path": str(work / "model")}
+    assert status("/update_weights_from_disk", {"Content-Type": "application/json"}, stranger) == 401
+    assert status("/health", {"Authorization": f"Bearer {key}"}) == 200  # the key found is the one it wants
+    assert len(key) >= 32
+    assert not [p.pid for p in [psutil.Process(process.pid), *_tree(process.pid)] if key in " ".join(p.cmdline())]
+    for name in ("config.yaml", "engine.log"):
+        assert key not in (run_dir / name).read_text(), name
+    assert key not in run_dir.with_suffix(".log").read_text()
 
 
 def _tree(pid: int) -> list[psutil.Process]:

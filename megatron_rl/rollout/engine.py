@@ -3,7 +3,7 @@
 `SamplingParams` and `Sample` are plain data (`types.py`). `RolloutEngine` is the synchronous handle
 the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so the trainer needs no
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
-address is configured, with `rollout.api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
+address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
 workers it lists. Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
@@ -12,17 +12,23 @@ workers it lists. Any client coroutine can also be run with `run` or started wit
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import threading
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
+from megatron_rl.rollout.local.launcher import API_KEY_ENV, LocalEngineProcess, start_local_engine
 from megatron_rl.rollout.sglang import SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 T = TypeVar("T")
+
+
+def configured_api_key(rollout: Any) -> str | None:
+    """The engines' key: `rollout.api_key`, else $MEGATRON_RL_ENGINE_API_KEY (the Slurm scripts' job key)."""
+    return rollout.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def moe_layout(model_path: str) -> tuple[int, int] | None:
@@ -54,7 +60,7 @@ class RolloutEngine:
         """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none."""
         process = None
         urls = list(rollout.sglang_urls)
-        api_key = rollout.api_key
+        api_key = configured_api_key(rollout)
         if rollout.engine == "local" or not urls:
             if model_path is None:
                 raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_rl.rollout.engine import configured_api_key
 from megatron_rl.rollout.sglang import SGLangClient
 from megatron_rl.rollout.types import MEMORY_TAGS
 
@@ -87,7 +88,9 @@ def release_colocated_engines(cfg: Config) -> bool:
     ro = cfg.rollout
 
     async def release() -> None:
-        async with SGLangClient(list(ro.sglang_urls), api_key=ro.api_key, timeout_s=ro.request_timeout_s) as client:
+        async with SGLangClient(
+            list(ro.sglang_urls), api_key=configured_api_key(ro), timeout_s=ro.request_timeout_s
+        ) as client:
             await client.wait_healthy(timeout_s=ro.request_timeout_s)
             await client.release_memory_occupation(list(MEMORY_TAGS))
 

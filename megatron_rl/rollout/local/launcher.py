@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-API_KEY_ENV = "MEGATRON_RL_SERVE_API_KEY"  # the key `megatron-rl serve` requires when --api-key is not given
+# the engines' key in the environment: what `megatron-rl serve` requires without --api-key, and what
+# the trainer sends without rollout.api_key (the Slurm scripts hand the job's key over so)
+API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
 
 
 def _die_with_parent() -> None:
