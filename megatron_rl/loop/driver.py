@@ -48,7 +48,7 @@ class RolloutData:
     def load(cls, cfg: Config) -> RolloutData:
         from megatron_rl.data import load_prompt_dataset, load_tokenizer
 
-        tokenizer = load_tokenizer(*tokenizer_source(cfg))
+        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
         train = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data)
         metrics = data_metrics("train", train.report)
         eval_prompts: list[Prompt] = []

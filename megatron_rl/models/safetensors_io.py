@@ -13,7 +13,9 @@ spaces to a multiple of 8, then the data; offsets are relative to the end of the
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,10 @@ class SafetensorsFormatError(ValueError):
 
 
 def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """The tensor entries of a safetensors file (without `__metadata__`) and where its data starts."""
+    """The tensor entries of a safetensors file (without `__metadata__`) and where its data starts;
+    SafetensorsFormatError when an entry does not describe its bytes or the file is too short for them."""
     with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise SafetensorsFormatError(f"{path}: too short to be a safetensors file")
@@ -55,8 +59,37 @@ def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise SafetensorsFormatError(f"{path}: header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{path}: header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    _check_entries(path, header, 8 + size, file_size)
     return header, 8 + size
+
+
+def _check_entries(path: str | Path, entries: dict[str, Any], start: int, file_size: int) -> None:
+    """Every entry's byte range matches its dtype and shape and lies inside the file."""
+    for name, entry in entries.items():
+        try:
+            dtype, shape, (begin, end) = DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+            numel = math.prod(int(n) for n in shape)
+        except (TypeError, KeyError, ValueError) as err:
+            raise SafetensorsFormatError(f"{path}: tensor {name!r} has a malformed header entry ({err})") from None
+        if dtype is not None and end - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise SafetensorsFormatError(
+                f"{path}: tensor {name!r} of shape {list(shape)} {entry['dtype']} spans {end - begin} bytes, "
+                f"expected {numel * torch.empty((), dtype=dtype).element_size()}"
+            )
+    last = max(entries.items(), key=lambda kv: kv[1]["data_offsets"][1], default=None)
+    if last is not None and start + last[1]["data_offsets"][1] > file_size:
+        cut = min(
+            (kv for kv in entries.items() if start + kv[1]["data_offsets"][1] > file_size),
+            key=lambda kv: kv[1]["data_offsets"][1],
+        )
+        begin, end = cut[1]["data_offsets"]
+        raise SafetensorsFormatError(
+            f"{path} is truncated: {file_size} bytes, expected {start + last[1]['data_offsets'][1]}; tensor "
+            f"{cut[0]!r} needs bytes {start + begin}..{start + end} of the file"
+        )
 
 
 class MappedSafetensors:

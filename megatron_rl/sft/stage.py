@@ -85,7 +85,7 @@ def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[s
     cfg = validate_run(cfg, "sft")
     rank = read_launch_env().rank
     run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)  # a run it would overwrite: refused first
-    tokenizer = load_tokenizer(*tokenizer_source(cfg))
+    tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
     examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
     sampler = PromptSampler.from_config(examples, cfg.data)
     hf_dir = run_folder.run_dir / "hf"
