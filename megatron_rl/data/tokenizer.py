@@ -27,7 +27,7 @@ def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, path: str | Path, key
             f"{key} = {str(path)!r}: the tokenizer has {n} tokens, more than the model's vocabulary "
             f"(model.vocab_size = {vocab_size}, from config.json): ids past {vocab_size - 1} have no embedding"
         )
-    if n < vocab_size // 2:
+    if 2 * n < vocab_size:
         files = "" if has_tokenizer_files(path) else f"; the folder has none of {', '.join(TOKENIZER_FILES)}"
         raise DataError(
             f"{key} = {str(path)!r}: the tokenizer has {n} tokens for a model vocabulary of {vocab_size} "

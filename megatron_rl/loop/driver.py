@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
     """`data/<prefix>_rows_kept`, `_rows_skipped` and the skips per reason of one loaded file."""
     out = {f"data/{prefix}_rows_kept": float(report.kept), f"data/{prefix}_rows_skipped": float(len(report.skipped))}
+    out[f"data/{prefix}_unk_tokens"] = float(report.unk_tokens)  # characters outside the tokenizer's vocabulary
     out.update({f"data/{prefix}_skipped_{reason}": float(n) for reason, n in report.counts.items()})
     return out
 
