@@ -113,7 +113,7 @@ class RolloutConfig:
     )
     engine_gpus: int = _f(1, "GPUs per SGLang server", ge=1)
     host: str = _f("127.0.0.1", "address the local engine binds")
-    port: int | None = _f(None, "port of the local engine; null = a free one")
+    port: int | None = _f(None, "port of the local engine; null = a free one", ge=1, le=65535)
     async_mode: Literal["sync", "one_step_off", "fully_async"] = _f(
         "sync",
         "sync = generate, then train; one_step_off = the next batch is generated (with the weights one "
@@ -443,6 +443,8 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
 
 def _load_yaml(path: str | Path) -> DictConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass the YAML file (e.g. {path / 'rl.yaml'})")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:

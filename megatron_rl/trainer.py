@@ -164,7 +164,7 @@ class Trainer:
         self.rank0 = rank0
 
     @classmethod
-    def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False) -> Trainer:
+    def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False, force: bool = False) -> Trainer:
         """Data (rank 0), checkpoint to resume from, actor, logs, engine and weight sync (collective).
         `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
@@ -173,7 +173,7 @@ class Trainer:
 
         cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
-        run_folder = RunFolder(cfg, rank=rank, resume=resume)
+        run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
             release_colocated_engines(cfg)
@@ -330,14 +330,14 @@ class Trainer:
         return scores
 
 
-def run_training(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
+def run_training(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[str, Any]:
     """Run `megatron-rl train` in this process (one rank of a torchrun/srun launch, or a world of one)."""
     from megatron_rl.parallel import destroy_distributed
 
     with signals_as_exceptions():
         try:
             with contextlib.ExitStack() as stack:
-                return Trainer.start(cfg, stack, resume=resume).run()
+                return Trainer.start(cfg, stack, resume=resume, force=force).run()
         finally:
             if dist.is_initialized():
                 destroy_distributed()

@@ -4,24 +4,31 @@ Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`
 `slurm/jobplan.py`) calls `validate_run` first, so that a configuration that cannot run fails within
 seconds with a `ConfigError` naming the key path and the allowed values. In order:
 
-1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's);
-2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`);
+1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's),
+   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir` are not files) and the
+   local engine's `rollout.port` (free);
+2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`)
+   and the safetensors headers of `model.hf_path` (and `algorithm.ref_path`) against their files'
+   sizes (a truncated file is named with the tensor cut off);
 3. `megatron_rl.config.validate` on the resolved configuration: ranges, choices, combinations;
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
 5. the torch.distributed backend against the device.
 
-It reads config.json and nothing else, so it is cheap and idempotent: code deeper in (`run_training`,
+It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 from pathlib import Path
 from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
+from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
@@ -94,12 +101,57 @@ def _check_sft_needs(cfg: Config) -> None:
         raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
 
 
+def _check_stage_folders(cfg: Config) -> None:
+    """The run folder and the checkpoint folder are folders (or can be made), not files."""
+    for key, value in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if value is None:
+            continue
+        path = Path(value)
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            what = "is a file" if blocking == path else f"is under {blocking}, which is a file"
+            raise ConfigError(f"{key} = {value!r} {what}; it must be a folder (created if missing)")
+
+
+def _check_local_engine_port(cfg: Config) -> None:
+    """The local engine's fixed `rollout.port` is free on `rollout.host` (asked on the rank that starts it)."""
+    ro = cfg.rollout
+    if ro.port is None or (ro.sglang_urls and ro.engine != "local"):
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engine's server binds
+        try:
+            sock.bind((ro.host, ro.port))
+        except OverflowError as err:
+            raise ConfigError(f"rollout.port = {ro.port}: {err}") from None
+        except OSError as err:
+            why = "already in use" if err.errno == errno.EADDRINUSE else err.strerror
+            raise ConfigError(
+                f"rollout.port = {ro.port} on rollout.host = {ro.host!r}: {why}; choose another port, or "
+                "rollout.port = null for a free one"
+            ) from None
+
+
+def _check_weight_files(cfg: Config) -> None:
+    """The safetensors files of the HF folders the run reads: headers whole, files not truncated."""
+    for key, value in (("model.hf_path", cfg.model.hf_path), ("algorithm.ref_path", cfg.algorithm.ref_path)):
+        if not value or not Path(value).is_dir():
+            continue
+        for file in sorted(Path(value).glob("*.safetensors")):
+            try:
+                read_header(file)
+            except SafetensorsFormatError as err:
+                raise ConfigError(f"{key}: {err}") from None
+
+
 def _check_command_needs(cfg: Config, command: Command) -> None:
     """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
     if command == "train":
         _check_rl_loop_needs(cfg)
+        _check_stage_folders(cfg)
     elif command == "sft":
         _check_sft_needs(cfg)
+        _check_stage_folders(cfg)
     elif command != "convert":
         raise ValueError(f"command {command!r}; allowed: {list(get_args(Command))}")
 
@@ -114,7 +166,10 @@ def validate_run(
     machine's answer. Raises ConfigError naming the key path and the allowed values.
     """
     _check_command_needs(cfg, command)
+    if command == "train" and world_size is None and read_launch_env().rank == 0:
+        _check_local_engine_port(cfg)  # this launch's rank 0 starts the local engine
     resolved = resolve_model(cfg)
+    _check_weight_files(resolved)
     validate(resolved)
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)

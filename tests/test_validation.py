@@ -10,7 +10,9 @@ after every call the interpreter reports its exit code, its stderr and whether `
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, ModelConfig, load_config
+from megatron_rl.config import ConfigError, DataConfig, ModelConfig, load_config
+from megatron_rl.data import DataError, check_tokenizer_vocab, load_prompt_dataset, load_tokenizer
+from megatron_rl.loop.driver import data_metrics
 from megatron_rl.models.hf_config import hf_config_from_model
+from megatron_rl.models.safetensors_io import write_safetensors
 from megatron_rl.validation import validate_run
+
+import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANNER = ROOT / "slurm" / "jobplan.py"
@@ -57,6 +64,12 @@ for entry, argv in json.loads(sys.stdin.read()):
 print(json.dumps(results))
 """
 
+
+# a port somebody listens on while the cases run
+BUSY = socket.socket()
+BUSY.bind(("127.0.0.1", 0))
+BUSY.listen()
+BUSY_PORT = BUSY.getsockname()[1]
 
 R2_ROLLOUT = ["algorithm.routing_replay=r2", "algorithm.old_logprob_source=rollout"]
 R2_ROLLOUT_ERROR = "algorithm.routing_replay = 'r2' replays the routing recorded while recomputing"
@@ -111,6 +124,40 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             argv=["convert", "hf-to-megatron", "--hf-dir", str(folder / "model"), "--out", out, "--tp", "2"],
             expected="world size 3 is not divisible by --tp (2) x --pp (1)",
         ),
+        "train: logging.run_dir is a file": dict(
+            entry="cli",
+            argv=["train", config, f"logging.run_dir={folder / 'a_file'}"],
+            expected=f"logging.run_dir = '{folder / 'a_file'}' is a file; it must be a folder",
+        ),
+        "sft: checkpoint.dir under a file": dict(
+            entry="cli",
+            argv=["sft", config, f"checkpoint.dir={folder / 'a_file' / 'ckpt'}"],
+            expected=f"checkpoint.dir = '{folder / 'a_file' / 'ckpt'}' is under {folder / 'a_file'}, which is a file",
+        ),
+        "train: rollout.port out of range": dict(
+            entry="cli",
+            argv=["train", config, "rollout.port=70000"],
+            expected="rollout.port = 70000 is out of range; allowed: int >= 1, <= 65535",
+        ),
+        "train: rollout.port in use": dict(
+            entry="cli",
+            argv=["train", config, f"rollout.port={BUSY_PORT}"],
+            expected=f"rollout.port = {BUSY_PORT} on rollout.host = '127.0.0.1': already in use",
+        ),
+        "train: the config path is a directory": dict(
+            entry="cli", argv=["train", str(folder)], expected=f"config file {folder} is a directory"
+        ),
+        "train: a truncated model.safetensors": dict(
+            entry="cli",
+            argv=["train", config, f"model.hf_path={folder / 'truncated'}"],
+            expected=f"model.hf_path: {folder / 'truncated' / 'model.safetensors'} is truncated: {TRUNCATED_TO} "
+            f"bytes, expected {TRUNCATED_FROM}; tensor 'b' needs data bytes",
+        ),
+        "convert: a truncated model.safetensors, named by the flag": dict(
+            entry="cli",
+            argv=["convert", "hf-to-megatron", "--hf-dir", str(folder / "truncated"), "--out", out],
+            expected=f"--hf-dir: {folder / 'truncated' / 'model.safetensors'} is truncated",
+        ),
         "planner: an RL-loop need": dict(
             entry="planner", argv=[*plan, "8", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR
         ),
@@ -141,7 +188,21 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "logging": {"run_dir": str(root / "run")},
     }
     (root / "run.yaml").write_text(json.dumps(run), encoding="utf-8")
+    (root / "a_file").write_text("")
+    (root / "truncated").mkdir()
+    (root / "truncated" / "config.json").write_text(json.dumps(hf), encoding="utf-8")
+    weights = root / "truncated" / "model.safetensors"
+    write_safetensors(weights, {"a": torch.zeros(64), "b": torch.zeros(16, dtype=torch.float16)})
+    assert weights.stat().st_size == TRUNCATED_FROM
+    os.truncate(weights, TRUNCATED_TO)
     return root
+
+
+# 8 bytes of length, the header {"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[64],"data_offsets":
+# [0,256]},"b":{"dtype":"F16","shape":[16],"data_offsets":[256,288]}} (146 bytes, padded to 152), a's 256 bytes
+# and b's 32: cut in the middle of b
+TRUNCATED_FROM = 8 + 152 + 256 + 32
+TRUNCATED_TO = TRUNCATED_FROM - 10
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +281,61 @@ def test_rl_batch_check_counts_the_data_parallel_ranks(folder: Path) -> None:
         validate_run(tp2, "train", world_size=8)
     # evaluation keeps its own temperature: greedy held-out evaluation is fine
     validate_run(load_config(folder / "run.yaml", ["eval.temperature=0"]), "train", world_size=1)
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused_naming_the_folder(tmp_path: Path) -> None:
+    tiny_tokenizer.build_tokenizer(tmp_path / "tok")  # 28 tokens
+    tok = load_tokenizer(tmp_path / "tok", vocab_size=28)
+    check_tokenizer_vocab(tok, 56, tmp_path / "tok", "model.hf_path")  # a padded vocabulary is fine
+    with pytest.raises(DataError, match=r"has 28 tokens for a model vocabulary of 57 .*: not this model's tokenizer;"):
+        check_tokenizer_vocab(tok, 57, tmp_path / "tok", "model.hf_path")
+    with pytest.raises(DataError, match=r"the tokenizer has 28 tokens, more than the model's vocabulary \(model.vocab"):
+        check_tokenizer_vocab(tok, 27, tmp_path / "tok", "model.hf_path")
+    # config files without a vocabulary: transformers loads a tokenizer of one token, silently
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(hf_config_from_model(ModelConfig(vocab_size=28))))
+    with pytest.raises(DataError) as err:
+        load_tokenizer(tmp_path / "empty", "model.hf_path", vocab_size=28)
+    message = str(err.value)
+    assert message.startswith(f"model.hf_path = '{tmp_path / 'empty'}': the tokenizer has 1 tokens for a model")
+    assert "the folder has none of tokenizer.json" in message
+
+
+def test_characters_outside_the_vocabulary_are_counted_per_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokenizer = tiny_tokenizer.build_tokenizer()
+    rows = [("x+1=", "1"), ("1+1=", "2"), ("2+y=z", "3")]  # x, y, z are not among the 28 tokens
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "reward_model": {"ground_truth": a}}) + "\n" for p, a in rows))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.data.dataset"):
+        ds = load_prompt_dataset(path, tokenizer, DataConfig(apply_chat_template=False))
+    assert (ds.report.unk_tokens, ds.report.unk_rows, str(ds.report.first_unk)) == (3, 2, f"{path}:1")
+    assert f"{path}: 3 <unk> tokens in 2 rows' prompts" in caplog.text
+    assert data_metrics("train", ds.report)["data/train_unk_tokens"] == 3.0
+    assert "<unk> tokens: 3 in 2 rows" in ds.report.summary()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_an_unusable_data_file_is_one_error_line_and_the_traceback_with_verbose(tmp_path: Path, verbose: bool) -> None:
+    model = tmp_path / "model"
+    tiny_tokenizer.build_tokenizer(model)
+    (model / "config.json").write_text(json.dumps(hf_config_from_model(ModelConfig(vocab_size=28, num_experts=4))))
+    (tmp_path / "binary.jsonl").write_bytes(bytes(range(256)))
+    argv = [*(["--verbose"] if verbose else []), "sft", str(ROOT / "examples" / "tiny_math" / "sft.yaml")]
+    argv += [f"model.hf_path={model}", f"data.train_path={tmp_path / 'binary.jsonl'}", "data.eval_path=null"]
+    argv += [f"logging.run_dir={tmp_path / 'run'}", "parallel.expert_model_parallel_size=1"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [errors[0]] and errors[0].startswith(
+        f"sft: error: data file {tmp_path / 'binary.jsonl'}: no usable"
+    )
+    assert ("Traceback (most recent call last)" in proc.stderr) == verbose

@@ -132,6 +132,7 @@ def hf_to_megatron(
     model = model_config_from_hf(hf, hf_path=str(hf_dir), source=str(hf_dir / "config.json"), **overrides)
     parallel = parallel or ParallelConfig()
     _validate(model, parallel)
+    _check_tokenizer(hf_dir, model.vocab_size)
     from megatron_rl.models.checkpoint_io import save_model_weights
     from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
 
@@ -151,6 +152,21 @@ def hf_to_megatron(
 
         dist.barrier()
     return {"tensors": count, "bytes": ckpt.file_bytes, "seconds": time.perf_counter() - start}
+
+
+def _check_tokenizer(hf_dir: Path, vocab_size: int) -> None:
+    """The tokenizer the checkpoint will carry fits the model (DataError); a folder without one is
+    converted as weights only, with a warning (a run on it needs data.tokenizer_path)."""
+    from megatron_rl.data import TOKENIZER_FILES, has_tokenizer_files, load_tokenizer
+
+    if has_tokenizer_files(hf_dir) or any(hf_dir.glob("tokenizer*")):
+        load_tokenizer(hf_dir, "--hf-dir", vocab_size=vocab_size)
+    elif _rank() == 0:
+        print(
+            f"convert hf-to-megatron: warning: {hf_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "the checkpoint carries none: train or sft on it needs data.tokenizer_path",
+            file=sys.stderr,
+        )
 
 
 def _config_source(ckpt: Path, hf_config_from: str | os.PathLike | None) -> Path:
@@ -267,8 +283,8 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
 
 
 def _named_by_flags(err: ConfigError) -> str:
-    """The message of `err` with the `parallel` keys written as the flags that set them."""
-    message = str(err)
+    """The message of `err` with the `parallel` keys and `model.hf_path` written as the flags that set them."""
+    message = str(err).replace("model.hf_path", "--hf-dir")
     for flag, key in LAYOUT_FLAGS.items():
         message = message.replace(f"parallel.{key}", flag)
     return message
@@ -291,9 +307,11 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from megatron_rl.data import DataError
+
     try:
         summary = _convert(args)
-    except ConversionError as err:
+    except (ConversionError, DataError) as err:
         if _rank() == 0:
             print(f"convert {args.direction}: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""`megatron-rl sft CONFIG [key=value ...] [--resume]`: the supervised stage (`megatron_rl.sft.stage`).
+"""`megatron-rl sft CONFIG [key=value ...] [--resume | --force]`: the supervised stage (`megatron_rl.sft.stage`).
 
 Run it as one process or under torchrun/srun (e.g. `torchrun --nproc-per-node 2 -m megatron_rl.cli sft
 examples/tiny_math/sft.yaml` for EP = 2 on two CPU ranks).
@@ -20,4 +20,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.sft.stage import run_sft
 
-    return run_stage(args, "sft", lambda cfg, resume: run_sft(cfg, resume=resume))
+    return run_stage(args, "sft", lambda cfg, resume, force: run_sft(cfg, resume=resume, force=force))

@@ -1,11 +1,13 @@
 """What `megatron-rl train` and `megatron-rl sft` share: their arguments, the validation before the
-slow start, and one error line for a bad config, bad data or a checkpoint that does not fit."""
+slow start, and one error line for a bad config, bad data or a checkpoint that does not fit (the
+traceback too with `megatron-rl --verbose`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -14,38 +16,49 @@ from megatron_rl.validation import Command, validate_run
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> None:
-    """CONFIG, key=value overrides (`example` shows one) and --resume."""
+    """CONFIG, key=value overrides (`example` shows one), --resume and --force."""
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
-    parser.add_argument(
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume", action="store_true", help="continue from the newest complete checkpoint in checkpoint.dir"
+    )
+    start.add_argument(
+        "--force",
+        action="store_true",
+        help="start afresh in a logging.run_dir that holds a run: the old one is moved to RUN_DIR.old-N (not deleted)",
     )
 
 
-def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, bool], Any]) -> int:
+def _error(prefix: str, err: BaseException, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"{prefix}{err}", file=sys.stderr)
+    return 2
+
+
+def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, bool, bool], Any]) -> int:
     """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume)`; exit code 2 with one line on a config, data or conversion error."""
+    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error."""
     import torch.distributed as dist
 
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.parallel.launch import ensure_launch_env
 
+    verbose = bool(getattr(args, "verbose", False))
     ensure_launch_env()
     try:
         cfg = validate_run(load_config(args.config, list(args.overrides)), command)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return _error("config error: ", err, verbose)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(cfg, args.resume)
+        run(cfg, args.resume, getattr(args, "force", False))
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return _error("config error: ", err, verbose)
     except (DataError, ConversionError) as err:
-        print(f"{command}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"{command}: error: ", err, verbose)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

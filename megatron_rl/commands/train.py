@@ -1,4 +1,4 @@
-"""`megatron-rl train CONFIG [key=value ...] [--resume]`: the RL loop (`megatron_rl.trainer`).
+"""`megatron-rl train CONFIG [key=value ...] [--resume | --force]`: the RL loop (`megatron_rl.trainer`).
 
 Run it under torchrun/srun for several trainer ranks; started alone it runs as a world of one.
 """
@@ -19,4 +19,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.trainer import run_training
 
-    return run_stage(args, "train", lambda cfg, resume: run_training(cfg, resume=resume))
+    return run_stage(args, "train", lambda cfg, resume, force: run_training(cfg, resume=resume, force=force))

@@ -5,11 +5,12 @@ from megatron_rl.data.fields import MISSING, get_field
 from megatron_rl.data.prompts import PromptFormatError, PromptRenderer, as_messages, render_prompt, uses_chat_template
 from megatron_rl.data.readers import DataError, RawRow, RowLocation, iter_rows
 from megatron_rl.data.sampler import PromptSampler
-from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.data.tokenizer import TOKENIZER_FILES, check_tokenizer_vocab, has_tokenizer_files, load_tokenizer
 
 __all__ = [
     "MISSING",
     "SKIP_REASONS",
+    "TOKENIZER_FILES",
     "DataError",
     "LoadReport",
     "Prompt",
@@ -21,7 +22,9 @@ __all__ = [
     "RowLocation",
     "SkippedRow",
     "as_messages",
+    "check_tokenizer_vocab",
     "get_field",
+    "has_tokenizer_files",
     "iter_rows",
     "load_prompt_dataset",
     "load_tokenizer",

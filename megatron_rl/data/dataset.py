@@ -62,6 +62,30 @@ class LoadReport:
     rows: int = 0
     kept: int = 0
     skipped: list[SkippedRow] = field(default_factory=list)
+    unk_tokens: int = 0  # tokens of kept rows that are the tokenizer's unknown token
+    unk_rows: int = 0
+    first_unk: RowLocation | None = None
+
+    def count_unk(self, location: RowLocation, ids: Sequence[int], unk_id: int | None) -> None:
+        """Count the `<unk>` tokens of one kept row (characters outside the tokenizer's vocabulary)."""
+        n = sum(1 for i in ids if i == unk_id) if unk_id is not None else 0
+        if n:
+            self.unk_tokens += n
+            self.unk_rows += 1
+            self.first_unk = self.first_unk or location
+
+    def warn_unk(self, what: str = "prompts") -> None:
+        """A console warning when rows hold `<unk>` tokens (nothing otherwise)."""
+        if self.unk_tokens:
+            logger.warning(
+                "%s: %d %s tokens in %d rows' %s (characters outside the tokenizer's vocabulary), first at %s",
+                self.path,
+                self.unk_tokens,
+                "<unk>",
+                self.unk_rows,
+                what,
+                self.first_unk,
+            )
 
     @property
     def counts(self) -> dict[str, int]:
@@ -71,7 +95,8 @@ class LoadReport:
 
     def summary(self) -> str:
         skipped = ", ".join(f"{reason}: {n}" for reason, n in self.counts.items()) or "none"
-        return f"{self.path}: kept {self.kept} of {self.rows} rows; skipped: {skipped}"
+        unk = f"; <unk> tokens: {self.unk_tokens} in {self.unk_rows} rows" if self.unk_tokens else ""
+        return f"{self.path}: kept {self.kept} of {self.rows} rows; skipped: {skipped}{unk}"
 
 
 class PromptDataset(Sequence[Prompt]):
@@ -130,9 +155,11 @@ def load_prompt_dataset(path: str | Path, tokenizer: Any, cfg: DataConfig, max_r
                 report.skipped.append(SkippedRow(item.location, "too_long", detail))
                 continue
             prompts.append(Prompt(len(prompts), ids, item.text, item.answer, item.raw, item.location))
+            report.count_unk(item.location, ids, tokenizer.unk_token_id)
     report.kept = len(prompts)
     report.skipped.sort(key=lambda s: s.location.number)
     _log(report, max_reported)
+    report.warn_unk()
     if not prompts:
         first = f"; first: {report.skipped[0]}" if report.skipped else ""
         raise DataError(f"data file {path}: no usable prompt rows ({report.summary()}){first}")

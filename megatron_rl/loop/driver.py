@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
     """`data/<prefix>_rows_kept`, `_rows_skipped` and the skips per reason of one loaded file."""
     out = {f"data/{prefix}_rows_kept": float(report.kept), f"data/{prefix}_rows_skipped": float(len(report.skipped))}
+    out[f"data/{prefix}_unk_tokens"] = float(report.unk_tokens)  # characters outside the tokenizer's vocabulary
     out.update({f"data/{prefix}_skipped_{reason}": float(n) for reason, n in report.counts.items()})
     return out
 
@@ -48,7 +49,7 @@ class RolloutData:
     def load(cls, cfg: Config) -> RolloutData:
         from megatron_rl.data import load_prompt_dataset, load_tokenizer
 
-        tokenizer = load_tokenizer(*tokenizer_source(cfg))
+        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
         train = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data)
         metrics = data_metrics("train", train.report)
         eval_prompts: list[Prompt] = []

@@ -45,7 +45,8 @@ class SafetensorsFormatError(ValueError):
 
 
 def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """The tensor entries of a safetensors file (without `__metadata__`) and where its data starts."""
+    """The tensor entries of a safetensors file (without `__metadata__`) and where its data starts;
+    SafetensorsFormatError when an entry does not describe its bytes or the file is too short for them."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -62,13 +63,21 @@ def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
         raise SafetensorsFormatError(f"{path}: header is {type(header).__name__}, not an object of tensors")
     header.pop("__metadata__", None)
     for name, entry in header.items():
-        _check_entry(path, name, entry, data_bytes)
+        _check_entry(path, name, entry)
+    cut = [(entry["data_offsets"][1], name) for name, entry in header.items() if entry["data_offsets"][1] > data_bytes]
+    if cut:
+        end, name = min(cut)
+        begin = header[name]["data_offsets"][0]
+        needed = 8 + size + max(entry["data_offsets"][1] for entry in header.values())
+        raise SafetensorsFormatError(
+            f"{path} is truncated: {8 + size + data_bytes} bytes, expected {needed}; tensor {name!r} needs data "
+            f"bytes [{begin}, {end})"
+        )
     return header, 8 + size
 
 
-def _check_entry(path: str | Path, name: str, entry: Any, data_bytes: int) -> None:
-    """A header entry that describes bytes the file holds: a truncated file fails here, naming the
-    tensor and the bytes it needs, before any tensor is read."""
+def _check_entry(path: str | Path, name: str, entry: Any) -> None:
+    """A header entry whose byte range matches its dtype and shape."""
     offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
     shape = entry.get("shape") if isinstance(entry, dict) else None
     valid = (
@@ -88,10 +97,6 @@ def _check_entry(path: str | Path, name: str, entry: Any, data_bytes: int) -> No
         raise SafetensorsFormatError(
             f"{path}: tensor {name!r}: {entry['dtype']} {shape} is {math.prod(shape) * dtype.itemsize} bytes, "
             f"its data_offsets span {end - begin}"
-        )
-    if end > data_bytes:
-        raise SafetensorsFormatError(
-            f"{path}: tensor {name!r} needs data bytes [{begin}, {end}) but the file holds {data_bytes} (truncated?)"
         )
 
 

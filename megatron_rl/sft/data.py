@@ -43,6 +43,12 @@ def load_sft_examples(path: str | Path, tokenizer: Any, data: DataConfig) -> tup
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     ids_of = {text: (*ids, eos) for text, ids in zip(texts, encoded, strict=True)}
     examples = [SFTExample(tuple(p.input_ids), ids_of[p.answer]) for p in prompts]
+    responses = LoadReport(str(path))
+    for p in prompts:
+        responses.count_unk(p.location, ids_of[p.answer], tokenizer.unk_token_id)
+    responses.warn_unk("responses")
+    prompts.report.unk_tokens += responses.unk_tokens
+    prompts.report.unk_rows += responses.unk_rows
     return examples, prompts.report
 
 

@@ -67,9 +67,10 @@ class _Evaluator:
             self.engine = None
 
 
-def run_sft(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
+def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
-    With `resume`, continue from the newest complete checkpoint (from scratch without one).
+    With `resume`, continue from the newest complete checkpoint (from scratch without one); with
+    `force`, a run folder that holds a run is moved aside (`checkpoints.RunFolder`).
 
     Returns the last step's metrics and the paths written (every rank), and the last evaluation
     (rank 0, when `data.eval_path` is set)."""
@@ -82,11 +83,11 @@ def run_sft(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
     from megatron_rl.sft.loss import cross_entropy_loss
 
     cfg = validate_run(cfg, "sft")
-    tokenizer = load_tokenizer(*tokenizer_source(cfg))
+    rank = read_launch_env().rank
+    run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)  # a run it would overwrite: refused first
+    tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
     examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
     sampler = PromptSampler.from_config(examples, cfg.data)
-    rank = read_launch_env().rank
-    run_folder = RunFolder(cfg, rank=rank, resume=resume)
     hf_dir = run_folder.run_dir / "hf"
     result: dict[str, Any] = {"run_dir": str(run_folder.run_dir), "hf_dir": str(hf_dir)}
     start = time.perf_counter()

@@ -1,0 +1,296 @@
+"""The run folder and its checkpoints (`megatron_rl.checkpoints`): no run overwritten, atomic
+checkpoints with a manifest, resume past a damaged one, the writable check at start-up.
+
+The save path runs for real in a gloo world of one, with an actor whose `save` writes shard files
+the way a distributed checkpoint does (several files in `actor/`); one test runs `megatron-rl sft`
+for real and resumes past a truncated Megatron shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoints import (
+    ACTOR_DIR,
+    LOOP_STATE_FILE,
+    MANIFEST_FILE,
+    RunFolder,
+    checkpoint_dir,
+    prune_checkpoints,
+    resume_point,
+)
+from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig
+from megatron_rl.data import PromptSampler
+from megatron_rl.metrics import read_metrics
+
+import mrl_configs
+import prepare
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny_math"
+
+
+def config(run_dir: Path, *, ckpt_dir: Path | None = None, keep_last: int = 10, **model: object) -> Config:
+    return Config(
+        model=ModelConfig(**model),
+        logging=LoggingConfig(run_dir=str(run_dir)),
+        checkpoint=CheckpointConfig(dir=str(ckpt_dir) if ckpt_dir else None, keep_last=keep_last),
+    )
+
+
+# ---- no run is overwritten ----
+
+
+@pytest.mark.parametrize("left", ["metrics.jsonl", "hf/", "checkpoints/step_000002/", "checkpoints/step_000003.tmp/"])
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_naming_both_options(tmp_path: Path, left: str) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / left).parent.mkdir(parents=True, exist_ok=True)
+    if left.endswith("/"):
+        (run_dir / left).mkdir()
+    else:
+        (run_dir / left).write_text('{"step": 1}\n')
+    left = left.rstrip("/")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    with pytest.raises(ConfigError, match=r"already holds a run .*--resume.*--force") as err:
+        RunFolder(config(run_dir), rank=0, resume=False)
+    assert str(run_dir / left) in str(err.value) and f"{run_dir}.old-1" in str(err.value)
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before  # nothing touched
+
+
+def test_a_folder_without_a_run_is_used_as_it_is(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "engine.log").write_text("a run that failed before its first step\n")
+    folder = RunFolder(config(run_dir), rank=0, resume=False)
+    assert folder.moved_aside == [] and (run_dir / "engine.log").is_file()
+    assert (run_dir / "checkpoints").is_dir()  # created by the writable check
+    RunFolder(config(tmp_path / "new"), rank=0, resume=False)
+
+
+def test_force_moves_the_old_run_aside_and_deletes_nothing(tmp_path: Path) -> None:
+    run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpts"
+    for n in (1, 2):
+        (run_dir / "hf").mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": n}) + "\n")
+        (ckpt_dir / "step_000001").mkdir(parents=True)
+        (ckpt_dir / "step_000001" / LOOP_STATE_FILE).write_text(f"run {n}")
+        folder = RunFolder(config(run_dir, ckpt_dir=ckpt_dir), rank=0, resume=False, force=True)
+        moved = {(run_dir, tmp_path / f"run.old-{n}"), (ckpt_dir, tmp_path / f"ckpts.old-{n}")}
+        assert set(folder.moved_aside) == moved
+        assert read_metrics(tmp_path / f"run.old-{n}") == [{"step": n}]
+        assert (tmp_path / f"ckpts.old-{n}" / "step_000001" / LOOP_STATE_FILE).read_text() == f"run {n}"
+        assert list(run_dir.iterdir()) == [] and list(ckpt_dir.iterdir()) == []  # fresh, made writable
+    # another rank sees the same folder and decides the same, but only rank 0 moves it
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    assert RunFolder(config(run_dir, ckpt_dir=ckpt_dir), rank=1, resume=False, force=True).moved_aside == []
+    assert (run_dir / "metrics.jsonl").is_file()
+
+
+def test_force_refuses_to_move_the_folder_the_run_reads_its_model_from(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "hf").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"model.hf_path = .* is inside it"):
+        RunFolder(config(run_dir, hf_path=str(run_dir / "hf")), rank=0, resume=False, force=True)
+    assert (run_dir / "hf").is_dir()
+    with pytest.raises(ConfigError, match="pass one"):
+        RunFolder(config(run_dir), rank=0, resume=True, force=True)
+
+
+def test_the_cli_refuses_before_the_slow_start_and_names_both_flags(tmp_path: Path) -> None:
+    """Exit code 2 and one line: before the data (missing here) and the model (no weights) are read."""
+    mrl_configs.hf_config(architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path / "model")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml")]
+    cmd += [f"model.hf_path={tmp_path / 'model'}", f"logging.run_dir={tmp_path / 'run'}"]
+    cmd += [
+        f"data.train_path={tmp_path / 'none.jsonl'}",
+        "data.eval_path=null",
+        "parallel.expert_model_parallel_size=1",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: logging.run_dir"), proc.stderr
+    assert "--resume" in lines[0] and "--force" in lines[0]
+    both = subprocess.run([*cmd, "--resume", "--force"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+# ---- atomic checkpoints ----
+
+
+class ShardWritingActor:
+    """Writes what a distributed checkpoint writes: metadata, common state and per-rank shards."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def save(self, path: Path) -> None:
+        self.saves += 1
+        path.mkdir(parents=True)
+        (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        torch.save({"step": self.saves}, path / "common.pt")
+        for shard in range(2):
+            (path / f"__{shard}_0.distcp").write_bytes(bytes([self.saves]) * (1000 + shard))
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def save_steps(run_dir: Path, steps: list[int], keep_last: int = 0) -> RunFolder:
+    folder = RunFolder(config(run_dir, keep_last=keep_last), rank=0, resume=True)
+    actor, sampler = ShardWritingActor(), PromptSampler(list(range(10)), seed=1)
+    for step in steps:
+        sampler.next(2)
+        folder.save_checkpoint(actor, step, sampler)  # type: ignore[arg-type]
+    return folder
+
+
+def test_a_checkpoint_is_renamed_into_place_with_a_manifest_of_its_files(tmp_path: Path, world_of_one: None) -> None:
+    folder = save_steps(tmp_path, [1, 2, 3], keep_last=2)
+    root = folder.ckpt_root
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003"]
+    step3 = checkpoint_dir(root, 3)
+    manifest = json.loads((step3 / MANIFEST_FILE).read_text())
+    files = {p.relative_to(step3).as_posix(): p.stat().st_size for p in step3.rglob("*") if p.is_file()}
+    files.pop(MANIFEST_FILE)
+    assert manifest["files"] == files and manifest["step"] == 3
+    assert files[f"{ACTOR_DIR}/__1_0.distcp"] == 1001
+    assert manifest["loop_state_sha256"] == hashlib.sha256((step3 / LOOP_STATE_FILE).read_bytes()).hexdigest()
+    point = resume_point(root)
+    assert point is not None and point[0] == step3 and point[1].step == 3
+    assert point[1].sampler["position"] == 6  # 2 prompts drawn per step
+    assert not list(root.glob("*.tmp"))
+
+
+def _damage(folder: Path, how: str) -> Path:
+    if how == "missing shard":
+        victim = folder / ACTOR_DIR / "__1_0.distcp"
+        victim.unlink()
+    elif how == "truncated shard":
+        victim = folder / ACTOR_DIR / "__0_0.distcp"
+        os.truncate(victim, 10)
+    else:
+        victim = folder / LOOP_STATE_FILE
+        os.truncate(victim, victim.stat().st_size // 2)
+    return victim
+
+
+@pytest.mark.parametrize(
+    ("how", "manifest"),
+    [
+        ("missing shard", True),
+        ("truncated shard", True),
+        ("truncated loop state", True),
+        ("truncated loop state", False),
+    ],
+    ids=["missing shard", "truncated shard", "truncated loop state", "truncated loop state, no manifest (older code)"],
+)
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_naming_the_file(
+    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, how: str, manifest: bool
+) -> None:
+    root = save_steps(tmp_path, [1, 2]).ckpt_root
+    newest = checkpoint_dir(root, 2)
+    if not manifest:
+        for step in (1, 2):
+            (checkpoint_dir(root, step) / MANIFEST_FILE).unlink()
+    victim = _damage(newest, how)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
+        folder = RunFolder(config(tmp_path), rank=0, resume=True)
+    assert folder.resume_from == checkpoint_dir(root, 1) and folder.start_step == 1
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warned) == 1 and str(victim) in warned[0] and str(newest) in warned[0]
+
+
+def test_leftover_staging_folders_are_ignored_then_cleaned_and_pruning_keeps_the_newest_complete(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    folder = save_steps(tmp_path, [1, 2, 3], keep_last=2)
+    root = folder.ckpt_root
+    killed = root / "step_000004.tmp"  # a save killed half-way
+    (killed / ACTOR_DIR).mkdir(parents=True)
+    (killed / ACTOR_DIR / "__0_0.distcp").write_bytes(b"half")
+    assert resume_point(root)[0] == checkpoint_dir(root, 3)  # type: ignore[index]
+    _damage(checkpoint_dir(root, 3), "truncated shard")
+    assert prune_checkpoints(root, keep_last=1) == []  # step 2 is the newest complete one now: kept
+    resumed = RunFolder(folder.cfg, rank=0, resume=True)
+    assert resumed.start_step == 2
+    resumed.save_checkpoint(ShardWritingActor(), 3, PromptSampler(list(range(10)), seed=1))  # type: ignore[arg-type]
+    # the damaged step 3 is replaced by the new one, the staging folder is gone; keep_last = 2
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003"]
+    assert resume_point(root)[1].step == 3  # type: ignore[index]
+
+
+# ---- the writable check ----
+
+
+def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder"):
+        RunFolder(config(tmp_path / "run", ckpt_dir=blocker / "ckpts"), rank=0, resume=False)
+    with pytest.raises(ConfigError, match=r"^logging.run_dir: .* is not a writable folder"):
+        RunFolder(config(blocker), rank=0, resume=False)
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    elif Path("/sys/kernel").is_dir():
+        locked = Path("/sys/kernel")  # sysfs: no new files, also for root
+    else:
+        return
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder \(PermissionError"):
+        RunFolder(config(tmp_path / "run", ckpt_dir=locked / "ckpts"), rank=0, resume=False)
+
+
+# ---- the real save path: a Megatron shard truncated ----
+
+
+def test_sft_resume_skips_a_checkpoint_with_a_truncated_megatron_shard(tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assert prepare.main(["--out", str(assets), "--sft-rows", "64"]) == 0
+    run_dir = tmp_path / "run"
+
+    def sft(steps: int, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml")]
+        cmd += [f"model.hf_path={assets / 'model'}", f"data.train_path={assets / 'data' / 'sft.jsonl'}"]
+        cmd += ["data.eval_path=null", "parallel.expert_model_parallel_size=1", f"logging.run_dir={run_dir}"]
+        cmd += [f"train.steps={steps}", "train.prompts_per_step=4", "train.lr_warmup_steps=1", "checkpoint.every=1"]
+        cmd += ["checkpoint.keep_last=3", "checkpoint.export_hf=false", "logging.progress=false", *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    first = sft(2)
+    assert first.returncode == 0, first.stderr[-4000:]
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002"]
+    shards = sorted((checkpoint_dir(root, 2) / ACTOR_DIR).glob("*.distcp"))
+    assert shards, sorted(p.name for p in (checkpoint_dir(root, 2) / ACTOR_DIR).iterdir())
+    os.truncate(shards[0], shards[0].stat().st_size // 2)
+    again = sft(2)
+    assert again.returncode == 2 and "--resume" in again.stderr and "--force" in again.stderr
+    resumed = sft(3, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"{shards[0]} holds" in resumed.stderr and "truncated" in resumed.stderr
+    assert f"resuming from {checkpoint_dir(root, 1)} (step 1)" in resumed.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert resume_point(root)[1].step == 3  # type: ignore[index]
+    assert not list(root.glob("*.tmp"))
