@@ -59,12 +59,14 @@ def start_local_engine(
     env: dict[str, str] | None = None,
     log_path: str | None = None,
     timeout_s: float = 300.0,
+    prefix: list[str] | None = None,
 ) -> LocalEngineProcess:
-    """Launch the engine on `port` (None = a free one) and return once /health answers 200."""
+    """Launch the engine on `port` (None = a free one) and return once /health answers 200; `prefix`
+    runs it under a wrapper (`["taskset", "-c", "1"]`)."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
     port_file = os.path.join(workdir, "port")
     log_path = log_path or os.path.join(workdir, "serve.log")
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
+    cmd = [*(prefix or []), sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
     cmd += ["--port", str(port or 0), "--port-file", port_file, "--device", device]
     if api_key:
         cmd += ["--api-key", api_key]
