@@ -483,6 +483,7 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
             await client.pause_generation("retract")
             info = await client._json("GET", "/get_server_info", server=engine.url)
             assert info["internal_states"][0] == {"running": 0, "waiting": 1, "paused": True}
+            await client.flush_cache()  # retracted requests hold no cache (SGLang flushes here too)
             await client.update_weights_from_disk(models["B"], weight_version="1", abort_all_requests=False)
             await client.continue_generation()
             await running(client)
@@ -500,6 +501,8 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
             await client.update_weights_from_disk(models["A"], weight_version="3", abort_all_requests=False)
             info = await client._json("GET", "/get_server_info", server=engine.url)
             assert info["internal_states"][0]["running"] == 1  # kept in place with its KV cache
+            with pytest.raises(BadRequestError, match="Cache not flushed"):
+                await client.flush_cache()
             await client.continue_generation()
             in_place = await job
 

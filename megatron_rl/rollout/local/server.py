@@ -197,7 +197,8 @@ class LocalServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         def flush(e: EngineThread) -> bool:
-            return not e.generator.has_work
+            # as SGLang: requests retracted by a pause wait without a cache; running ones hold one
+            return not e.generator.running and (e.paused or not e.generator.waiting)
 
         if not await self._engine(flush):
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
