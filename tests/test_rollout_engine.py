@@ -62,8 +62,11 @@ def reference(path: str) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def check_sample(sample: Sample, model_path: str, temperature: float, routed: bool = True) -> None:
-    """The engine's log-probs and routed experts equal a plain forward of prompt + response."""
+def check_sample(
+    sample: Sample, model_path: str, temperature: float, routed: bool = True, tokens: slice = slice(None)
+) -> None:
+    """The engine's log-probs (of the output `tokens`) and routed experts equal a plain forward of
+    prompt + response."""
     model = reference(model_path)
     ids = torch.tensor([sample.prompt_ids + sample.output_ids])
     out = model(ids, output_router_logits=True)
@@ -71,7 +74,7 @@ def check_sample(sample: Sample, model_path: str, temperature: float, routed: bo
     p = len(sample.prompt_ids)
     expected = lp[p - 1 : -1].gather(1, torch.tensor(sample.output_ids)[:, None])[:, 0]
     assert len(sample.logprobs) == len(sample.output_ids)
-    assert (torch.tensor(sample.logprobs) - expected).abs().max().item() <= 1e-4
+    assert (torch.tensor(sample.logprobs)[tokens] - expected[tokens]).abs().max().item() <= 1e-4
     if routed:
         assert sample.routed_experts.shape == (ids.shape[1] - 1, 2, 2)
         for layer, logits in enumerate(out.router_logits):
@@ -447,3 +450,83 @@ def test_multi_turn_episode_is_token_in_token_out_with_routing_across_turns(engi
     check_sample(Sample([5, 6, 7, 8], out0, traj.logprobs[:1], "stop"), models["A"], 1.0, routed=False)
     last = Sample(eng.requests[1], out1, traj.logprobs[4:], "length", routed_experts=traj.routed_experts)
     check_sample(last, models["A"], 1.0)  # routing of every position of the final trajectory
+
+
+def _spans(sample: Sample) -> list[tuple[str, int, int]]:
+    """The reply's weight-version spans, checked against the client's per-token versions."""
+    spans = [(s["version"], s["start"], s["end"]) for s in sample.meta_info["weight_versions"]]
+    assert sample.weight_versions == [v for v, a, b in spans for _ in range(a, b)]
+    assert sample.weight_version == spans[-1][0]
+    return spans
+
+
+def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine, models):
+    """A long request keeps generating while the weights change twice under it (disk, then tensor),
+    paused with mode "retract": the tokens of each span have the log-probs of a plain forward of that
+    span's model over the whole sequence (the prefix is prefilled again under the new weights), and
+    the routing of every position is the last model's. "in_place" keeps the request running on its old
+    KV cache; "abort" returns it aborted."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+
+    async def running(client) -> None:
+        """Until the engine runs one request: prefilled, so it has sampled a token with the weights now."""
+        while True:
+            info = await client._json("GET", "/get_server_info", server=engine.url)
+            if info["internal_states"][0]["running"] == 1:
+                return
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with client_for(engine.url) as client:
+            await client.update_weights_from_disk(models["A"], weight_version="0")
+            job = asyncio.ensure_future(client.generate([4, 5, 6], params, return_routed_experts=True))
+            await running(client)
+            await client.pause_generation("retract")
+            info = await client._json("GET", "/get_server_info", server=engine.url)
+            assert info["internal_states"][0] == {"running": 0, "waiting": 1, "paused": True}
+            await client.flush_cache()  # retracted requests hold no cache (SGLang flushes here too)
+            await client.update_weights_from_disk(models["B"], weight_version="1", abort_all_requests=False)
+            await client.continue_generation()
+            await running(client)
+            await client.pause_generation("retract")
+            assert await client.begin_weight_update() == [True]
+            payload = send.serialize_named_tensors(_checkpoint(models["C"]))
+            await client.update_weights_from_tensor([payload], weight_version="2", abort_all_requests=False)
+            await client.end_weight_update()
+            await client.continue_generation()
+            partial = await job
+
+            job = asyncio.ensure_future(client.generate([7, 8], params))
+            await running(client)
+            await client.pause_generation("in_place")
+            await client.update_weights_from_disk(models["A"], weight_version="3", abort_all_requests=False)
+            info = await client._json("GET", "/get_server_info", server=engine.url)
+            assert info["internal_states"][0]["running"] == 1  # kept in place with its KV cache
+            with pytest.raises(BadRequestError, match="Cache not flushed"):
+                await client.flush_cache()
+            await client.continue_generation()
+            in_place = await job
+
+            job = asyncio.ensure_future(client.generate([9, 10], params))
+            await running(client)
+            await client.pause_generation("abort")
+            aborted = await job
+            await client.continue_generation()
+            return partial, in_place, aborted
+
+    partial, in_place, aborted = asyncio.run(go())
+    assert partial.finish_reason == "length" and len(partial.output_ids) == 400
+    assert partial.meta_info["num_retractions"] == 2
+    spans = _spans(partial)
+    assert [v for v, _, _ in spans] == ["0", "1", "2"] and all(a < b for _, a, b in spans)
+    for (_, start, end), model in zip(spans, "ABC", strict=True):
+        check_sample(partial, models[model], 1.0, routed=model == "C", tokens=slice(start, end))
+
+    assert in_place.finish_reason == "length" and in_place.meta_info["num_retractions"] == 0
+    spans = _spans(in_place)
+    assert [v for v, _, _ in spans] == ["2", "3"] and all(a < b for _, a, b in spans)
+    check_sample(in_place, models["C"], 1.0, routed=False, tokens=slice(0, spans[0][2]))
+
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 400
+    assert _spans(aborted) == [("3", 0, len(aborted.output_ids))]
+    check_sample(aborted, models["A"], 1.0, routed=False)

@@ -232,3 +232,74 @@ def test_stop_tokens_end_generation_and_are_kept(models):
     assert req.output_ids == probe.output_ids[: first + 1]
     assert req.finish_reason == {"type": "stop", "matched": stop_at}
     assert gen.cache.slots == 0  # the idle engine holds no KV memory
+
+
+def test_retracted_requests_resume_with_their_tokens(models):
+    """Retracted twice mid-generation (SGLang's pause mode "retract"), seeded requests, two of them the
+    same prompt and so the same resumed sequence (prefilled once), end with the tokens of an uninterrupted
+    run and log-probs and routing of a plain forward; spans record the version that sampled each token."""
+    model, info = load_model(models["qwen3_moe"])
+
+    def requests() -> list[GenRequest]:
+        prompts = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11], [20]]
+        return [
+            GenRequest(
+                rid=str(i),
+                input_ids=p,
+                max_new_tokens=9 + i,
+                temperature=1.0,
+                return_logprob=True,
+                return_routed_experts=True,
+                sampling_seed=7 if i < 2 else i,
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    plain, retracted = requests(), requests()
+    for reqs, retract_at in ((plain, ()), (retracted, (3, 6))):
+        gen = Generator(model, info, max_running=4, max_prefill_tokens=64, seed=5)
+        for req in reqs:
+            gen.add(req)
+        steps = 0
+        while gen.has_work:
+            gen.step()
+            steps += 1
+            if steps in retract_at:
+                assert gen.retract() == 4 and not gen.running and len(gen.waiting) == 4
+                gen.set_weight_version(f"v{steps}")
+    for a, b in zip(plain, retracted, strict=True):
+        assert b.output_ids == a.output_ids and b.retractions == 2
+        assert b.finish_reason == {"type": "length", "length": b.max_new_tokens}
+        _check_against_forward(model, info, b)
+        # a step prefills (one token) and decodes (one more), then decodes one per step: 4 tokens after
+        # step 3, and 8 after step 6 (resumed at step 4 with a prefill and a decode)
+        assert b.weight_versions == [
+            {"version": "default", "start": 0, "end": 4},
+            {"version": "v3", "start": 4, "end": 8},
+            {"version": "v6", "start": 8, "end": b.max_new_tokens},
+        ]
+    assert gen.cache.slots == 0
+
+
+def test_token_versions_expand_sglang_spans_and_refuse_gaps():
+    from megatron_rl.rollout.sglang import SGLangError, token_versions
+
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(spans, "4", 5, "w", "u") == ["3", "3", "4", "4", "4"]
+    assert token_versions([{"version": 0, "start": 0, "end": 0}], "0", 0, "w", "u") == []
+    assert token_versions(None, "7", 3, "w", "u") == ["7"] * 3
+    assert token_versions(None, None, 3, "w", "u") is None
+    bad = [
+        [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
+        [{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 2, "end": 5}],  # an overlap
+        [{"version": "3", "start": 0, "end": 4}],  # short of the 5 tokens
+        [{"version": "3", "start": 1, "end": 5}],  # not from token 0
+        [],
+        [{"version": "3", "start": 0}],
+        "3",
+    ]
+    for spans in bad:
+        with pytest.raises(
+            SGLangError, match=r"/generate rid=r on http://s: meta_info.weight_versions .* the 5 output"
+        ):
+            token_versions(spans, "3", 5, "/generate rid=r on http://s", "http://s")

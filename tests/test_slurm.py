@@ -12,6 +12,8 @@ Every job is the real script running the tiny_math example's model and task on t
 - train_colocated.sbatch, 1 node: trainer and engine share the node, weights by handle, the
   engine's memory released and resumed around the update;
 - convert.sbatch converts the tiny model under srun;
+- train.sbatch with rollout.async_mode=fully_async: the keys reach the trainer, and every weight
+  sync pauses the engine with mode "retract" (partial rollouts) instead of aborting;
 - misconfigured submissions fail within seconds, naming the problem.
 
 The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
@@ -469,6 +471,24 @@ def test_disaggregated_job_trains_and_syncs_the_engine(jobs: dict) -> None:
     assert "joining weight-update group" in (logs / "engine0-node2.log").read_text()  # a gloo group, not disk
     assert "1 rollout server(s) healthy" in jobs["out"] and "trainer finished" in jobs["out"]
     assert not wait_no_leftovers(jobs["first"], str(logs))
+
+
+@pytest.mark.slurm
+def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
+    """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
+    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort"."""
+    run_dir = tmp_path / "run"
+    overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
+    job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)
+    state, code, out = wait_job(job, tmp_path)
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    logs = run_dir / "logs" / f"job-{job}"
+    text = (logs / "engine0-node2.log").read_text()
+    assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
+    assert "mode abort" not in text
+    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
+    assert not wait_no_leftovers(job, str(logs))
 
 
 @pytest.mark.slurm

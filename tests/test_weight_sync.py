@@ -1,7 +1,8 @@
 """Weight sync from the Megatron actor to the local engine, all three modes, one gloo launch per world size
 (tests/mrl_multiproc/scenarios_weight_sync.py): after every sync the engine's log-probs of its own samples
 equal the actor's (<= 1e-4), routing agrees off near-ties, R3 replay dispatches exactly the engine's
-experts; refused updates name the tensor and leave the old weights serving.
+experts; refused updates name the tensor and leave the old weights serving; with fully_async partial
+rollouts a sync under running requests retracts and continues them, each token's version and log-prob right.
 
 One engine subprocess serves both launches (world size 1: every mode and the refusals; world size 2:
 TP=2, EP=2 and PP=2).
@@ -19,7 +20,7 @@ from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_e
 from mrl_configs import hf_config, save_random_hf_model
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
-WORLDS = {1: ["w1_three_modes", "w1_refused_updates"], 2: ["w2_tp2", "w2_ep2", "w2_pp2"]}
+WORLDS = {1: ["w1_three_modes", "w1_refused_updates", "w1_partial_rollout"], 2: ["w2_tp2", "w2_ep2", "w2_pp2"]}
 
 
 def make_policy(folder: Path) -> str:

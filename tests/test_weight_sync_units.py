@@ -181,3 +181,20 @@ def test_in_place_targets_only_when_every_tensor_fits() -> None:
     assert layout.in_place_targets(["0.weight", "1.weight"], [fp32, torch.bfloat16], [[3, 4], [2, 3]], cpu) is None
     assert layout.in_place_targets(["0.weight", "2.weight"], [fp32, fp32], [[3, 4], [2, 3]], cpu) is None
     assert layout.in_place_targets(["0.weight"], [fp32], [[4, 3]], cpu) is None
+
+
+def test_in_flight_policy_by_loop_mode() -> None:
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.weight_sync.base import InFlight
+
+    def policy(pauses: bool, **keys: object) -> InFlight:
+        return InFlight.from_config(RolloutConfig(**keys), pauses_for_transfer=pauses)
+
+    for mode in ("sync", "one_step_off"):  # nothing in flight: today's behaviour, whatever partial_rollout says
+        for partial in (True, False):
+            assert policy(False, async_mode=mode, partial_rollout=partial) == InFlight(None, False)
+            assert policy(True, async_mode=mode, partial_rollout=partial) == InFlight("abort", False)
+    for pauses in (False, True):
+        assert policy(pauses, async_mode="fully_async", partial_rollout=True) == InFlight("retract", False)
+    assert policy(False, async_mode="fully_async", partial_rollout=False) == InFlight(None, True)
+    assert policy(True, async_mode="fully_async", partial_rollout=False) == InFlight("abort", True)

@@ -1,8 +1,9 @@
 """Async client for SGLang servers, an sglang-router, or the local engine (same HTTP API).
 
 - `/generate` with `input_ids` and explicit sampling parameters; log-probs of the output tokens,
-  routed experts (base64 int32 [prompt + output - 1, layers, top_k]) and the finish reason come
-  back as a `Sample`.
+  routed experts (base64 int32 [prompt + output - 1, layers, top_k]), the finish reason and the
+  weight version of every output token (SGLang's `meta_info.weight_versions` spans, checked to
+  cover the output exactly) come back as a `Sample`.
 - Concurrency is bounded (`max_concurrency` requests in flight per server); each request goes to
   the server with the fewest in flight. Connection errors and 502/503/504 are retried with
   exponential backoff, on another server when there are several; after the last try one
@@ -72,6 +73,34 @@ def _server_message(text: str) -> str:
         if "detail" in body:
             return str(body["detail"])
     return text.strip()[:2000]
+
+
+def token_versions(spans: Any, version: str | None, n_tokens: int, where: str, url: str) -> list[str] | None:
+    """One weight version per output token from SGLang's `meta_info.weight_versions` spans
+    `[{version, start, end}]`, which must cover tokens [0, n_tokens) in order without a gap or an
+    overlap; without spans, `version` (the reply's `weight_version`) for every token (None when the
+    server reports neither)."""
+    if spans is None:
+        return None if version is None else [version] * n_tokens
+    try:
+        bounds = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
+    except (KeyError, TypeError, ValueError):
+        bounds = []
+    end = 0
+    for _, start, stop in bounds:
+        if start != end or stop < start:
+            break
+        end = stop
+    else:
+        if bounds and end == n_tokens:
+            if len(bounds) == 1:  # the usual reply: one version for the whole response
+                return [bounds[0][0]] * n_tokens
+            return [v for v, start, stop in bounds for _ in range(stop - start)]
+    raise SGLangError(
+        f"{where}: meta_info.weight_versions {str(spans)[:500]} do not cover the {n_tokens} output "
+        "tokens exactly (contiguous {version, start, end} spans from 0 to the last token)",
+        server=url,
+    )
 
 
 class SGLangClient:
@@ -361,6 +390,8 @@ class SGLangClient:
         routed = None
         if want_routed and meta.get("routed_experts") is not None:
             routed = self._decode_routed(meta["routed_experts"], len(prompt) + len(output_ids) - 1, where, url)
+        version = meta.get("weight_version")
+        version = None if version is None else str(version)
         return Sample(
             prompt_ids=prompt,
             output_ids=output_ids,
@@ -368,7 +399,8 @@ class SGLangClient:
             finish_reason=kind,
             matched_stop=finish.get("matched"),
             routed_experts=routed,
-            weight_version=meta.get("weight_version"),
+            weight_version=version,
+            weight_versions=token_versions(meta.get("weight_versions"), version, len(output_ids), where, url),
             rid=rid,
             server=url,
             meta_info=meta,

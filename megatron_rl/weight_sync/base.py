@@ -11,6 +11,17 @@ The distributed and tensor modes run inside SGLang's weight-update session (`/be
 before the first bucket, `/end_weight_update` after the last, also after an error; servers without
 the endpoints, SGLang < 0.5.21, need none).
 
+Requests in flight during a sync (`InFlight`, read once from the configuration here, for every
+mode): in `sync` and `one_step_off` none are (generation and updates take turns), and only the
+tensor mode pauses generation, with mode "abort", as the engine's memory is written. In
+`fully_async` with `rollout.partial_rollout` they must survive the update: generation pauses with
+SGLang's mode "retract" (running requests go back to the queue with their tokens and are prefilled
+again, after the cache flush, under the new weights; "in_place" would keep the old weights' KV
+cache) before the transfer (disk: before the load, the folder is written while the engine
+generates) and continues after it, and the updates pass `abort_all_requests=false`;
+each response then reports which version sampled which tokens. Without partial rollouts they are
+aborted: `abort_all_requests=true`, and the tensor mode's pause keeps mode "abort".
+
 Colocated runs can hand the engine's memory back between rollout and training with
 `release_engine_memory()`. The next `sync` then empties every rank's CUDA cache (and, with
 `rollout.colocate_offload`, moves the optimizer state to the host first), resumes the weights before
@@ -55,6 +66,24 @@ class SyncReport:
     weight_version: str
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """What a sync does with the engine's requests in flight: `pause` is the /pause_generation mode
+    before the transfer (continued after it; None = no pause) and `abort_all_requests` goes with
+    every update call."""
+
+    pause: str | None
+    abort_all_requests: bool
+
+    @classmethod
+    def from_config(cls, rollout: Any, pauses_for_transfer: bool) -> InFlight:
+        """`pauses_for_transfer`: the mode stops generation while it writes (tensor, colocated)."""
+        if rollout.async_mode == "fully_async" and rollout.partial_rollout:
+            return cls(pause="retract", abort_all_requests=False)
+        aborts = rollout.async_mode == "fully_async"
+        return cls(pause="abort" if pauses_for_transfer else None, abort_all_requests=aborts)
+
+
 class WeightSyncError(RuntimeError):
     """A sync the engine did not complete; raised on every rank with the same message."""
 
@@ -72,6 +101,10 @@ class WeightSync(ABC):
     mode: ClassVar[str]
     # Distributed and tensor updates run inside SGLang's weight-update session (>= 0.5.21).
     needs_session: ClassVar[bool] = False
+    # Generation stops while the weights are written, whatever the loop (tensor: colocated memory).
+    pauses_for_transfer: ClassVar[bool] = False
+    # A pause spans the whole transfer (export included); False: the mode pauses around its engine call.
+    pause_spans_transfer: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -100,6 +133,8 @@ class WeightSync(ABC):
         self._released: list[str] = []  # the engine memory released now (the same on every rank)
         self._error: str | None = None
         self._version = ""
+        self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer)
+        self._paused = False
 
     @property
     def client(self) -> SGLangClient:
@@ -145,8 +180,11 @@ class WeightSync(ABC):
         `self._error` is set); returns the weight bytes sent (rank 0)."""
 
     def _prepare_engine(self) -> None:
-        """Rank 0, before the transfer: bring back released weights (they are about to be written),
-        then open the weight-update session where the mode needs one."""
+        """Rank 0, before the transfer: pause generation (see `InFlight`), bring back released
+        weights (they are about to be written), then open the weight-update session where the mode
+        needs one."""
+        if self.pause_spans_transfer:
+            self._pause()
         if "weights" in self._released:
             self._resume(["weights"])
         if self.needs_session and self._error is None:
@@ -154,11 +192,24 @@ class WeightSync(ABC):
 
     def _restore_engine(self) -> None:
         """Rank 0, after the transfer (also a failed one): close the session, then bring back the
-        rest of the released memory (KV cache, graphs)."""
+        rest of the released memory (KV cache, graphs), then continue a paused generation."""
         if self.needs_session:
             self._call(self.client.end_weight_update(), "POST /end_weight_update")
         if self._error is None and self._released:
             self._resume(list(self._released))
+        self._continue()
+
+    def _pause(self) -> None:
+        """Rank 0: pause generation as `self.in_flight` says (nothing without a pause mode)."""
+        if self.in_flight.pause is not None and self._error is None and not self._paused:
+            self._paused = True  # also when the call fails: `_continue` must still be tried
+            self._call(self.client.pause_generation(self.in_flight.pause), "POST /pause_generation")
+
+    def _continue(self) -> None:
+        """Rank 0: continue what `_pause` paused (also after an error)."""
+        if self._paused:
+            self._paused = False
+            self._call(self.client.continue_generation(), "POST /continue_generation")
 
     def close(self) -> None:  # noqa: B027 - most modes hold nothing
         """Release what the mode holds (groups, buffers); call on every rank."""

@@ -2,7 +2,8 @@
 
 Every rank runs `save_hf_folder`. Each stage's export sender writes its own safetensors files,
 rank 0 writes the index and config.json, and the call ends with a collective, so when it returns
-the folder is complete. Only then does rank 0 ask every engine to load it. The folder is
+the folder is complete. Only then does rank 0 ask every engine to load it (pausing generation
+just for the load when partial rollouts need it: `base.InFlight`). The folder is
 `rollout.sync_dir` (default `logging.run_dir/weights`) / `v-<version>`, and that folder must be
 visible to every sender and every engine. The folder the engine serves from is kept; the one
 before it is deleted after a successful update, and a refused one at once.
@@ -27,6 +28,7 @@ def version_folder_name(version: str) -> str:
 
 class DiskSync(WeightSync):
     mode = "disk"
+    pause_spans_transfer = False  # generation goes on while the folder is written; paused for the load
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,10 +55,14 @@ class DiskSync(WeightSync):
             return 0
         nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         if self._error is None:
+            self._pause()
             self._call(
-                self.client.update_weights_from_disk(str(folder), weight_version=version),
+                self.client.update_weights_from_disk(
+                    str(folder), weight_version=version, abort_all_requests=self.in_flight.abort_all_requests
+                ),
                 f"POST /update_weights_from_disk {folder}",
             )
+            self._continue()
         if self._error is None:
             if self._serving is not None and self._serving != folder:
                 shutil.rmtree(self._serving, ignore_errors=True)

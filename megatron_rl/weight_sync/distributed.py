@@ -127,6 +127,7 @@ class DistributedSync(WeightSync):
                 weight_version=version,
                 flattened_bucket=flattened,
                 flush_cache=version is not None,
+                abort_all_requests=self.in_flight.abort_all_requests,
             )
         )
         what = f"bucket of {len(bucket)} tensors from {names[0]!r} to {', '.join(self.client.urls)}"

@@ -1,7 +1,8 @@
 """`rollout.weight_sync = tensor` (colocated): tensors by handle through `/update_weights_from_tensor`.
 
-Rank 0 pauses generation (mode "abort"), brings back released weights and opens the weight-update
-session. It packs each bucket into a flattened buffer (`packing.pack_bucket`; a new one per bucket
+Rank 0 pauses generation (mode "abort", or "retract" for partial rollouts: `base.InFlight`), brings
+back released weights and opens the weight-update session. It packs each bucket into a flattened
+buffer (`packing.pack_bucket`; a new one per bucket
 on a GPU, because SGLang answers once its copies are queued and a reused buffer could be overwritten
 under them; one reused shared-memory buffer on the CPU, see `packing.PackBuffers`) and posts
 `{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer` does, one
@@ -66,6 +67,7 @@ def rank_payloads(
 class TensorSync(WeightSync):
     mode = "tensor"
     needs_session = True
+    pauses_for_transfer = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,14 +85,6 @@ class TensorSync(WeightSync):
         if problem is not None:
             raise WeightSyncError(problem)
 
-    def _prepare_engine(self) -> None:
-        self._call(self.client.pause_generation("abort"), "POST /pause_generation")
-        super()._prepare_engine()
-
-    def _restore_engine(self) -> None:
-        super()._restore_engine()
-        self._call(self.client.continue_generation(), "POST /continue_generation")
-
     def _transfer(self, version: str) -> int:
         total = 0
         for bucket, last in with_last(rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)):
@@ -107,6 +101,7 @@ class TensorSync(WeightSync):
                 load_format="flattened_bucket",
                 weight_version=version,
                 flush_cache=version is not None,
+                abort_all_requests=self.in_flight.abort_all_requests,
             ),
             f"POST /update_weights_from_tensor (bucket of {len(bucket)} tensors from {bucket[0][0]!r})",
         )

@@ -472,3 +472,69 @@ def w2_pp2(ctx) -> None:  # noqa: ANN001
     check_invariant(actor, fresh, "PP=2 after a refused distributed sync")
     if engine is not None:
         engine.close()
+
+
+def w1_partial_rollout(ctx) -> None:  # noqa: ANN001
+    """rollout.async_mode=fully_async with partial rollouts: a distributed sync while six long requests
+    generate pauses them with mode "retract", updates and continues them. Every request then carries
+    version "0" on its first tokens and "1" on the rest; the engine's log-probs of the version-1 tokens
+    equal the updated actor's over the whole sequence, and those of the version-0 tokens a plain forward
+    of the weights before the update (the HF folder the actor started from), <= 1e-4."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.rollout.types import SamplingParams
+    from megatron_rl.weight_sync import make_weight_sync
+
+    cfg = policy_config(ctx, layout(), "distributed")
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, async_mode="fully_async"))
+    actor = build_actor(cfg)
+    engine = connect(cfg)
+    with make_weight_sync(cfg, engine, actor, bucket_mb=BUCKET_MB) as sync:
+        assert (sync.in_flight.pause, sync.in_flight.abort_all_requests) == ("retract", False)
+        sync.sync("0")
+        train_step(actor, rollout(engine, cfg, seed=200))
+        pending = None
+        if engine is not None:
+            client = engine.client
+            gen = torch.Generator().manual_seed(201)
+            prompts = [torch.randint(2, cfg.model.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+            longest = cfg.model.max_position_embeddings - max(PROMPT_LENGTHS) - 1
+            params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=longest, ignore_eos=True)
+            pending = engine.submit(client.generate_batch(prompts, params))
+            while True:  # every request prefilled: each has a token of version 0
+                info = engine.run(client._json("GET", "/get_server_info", server=client.urls[0]))
+                if info["internal_states"][0]["running"] == len(prompts):
+                    break
+                time.sleep(0.005)
+        sync.sync("1")
+        got = None if pending is None else pending.result(timeout=120)
+    samples = on_every_rank(
+        None
+        if got is None
+        else [
+            dict(prompt=s.prompt_ids, output=s.output_ids, logprobs=s.logprobs, versions=s.weight_versions) for s in got
+        ]
+    )
+    splits = [s["versions"].count("0") for s in samples]
+    for s, k in zip(samples, splits, strict=True):
+        assert s["versions"] == ["0"] * k + ["1"] * (len(s["output"]) - k), s["versions"]
+        assert k > 0, "every request sampled a token before the sync"
+    assert any(k < len(s["output"]) for s, k in zip(samples, splits, strict=True)), "no request spans the sync"
+    batch = as_batch([dict(s, routed=None) for s in samples])
+    actor_lp = actor.compute_log_probs(batch).log_probs
+    before = AutoModelForCausalLM.from_pretrained(cfg.model.hf_path, dtype=torch.float32).eval()
+    for s, k, lp in zip(samples, splits, actor_lp, strict=True):
+        engine_lp = torch.tensor(s["logprobs"], dtype=torch.float32)
+        with torch.no_grad():
+            logits = before(torch.tensor([s["prompt"] + s["output"]])).logits[0].float() / TEMPERATURE
+        p = len(s["prompt"])
+        hf_lp = torch.log_softmax(logits, -1)[p - 1 : -1].gather(1, torch.tensor(s["output"])[:, None])[:, 0]
+        d0 = float((engine_lp[:k] - hf_lp[:k]).abs().max())
+        assert d0 <= LOGPROB_TOL, f"version-0 tokens: engine vs the weights before the sync differ by {d0:.3e}"
+        if k < len(s["output"]):
+            d1 = float((engine_lp[k:] - lp[k:]).abs().max())
+            assert d1 <= LOGPROB_TOL, f"version-1 tokens: engine vs the updated actor differ by {d1:.3e}"
+    if engine is not None:
+        engine.close()

@@ -23,6 +23,8 @@ from megatron_rl.rollout.local.weights import CheckpointLayout
 
 log = logging.getLogger(__name__)
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
+
 
 class EngineStateError(RuntimeError):
     """The engine cannot do this now (memory released, requests running, ...)."""
@@ -89,6 +91,23 @@ class EngineThread:
         done = self.generator.abort(match, message)
         self._resolve(done)
         return len(done)
+
+    def pause(self, mode: str) -> int:
+        """Stop generating until `resume()`, as SGLang's /pause_generation `mode` does: "abort" finishes
+        every request (aborted, with its tokens so far); "retract" sends the running ones back to the
+        queue with their tokens, to be prefilled again (under the weights served then) on resume;
+        "in_place" leaves them running with their KV cache. Returns the requests aborted or retracted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}; allowed: {', '.join(PAUSE_MODES)}")
+        self.paused = True
+        if mode == "abort":
+            return self.abort(lambda r: True)
+        if mode == "retract":
+            return self.generator.retract()
+        return 0
+
+    def resume(self) -> None:
+        self.paused = False
 
     def _resolve(self, done: list[GenRequest]) -> None:
         for req in done:

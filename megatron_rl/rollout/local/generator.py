@@ -4,6 +4,13 @@ One `step()` admits waiting requests (prefilled together, identical prompts once
 decode forward over every running request. Finished requests leave at once and their KV rows are
 reused, so a long response never holds back a short one. Routed experts are read from each
 router's own top-k output during the same forwards.
+
+`retract()` (SGLang's pause mode "retract") moves the running requests back to the front of the
+queue, keeping their tokens and dropping their KV rows. Readmitted, a request is prefilled over its
+prompt and the tokens it has so far, with the weights served then, and samples its next token from
+that prefill, so every token's log-prob is the one a plain forward of the version that sampled it
+gives. Each request records which version sampled which output tokens, as SGLang's
+`meta_info.weight_versions` spans `[{version, start, end}]`.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class GenRequest:
     routed: list[np.ndarray] = field(default_factory=list)
     finish_reason: dict | None = None
     weight_versions: list[dict] = field(default_factory=list)
+    retractions: int = 0
     created: float = field(default_factory=time.monotonic)
     rng: torch.Generator | None = field(default=None, repr=False)
 
@@ -50,6 +58,11 @@ class GenRequest:
     def cached_len(self) -> int:
         """Tokens whose K/V are in the cache: the prompt and every output token but the last."""
         return len(self.input_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill runs on: the prompt, and the tokens generated before a retraction."""
+        return self.input_ids + self.output_ids if self.output_ids else self.input_ids
 
 
 class Generator:
@@ -96,6 +109,18 @@ class Generator:
         self._retire(done_rows)
         return done + done_rows
 
+    def retract(self) -> int:
+        """Send every running request back to the front of the queue with its tokens, freeing its KV
+        row; returns how many. They resume, prefilled again, at the next `step()`."""
+        retracted = sorted(self.running, key=lambda r: r.row)
+        for req in retracted:
+            req.row = -1
+            req.retractions += 1
+        self.running = []
+        self.waiting.extendleft(reversed(retracted))
+        self.cache.release()
+        return len(retracted)
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
 
@@ -119,9 +144,9 @@ class Generator:
         longest, unique = 0, 0
         while self.waiting and len(self.running) + len(batch) < self.max_running:
             req = self.waiting[0]
-            key = tuple(req.input_ids)
+            key = tuple(req.prefill_ids)
             new_unique = unique + (key not in prompts)
-            new_longest = max(longest, len(req.input_ids))
+            new_longest = max(longest, len(key))
             if batch and new_unique * new_longest > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
@@ -131,44 +156,50 @@ class Generator:
         return batch
 
     def _prefill(self, batch: list[GenRequest]) -> list[GenRequest]:
+        seqs = [req.prefill_ids for req in batch]
         first_of: dict[tuple[int, ...], int] = {}
-        uniques: list[GenRequest] = []
-        for req in batch:
-            key = tuple(req.input_ids)
+        uniques: list[int] = []  # index into batch of each distinct sequence's first request
+        for i, seq in enumerate(seqs):
+            key = tuple(seq)
             if key not in first_of:
                 first_of[key] = len(uniques)
-                uniques.append(req)
-        dups = [r for r in batch if uniques[first_of[tuple(r.input_ids)]] is not r]
+                uniques.append(i)
+        order = uniques + [i for i in range(len(batch)) if uniques[first_of[tuple(seqs[i])]] != i]
+        ordered = [batch[i] for i in order]
+        ordered_seqs = [seqs[i] for i in order]
         base = len(self.running)
-        ordered = uniques + dups
         for i, req in enumerate(ordered):
             req.row = base + i
         self.running.extend(ordered)
 
         dev = self.info.device
-        lengths = torch.tensor([len(r.input_ids) for r in uniques], device=dev)
+        n_unique = len(uniques)
+        lengths = torch.tensor([len(seqs[i]) for i in uniques], device=dev)
         width = int(lengths.max())
-        ids = torch.zeros(len(uniques), width, dtype=torch.long, device=dev)
-        for i, req in enumerate(uniques):
-            ids[i, : len(req.input_ids)] = torch.tensor(req.input_ids, device=dev)
+        ids = torch.zeros(n_unique, width, dtype=torch.long, device=dev)
+        for row, i in enumerate(uniques):
+            ids[row, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
         pos = torch.arange(width, device=dev)
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
         mask = self._additive(allowed.unsqueeze(1))
         self.cache.reserve(base + len(ordered), width)
-        self.cache.begin_prefill(base, base + len(uniques), width)
-        hidden = self._forward(ids, pos.expand(len(uniques), width), mask, any(r.return_routed_experts for r in batch))
-        last_hidden = hidden[torch.arange(len(uniques), device=dev), lengths - 1]
+        self.cache.begin_prefill(base, base + n_unique, width)
+        hidden = self._forward(ids, pos.expand(n_unique, width), mask, any(r.return_routed_experts for r in batch))
+        last_hidden = hidden[torch.arange(n_unique, device=dev), lengths - 1]
         logits = self.model.lm_head(last_hidden)
-        src = [first_of[tuple(r.input_ids)] for r in ordered]
-        for req in dups:
-            self.cache.copy_row(base + first_of[tuple(req.input_ids)], req.row, len(req.input_ids))
-        routing = self._take_routing(len(uniques), width)
-        for req, s in zip(ordered, src, strict=True):
+        src = [first_of[tuple(seq)] for seq in ordered_seqs]
+        for req, seq, s in zip(ordered[n_unique:], ordered_seqs[n_unique:], src[n_unique:], strict=True):
+            self.cache.copy_row(base + s, req.row, len(seq))
+        routing = self._take_routing(n_unique, width)
+        for req, seq, s in zip(ordered, ordered_seqs, src, strict=True):
+            resumed = bool(req.output_ids)
             if routing is not None and req.return_routed_experts:
-                req.routed.append(routing[s, : len(req.input_ids)])
-            if req.return_logprob and req.logprob_start_len >= 0:
-                req.input_logprobs = self._input_logprobs(req, hidden[s])
-            req.weight_versions.append({"version": self.weight_version, "start": 0, "end": 0})
+                # a resumed request's positions were all recomputed: their routing replaces the old
+                req.routed = [routing[s, : len(seq)]]
+            if not resumed:
+                if req.return_logprob and req.logprob_start_len >= 0:
+                    req.input_logprobs = self._input_logprobs(req, hidden[s])
+                req.weight_versions.append({"version": self.weight_version, "start": 0, "end": 0})
         index = torch.tensor(src, device=dev)
         return self._sample_and_finish(ordered, logits.index_select(0, index))
 

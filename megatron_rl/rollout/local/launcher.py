@@ -84,11 +84,13 @@ def start_local_engine(
     env: dict[str, str] | None = None,
     log_path: str | None = None,
     timeout_s: float = 300.0,
+    prefix: list[str] | None = None,
 ) -> LocalEngineProcess:
-    """Launch the engine on `port` (None = a free one) and return once /health answers 200."""
+    """Launch the engine on `port` (None = a free one) and return once /health answers 200; `prefix`
+    runs it under a wrapper (`["taskset", "-c", "1"]`)."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
     try:
-        return _start(model_path, host, port, api_key, device, extra_args, env, log_path, timeout_s, workdir)
+        return _start(model_path, host, port, api_key, device, extra_args, env, log_path, timeout_s, workdir, prefix)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -104,9 +106,10 @@ def _start(
     log_path: str | None,
     timeout_s: float,
     workdir: str,
+    prefix: list[str] | None,
 ) -> LocalEngineProcess:
     port_file = os.path.join(workdir, "port")
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
+    cmd = [*(prefix or []), sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
     cmd += ["--port", str(port or 0), "--port-file", port_file, "--device", device]
     child_env = {**os.environ, **(env or {})}
     child_env.pop(API_KEY_ENV, None)

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from megatron_rl.http_body import BodyError, parse_json, read_body
 from megatron_rl.rollout import wire
-from megatron_rl.rollout.local.engine_thread import EngineStateError, EngineThread
+from megatron_rl.rollout.local.engine_thread import PAUSE_MODES, EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.launcher import API_KEY_ENV
 from megatron_rl.rollout.local.model import ModelInfo, load_model
@@ -179,11 +179,12 @@ class LocalServer:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
-            "weight_version": req.weight_versions[-1]["version"] if req.weight_versions else self.engine.weight_version,
-            "weight_versions": req.weight_versions,
-            "num_retractions": 0,
+            # SGLang's spans: which version sampled output tokens [start, end); one empty span before any
+            "weight_versions": req.weight_versions or [{"version": self.engine.weight_version, "start": 0, "end": 0}],
+            "num_retractions": req.retractions,
             "e2e_latency": latency,
         }
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]
         if req.return_logprob:
 
             def text(tok: int) -> str | None:
@@ -218,29 +219,21 @@ class LocalServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = check_body(await _json_body(request))
         mode = get_field(body, "mode", "str", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise FieldError(f"mode: {mode!r}; allowed: abort, retract, in_place")
-
-        def pause(e: EngineThread) -> None:
-            if mode == "abort":
-                e.abort(lambda r: True)
-            e.paused = True
-
-        await self._engine(pause)
+        if mode not in PAUSE_MODES:
+            raise FieldError(f"mode: {mode!r}; allowed: {', '.join(PAUSE_MODES)}")
+        n = await self._engine(lambda e: e.pause(mode))
+        log.info("generation paused (mode %s, %d request(s) %s)", mode, n, "aborted" if mode == "abort" else "kept")
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         check_body(await _json_body(request))
-
-        def resume(e: EngineThread) -> None:
-            e.paused = False
-
-        await self._engine(resume)
+        await self._engine(lambda e: e.resume())
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         def flush(e: EngineThread) -> bool:
-            return not e.generator.has_work
+            # as SGLang: requests retracted by a pause wait without a cache; running ones hold one
+            return not e.generator.running and (e.paused or not e.generator.waiting)
 
         if not await self._engine(flush):
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
