@@ -490,8 +490,10 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
             await running(client)
             await client.pause_generation("retract")
             assert await client.begin_weight_update() == [True]
-            payload = send.serialize_named_tensors(_checkpoint(models["C"]))
-            await client.update_weights_from_tensor([payload], weight_version="2", abort_all_requests=False)
+            payload, shm = send.serialize_named_tensors(_checkpoint(models["C"]))
+            await client.update_weights_from_tensor(
+                [payload], weight_version="2", abort_all_requests=False, shm_names=shm
+            )
             await client.end_weight_update()
             await client.continue_generation()
             partial = await job
