@@ -7,7 +7,7 @@
 
 The actor checkpoint (model, optimizer, schedule, per-rank RNG) is written first, collectively;
 rank 0 then writes `loop_state.pt` (the step, the prompt sampler's position, rank 0's Python,
-NumPy and torch RNG states and the rollout seed) to a temporary name and renames it, so a folder
+NumPy and torch RNG states, the rollout seed and the asynchronous rollout state) to a temporary name and renames it, so a folder
 holding `loop_state.pt` is complete: a run killed while saving leaves a folder `latest_checkpoint`
 skips; `checkpoint.keep_last` complete folders are kept. Rollout sampling needs no engine state:
 every request's `sampling_seed` is derived from (train.seed, step, round, index)
@@ -73,6 +73,9 @@ class LoopState:
     rollout_seed: int
     rng: dict[str, Any] = field(default_factory=capture_rng)
     format_version: int = FORMAT_VERSION
+    # the rollout side's state, pickled (`RolloutDriver.checkpoint_state`: one_step_off's pre-generated
+    # batch, fully_async's buffer and prompts in flight); None in checkpoints written before it existed
+    rollout: bytes | None = None
 
 
 def save_loop_state(folder: str | Path, state: LoopState) -> Path:
@@ -205,9 +208,12 @@ class RunFolder:
             log.message(f"resuming {where} in {self.ckpt_root}")
         return log
 
-    def save_checkpoint(self, actor: MegatronActor, step: int, sampler: PromptSampler | None) -> Path:
+    def save_checkpoint(
+        self, actor: MegatronActor, step: int, sampler: PromptSampler | None, rollout: bytes | None = None
+    ) -> Path:
         """CKPT_DIR/step_NNNNNN (collective): the actor, then rank 0's loop state, then pruning to
-        `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0."""
+        `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0; `rollout`
+        rank 0's rollout state (`LoopState.rollout`)."""
         folder = checkpoint_dir(self.ckpt_root, step)
         if self.rank == 0 and folder.exists():
             shutil.rmtree(folder)
@@ -218,7 +224,8 @@ class RunFolder:
             if sampler is None:
                 raise ValueError("save_checkpoint: rank 0 needs the prompt sampler (its position is loop state)")
             save_loop_state(
-                folder, LoopState(step=step, sampler=sampler.state_dict(), rollout_seed=self.cfg.train.seed)
+                folder,
+                LoopState(step=step, sampler=sampler.state_dict(), rollout_seed=self.cfg.train.seed, rollout=rollout),
             )
             prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
 
