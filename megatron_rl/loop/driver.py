@@ -74,13 +74,17 @@ class RolloutData:
 class RolloutDriver:
     """Rank 0's rollout side: starts (or connects to) the engine on `model_path` and closes it."""
 
-    def __init__(self, cfg: Config, data: RolloutData, *, model_path: str | None, engine_log: Path) -> None:
+    def __init__(
+        self, cfg: Config, data: RolloutData, *, model_path: str | None, engine_log: Path, engine: Any = None
+    ) -> None:
+        """`engine`: one already started (anything with the `RolloutEngine` methods the loop calls: generate,
+        close), instead of starting or connecting to the configured one."""
         from megatron_rl.rollout.engine import RolloutEngine
 
         self.cfg = cfg
         self.data = data
         # `engine_log` is only used by a local engine; SGLang servers log where they were started
-        self.engine: RolloutEngine = RolloutEngine.from_config(
+        self.engine: RolloutEngine = engine or RolloutEngine.from_config(
             cfg.rollout, model_path=model_path, log_path=str(engine_log)
         )
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
@@ -127,7 +131,8 @@ class RolloutDriver:
             plan = self._collect(step)
             waited = time.perf_counter() - began
         if self.producer is not None:
-            plan.metrics.update(self.producer.settle(0 if plan.batch is None else len(plan.versions or ())))
+            used = 0 if plan.batch is None else int(plan.metrics["groups/groups_used"])
+            plan.metrics.update(self.producer.settle(used))
         else:
             plan.metrics.update({"async/dropped_stale": 0.0, "async/buffer_groups": 0.0})
         plan.metrics.update(staleness_metrics(version, plan.versions or []))
