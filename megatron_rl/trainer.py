@@ -21,7 +21,10 @@ routing is recorded and replayed; R3 replays the engine's routing) or the engine
 the frozen reference's log-probs under the same routing, when a KL term needs them
 (`megatron_rl.actor.policy.FrozenPolicy`, the start policy; `algorithm.kl_in_reward` then
 re-computes the advantages of R - beta * KL) -> updates -> weight sync -> evaluation every
-`eval.every` steps.
+`eval.every` steps. With `rollout.async_mode` other than sync the batch comes from rank 0's
+background generation (`megatron_rl.loop.async_rollout`): `one_step_off` collects batch t+1 while
+step t trains and the sync of step t waits for it; `fully_async` takes it from the producer's buffer
+while the engine keeps generating through the weight syncs.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the

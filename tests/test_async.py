@@ -73,6 +73,26 @@ def test_version_numbers_and_staleness_metrics_by_hand() -> None:
     assert trained_versions(traj) == [1, 2]
 
 
+def test_decoupled_importance_weight_is_per_token_on_a_mixed_version_sample() -> None:
+    """A partial rollout: tokens 0-1 from a stale version (behaviour log-prob log 3 below pi_prox), 2-3
+    from the current one (equal): the weight pi_prox / pi_behav is per token, truncated at C = 2."""
+    import math
+
+    import torch
+
+    from megatron_rl.losses.importance import importance_weights
+
+    prox = torch.tensor([[-1.0, -2.0, -0.5, -0.7]], dtype=torch.float64)
+    behaviour = prox - torch.tensor([[math.log(3.0), math.log(3.0), 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones_like(prox, dtype=torch.bool)
+    kw = dict(threshold=2.0, mask_min=0.5, mask_max=2.0, max_log_ratio=20.0)
+    weights = importance_weights(prox, behaviour, mask, mode="truncate", level="token", **kw)
+    assert torch.allclose(weights.raw, torch.tensor([[3.0, 3.0, 1.0, 1.0]], dtype=torch.float64))
+    assert weights.weight.tolist() == [[2.0, 2.0, 1.0, 1.0]]
+    masked = importance_weights(prox, behaviour, mask, mode="mask", level="token", **kw)
+    assert masked.weight.tolist() == [[0.0, 0.0, 1.0, 1.0]]  # the stale tokens out, the fresh ones kept
+
+
 # ---- refused combinations ----
 @pytest.mark.parametrize(
     ("overrides", "names"),

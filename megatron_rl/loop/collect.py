@@ -22,6 +22,11 @@ disconnected request) are not trained on: a group with an aborted response is le
 rewards and dynamic sampling (its advantages would compare against a response that never finished);
 `rollout/aborted` counts the aborted responses, `groups/aborted` the groups left out.
 
+The rounds' groups come from a `source`: by default the sampler's next prompts, generated now; in
+`rollout.async_mode=fully_async` the producer's buffer (`megatron_rl.loop.async_rollout`), whose
+groups are seeded by their own serial number. `StepBatch.versions` holds the weight version of every
+trained token (the `async/` staleness metrics).
+
 A batch is split over the data-parallel ranks, one sample each at least: a short batch (dynamic
 sampling out of rounds) with fewer samples than `min_samples` (the DP size) is dropped, the step is
 skipped and `groups/short_batch_dropped` is 1; one with fewer than `train.updates_per_step` x DP
