@@ -13,7 +13,8 @@ folders are checked writable at start-up, before any step is trained.
 
 A checkpoint is written into CKPT_DIR/step_NNNNNN.tmp: the actor (model, optimizer, schedule,
 per-rank RNG), collectively, then on rank 0 `loop_state.pt` (the step, the prompt sampler's
-position, rank 0's Python, NumPy and torch RNG states and the rollout seed) and `manifest.json`
+position, rank 0's Python, NumPy and torch RNG states, the rollout seed and the asynchronous rollout
+state) and `manifest.json`
 (every file with its size, the SHA-256 of the loop state), every file flushed to disk; only then
 is the folder renamed to step_NNNNNN. A run killed while saving leaves a `.tmp` folder, which is
 ignored and removed at the next save. Resuming takes the newest checkpoint that matches its
@@ -96,6 +97,9 @@ class LoopState:
     rollout_seed: int
     rng: dict[str, Any] = field(default_factory=capture_rng)
     format_version: int = FORMAT_VERSION
+    # the rollout side's state, pickled (`RolloutDriver.checkpoint_state`: one_step_off's pre-generated
+    # batch, fully_async's buffer and prompts in flight); None in checkpoints written before it existed
+    rollout: bytes | None = None
 
 
 def save_loop_state(folder: str | Path, state: LoopState) -> Path:
@@ -416,10 +420,13 @@ class RunFolder:
             log.message(f"--force: the previous run's {old} was moved to {new}")
         return log
 
-    def save_checkpoint(self, actor: MegatronActor, step: int, sampler: PromptSampler | None) -> Path:
+    def save_checkpoint(
+        self, actor: MegatronActor, step: int, sampler: PromptSampler | None, rollout: bytes | None = None
+    ) -> Path:
         """CKPT_DIR/step_NNNNNN (collective): the actor, then rank 0's loop state and manifest into
         step_NNNNNN.tmp, renamed into place once every file is on disk; then pruning to
-        `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0."""
+        `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0; `rollout`
+        rank 0's rollout state (`LoopState.rollout`)."""
         folder = checkpoint_dir(self.ckpt_root, step)
         staging = folder.with_name(folder.name + STAGING_SUFFIX)
         if self.rank == 0:
@@ -432,7 +439,8 @@ class RunFolder:
             if sampler is None:
                 raise ValueError("save_checkpoint: rank 0 needs the prompt sampler (its position is loop state)")
             save_loop_state(
-                staging, LoopState(step=step, sampler=sampler.state_dict(), rollout_seed=self.cfg.train.seed)
+                staging,
+                LoopState(step=step, sampler=sampler.state_dict(), rollout_seed=self.cfg.train.seed, rollout=rollout),
             )
             write_manifest(staging, step)
             if folder.exists():  # this step saved before (a damaged checkpoint skipped at resume)

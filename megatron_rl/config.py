@@ -120,7 +120,10 @@ class RolloutConfig:
         "update behind) while this one trains; fully_async = the engines generate all the time",
     )
     max_staleness: int = _f(
-        1, "fully_async: samples with a token more than this many weight versions behind are dropped", ge=0
+        1,
+        "fully_async: samples with a token more than this many weight versions behind are dropped, and the "
+        "producer stays at most this many versions ahead of the trainer (>= 1; 0 is refused: that is sync)",
+        ge=0,
     )
     partial_rollout: bool = _f(
         True,
@@ -552,6 +555,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
         _validate_parallel(cfg)
     _validate_secrets(cfg)
     _validate_rollout(cfg)
+    _validate_async(cfg)
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
     _validate_env(cfg)
@@ -668,6 +672,24 @@ def _validate_rollout(cfg: Config) -> None:
     _require(
         not (cfg.algorithm.routing_replay != "none" and cfg.model.num_experts is None),
         f"algorithm.routing_replay = {cfg.algorithm.routing_replay!r} needs an MoE model (model.num_experts)",
+    )
+
+
+def _validate_async(cfg: Config) -> None:
+    ro = cfg.rollout
+    if ro.async_mode == "sync":
+        return
+    _require(
+        not ro.colocate,
+        f"rollout.async_mode = {ro.async_mode!r} overlaps generation with training, which colocated engines "
+        "cannot (rollout.colocate = true: the engine's memory is released while the trainer runs); use "
+        "rollout.async_mode = 'sync' or rollout.colocate = false",
+    )
+    _require(
+        not (ro.async_mode == "fully_async" and ro.max_staleness == 0),
+        "rollout.async_mode = 'fully_async' with rollout.max_staleness = 0 could only train on samples of the "
+        "current weights: the producer would wait for every update, the sync loop in disguise; use "
+        "rollout.async_mode = 'sync', or rollout.max_staleness >= 1",
     )
 
 

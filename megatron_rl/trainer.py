@@ -21,7 +21,10 @@ routing is recorded and replayed; R3 replays the engine's routing) or the engine
 the frozen reference's log-probs under the same routing, when a KL term needs them
 (`megatron_rl.actor.policy.FrozenPolicy`, the start policy; `algorithm.kl_in_reward` then
 re-computes the advantages of R - beta * KL) -> updates -> weight sync -> evaluation every
-`eval.every` steps.
+`eval.every` steps. With `rollout.async_mode` other than sync the batch comes from rank 0's
+background generation (`megatron_rl.loop.async_rollout`): `one_step_off` collects batch t+1 while
+step t trains and the sync of step t waits for it; `fully_async` takes it from the producer's buffer
+while the engine keeps generating through the weight syncs.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
@@ -220,6 +223,11 @@ class Trainer:
         cfg = self.cfg
         start_step = self.run_folder.start_step
         started = time.perf_counter()
+        # the engine serves the weights of the last synced step (on resume: the checkpoint's, synced at start)
+        self.version = start_step
+        saved = self.run_folder.loop_state.rollout if self.run_folder.loop_state is not None else None
+        if saved is not None and self.rank0 is not None:
+            self.rank0.load_state_dict(saved)
         if cfg.eval.every and start_step == 0:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
@@ -234,10 +242,17 @@ class Trainer:
             record["time/elapsed"] = time.perf_counter() - started
             # logged before the checkpoint: resuming from step k keeps the records up to k
             self.log.log(record)
+            if cfg.rollout.async_mode != "sync":
+                self.log.message(
+                    f"step {step}: staleness mean {record['async/staleness_mean']:.2f} max "
+                    f"{record['async/staleness_max']:.0f}, dropped {record['async/dropped_stale']:.0f}, "
+                    f"buffer {record['async/buffer_groups']:.0f}, waited {record['time/wait_batch']:.2f} s"
+                )
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
                 began = time.perf_counter()
                 sampler = self.rank0.data.sampler if self.rank0 is not None else None
-                self.run_folder.save_checkpoint(self.actor, step, sampler)
+                with self._rollout_state() as rollout:
+                    self.run_folder.save_checkpoint(self.actor, step, sampler, rollout=rollout)
                 checkpoint_s = time.perf_counter() - began
         if cfg.checkpoint.export_hf:
             hf_dir = self.run_folder.run_dir / "hf"
@@ -245,9 +260,19 @@ class Trainer:
             self.log.message(f"final policy: {hf_dir}")
         return record if self.rank0 is not None else {}
 
+    @contextlib.contextmanager
+    def _rollout_state(self) -> Iterator[bytes | None]:
+        """Rank 0: the rollout side's loop state (no prompt is drawn while the checkpoint is written)."""
+        if self.rank0 is None:
+            yield None
+            return
+        with self.rank0.checkpoint_state() as state:
+            yield state
+
     def _step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
-        plan = on_rank0_with(self.rank0, lambda rank0: rank0.collect(step))
+        version = self.version
+        plan = on_rank0_with(self.rank0, lambda rank0: rank0.collect(step, version))
         metrics: dict[str, Any] = {"step": step, **plan.metrics}
         if metrics.get("groups/target_missed"):
             self.log.message(
@@ -262,7 +287,13 @@ class Trainer:
                 self.weight_sync.release_engine_memory()
             metrics.update(self._update(plan))
             metrics["actor/skipped"] = 0.0
+        # one_step_off: the next batch is finished before the weights change
+        finished = on_rank0_with(self.rank0, lambda rank0: rank0.finish_step())
+        metrics["time/wait_batch"] += finished["time/wait_batch"]
+        metrics["time/engine_idle"] = finished["time/engine_idle"]
+        if plan.batch is not None:
             metrics.update(self._sync(step))
+            self.version = step
         metrics["time/step"] = time.perf_counter() - began
         return metrics
 

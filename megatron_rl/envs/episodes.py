@@ -153,6 +153,9 @@ def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cf
     traj.logprobs += list(sample.logprobs or [0.0] * len(out))
     traj.loss_mask += [True] * len(out)
     traj.turn_of_token += [turn] * len(out)
+    # per-token weight versions across turns (a turn's tokens may span weight updates: partial rollouts)
+    turn_versions = sample.weight_versions or [sample.weight_version or "default"] * len(out)
+    traj.weight_versions = [*(traj.weight_versions or []), *turn_versions]
     for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
         setattr(traj, name, getattr(sample, name))
     if sample.routed_experts is not None:
@@ -193,6 +196,9 @@ def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cf
     if cfg.max_total_tokens is not None and total + 1 > cfg.max_total_tokens:
         return ep.end("max_total_tokens")
     traj.output_ids += obs_ids
+    versions = traj.weight_versions or []
+    last = versions[-1] if versions else "default"
+    traj.weight_versions = versions + [last] * len(obs_ids)  # not trained on: the last turn's version
     traj.logprobs += [0.0] * len(obs_ids)
     traj.loss_mask += [False] * len(obs_ids)
     traj.turn_of_token += [turn] * len(obs_ids)

@@ -22,6 +22,11 @@ disconnected request) are not trained on: a group with an aborted response is le
 rewards and dynamic sampling (its advantages would compare against a response that never finished);
 `rollout/aborted` counts the aborted responses, `groups/aborted` the groups left out.
 
+The rounds' groups come from a `source`: by default the sampler's next prompts, generated now; in
+`rollout.async_mode=fully_async` the producer's buffer (`megatron_rl.loop.async_rollout`), whose
+groups are seeded by their own serial number. `StepBatch.versions` holds the weight version of every
+trained token (the `async/` staleness metrics).
+
 A batch is split over the data-parallel ranks, one sample each at least: a short batch (dynamic
 sampling out of rounds) with fewer samples than `min_samples` (the DP size) is dropped, the step is
 skipped and `groups/short_batch_dropped` is 1; one with fewer than `train.updates_per_step` x DP
@@ -33,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +55,7 @@ from megatron_rl.algorithms.dynamic_sampling import filter_groups
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import Trajectory, TurnRenderer, environment_factory, episode_metrics, run_episodes
+from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -58,6 +64,10 @@ def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
     """The rollout seed of request `index` of generation round `round_` of `step`: in [0, 2**63)."""
     digest = hashlib.blake2b(f"{base}/{step}/{round_}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+# (n, step, round, informative groups kept so far) -> the round's prompts and their groups
+RoundSource = Callable[[int, int, int, int], tuple[list[Prompt], list[list[Sample]]]]
 
 
 @dataclass
@@ -78,6 +88,7 @@ class StepBatch:
     batch: ActorBatch | None
     metrics: dict[str, float]
     rewards: torch.Tensor | None = None
+    versions: list[list[int]] | None = None  # the weight version of each trained token, per sample of `batch`
 
 
 def advantages_of(cfg: Config, rewards: torch.Tensor) -> list[torch.Tensor]:
@@ -118,7 +129,7 @@ class RolloutCollector:
         self.renderer = TurnRenderer(tokenizer)
 
     # ---- pieces ----
-    def generate(self, prompts: Sequence[Prompt], step: int, round_: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
         """`rollout.n_samples_per_prompt` seeded trajectories per prompt, grouped by prompt.
 
         Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
@@ -214,9 +225,19 @@ class RolloutCollector:
             out.append(adv[torch.tensor(turn_of, dtype=torch.long)])
         return out
 
+    def generate_round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
+        """One generation round: the sampler's next `n` prompts and their groups (`kept`: the informative
+        groups of the step so far, which an asynchronous source needs)."""
+        prompts = self.sampler.next(n)
+        return prompts, self.generate(prompts, step, round_)
+
     # ---- one step ----
-    def collect(self, step: int) -> StepBatch:
-        """Generate, reward and filter until the step's batch is complete (see the module doc)."""
+    def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
+        """Generate, reward and filter until the step's batch is complete (see the module doc).
+
+        `source(n, step, round, kept)` gives each round's prompts and groups: `generate_round` by
+        default; the fully asynchronous producer's buffer in `rollout.async_mode=fully_async`."""
+        source = source or self.generate_round
         cfg, alg = self.cfg, self.cfg.algorithm
         g, target = cfg.rollout.n_samples_per_prompt, cfg.train.prompts_per_step
         dynamic = alg.dynamic_sampling
@@ -227,9 +248,8 @@ class RolloutCollector:
         informative, rounds, aborted_groups = 0, 0, 0
         used: list[Group] = []
         while True:
-            prompts = self.sampler.next(per_round)
             began = time.perf_counter()
-            grouped = self.generate(prompts, step, rounds)
+            prompts, grouped = source(per_round, step, rounds, informative)
             generated += [s for group in grouped for s in group]
             whole = [k for k, group in enumerate(grouped) if not any(s.aborted for s in group)]
             aborted_groups += len(grouped) - len(whole)
@@ -274,7 +294,8 @@ class RolloutCollector:
             return StepBatch(None, metrics)
         batch = self.to_batch(used)
         metrics["reward/train_mean"] = sum(r for grp in used for r in grp.rewards) / (len(used) * g)
-        return StepBatch(batch, metrics, torch.tensor([r for grp in used for r in grp.rewards], dtype=torch.float32))
+        rewards = torch.tensor([r for grp in used for r in grp.rewards], dtype=torch.float32)
+        return StepBatch(batch, metrics, rewards, [trained_versions(s) for grp in used for s in grp.samples])
 
     def _response_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
         lengths = [len(s.output_ids) for s in samples]

@@ -4,22 +4,33 @@ trainer ranks reach it through `megatron_rl.parallel.rank0.on_rank0` (see `megat
 
 The data is read first (`RolloutData.load`, before the slow actor start, so bad data fails at
 once); the driver is built from it once the engine's model folder exists, and starts the engine.
+
+`rollout.async_mode` decides where a step's batch comes from (`megatron_rl.loop.async_rollout`):
+`sync` collects it when the step asks; `one_step_off` hands over the batch a background thread
+collected during the previous step and starts the next one; `fully_async` takes it from the
+producer's buffer. Every step's record gets the `async/` metrics, `time/wait_batch` and
+`time/engine_idle`; `checkpoint_state` is what a checkpoint holds of the rollout side.
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
+from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
 from megatron_rl.models.source import tokenizer_source
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
 from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.types import Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,33 +75,123 @@ class RolloutData:
 class RolloutDriver:
     """Rank 0's rollout side: starts (or connects to) the engine on `model_path` and closes it."""
 
-    def __init__(self, cfg: Config, data: RolloutData, *, model_path: str | None, engine_log: Path) -> None:
+    def __init__(
+        self, cfg: Config, data: RolloutData, *, model_path: str | None, engine_log: Path, engine: Any = None
+    ) -> None:
+        """`engine`: one already started (anything with the `RolloutEngine` methods the loop calls: generate,
+        close), instead of starting or connecting to the configured one."""
         from megatron_rl.rollout.engine import RolloutEngine
 
         self.cfg = cfg
         self.data = data
         # `engine_log` is only used by a local engine; SGLang servers log where they were started
-        self.engine: RolloutEngine = RolloutEngine.from_config(
+        self.engine: RolloutEngine = engine or RolloutEngine.from_config(
             cfg.rollout, model_path=model_path, log_path=str(engine_log)
         )
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
         self.collector = RolloutCollector(cfg, self.engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
+        self.meter = BusyMeter()
+        mode = cfg.rollout.async_mode
+        self.one_step_off = OneStepOff(self._collect) if mode == "one_step_off" else None
+        self.producer = (
+            AsyncProducer(cfg, self._generate_job, self._next_prompt, self.meter) if mode == "fully_async" else None
+        )
 
-    def collect(self, step: int) -> StepBatch:
-        """The step's batch and its rollout metrics (with the data counts)."""
-        plan = self.collector.collect(step)
+    # ---- where a round's groups come from ----
+    def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
+        if self.producer is not None:
+            return self.producer.take(n, kept)
+        with self.meter.busy():
+            return self.collector.generate_round(n, step, round_, kept)
+
+    def _generate_job(self, job: Job) -> list[Sample]:
+        """One fully asynchronous group, seeded by its serial number and attempt (not by the step it lands in)."""
+        return self.collector.generate([job.prompt], job.serial, f"async.{job.attempt}")[0]
+
+    def _next_prompt(self) -> Prompt:
+        return self.data.sampler.next(1)[0]
+
+    def _collect(self, step: int) -> StepBatch:
+        plan = self.collector.collect(step, self._round)
         plan.metrics.update(self.data.metrics)
         return plan
+
+    # ---- the trainer's calls ----
+    def collect(self, step: int, version: int = 0) -> StepBatch:
+        """The step's batch and its rollout metrics (with the data counts and the `async/` metrics);
+        `version`: the trainer's weight version at the start of the step (the last one synced)."""
+        began = time.perf_counter()
+        if self.producer is not None:
+            self.producer.synced(version)
+        if self.one_step_off is not None:
+            plan, waited = self.one_step_off.take(step)
+            if step < self.cfg.train.steps:
+                self.one_step_off.start(step + 1)  # generates with the weights this step starts from
+        else:
+            plan = self._collect(step)
+            waited = time.perf_counter() - began
+        if self.producer is not None:
+            used = 0 if plan.batch is None else int(plan.metrics["groups/groups_used"])
+            plan.metrics.update(self.producer.settle(used))
+        else:
+            plan.metrics.update({"async/dropped_stale": 0.0, "async/buffer_groups": 0.0})
+        plan.metrics.update(staleness_metrics(version, plan.versions or []))
+        plan.metrics["time/wait_batch"] = waited
+        return plan
+
+    def finish_step(self) -> dict[str, float]:
+        """Before the step's weight sync: `one_step_off` waits for the next batch (so that the sync never
+        races its generation); the seconds waited and the engine's idle seconds of the step."""
+        waited = self.one_step_off.wait() if self.one_step_off is not None else 0.0
+        return {"time/wait_batch": waited, "time/engine_idle": self.meter.take_idle()}
+
+    @contextlib.contextmanager
+    def checkpoint_state(self) -> Iterator[bytes]:
+        """What a checkpoint holds of the rollout side, pickled (samples and batches are dataclasses):
+        one_step_off's pre-generated batch; fully_async's buffer, the prompts in flight (resubmitted on
+        resume) and counters. No prompt is drawn while the block runs."""
+        mode = self.cfg.rollout.async_mode
+        if self.producer is not None:
+            with self.producer.held_state() as state:
+                yield pickle.dumps({"async_mode": mode, **state})
+        elif self.one_step_off is not None:
+            yield pickle.dumps({"async_mode": mode, **self.one_step_off.state_dict()})
+        else:
+            yield pickle.dumps({"async_mode": mode})
+
+    def load_state_dict(self, saved_state: bytes) -> None:
+        """Continue from `checkpoint_state`'s bytes. A checkpoint of another asynchronous mode is refused
+        (its pre-generated batch or buffer would be lost or misread); one of `sync` holds nothing."""
+        state: dict[str, Any] = pickle.loads(saved_state)  # our own checkpoint file
+        mode, saved = self.cfg.rollout.async_mode, state.get("async_mode", "sync")
+        if saved == "sync":
+            return
+        if saved != mode:
+            raise ValueError(
+                f"rollout.async_mode = {mode!r} but the checkpoint was saved with {saved!r}, whose rollout state "
+                f"(pre-generated batch or buffer) this mode cannot continue; resume with rollout.async_mode={saved}"
+            )
+        if self.producer is not None:
+            self.producer.load_state_dict(state)
+        elif self.one_step_off is not None:
+            self.one_step_off.load_state_dict(state)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy of the served policy, with `time/eval`."""
         began = time.perf_counter()
         data = self.data
-        scores = evaluate(self.engine, data.eval_prompts, data.tokenizer, data.scorer, self.cfg, step)
+        with self.meter.busy():
+            scores = evaluate(self.engine, data.eval_prompts, data.tokenizer, data.scorer, self.cfg, step)
         scores["time/eval"] = time.perf_counter() - began
         return scores
 
     def close(self) -> None:
-        """Stop the engine (the local engine's child process) or disconnect from the servers."""
-        self.engine.close()
+        """Stop the producer threads, then the engine (the local engine's child process) or disconnect."""
+        try:
+            if self.producer is not None:
+                self.producer.close()
+            if self.one_step_off is not None:
+                self.one_step_off.close()
+        finally:
+            self.engine.close()

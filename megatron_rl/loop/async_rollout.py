@@ -1,0 +1,383 @@
+"""Asynchronous rollouts on rank 0 (`rollout.async_mode`): weight versions, the one-step-off
+pre-generation, the fully asynchronous producer and its buffer, the engine's idle clock.
+
+Weight versions are the strings the trainer syncs with: str(step) after step `step`'s update; the
+engine's version before the first sync ("default" in SGLang and the local engine) is version 0.
+The trainer's version at the start of a step is the last synced one; a token's staleness is the
+trainer's version minus the version that generated it.
+
+- `one_step_off` (`OneStepOff`): while step t trains, one background thread collects batch t+1 with
+  the weights step t started from; step t's weight sync waits for it, so which weights generated
+  which sample never depends on timing (batches 1 and 2 both come from the start weights).
+- `fully_async` (`AsyncProducer`): a producer thread submits one group (a prompt's
+  `rollout.n_samples_per_prompt` trajectories) per free worker (max_concurrency / group size of
+  them) to the engine, as long as the groups trained, taken, buffered and in flight stay within
+  (version + max_staleness + 1) x train.prompts_per_step (AReaL's bound); finished groups go into a
+  FIFO buffer. The trainer takes its rounds of groups from the buffer, dropping (and resubmitting the
+  prompt of) every group holding a token more than `rollout.max_staleness` versions behind it. A group
+  with an aborted response (an engine error, or a weight sync with `rollout.partial_rollout=false`) is
+  resubmitted, up to `rollout.max_retries` times, then left out (`groups/aborted`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.config import Config
+from megatron_rl.data import Prompt
+from megatron_rl.rollout.types import Sample
+
+START_VERSIONS = ("default", "")  # what an engine reports before its first weight sync
+
+
+def version_number(version: str | None) -> int:
+    """The integer of a weight version string: str(step) -> step; None or the engine's start version -> 0."""
+    if version is None or version in START_VERSIONS:
+        return 0
+    try:
+        return int(version)
+    except ValueError:
+        raise ValueError(
+            f"weight version {version!r} is not a step number (the trainer syncs str(step)); was the engine "
+            "updated by another trainer?"
+        ) from None
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version of each output token: `sample.weight_versions` when the engine reported them,
+    else the sample's one `weight_version` for every token."""
+    per_token = sample.weight_versions
+    if per_token is None:
+        per_token = [sample.weight_version] * len(sample.output_ids)  # type: ignore[list-item]
+    if len(per_token) != len(sample.output_ids):
+        raise ValueError(
+            f"sample {sample.rid!r}: {len(per_token)} weight versions for {len(sample.output_ids)} output tokens"
+        )
+    return [version_number(v) for v in per_token]
+
+
+def trained_versions(sample: Sample) -> list[int]:
+    """The versions of the tokens the loss sees (a trajectory's observation tokens are not trained on)."""
+    versions = token_versions(sample)
+    mask = getattr(sample, "loss_mask", None)
+    if mask:
+        return [v for v, m in zip(versions, mask, strict=True) if m]
+    return versions
+
+
+def staleness_metrics(trainer_version: int, versions: Sequence[Sequence[int]]) -> dict[str, float]:
+    """The step's `async/` metrics of its trained tokens, `versions[i]` those of sample i: staleness
+    (trainer version minus token version) mean and max, partial rollouts (samples spanning more than
+    one version) and their share of the tokens, tokens per distinct version. All 0 without tokens."""
+    tokens = [v for vs in versions for v in vs]
+    if not tokens:
+        return {
+            "async/staleness_mean": 0.0,
+            "async/staleness_max": 0.0,
+            "async/partial_rollouts": 0.0,
+            "async/partial_token_share": 0.0,
+            "async/tokens_per_version": 0.0,
+        }
+    stale = [trainer_version - v for v in tokens]
+    partial = [len(vs) for vs in versions if len(set(vs)) > 1]
+    return {
+        "async/staleness_mean": sum(stale) / len(stale),
+        "async/staleness_max": float(max(stale)),
+        "async/partial_rollouts": float(len(partial)),
+        "async/partial_token_share": sum(partial) / len(tokens),
+        "async/tokens_per_version": len(tokens) / len(set(tokens)),
+    }
+
+
+def too_stale(trainer_version: int, samples: Sequence[Sample], max_staleness: int) -> bool:
+    """Whether any output token of `samples` is more than `max_staleness` versions behind the trainer."""
+    oldest = min((v for s in samples for v in token_versions(s)), default=trainer_version)
+    return trainer_version - oldest > max_staleness
+
+
+class BusyMeter:
+    """The engine's idle seconds: time during which no generation of this process was running."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._idle = 0.0
+        self._idle_since: float | None = time.perf_counter()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0 and self._idle_since is not None:
+                self._idle += time.perf_counter() - self._idle_since
+                self._idle_since = None
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle_since = time.perf_counter()
+
+    def take_idle(self) -> float:
+        """Idle seconds since the last call."""
+        with self._lock:
+            now = time.perf_counter()
+            idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
+            self._idle = 0.0
+            if self._idle_since is not None:
+                self._idle_since = now
+            return idle
+
+
+class OneStepOff:
+    """The batch of the next step, collected by one background thread while this step trains."""
+
+    def __init__(self, collect: Callable[[int], Any]) -> None:
+        self._collect = collect
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="one-step-off")
+        self._future: Future | None = None
+        self.ready: Any = None  # the next step's finished batch (a checkpoint holds it)
+        self.ready_step: int | None = None
+
+    def take(self, step: int) -> tuple[Any, float]:
+        """Step `step`'s batch (collected now when none was pre-generated) and the seconds waited for it."""
+        began = time.perf_counter()
+        self.wait()
+        if self.ready is not None and self.ready_step == step:
+            plan, self.ready, self.ready_step = self.ready, None, None
+        else:
+            plan = self._collect(step)
+        return plan, time.perf_counter() - began
+
+    def start(self, step: int) -> None:
+        """Begin collecting step `step`'s batch in the background."""
+        if self._future is not None:
+            raise RuntimeError("one_step_off: a background collection is still running")
+        self._future = self._pool.submit(self._collect, step)
+        self.ready_step = step
+
+    def wait(self) -> float:
+        """Wait for the background collection (before the weight sync); returns the seconds waited."""
+        began = time.perf_counter()
+        if self._future is not None:
+            future, self._future = self._future, None
+            self.ready = future.result()
+        return time.perf_counter() - began
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._future is not None:
+            raise RuntimeError("one_step_off: checkpoint taken while the next batch is being collected")
+        return {"ready": self.ready, "ready_step": self.ready_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ready, self.ready_step = state["ready"], state["ready_step"]
+
+    def close(self) -> None:
+        # not waiting: on an error the engine closes next, which ends a collection still running
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Job:
+    """One group to generate: `serial` numbers it (its sampling seeds), `attempt` its resubmissions."""
+
+    serial: int
+    prompt: Prompt
+    attempt: int = 0
+
+
+@dataclass
+class Finished:
+    job: Job
+    samples: list[Sample]
+
+
+class AsyncProducer:
+    """The fully asynchronous producer (see the module doc). `generate(job)` returns one group's
+    samples (it runs on a worker thread); `next_prompt()` draws from the sampler (under the lock)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        generate: Callable[[Job], list[Sample]],
+        next_prompt: Callable[[], Prompt],
+        meter: BusyMeter,
+    ) -> None:
+        ro = cfg.rollout
+        self.max_staleness = ro.max_staleness
+        self.batch_groups = cfg.train.prompts_per_step
+        self.max_attempts = ro.max_retries + 1
+        self.workers = max(1, ro.max_concurrency // ro.n_samples_per_prompt)
+        self._generate = generate
+        self._next_prompt = next_prompt
+        self._meter = meter
+        self.cond = threading.Condition()
+        self.version = 0
+        self.consumed = 0  # groups trained on (or used) in earlier steps
+        self.taken = 0  # groups of the step being collected that count towards the bound
+        self.serial = 0
+        self.buffer: deque[Finished] = deque()
+        self.retry: deque[Job] = deque()
+        self.in_flight: dict[int, Job] = {}
+        self.dropped_stale = 0  # samples, since the last `step_counts`
+        self.aborted_groups = 0
+        self.held = False
+        self.error: BaseException | None = None
+        self._stopping = False
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-producer")
+        self._thread: threading.Thread | None = None
+
+    # ---- the producer thread ----
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+            self._thread.start()
+
+    def allowance(self) -> int:
+        """Groups that may still be submitted under the staleness bound (caller holds the lock)."""
+        live = self.consumed + self.taken + len(self.buffer) + len(self.in_flight)
+        return (self.version + self.max_staleness + 1) * self.batch_groups - live
+
+    def _can_submit(self) -> bool:
+        return (
+            not self.held
+            and self.error is None
+            and len(self.in_flight) < self.workers
+            and (self.allowance() > 0 or bool(self.retry))
+        )
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stopping and not self._can_submit():
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                try:
+                    # a resubmission takes the place its group already had under the bound
+                    job = self.retry.popleft() if self.retry else Job(self._new_serial(), self._next_prompt())
+                except BaseException as err:  # the sampler failed: the trainer raises it
+                    self.error = err
+                    self.cond.notify_all()
+                    return
+                self.in_flight[job.serial] = job
+            self._pool.submit(self._work, job)
+
+    def _new_serial(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def _work(self, job: Job) -> None:
+        try:
+            with self._meter.busy():
+                samples = self._generate(job)
+        except BaseException as err:
+            with self.cond:
+                self.in_flight.pop(job.serial, None)
+                if not self._stopping:
+                    self.error = err
+                self.cond.notify_all()
+            return
+        with self.cond:
+            if self.in_flight.pop(job.serial, None) is None:
+                return  # checkpoint restore or shutdown replaced it
+            if any(s.aborted for s in samples):
+                if job.attempt + 1 < self.max_attempts:
+                    self.retry.append(Job(job.serial, job.prompt, job.attempt + 1))
+                else:
+                    self.aborted_groups += 1
+            else:
+                self.buffer.append(Finished(job, samples))
+            self.cond.notify_all()
+
+    # ---- the trainer's side (rank 0's main thread) ----
+    def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Sample]]]:
+        """The next `n` finished groups fresh enough to train on, waiting for them; a stale one is dropped
+        (its samples counted) and its prompt resubmitted. `counted`: the groups already taken this step
+        that still count towards the bound (the informative ones kept so far)."""
+        self.start()
+        prompts: list[Prompt] = []
+        grouped: list[list[Sample]] = []
+        with self.cond:
+            self.taken = counted
+            self.cond.notify_all()
+            while len(grouped) < n:
+                while not self.buffer and self.error is None:
+                    self.cond.wait()
+                if self.error is not None:
+                    raise RuntimeError(f"rollout producer: {self.error}") from self.error
+                done = self.buffer.popleft()
+                if too_stale(self.version, done.samples, self.max_staleness):
+                    self.dropped_stale += len(done.samples)
+                    self.retry.appendleft(Job(done.job.serial, done.job.prompt, done.job.attempt + 1))
+                else:
+                    prompts.append(done.job.prompt)
+                    grouped.append(done.samples)
+                    self.taken += 1
+                self.cond.notify_all()
+        return prompts, grouped
+
+    def settle(self, used: int) -> dict[str, float]:
+        """The step's batch holds `used` groups: they count as consumed; the step's producer counts."""
+        with self.cond:
+            self.consumed += used
+            self.taken = 0
+            out = {
+                "async/dropped_stale": float(self.dropped_stale),
+                "async/buffer_groups": float(len(self.buffer)),
+                "async/aborted_groups_left_out": float(self.aborted_groups),
+            }
+            self.dropped_stale = self.aborted_groups = 0
+            self.cond.notify_all()
+        return out
+
+    def synced(self, version: int) -> None:
+        with self.cond:
+            self.version = version
+            self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def held_state(self) -> Iterator[dict[str, Any]]:
+        """The producer's state for a checkpoint; no prompt is drawn while the block runs (the sampler's
+        position saved with it stays consistent). In-flight groups are saved as prompts to resubmit."""
+        with self.cond:
+            self.held = True
+            state = {
+                "version": self.version,
+                "consumed": self.consumed,
+                "serial": self.serial,
+                "buffer": [(d.job, d.samples) for d in self.buffer],
+                "pending": [*self.in_flight.values(), *self.retry],
+            }
+        try:
+            yield state
+        finally:
+            with self.cond:
+                self.held = False
+                self.cond.notify_all()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.cond:
+            if self._thread is not None:
+                raise RuntimeError("AsyncProducer.load_state_dict: the producer already runs")
+            self.version = state["version"]
+            self.consumed = state["consumed"]
+            self.serial = state["serial"]
+            self.buffer = deque(Finished(job, samples) for job, samples in state["buffer"])
+            self.retry = deque(sorted(state["pending"], key=lambda j: j.serial))
+
+    def close(self) -> None:
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)
