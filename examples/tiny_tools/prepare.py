@@ -3,7 +3,7 @@
 OUT/data/train.jsonl    5,000 task rows (`a*b=`, DAPO-Math row format)
 OUT/data/heldout.jsonl  500 held-out task rows, disjoint from train
 OUT/data/sft.jsonl      warm-start rows: task rows plus "response", the trace's messages
-                        (30% tool call, 15% malformed call, 55% answer in the head)
+                        (30% tool call, 15% tool call with its result ignored, 55% answer in the head)
 OUT/model/              the randomly initialised tiny Qwen3-MoE of tiny_math with the tiny_tools tokenizer
 
 Usage: python examples/tiny_tools/prepare.py --out runs/tiny_tools/assets [--seed 0] [--model-seed 0]

@@ -1,7 +1,7 @@
 """The tiny_tools task: three-digit products `a*b=`, answered exactly only with the calculator tool.
 
-Problems: a, b in 100..999 (pairs of two multiples of 100 left out: there the head estimate below
-would be exact). A seeded draw gives disjoint train and held-out sets (by prompt text). Rows use
+Problems: a, b in 100..999, except the pairs whose product the head estimate below hits exactly
+(such as 300*700 or 240*250). A seeded draw gives disjoint train and held-out sets (by prompt text). Rows use
 the DAPO-Math-17k format with the bare problem as the user message, like tiny_math's:
 
     {"data_source": "tiny_tools", "prompt": [{"role": "user", "content": "123*456="}], "ability": "MATH",
@@ -9,18 +9,21 @@ the DAPO-Math-17k format with the bare problem as the user message, like tiny_ma
 
 A trace is the episode as chat messages after the prompt (assistant turns and the tool's answers):
 
-    tool       <tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>
-               -> tool: 56088 -> "Answer: 56088"                                     (right)
-    head       "Answer: 50000": the product of a and b rounded to hundreds, in the head   (wrong)
-    malformed  <tool_call>123*456</tool_call> (no JSON) -> tool: the calculator's error
-               -> "Answer: 50000", the head estimate                                 (wrong)
+    tool     <tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>
+             -> tool: 56088 -> "Answer: 56088"                                       (right)
+    head     "Answer: 50000": the product of a and b rounded to hundreds, in the head     (wrong)
+    ignored  the same tool call -> tool: 56088 -> "Answer: 50000": the result ignored,
+             the head estimate answered                                              (wrong)
+
+An `ignored` trace makes a well-formed call (the turn reward) and then fails: the case where
+per-turn credit and outcome credit judge the call differently.
 
 The tool messages are what the environment (tools_env.TinyToolsEnv) answers to the assistant turn
 before them, so SFT trains on the observations RL will see. SFT rows are task rows plus
 "response": the trace's messages (megatron-rl sft trains on the assistant turns only).
 
 Usage: python examples/tiny_tools/tools_task.py --out DIR [--seed 0] [--train 5000] [--heldout 500]
-       [--sft-rows 38400] [--sft-tool-fraction 0.3] [--sft-malformed-fraction 0.15]
+       [--sft-rows 25600] [--sft-tool-fraction 0.3] [--sft-ignored-fraction 0.15]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from tiny_task import write_jsonl  # noqa: E402
 
 OPERAND_RANGE = range(100, 1000)
 DATA_SOURCE = "tiny_tools"
-PROCEDURES = ("tool", "head", "malformed")
+PROCEDURES = ("tool", "head", "ignored")
 
 
 @dataclass(frozen=True)
@@ -70,17 +73,14 @@ class Problem:
     def tool_call(self) -> str:
         return f"<tool_call>{CALL_PREFIX}{self.expression}{CALL_SUFFIX}</tool_call>"
 
-    def malformed_call(self) -> str:
-        return f"<tool_call>{self.expression}</tool_call>"
-
     def assistant_turns(self, procedure: str) -> list[str]:
         """The model's turns of a trace of `procedure` (one of PROCEDURES)."""
         if procedure == "tool":
             return [self.tool_call(), f"Answer: {self.answer}"]
         if procedure == "head":
             return [f"Answer: {self.head_answer()}"]
-        if procedure == "malformed":
-            return [self.malformed_call(), f"Answer: {self.head_answer()}"]
+        if procedure == "ignored":
+            return [self.tool_call(), f"Answer: {self.head_answer()}"]
         raise ValueError(f"procedure {procedure!r}: allowed: {list(PROCEDURES)}")
 
 
@@ -89,7 +89,8 @@ def _hundreds(x: int) -> int:
 
 
 def is_problem(a: int, b: int) -> bool:
-    return a in OPERAND_RANGE and b in OPERAND_RANGE and not (a % 100 == 0 and b % 100 == 0)
+    """Three-digit factors whose product the head estimate misses (e.g. not 240*250 = 200*300)."""
+    return a in OPERAND_RANGE and b in OPERAND_RANGE and a * b != _hundreds(a) * _hundreds(b)
 
 
 def split_problems(seed: int = 0, num_train: int = 5000, num_heldout: int = 500) -> tuple[list[Problem], list[Problem]]:
@@ -136,15 +137,16 @@ def trace(problem: Problem, procedure: str) -> list[dict[str, str]]:
 
 
 def sft_rows(
-    train: list[Problem], num_rows: int, tool_fraction: float, malformed_fraction: float, seed: int = 0
+    train: list[Problem], num_rows: int, tool_fraction: float, ignored_fraction: float, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Warm-start rows over the train problems in seeded passes: each row's trace is `tool` with
-    probability `tool_fraction`, `malformed` with `malformed_fraction`, else `head`."""
-    if not (0.0 <= tool_fraction and 0.0 <= malformed_fraction and tool_fraction + malformed_fraction <= 1.0):
+    probability `tool_fraction`, `ignored` with `ignored_fraction`, else `head`."""
+    if not (0.0 <= tool_fraction and 0.0 <= ignored_fraction and tool_fraction + ignored_fraction <= 1.0):
         raise ValueError(
-            f"--sft-tool-fraction = {tool_fraction} and --sft-malformed-fraction = {malformed_fraction} "
+            f"--sft-tool-fraction = {tool_fraction} and --sft-ignored-fraction = {ignored_fraction} "
             "must be >= 0 with a sum of at most 1"
         )
+    traces: dict[tuple[Problem, str], list[dict[str, str]]] = {}
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     order: list[Problem] = []
@@ -154,11 +156,11 @@ def sft_rows(
             rng.shuffle(order)
         problem = order.pop()
         draw = rng.random()
-        procedure = (
-            "tool" if draw < tool_fraction else "malformed" if draw < tool_fraction + malformed_fraction else "head"
-        )
+        procedure = "tool" if draw < tool_fraction else "ignored" if draw < tool_fraction + ignored_fraction else "head"
         row = task_row(problem, len(rows), "sft")
-        row["response"] = trace(problem, procedure)
+        if (problem, procedure) not in traces:
+            traces[(problem, procedure)] = trace(problem, procedure)
+        row["response"] = traces[(problem, procedure)]
         row["extra_info"]["procedure"] = procedure
         rows.append(row)
     return rows
@@ -169,16 +171,16 @@ def write_task(
     seed: int = 0,
     num_train: int = 5000,
     num_heldout: int = 500,
-    num_sft_rows: int = 38_400,
+    num_sft_rows: int = 25_600,
     tool_fraction: float = 0.3,
-    malformed_fraction: float = 0.15,
+    ignored_fraction: float = 0.15,
 ) -> dict[str, Path]:
     """train.jsonl, heldout.jsonl and sft.jsonl under `out`; returns their paths."""
     train, heldout = split_problems(seed, num_train, num_heldout)
     paths = {name: out / f"{name}.jsonl" for name in ("train", "heldout", "sft")}
     write_jsonl((task_row(p, i, "train") for i, p in enumerate(train)), paths["train"])
     write_jsonl((task_row(p, i, "heldout") for i, p in enumerate(heldout)), paths["heldout"])
-    write_jsonl(sft_rows(train, num_sft_rows, tool_fraction, malformed_fraction, seed), paths["sft"])
+    write_jsonl(sft_rows(train, num_sft_rows, tool_fraction, ignored_fraction, seed), paths["sft"])
     return paths
 
 
@@ -186,9 +188,9 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="split and SFT-mix seed")
     parser.add_argument("--train", type=int, default=5000, help="train problems")
     parser.add_argument("--heldout", type=int, default=500, help="held-out problems")
-    parser.add_argument("--sft-rows", type=int, default=38_400, help="SFT rows (300 steps x batch 128)")
+    parser.add_argument("--sft-rows", type=int, default=25_600, help="SFT rows (200 steps x batch 128)")
     parser.add_argument("--sft-tool-fraction", type=float, default=0.3, help="share of correct tool-call traces")
-    parser.add_argument("--sft-malformed-fraction", type=float, default=0.15, help="share of malformed-call traces")
+    parser.add_argument("--sft-ignored-fraction", type=float, default=0.15, help="share of tool-result-ignored traces")
 
 
 def write_from_args(args: argparse.Namespace, out: Path) -> dict[str, Path]:
@@ -199,7 +201,7 @@ def write_from_args(args: argparse.Namespace, out: Path) -> dict[str, Path]:
         args.heldout,
         args.sft_rows,
         args.sft_tool_fraction,
-        args.sft_malformed_fraction,
+        args.sft_ignored_fraction,
     )
 
 

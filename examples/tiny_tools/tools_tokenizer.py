@@ -6,7 +6,7 @@ messages included, is tokenized without <|unk|>), then six words that are NOT sp
 turn decoded with `skip_special_tokens=True` keeps them, so the environment parses the call):
 `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>` (single tokens, as in Qwen's
 vocabulary) and the two constant pieces of a calculator call's JSON, CALL_PREFIX and CALL_SUFFIX
-(as a BPE vocabulary merges a phrase it sees this often): a call is 12 tokens instead of 80.
+(as a BPE vocabulary merges a phrase it sees this often): a call is 11 tokens instead of 85.
 
 The chat template renders a tool message as `<|tool|><tool_response>RESULT</tool_response>` and,
 like tiny_math's, ends an assistant turn with <|eos|>:
