@@ -284,3 +284,42 @@ def test_configs_load_with_the_intended_algorithm(monkeypatch: pytest.MonkeyPatc
     )
     with pytest.raises(ConfigError, match="gspo_token"):  # GSPO cannot take per-turn credit
         load_config(EXAMPLE / "rl.yaml", ["algorithm.name=gspo"])
+
+
+class ToolUser:
+    """An engine whose policy calls the calculator on the prompts of `callers` and copies the tool's
+    result into its answer; on the other prompts it answers the head estimate at once."""
+
+    def __init__(self, tokenizer, callers: set[str]) -> None:
+        self.tokenizer, self.callers = tokenizer, callers
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        out = []
+        for ids in prompts:
+            seen = self.tokenizer.decode(ids, skip_special_tokens=True)
+            problem = Problem(*(int(x) for x in seen.split("=")[0].split("*")))
+            if "</tool_response>" in seen:
+                text = "Answer: " + seen.split("<tool_response>")[-1].split("</tool_response>")[0]
+            elif problem.prompt in self.callers:
+                text = problem.tool_call()
+            else:
+                text = f"Answer: {problem.head_answer()}"
+            gen = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+            out.append(Sample(list(ids), gen, [-0.1] * len(gen), "stop"))
+        return out
+
+
+def test_warm_start_pass_at_n_and_greedy_accuracy_run_episodes(tmp_path: Path, tokenizer, monkeypatch) -> None:
+    from megatron_rl.rewards import RewardScorer
+    from megatron_rl.sft.evaluate import warm_start_scores
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    _, heldout = tools_task.split_problems(seed=0, num_train=10, num_heldout=20)
+    path = tmp_path / "heldout.jsonl"
+    tools_task.write_jsonl((tools_task.task_row(p, i, "heldout") for i, p in enumerate(heldout)), path)
+    cfg = load_config(EXAMPLE / "sft.yaml")
+    prompts = load_prompt_dataset(path, tokenizer, cfg.data)
+    callers = {p.prompt for p in heldout[:7]}
+    scores = warm_start_scores(ToolUser(tokenizer, callers), prompts, tokenizer, RewardScorer(cfg.reward), cfg, step=0)
+    # only an episode (the call, the tool's answer, the copied result) answers right: 7 of 20 prompts
+    assert scores["eval/greedy_accuracy"] == scores["eval/pass@8"] == scores["eval/sampled_accuracy"] == 7 / 20
