@@ -222,7 +222,11 @@ class DataConfig:
     tokenizer_path: str | None = _f(None, "tokenizer folder; null = model.hf_path")
     prompt_key: str = _f("prompt", "row key of the prompt (a string or chat messages); dots for nesting")
     answer_key: str = _f("reward_model.ground_truth", "row key of the reference answer; dots for nesting")
-    response_key: str = _f("response", "row key of the target response (megatron-rl sft); dots for nesting")
+    response_key: str = _f(
+        "response",
+        "row key of the target response (megatron-rl sft): text, or a multi-turn trace as a list of chat "
+        "messages (assistant turns trained on, the others out of the loss); dots for nesting",
+    )
     apply_chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template when it has one")
     max_prompt_tokens: int = _f(1024, "longer prompts are skipped and counted", ge=1)
     shuffle: bool = _f(True, "shuffle prompts every epoch")

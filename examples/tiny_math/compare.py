@@ -28,11 +28,21 @@ OBJECTIVE_OVERRIDES: dict[str, list[str]] = {name: [] for name in OBJECTIVES}
 GAIN = 0.40  # the accuracy gain (absolute) each objective must reach
 
 
-def train_command(name: str, run_dir: Path, overrides: list[str], nproc: int) -> list[str]:
-    """The torchrun command of one objective's RL run."""
+def train_command(
+    name: str,
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    config: Path = HERE / "rl.yaml",
+    settings: list[str] | None = None,
+) -> list[str]:
+    """The torchrun command of one run: `config` with the run's `settings` (default: objective
+    `name` and its `OBJECTIVE_OVERRIDES`), then `overrides`."""
+    if settings is None:
+        settings = [f"algorithm.name={name}", *OBJECTIVE_OVERRIDES[name]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += ["-m", "megatron_rl.cli", "train", str(HERE / "rl.yaml"), f"algorithm.name={name}"]
-    return cmd + [f"logging.run_dir={run_dir}", *OBJECTIVE_OVERRIDES[name], *overrides]
+    cmd += ["-m", "megatron_rl.cli", "train", str(config), *settings]
+    return cmd + [f"logging.run_dir={run_dir}", *overrides]
 
 
 def accuracy_curve(records: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

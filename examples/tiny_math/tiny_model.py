@@ -63,12 +63,13 @@ MEGATRON_MODEL: dict[str, Any] = dict(
 )
 
 
-def build_model(out: Path, seed: int = 0) -> Any:
-    """Write the model (safetensors, config, generation config) and its tokenizer to `out`; returns the model."""
+def build_model(out: Path, seed: int = 0, tokenizer: Any = None) -> Any:
+    """Write the model (safetensors, config, generation config) and its tokenizer (tiny_math's by
+    default) to `out`; returns the model. The vocabulary size is the tokenizer's."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     arch = dict(ARCHITECTURE)
     rope_theta = arch.pop("rope_theta")
     config = Qwen3MoeConfig(

@@ -31,17 +31,26 @@ CHAT_TEMPLATE = (
 MAX_LENGTH = 256
 
 
-def vocabulary() -> dict[str, int]:
-    tokens = [*SPECIAL_TOKENS, *dict.fromkeys(CHARACTERS)]
+def vocabulary(characters: str = CHARACTERS, role_tokens: tuple[str, ...] = ROLE_TOKENS) -> dict[str, int]:
+    tokens = [PAD, EOS, UNK, *role_tokens, *dict.fromkeys(characters)]
     return {token: i for i, token in enumerate(tokens)}
 
 
-def build_tokenizer(out: Path | None = None) -> Any:
-    """The tokenizer (a transformers fast tokenizer); saved to `out` when given."""
+def build_tokenizer(
+    out: Path | None = None,
+    *,
+    characters: str = CHARACTERS,
+    role_tokens: tuple[str, ...] = ROLE_TOKENS,
+    words: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
+    """The tokenizer (a transformers fast tokenizer); saved to `out` when given. The defaults are
+    tiny_math's; other examples pass their own characters, role tokens, chat template and `words`
+    (multi-character tokens that are not special: kept by `decode(skip_special_tokens=True)`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocabulary(), unk_token=UNK))
+    core = Tokenizer(models.WordLevel(vocabulary(characters, role_tokens), unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
     core.decoder = decoders.Fuse()  # join the characters back without spaces
     tokenizer = PreTrainedTokenizerFast(
@@ -49,17 +58,20 @@ def build_tokenizer(out: Path | None = None) -> Any:
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=list(role_tokens),
         model_max_length=MAX_LENGTH,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if words:
+        tokenizer.add_tokens(list(words))
+    tokenizer.chat_template = chat_template
     if out is not None:
         save_tokenizer(tokenizer, out)
     return tokenizer
 
 
 def save_tokenizer(tokenizer: Any, out: Path) -> None:
-    """save_pretrained, then a tokenizer_config.json that transformers 4.x and 5.x both read."""
+    """save_pretrained, then a tokenizer_config.json that transformers 4.x and 5.x both read (the
+    role tokens and chat template are the tokenizer's own)."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     config_path = out / "tokenizer_config.json"
@@ -68,8 +80,8 @@ def save_tokenizer(tokenizer: Any, out: Path) -> None:
     config.pop("extra_special_tokens", None)
     config.update(
         tokenizer_class="PreTrainedTokenizerFast",
-        additional_special_tokens=list(ROLE_TOKENS),
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(tokenizer.extra_special_tokens),
+        chat_template=tokenizer.chat_template,
         model_max_length=MAX_LENGTH,
     )
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

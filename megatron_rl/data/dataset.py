@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -128,10 +129,14 @@ class _Pending:
     answer: str
 
 
-def load_prompt_dataset(path: str | Path, tokenizer: Any, cfg: DataConfig, max_reported: int = 20) -> PromptDataset:
+def load_prompt_dataset(
+    path: str | Path, tokenizer: Any, cfg: DataConfig, max_reported: int = 20, *, answer_messages: bool = False
+) -> PromptDataset:
     """Prompts of a .jsonl/.parquet file, using cfg.prompt_key, answer_key, apply_chat_template and
     max_prompt_tokens. The first `max_reported` skipped rows are logged with their file and line
-    (parquet: row index); a file without one usable row raises DataError with the counts."""
+    (parquet: row index); a file without one usable row raises DataError with the counts.
+    `answer_messages`: an answer may also be a list of chat messages (an SFT trace; `Prompt.answer`
+    is then its JSON text and `Prompt.raw` holds the list)."""
     report = LoadReport(str(path))
     use_template = uses_chat_template(tokenizer, cfg.apply_chat_template)
     render = PromptRenderer(tokenizer, use_template)
@@ -139,7 +144,7 @@ def load_prompt_dataset(path: str | Path, tokenizer: Any, cfg: DataConfig, max_r
     for raw_row in iter_rows(path):
         report.rows += 1
         try:
-            text, answer = _check_row(raw_row.value, raw_row.error, render, cfg)
+            text, answer = _check_row(raw_row.value, raw_row.error, render, cfg, answer_messages)
         except _Skip as skip:
             report.skipped.append(SkippedRow(raw_row.location, skip.reason, skip.detail))
             continue
@@ -173,7 +178,9 @@ class _Skip(Exception):
         self.detail = detail
 
 
-def _check_row(value: Any, error: str | None, render: PromptRenderer, cfg: DataConfig) -> tuple[str, str]:
+def _check_row(
+    value: Any, error: str | None, render: PromptRenderer, cfg: DataConfig, answer_messages: bool = False
+) -> tuple[str, str]:
     """(prompt text, answer) of a row; raises _Skip with the reason when the row is unusable."""
     if error is not None:
         raise _Skip("invalid_json", error)
@@ -185,6 +192,8 @@ def _check_row(value: Any, error: str | None, render: PromptRenderer, cfg: DataC
     answer = get_field(value, cfg.answer_key)
     if answer is MISSING:
         raise _Skip("missing_key", f"no answer under {cfg.answer_key!r} (data.answer_key)")
+    if answer_messages and isinstance(answer, list):
+        answer = _messages_text(answer, cfg.answer_key)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise _Skip(
             "bad_type", f"the answer under {cfg.answer_key!r} is a {type(answer).__name__}, not text or a number"
@@ -197,6 +206,25 @@ def _check_row(value: Any, error: str | None, render: PromptRenderer, cfg: DataC
     except PromptFormatError as err:
         raise _Skip(err.reason, f"{cfg.prompt_key!r}: {err}") from err
     return text, answer
+
+
+def _messages_text(messages: list[Any], key: str) -> str:
+    """The JSON text of a list of chat messages (each {"role": str, "content": str}); _Skip otherwise."""
+    if not messages:
+        raise _Skip("empty_answer", f"the messages under {key!r} are an empty list")
+    for k, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise _Skip("bad_type", f'{key!r}[{k}] is not a message {{"role": str, "content": str}}: {message!r:.80}')
+    if messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
+        roles = [m["role"] for m in messages]
+        raise _Skip(
+            "bad_type", f"the messages under {key!r} must start and end with an assistant turn, got roles {roles}"
+        )
+    return json.dumps(messages, ensure_ascii=False)
 
 
 class _Tokenizer:

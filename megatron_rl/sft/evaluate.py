@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
+from megatron_rl.envs import TurnRenderer, environment_factory, run_episodes
 from megatron_rl.loop.collect import evaluate, sampling_seed
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import SamplingParams
@@ -21,15 +22,18 @@ def pass_at_n(
     engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, n: int, step: int
 ) -> dict[str, float]:
     """`eval/pass@n`: the share of prompts with at least one correct answer among n samples at
-    `rollout.temperature` (seeded per request from `train.seed` and `step`); `eval/sampled_accuracy`:
-    the share of correct samples."""
+    `rollout.temperature` (seeded per request from `train.seed` and `step`), each sample one episode
+    of the environment (`env.*`); `eval/sampled_accuracy`: the share of correct samples."""
     if not prompts or n < 1:
         raise ValueError(f"pass_at_n: needs prompts and n >= 1 (got {len(prompts)} prompts, n = {n})")
-    params = [
-        SamplingParams.from_config(cfg.rollout, sampling_seed=sampling_seed(cfg.train.seed, step, "pass@n", i))
-        for i in range(len(prompts) * n)
-    ]
-    samples = engine.generate([list(p.input_ids) for p in prompts for _ in range(n)], params)
+
+    def params(turn: int, i: int) -> SamplingParams:
+        key = "pass@n" if turn == 0 else f"pass@n.{turn}"
+        return SamplingParams.from_config(cfg.rollout, sampling_seed=sampling_seed(cfg.train.seed, step, key, i))
+
+    rows = [p for p in prompts for _ in range(n)]
+    make_env = environment_factory(cfg.env)
+    samples = run_episodes(engine, [make_env() for _ in rows], rows, params, TurnRenderer(tokenizer), cfg.env)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     correct = scorer.score_prompts(texts, [p for p in prompts for _ in range(n)]).correct
     hits = sum(any(correct[i * n : (i + 1) * n]) for i in range(len(prompts)))
