@@ -192,6 +192,8 @@ class Trainer:
         on_rank0_with(data, start_driver)
         rank0 = drivers[0] if drivers else None
         weight_sync = make_weight_sync(cfg, rank0.engine if rank0 is not None else None, actor)
+        if rank0 is not None:  # a local engine restarted after its death gets the current weights
+            rank0.engine.resync = weight_sync.resync_restarted_engine
 
         def close_weight_sync() -> None:
             with contextlib.suppress(Exception):  # the engine and the actor are closed after it in any case

@@ -80,6 +80,7 @@ class RolloutDriver:
         """The step's batch and its rollout metrics (with the data counts)."""
         plan = self.collector.collect(step)
         plan.metrics.update(self.data.metrics)
+        plan.metrics["rollout/engine_restarts"] = float(self.engine.restarts)  # so far in this process
         return plan
 
     def evaluate(self, step: int) -> dict[str, float]:
