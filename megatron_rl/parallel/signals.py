@@ -4,7 +4,8 @@
   `#SBATCH --signal=B:USR1@<grace>` makes the sbatch scripts send before the time limit) ask the
   loop to stop: the step in progress finishes, a checkpoint of it is saved, and the process exits
   (exit code 0 after SIGUSR1, a planned stop; 143 = 128 + SIGTERM after SIGTERM, as for any
-  terminated process). A second SIGTERM or SIGUSR1 before that stops at once.
+  terminated process). The same signal a second time stops at once; the other one is taken as the
+  same request (under Slurm a task can get SIGTERM from Slurm and SIGUSR1 from the batch script).
 - SIGHUP raises `Terminated` at once, as Ctrl-C (SIGINT) raises KeyboardInterrupt: nothing is saved,
   the stage's `ExitStack` stops the engine.
 
@@ -24,7 +25,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Terminated(SystemExit):
-    """SIGHUP, or a second stop signal: unwinds like Ctrl-C so that the engine child is stopped."""
+    """SIGHUP, or the same stop signal twice: unwinds like Ctrl-C so that the engine child is stopped."""
 
 
 class StoppedBySignal(SystemExit):
@@ -43,8 +44,10 @@ class StopRequest:
         self.signum = 0
 
     def handle(self, signum: int, frame: Any) -> None:
-        if self.signum:
+        if self.signum == signum:
             raise Terminated(128 + signum)
+        if self.signum:
+            return
         self.signum = signum
         name = signal.Signals(signum).name
         print(

@@ -262,7 +262,10 @@ class SGLangClient:
                 delay = self.backoff_s * 2**attempt
                 log.warning("%s to %s failed (%s); try %d of %d in %.1f s", label, url, last, attempt + 2, tries, delay)
                 await asyncio.sleep(delay)
-        gone = f"; no other rollout server remains (dropped as unreachable: {self.dropped})" if self.dropped else ""
+        gone = ""
+        if status is None and server is None and set(self.urls) <= failed:  # every server of the pool refused
+            dropped = f"; dropped before as unreachable: {', '.join(self.dropped)}" if self.dropped else ""
+            gone = f"; no rollout server is reachable (none of {', '.join(self.urls)} answered{dropped})"
         raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}{gone}", server=url)
 
     def _connection_failed(self, url: str, error: str) -> None:
