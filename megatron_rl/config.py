@@ -110,9 +110,9 @@ class RolloutConfig:
     )
     max_logprob_gap: float | None = _f(
         0.05,
-        "stop the run when the mean |engine - trainer| log-prob of a step's recomputed old log-probs "
-        "(logprob_gap/abs_mean, right after a sync) exceeds this: the engine serves other weights. Normal: "
-        "<= 2e-7 fp32 CPU, ~1e-3 to 2e-2 bf16 GPU; null = off",
+        "stop the run before its update when the mean absolute difference of the engine's and the trainer's "
+        "log-probs (logprob_gap/abs_mean of the recompute right after a sync) exceeds this: the engine serves "
+        "other weights (fp32 CPU runs measure <= 2e-7); null = off",
         gt=0,
     )
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 CHECKPOINT_EVERY = 10  # the trainer's checkpoint cadence in a job, unless the config sets checkpoint.every
 
 
