@@ -23,12 +23,14 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from test_slurm import big, plan
 from test_trainer import (
     _tree,
     command,
@@ -52,7 +54,9 @@ from megatron_rl.rollout.types import SamplingParams
 
 import tiny_model
 
-__all__ = ["work"]  # the module-scoped fixture of tests/test_trainer.py: its model, data and config
+# module-scoped fixtures: tests/test_trainer.py's model, data and config; tests/test_slurm.py's 30B plan config
+__all__ = ["big", "work"]
+ROOT = Path(__file__).resolve().parents[1]
 
 ENGINE_ARGS = {"extra_args": ["--threads", "1"], "env": {"OMP_NUM_THREADS": "1"}}
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8], [10, 11, 12, 13, 14], [2, 2, 2]]
@@ -80,6 +84,51 @@ def test_stop_signals_are_recorded_and_the_same_one_twice_stops_at_once() -> Non
             os.kill(os.getpid(), signal.SIGHUP)
     assert signal.getsignal(signal.SIGTERM) == before  # restored after the block
     assert (exit_code(signal.SIGUSR1), exit_code(signal.SIGTERM)) == (0, 143)
+
+
+# ---- Slurm ----
+
+
+def test_slurm_jobs_checkpoint_every_10_steps_unless_the_config_says(big: Path) -> None:
+    assert "checkpoint.every=10" in plan(big, "disaggregated").trainer_overrides
+    assert "checkpoint.every=10" in plan(big, "colocated", nodes=1).trainer_overrides
+    explicit = plan(big, "disaggregated", "checkpoint.every=0").trainer_overrides
+    assert not [o for o in explicit if o.startswith("checkpoint.every")]  # the user's 0 is kept
+    for script in ("train.sbatch", "train_colocated.sbatch"):
+        assert "#SBATCH --signal=B:USR1@300\n" in (ROOT / "slurm" / script).read_text()
+
+
+TRAINER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+    out.joinpath("signal").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, stop)
+out.joinpath("ready").write_text("")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(("sig", "code"), [("USR1", 0), ("TERM", 143)])
+def test_the_batch_shell_lets_the_trainer_checkpoint_before_it_stops_the_steps(
+    tmp_path: Path, sig: str, code: int
+) -> None:
+    """slurm/lib.sh's traps, with a stand-in trainer step (no Slurm here: its process group is signalled)."""
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    job = f"""
+source {ROOT}/slurm/lib.sh
+start_step trainer {sys.executable} {tmp_path}/trainer.py {tmp_path}
+TRAINER_PID=${{BG_PIDS[-1]}}
+install_traps
+until [[ -e {tmp_path}/ready ]]; do sleep 0.1; done
+kill -{sig} $$
+sleep 60
+"""
+    done = subprocess.run(["bash", "-c", job], capture_output=True, text=True, timeout=90)
+    assert done.returncode == code, done.stdout + done.stderr
+    assert (tmp_path / "signal").read_text() == "SIGUSR1"  # the trainer's tasks got SIGUSR1 and stopped at their step
+    assert "asking the trainer to checkpoint after its current step" in done.stdout
 
 
 # ---- the pool and the local engine child ----
@@ -227,7 +276,8 @@ def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -
     k = steps_logged(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{k:06d}" / "loop_state.pt").is_file()
     assert "received SIGTERM: stopping after the current step" in text
-    assert "Task was destroyed" not in text and "Traceback" not in text, text[-3000:]
+    after = text.split("received SIGTERM")[1]  # (the custom reward's failure traceback comes before)
+    assert "Task was destroyed" not in text and "Traceback" not in after and "Error" not in after, after
     deadline = time.monotonic() + 30
     while leftovers(work) and time.monotonic() < deadline:
         time.sleep(0.5)
