@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_sft import EXAMPLE, assets
 from test_slurm import big, plan
 from test_trainer import (
     _tree,
@@ -55,7 +56,7 @@ from megatron_rl.rollout.types import SamplingParams
 import tiny_model
 
 # module-scoped fixtures: tests/test_trainer.py's model, data and config; tests/test_slurm.py's 30B plan config
-__all__ = ["big", "work"]
+__all__ = ["assets", "big", "work"]  # and tests/test_sft.py's SFT data
 ROOT = Path(__file__).resolve().parents[1]
 
 ENGINE_ARGS = {"extra_args": ["--threads", "1"], "env": {"OMP_NUM_THREADS": "1"}}
@@ -322,3 +323,33 @@ def test_an_engine_serving_other_weights_stops_the_run_before_training(
     assert process.returncode != 0, text[-3000:]
     assert "above rollout.max_logprob_gap = 0.05" in text and f"the SGLang server(s) {engine.url}" in text, text[-3000:]
     assert steps_logged(run_dir) == []  # nothing trained on its rollouts
+
+
+def test_sft_stops_on_sigterm_with_a_checkpoint(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "sft"
+    log = tmp_path / "sft.log"
+    overrides = [
+        f"model.hf_path={assets / 'model'}",
+        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
+        "data.eval_path=null",
+        "parallel.expert_model_parallel_size=1",
+        f"logging.run_dir={run_dir}",
+        "train.steps=200",
+        "train.prompts_per_step=8",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    process = start([sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides], log)
+    wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"sft did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert process.returncode == 143, text[-3000:]
+    k = steps_logged(run_dir)[-1]["step"]
+    assert k < 200 and f"sft: SIGTERM: stopped after step {k}" in text
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{k:06d}"]
