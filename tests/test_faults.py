@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 from test_sft import EXAMPLE, assets
-from test_slurm import big, plan
+from test_slurm import big, job_env, metrics, plan, slurm_cluster, submit, train_args, wait_job
 from test_trainer import (
     _tree,
     command,
@@ -56,7 +56,7 @@ from megatron_rl.rollout.types import SamplingParams
 import tiny_model
 
 # module-scoped fixtures: tests/test_trainer.py's model, data and config; tests/test_slurm.py's 30B plan config
-__all__ = ["assets", "big", "work"]  # and tests/test_sft.py's SFT data
+__all__ = ["assets", "big", "slurm_cluster", "work"]  # and tests/test_sft.py's SFT data, the local cluster
 ROOT = Path(__file__).resolve().parents[1]
 
 ENGINE_ARGS = {"extra_args": ["--threads", "1"], "env": {"OMP_NUM_THREADS": "1"}}
@@ -130,6 +130,27 @@ sleep 60
     assert done.returncode == code, done.stdout + done.stderr
     assert (tmp_path / "signal").read_text() == "SIGUSR1"  # the trainer's tasks got SIGUSR1 and stopped at their step
     assert "asking the trainer to checkpoint after its current step" in done.stdout
+
+
+@pytest.mark.slurm
+def test_slurm_time_limit_warning_checkpoints_the_step_and_the_job_completes(
+    slurm_cluster: None, work: Path, tmp_path: Path
+) -> None:
+    """What `--signal=B:USR1@300` does before the time limit, sent by hand: USR1 to the batch shell only."""
+    run_dir = tmp_path / "run"
+    args = train_args(work, run_dir, "train.steps=50", "checkpoint.every=0", "eval.every=0")
+    job = submit("train.sbatch", args, tmp_path, 2, job_env())
+    deadline = time.monotonic() + 300
+    while not [r for r in metrics(run_dir) if r["step"] >= 1] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
+    state, code, out = wait_job(job, tmp_path)
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    assert "received SIGUSR1" in out and "asking the trainer to checkpoint after its current step" in out
+    k = max(r["step"] for r in metrics(run_dir))
+    assert 1 <= k < 50
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{k:06d}"]  # the stop's only
+    assert (run_dir / "checkpoints" / f"step_{k:06d}" / "loop_state.pt").is_file()
 
 
 # ---- the pool and the local engine child ----
