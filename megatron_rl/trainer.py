@@ -217,6 +217,11 @@ class Trainer:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
         checkpoint_s = None
+        stop = self.stop_requested()  # a signal during the start-up: nothing new to save
+        if stop and start_step < cfg.train.steps:
+            self.stopped_by = stop
+            self.log.message(f"{signal.Signals(stop).name}: stopped before step {start_step + 1}")
+            return {}
         for step in range(start_step + 1, cfg.train.steps + 1):
             record = self._step(step)
             last = step == cfg.train.steps

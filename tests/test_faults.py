@@ -48,7 +48,13 @@ from test_trainer import (
 from megatron_rl.config import RolloutConfig
 from megatron_rl.metrics import read_metrics
 from megatron_rl.parallel.launch import free_port
-from megatron_rl.parallel.signals import StopRequest, Terminated, exit_code, stop_at_step_boundary
+from megatron_rl.parallel.signals import (
+    StopRequest,
+    Terminated,
+    exit_code,
+    remember_stop_signals,
+    stop_at_step_boundary,
+)
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient, SGLangError
 from megatron_rl.rollout.types import SamplingParams
@@ -85,6 +91,21 @@ def test_stop_signals_are_recorded_and_the_same_one_twice_stops_at_once() -> Non
             os.kill(os.getpid(), signal.SIGHUP)
     assert signal.getsignal(signal.SIGTERM) == before  # restored after the block
     assert (exit_code(signal.SIGUSR1), exit_code(signal.SIGTERM)) == (0, 143)
+
+
+def test_a_stop_signal_during_the_start_up_is_kept_for_the_loop() -> None:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        remember_stop_signals()  # what `megatron-rl train`/`sft` do first
+        os.kill(os.getpid(), signal.SIGUSR1)  # its default action would end this process
+        time.sleep(0.1)
+        with stop_at_step_boundary() as request:
+            assert request.signum == signal.SIGUSR1
+        with stop_at_step_boundary() as later:  # taken once
+            assert later.signum == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 # ---- Slurm ----
@@ -140,8 +161,11 @@ def test_slurm_time_limit_warning_checkpoints_the_step_and_the_job_completes(
     run_dir = tmp_path / "run"
     args = train_args(work, run_dir, "train.steps=50", "checkpoint.every=0", "eval.every=0")
     job = submit("train.sbatch", args, tmp_path, 2, job_env())
-    deadline = time.monotonic() + 300
-    while not [r for r in metrics(run_dir) if r["step"] >= 1] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 900  # a hang guard: the 2-core machine is slow to start a job
+    while not [r for r in metrics(run_dir) if r["step"] >= 1]:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", str(job)])
+            pytest.fail(f"no step logged:\n{(tmp_path / f'slurm-{job}.out').read_text()[-3000:]}")
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
     state, code, out = wait_job(job, tmp_path)

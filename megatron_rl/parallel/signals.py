@@ -11,6 +11,10 @@
 
 The ranks agree at the boundary (`StopRequest.agreed`, one all-reduce): a signal that reached only
 rank 0 (torchrun's workers signalled one by one, `kill` by hand) stops every rank after the same step.
+
+`remember_stop_signals` (the first thing `megatron-rl train`/`sft` do) covers the slow start-up
+before the stage's loop: a stop signal then is remembered instead of killing the process (SIGUSR1's
+default action), and the stage stops at its first boundary.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from collections.abc import Iterator
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+_EARLY: list[int] = []  # stop signals received before `stop_at_step_boundary`
+
+
+def remember_stop_signals() -> None:
+    """Until a stage enters `stop_at_step_boundary`, SIGTERM and SIGUSR1 are remembered for it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _EARLY.append(signum))
 
 
 class Terminated(SystemExit):
@@ -74,6 +87,8 @@ class StopRequest:
 def stop_at_step_boundary() -> Iterator[StopRequest]:
     """Within the block: SIGTERM and SIGUSR1 set the returned request, SIGHUP raises `Terminated`."""
     request = StopRequest()
+    request.signum = _EARLY[0] if _EARLY else 0
+    _EARLY.clear()
 
     def hang_up(signum: int, frame: Any) -> None:
         raise Terminated(128 + signum)
