@@ -103,6 +103,22 @@ class RolloutConfig:
     max_concurrency: int = _f(64, "requests in flight per engine", ge=1)
     request_timeout_s: float = _f(600.0, "seconds before one request is abandoned", gt=0)
     max_retries: int = _f(3, "tries after a connection error or 503", ge=0)
+    max_engine_restarts: int = _f(
+        3,
+        "local engine: times its process is restarted after it dies (then re-synced to the current weights, "
+        "the unfinished requests resubmitted); one more death stops the run with its exit code and engine.log",
+        ge=0,
+    )
+    stall_warning_s: float = _f(
+        60.0, "warn, with the requests in flight, after each this many seconds without a reply; 0 = never", ge=0
+    )
+    max_logprob_gap: float | None = _f(
+        0.05,
+        "stop the run before its update when the mean absolute difference of the engine's and the trainer's "
+        "log-probs (logprob_gap/abs_mean of the recompute right after a sync) exceeds this: the engine serves "
+        "other weights (fp32 CPU runs measure <= 2e-7); null = off",
+        gt=0,
+    )
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
     sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")

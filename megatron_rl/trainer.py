@@ -33,9 +33,11 @@ Face folder). `--resume` continues from the newest complete checkpoint; on CPU t
 metrics equal the uninterrupted run's (timings aside) when the engine decodes one request at a time
 (`rollout.max_concurrency=1`): batched decoding changes the engine's log-probs in the last bits.
 
-The engine child is stopped on every way out: normal end, an error, Ctrl-C (SIGINT), SIGTERM and
-SIGHUP (turned into exceptions here); if this process is killed outright, the engine's parent-death
-signal ends it.
+Signals (`megatron_rl.parallel.signals`): SIGTERM and SIGUSR1 stop the run at the next step
+boundary, agreed by every rank, with a checkpoint of that step (exit code 0 after SIGUSR1, 143 after
+SIGTERM); `--resume` continues from it. Ctrl-C (SIGINT), SIGHUP and the same stop signal twice stop at once.
+The engine child is stopped on every way out; if this process is killed outright, the engine's
+parent-death signal ends it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ from megatron_rl.loop.driver import RolloutData, RolloutDriver
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
+from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.rank0 import on_rank0
+from megatron_rl.parallel.signals import StoppedBySignal, StopRequest, exit_code, stop_at_step_boundary
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
@@ -70,23 +74,8 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 
-class Terminated(SystemExit):
-    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C so that the engine child is stopped."""
-
-
-@contextlib.contextmanager
-def signals_as_exceptions() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise `Terminated` (SIGINT already raises KeyboardInterrupt)."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated(128 + signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+class LogprobGapError(RuntimeError):
+    """The engine's log-probs are too far from the trainer's: it serves other weights (`rollout.max_logprob_gap`)."""
 
 
 def on_rank0_with(held: V | None, call: Callable[[V], T]) -> T:
@@ -165,6 +154,8 @@ class Trainer:
         self.log = log
         self.weight_sync = weight_sync
         self.rank0 = rank0
+        self.stop: StopRequest | None = None  # set by run_training: SIGTERM/SIGUSR1 end `run` at a step boundary
+        self.stopped_by = 0  # the stop signal `run` ended on (0: it ran every step)
 
     @classmethod
     def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False, force: bool = False) -> Trainer:
@@ -204,6 +195,8 @@ class Trainer:
         on_rank0_with(data, start_driver)
         rank0 = drivers[0] if drivers else None
         weight_sync = make_weight_sync(cfg, rank0.engine if rank0 is not None else None, actor)
+        if rank0 is not None:  # a local engine restarted after its death gets the current weights
+            rank0.engine.resync = weight_sync.resync_restarted_engine
 
         def close_weight_sync() -> None:
             with contextlib.suppress(Exception):  # the engine and the actor are closed after it in any case
@@ -232,6 +225,11 @@ class Trainer:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
         checkpoint_s = None
+        stop = self.stop_requested()  # a signal during the start-up: nothing new to save
+        if stop and start_step < cfg.train.steps:
+            self.stopped_by = stop
+            self.log.message(f"{signal.Signals(stop).name}: stopped before step {start_step + 1}")
+            return {}
         for step in range(start_step + 1, cfg.train.steps + 1):
             record = self._step(step)
             last = step == cfg.train.steps
@@ -248,12 +246,20 @@ class Trainer:
                     f"{record['async/staleness_max']:.0f}, dropped {record['async/dropped_stale']:.0f}, "
                     f"buffer {record['async/buffer_groups']:.0f}, waited {record['time/wait_batch']:.2f} s"
                 )
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
+            stop = self.stop_requested()
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last or stop:
                 began = time.perf_counter()
                 sampler = self.rank0.data.sampler if self.rank0 is not None else None
                 with self._rollout_state() as rollout:
-                    self.run_folder.save_checkpoint(self.actor, step, sampler, rollout=rollout)
+                    folder = self.run_folder.save_checkpoint(self.actor, step, sampler, rollout=rollout)
                 checkpoint_s = time.perf_counter() - began
+            if stop and not last:
+                self.stopped_by = stop
+                self.log.message(
+                    f"{signal.Signals(stop).name}: stopped after step {step} of {cfg.train.steps}; "
+                    f"checkpoint {folder}; continue with --resume"
+                )
+                return record if self.rank0 is not None else {}
         if cfg.checkpoint.export_hf:
             hf_dir = self.run_folder.run_dir / "hf"
             self.run_folder.export(self.actor, hf_dir)
@@ -268,6 +274,10 @@ class Trainer:
             return
         with self.rank0.checkpoint_state() as state:
             yield state
+
+    def stop_requested(self) -> int:
+        """At a step boundary: the stop signal any rank received, 0 if none (collective)."""
+        return self.stop.agreed() if self.stop is not None else 0
 
     def _step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
@@ -313,6 +323,7 @@ class Trainer:
             routed = old.routed_experts if r2 else batch.routed_experts
             batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=routed)
             out.update(logprob_gap(old.log_probs, batch.rollout_log_probs))
+            self.check_logprob_gap(out)  # before the update: never train on another policy's rollouts
         else:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
         referenced = time.perf_counter()
@@ -331,6 +342,30 @@ class Trainer:
         if not all(math.isfinite(h.get("loss", 0.0)) for h in history):
             raise FloatingPointError(f"the loss is not finite: {[h.get('loss') for h in history]} (lower train.lr?)")
         return out
+
+    def check_logprob_gap(self, gap: dict[str, float]) -> None:
+        """Raise `LogprobGapError` on every rank when `logprob_gap/abs_mean` (the first recompute after a
+        sync) exceeds `rollout.max_logprob_gap`: the engine serves other weights than the actor's."""
+        limit = self.cfg.rollout.max_logprob_gap
+        if limit is None:
+            return
+        mean = torch.tensor([gap.get("logprob_gap/abs_mean", 0.0)], dtype=torch.float64, device=local_device())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # one decision for every rank
+        if float(mean) <= limit:
+            return
+        rollout = self.cfg.rollout
+        engine = (
+            f"the SGLang server(s) {', '.join(rollout.sglang_urls)}"
+            if rollout.sglang_urls and rollout.engine != "local"
+            else f"the local engine (log {self.run_folder.run_dir / 'engine.log'})"
+        )
+        raise LogprobGapError(
+            f"the engine's log-probs differ from the trainer's by {float(mean):.4g} per token on average "
+            f"(max {gap.get('logprob_gap/abs_max', float('nan')):.4g}) right after a weight sync, above "
+            f"rollout.max_logprob_gap = {limit}: {engine} serves other weights than the trainer's (updated "
+            "by another client, or a failed sync); stopping instead of training on its rollouts"
+        )
 
     def _with_reference(self, batch: ActorBatch, rewards: torch.Tensor | None, out: dict[str, float]) -> ActorBatch:
         """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
@@ -362,13 +397,19 @@ class Trainer:
 
 
 def run_training(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[str, Any]:
-    """Run `megatron-rl train` in this process (one rank of a torchrun/srun launch, or a world of one)."""
+    """Run `megatron-rl train` in this process (one rank of a torchrun/srun launch, or a world of one).
+    Raises `StoppedBySignal` (a SystemExit) after the checkpoint of a run stopped by SIGTERM/SIGUSR1."""
     from megatron_rl.parallel import destroy_distributed
 
-    with signals_as_exceptions():
+    with stop_at_step_boundary() as stop:
         try:
             with contextlib.ExitStack() as stack:
-                return Trainer.start(cfg, stack, resume=resume, force=force).run()
+                trainer = Trainer.start(cfg, stack, resume=resume, force=force)
+                trainer.stop = stop
+                record = trainer.run()
         finally:
             if dist.is_initialized():
                 destroy_distributed()
+    if trainer.stopped_by:
+        raise StoppedBySignal(exit_code(trainer.stopped_by))
+    return record

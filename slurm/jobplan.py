@@ -23,6 +23,9 @@ GPU jobs export NCCL_CUMEM_ENABLE and NCCL_NVLS_ENABLE to every step (SGLang's d
 at submission), so trainer and engines agree in the weight-update group. SGLang may run from an
 environment of its own (`--sglang-python`, SGLANG_PYTHON in the scripts).
 
+Jobs checkpoint every `CHECKPOINT_EVERY` (10) steps unless the config sets `checkpoint.every`: a
+requeued or preempted job (`#SBATCH --requeue`) resumes from the newest checkpoint, not step 0.
+
 Anything the user set explicitly in the YAML or the overrides wins over these defaults, unless the
 placement makes it impossible (then the error says which key and why).
 """
@@ -43,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.rollout.local.launcher import API_KEY_ENV as ENGINE_API_KEY_ENV
+
+CHECKPOINT_EVERY = 10  # the trainer's checkpoint cadence in a job, unless the config sets checkpoint.every
 
 
 class PlanError(ValueError):
@@ -287,9 +292,10 @@ def make_plan(
         raise PlanError(f"config file {config_path} does not exist (relative paths start at {os.getcwd()})")
     placement = ["rollout.colocate=true"] if mode == "colocated" else []
     cfg = load_config(config_path, [*overrides, *placement])
-    n_train, rollout_nodes, forced = _placement(
-        mode, nodes, train_nodes, cfg, _explicit_keys(config_path, overrides), gpus_per_node > 0
-    )
+    explicit = _explicit_keys(config_path, overrides)
+    n_train, rollout_nodes, forced = _placement(mode, nodes, train_nodes, cfg, explicit, gpus_per_node > 0)
+    if "checkpoint.every" not in explicit:  # a requeued or preempted job resumes from the last of these
+        forced.append(f"checkpoint.every={CHECKPOINT_EVERY}")
     if not gpus_per_node:
         forced.append("rollout.engine_gpus=1")  # the local engine is one process
 

@@ -13,6 +13,10 @@
 #    the trainer's status.
 # Every step runs in a process group of its own and is stopped (SIGTERM to its tasks, SIGKILL after
 # STOP_GRACE seconds) when the job ends, fails, or is cancelled (scancel, time limit, preemption).
+# SIGUSR1 (the sbatch scripts' `--signal=B:USR1@300`: 300 s before the time limit) and SIGTERM to the
+# batch shell first ask the trainer to checkpoint: SIGUSR1 to its tasks, which finish the current
+# step, save it and exit (within TRAINER_GRACE seconds); then the servers are stopped. After SIGUSR1
+# the job exits with the trainer's status (0: a chained `--dependency=afterok` job continues).
 #
 # Environment (all optional):
 #   TRAIN_NODES        disaggregated: nodes that train, the first ones of the job (default: half)
@@ -28,6 +32,8 @@
 #                      API key (rollout.api_key, else a random one: RUN_DIR/logs/job-ID/engine_api_key)
 #   ENGINE_TIMEOUT     seconds for the servers to answer /health (default 1800)
 #   STOP_GRACE         seconds between SIGTERM and SIGKILL when stopping steps (default 30)
+#   TRAINER_GRACE      seconds the trainer gets to finish its step and checkpoint after SIGUSR1 or
+#                      SIGTERM reach the batch shell (default 240; keep it below --signal's lead time)
 #   PYTHON             interpreter with megatron-rl installed (default: python on PATH)
 #   SGLANG_PYTHON      interpreter of the SGLang servers and the router (default: $PYTHON); sglang 0.5.23
 #                      pins its own torch and transformers, so it may live in an environment of its own
@@ -108,11 +114,39 @@ cleanup() {
   stop_steps
 }
 
+# The trainer's srun, once started: a stop signal asks it to checkpoint before the steps are stopped.
+TRAINER_PID=""
+
+# SIGUSR1 to the trainer's tasks (each finishes its step, saves a checkpoint, exits); waits up to
+# TRAINER_GRACE seconds; returns the trainer's exit status (1 if it was still running).
+checkpoint_trainer() {
+  [[ -n $TRAINER_PID ]] && group_alive "$TRAINER_PID" || return 1
+  local grace=${TRAINER_GRACE:-240} sid rc=0 deadline
+  say "asking the trainer to checkpoint after its current step and stop (SIGUSR1, up to $grace s)"
+  sid=$(step_id trainer)
+  if [[ -n $sid ]]; then
+    scancel --signal=USR1 "$sid" 2>/dev/null || true
+  else
+    kill -USR1 "$TRAINER_PID" 2>/dev/null || true # srun passes it on to the tasks
+  fi
+  deadline=$((SECONDS + grace))
+  while group_alive "$TRAINER_PID" && ((SECONDS < deadline)); do sleep 0.5; done
+  group_alive "$TRAINER_PID" && return 1
+  wait "$TRAINER_PID" || rc=$?
+  return "$rc"
+}
+
 on_signal() {
   say "received SIG$1: stopping the job's steps"
   trap - TERM INT HUP USR1
+  local rc=$((128 + $2))
+  if [[ $1 == USR1 ]]; then
+    checkpoint_trainer && rc=0
+  elif [[ $1 == TERM ]]; then
+    checkpoint_trainer || true
+  fi
   cleanup
-  exit $((128 + $2))
+  exit "$rc"
 }
 
 install_traps() {
@@ -321,6 +355,7 @@ run_job() {
   start_step trainer srun --kill-on-bad-exit=1 --export=ALL "${overlap[@]}" --nodes="${#TRAIN_HOSTS[@]}" \
     --ntasks-per-node="$RANKS_PER_NODE" --cpus-per-task="$cpus" --nodelist="$(join_by , "${TRAIN_HOSTS[@]}")" \
     --job-name=trainer bash "$SLURM_DIR/task.sh" train "$LOG_DIR" -- "${trainer[@]}"
+  TRAINER_PID=${BG_PIDS[-1]}
   local rc=0
   wait "${BG_PIDS[-1]}" || rc=$?
   if ((rc == 0)); then

@@ -239,7 +239,7 @@ def test_plan_disaggregated_gpu_layout(big: Path) -> None:
     assert "--enable-return-routed-experts" in cmd and "--enable-memory-saver" not in cmd
     assert cmd[-4:] == ("--ep-size", "4", "--mem-fraction-static", "0.8") and "--port" not in cmd
     assert "--nnodes" not in cmd
-    assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed"]
+    assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed", "checkpoint.every=10"]
     assert p.log_dir == str(big / "run" / "logs" / "job-77")
     shell = jobplan.to_shell(p)
     assert "ENGINE_COUNT=4\n" in shell and "TRAIN_HOSTS=(gpu1 gpu2)\n" in shell
@@ -259,7 +259,12 @@ def test_plan_colocated(big: Path) -> None:
     assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
     cmd = one.engines[0].command
     assert "--enable-memory-saver" in cmd and cmd[cmd.index("--mem-fraction-static") + 1] == "0.5"
-    assert one.trainer_overrides == ["rollout.engine=sglang", "rollout.colocate=true", "rollout.weight_sync=tensor"]
+    assert one.trainer_overrides == [
+        "rollout.engine=sglang",
+        "rollout.colocate=true",
+        "rollout.weight_sync=tensor",
+        "checkpoint.every=10",
+    ]
     offload = plan(big, "colocated", "rollout.colocate_offload=true", nodes=1).engines[0].command
     assert offload[offload.index("--mem-fraction-static") + 1] == "0.7"
     mine = plan(big, "colocated", nodes=1, engine_args=["--mem-fraction-static", "0.6"]).engines[0].command

@@ -45,8 +45,10 @@ def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config,
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.parallel.launch import ensure_launch_env
+    from megatron_rl.parallel.signals import remember_stop_signals
 
     verbose = bool(getattr(args, "verbose", False))
+    remember_stop_signals()  # a SIGUSR1 during the slow start-up must not kill the process
     ensure_launch_env()
     try:
         cfg = validate_run(load_config(args.config, list(args.overrides)), command)

@@ -115,6 +115,7 @@ class RolloutDriver:
     def _collect(self, step: int) -> StepBatch:
         plan = self.collector.collect(step, self._round)
         plan.metrics.update(self.data.metrics)
+        plan.metrics["rollout/engine_restarts"] = float(self.engine.restarts)  # so far in this process
         return plan
 
     # ---- the trainer's calls ----

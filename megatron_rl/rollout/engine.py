@@ -7,23 +7,39 @@ address is configured, with `configured_api_key` or else a random key of its own
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
 workers it lists. Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
+
+Supervision of the local engine child: a request that cannot connect while the child has exited
+fails at once with `EngineDiedError` (its exit code) instead of being retried; `generate` then
+restarts the child on the same port from the model folder, calls `resync` (the trainer's weight
+sync pushes the current weights), sends the unfinished requests again and goes on; the finished
+ones are kept. After `rollout.max_engine_restarts` restarts the next death stops the run, with the
+exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
+the trainer waits, a warning gives the requests in flight (and whether the child is stopped, e.g.
+by SIGSTOP). Closing cancels what is still pending on the client's loop first (an interrupted
+`generate`), so an interrupted run ends quietly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import os
 import secrets
+import subprocess
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from megatron_rl.rollout.local.launcher import API_KEY_ENV, LocalEngineProcess, start_local_engine
-from megatron_rl.rollout.sglang import SGLangClient
+from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def configured_api_key(rollout: Any) -> str | None:
@@ -45,12 +61,28 @@ def moe_layout(model_path: str) -> tuple[int, int] | None:
 class RolloutEngine:
     """Synchronous access to SGLang servers (or the local engine) for a trainer."""
 
-    def __init__(self, client: SGLangClient, local_process: LocalEngineProcess | None = None) -> None:
+    def __init__(
+        self,
+        client: SGLangClient,
+        local_process: LocalEngineProcess | None = None,
+        *,
+        restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None,
+        max_restarts: int = 0,
+        stall_warning_s: float = 0.0,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
         self._thread.start()
         self.client = client
         self.local_process = local_process
+        self._restart = restart  # starts a new child in place of the dead one (the same port)
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.stall_warning_s = stall_warning_s
+        # pushes the current weights to a restarted engine (the trainer's weight sync); None: the
+        # model folder the child starts from is current
+        self.resync: Callable[[], None] | None = None
+        if local_process is not None:
+            client.dead_reason = self._dead_reason
         self.run(client.start())
         if local_process is not None and client.routed_experts_layout is None:
             self.run(client.load_model_layout())
@@ -59,6 +91,7 @@ class RolloutEngine:
     def from_config(cls, rollout: Any, model_path: str | None = None, **local_kwargs: Any) -> RolloutEngine:
         """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none."""
         process = None
+        restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None
         urls = list(rollout.sglang_urls)
         api_key = configured_api_key(rollout)
         if rollout.engine == "local" or not urls:
@@ -70,6 +103,14 @@ class RolloutEngine:
                 model_path, host=rollout.host, port=rollout.port, api_key=api_key, **local_kwargs
             )
             urls = [process.url]
+
+            def start_again(dead: LocalEngineProcess) -> LocalEngineProcess:
+                return start_local_engine(
+                    model_path, host=rollout.host, port=dead.port, api_key=api_key, **local_kwargs
+                )
+
+            restart = start_again
+
         client = SGLangClient(
             urls,
             api_key=api_key,
@@ -78,7 +119,13 @@ class RolloutEngine:
             max_retries=rollout.max_retries,
             routed_experts_layout=moe_layout(model_path) if model_path else None,
         )
-        engine = cls(client, process)
+        engine = cls(
+            client,
+            process,
+            restart=restart,
+            max_restarts=rollout.max_engine_restarts,
+            stall_warning_s=rollout.stall_warning_s,
+        )
         if process is None:
             try:
                 engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
@@ -88,8 +135,54 @@ class RolloutEngine:
         return engine
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a client coroutine on the engine's loop and wait for its result."""
-        return self.submit(coro).result(timeout)
+        """Run a client coroutine on the engine's loop and wait for its result (a warning every
+        `stall_warning_s` without a reply from any server)."""
+        future = self.submit(coro)
+        if not self.stall_warning_s:
+            return future.result(timeout)
+        began = time.monotonic()
+        quiet_since, replies = began, self.client.replies
+        while True:
+            wait = self.stall_warning_s - (time.monotonic() - quiet_since)
+            if timeout is not None:
+                wait = min(wait, timeout - (time.monotonic() - began))
+            try:
+                return future.result(max(wait, 0.0))
+            except concurrent.futures.TimeoutError:
+                if future.done():  # the coroutine's own timeout, not this wait's
+                    raise
+            now = time.monotonic()
+            if timeout is not None and now - began >= timeout:
+                raise concurrent.futures.TimeoutError(f"no result within {timeout:.0f} s")
+            if self.client.replies != replies:
+                quiet_since, replies = now, self.client.replies
+            elif now - quiet_since >= self.stall_warning_s:
+                self._warn_stalled(now - quiet_since)
+                quiet_since = now  # the next warning after another stall_warning_s
+
+    def _warn_stalled(self, quiet_s: float) -> None:
+        in_flight = self.client.in_flight()
+        state = ""
+        if self.local_process is not None and self.local_process.stopped():
+            state = f"; the local engine process {self.local_process.process.pid} is stopped (SIGSTOP?)"
+        log.warning(
+            "no reply from the rollout engine for %.0f s (rollout.stall_warning_s): %d request(s) in flight (%s)%s",
+            quiet_s,
+            sum(in_flight.values()),
+            ", ".join(f"{url}: {n}" for url, n in in_flight.items()) or "none",
+            state,
+        )
+
+    def _dead_reason(self, url: str) -> str | None:
+        """On the client's loop, after a connection error to `url`: why the local child is gone, if it is."""
+        process = self.local_process
+        if process is None or url != process.url:
+            return None
+        try:  # a child killed a moment ago may not be reaped yet
+            code = process.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return None
+        return f"the local engine (pid {process.process.pid}) exited with code {code}"
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
         """Start a client coroutine on the engine's loop; returns a `concurrent.futures.Future`."""
@@ -102,11 +195,55 @@ class RolloutEngine:
         return_routed_experts: bool = False,
     ) -> list[Sample]:
         """Generate one response per prompt (repeat a prompt for a group), in prompt order; `params`
-        is shared or one per prompt (e.g. a `sampling_seed` each)."""
-        return self.run(self.client.generate_batch(prompts, params, return_routed_experts=return_routed_experts))
+        is shared or one per prompt (e.g. a `sampling_seed` each). A local engine that dies meanwhile
+        is restarted (see the module docstring) and only the unfinished requests are sent again."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        done: dict[int, Sample] = {}
+        while True:
+            todo = [i for i in range(len(prompts)) if i not in done]
+            finished: dict[int, Sample] = {}
+            try:
+                self.run(
+                    self.client.generate_batch(
+                        [prompts[i] for i in todo],
+                        [per_prompt[i] for i in todo],
+                        return_routed_experts=return_routed_experts,
+                        done=finished,
+                    )
+                )
+                done.update({todo[j]: sample for j, sample in finished.items()})
+                return [done[i] for i in range(len(prompts))]
+            except EngineDiedError as err:
+                done.update({todo[j]: sample for j, sample in finished.items()})
+                self._restart_dead_engine(err, unfinished=len(prompts) - len(done))
+
+    def _restart_dead_engine(self, err: EngineDiedError, unfinished: int) -> None:
+        """Start the local engine again in place of the dead one and give it the current weights;
+        raises `EngineDiedError` with the log's tail once `max_restarts` are used up."""
+        dead = self.local_process
+        if dead is None or self._restart is None:
+            raise err
+        if self.restarts >= self.max_restarts:
+            raise EngineDiedError(
+                f"{err}; restarted {self.restarts} time(s) already (rollout.max_engine_restarts = "
+                f"{self.max_restarts}): stopping. Last lines of {dead.log_path}:\n{dead.log_tail()}",
+                server=err.server,
+            ) from None
+        self.restarts += 1
+        log.warning(
+            "%s: restarting it (%d of rollout.max_engine_restarts = %d); %d unfinished request(s) will be sent again",
+            err,
+            self.restarts,
+            self.max_restarts,
+            unfinished,
+        )
+        self.local_process = self._restart(dead)
+        if self.resync is not None:
+            self.resync()
 
     def close(self) -> None:
         try:
+            self.submit(_cancel_pending()).result(30)  # e.g. a generate interrupted by Ctrl-C
             self.run(self.client.close(), timeout=30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -120,3 +257,11 @@ class RolloutEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task of the running loop and wait until they have finished."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,6 +9,10 @@
   exponential backoff, on another server when there are several; after the last try one
   `SGLangError` names the server, the endpoint and the request. A 400 is raised at once as
   `BadRequestError` with the server's message, a 401 as `UnauthorizedError`.
+- A server that gives `max_retries + 1` connection errors in a row (no reply in between) is dropped
+  from the pool with a warning while others remain; when the last one goes, `SGLangError` says that
+  none remains. `dead_reason(url)` (set by the owner of a local engine child) turns a connection
+  error into `EngineDiedError` at once, without retries, when the server's process has exited.
 - Control endpoints (pause, continue, abort, flush, memory, weight updates and the weight-update
   session of SGLang >= 0.5.21, feature-detected) go to every server.
 - An sglang-router address: `use_router` (the trainer's engine calls it at start-up) asks each
@@ -25,7 +29,7 @@ import base64
 import itertools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -52,6 +56,10 @@ class BadRequestError(SGLangError):
 
 class UnauthorizedError(SGLangError):
     """HTTP 401: missing or wrong API key."""
+
+
+class EngineDiedError(SGLangError):
+    """The server's process has exited (a local engine child): the message gives its exit code."""
 
 
 def _server_message(text: str) -> str:
@@ -133,6 +141,10 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._sessions: set[str] = set()  # servers with a weight-update session open
+        self.dead_reason: Callable[[str], str | None] | None = None  # why `url` is gone for good, if it is
+        self.replies = 0  # HTTP replies received (any status): the stall watch sees progress by it
+        self._unreachable: dict[str, tuple[int, float]] = {}  # connection errors in a row, since when
+        self.dropped: list[str] = []  # servers dropped from the pool as unreachable
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -256,7 +268,14 @@ class SGLangClient:
                 last = f"{type(err).__name__}: {err}"
             finally:
                 self._in_flight[url] -= 1
-            if status is not None:
+            if status is None:
+                reason = self.dead_reason(url) if self.dead_reason is not None else None
+                if reason is not None:
+                    raise EngineDiedError(f"{label} to {url}: {reason}", server=url) from None
+                self._connection_failed(url, last)
+            else:
+                self.replies += 1
+                self._unreachable.pop(url, None)
                 if status < 400:
                     return url, status, text
                 message = _server_message(text)
@@ -272,7 +291,36 @@ class SGLangClient:
                 delay = self.backoff_s * 2**attempt
                 log.warning("%s to %s failed (%s); try %d of %d in %.1f s", label, url, last, attempt + 2, tries, delay)
                 await asyncio.sleep(delay)
-        raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}", server=url)
+        gone = ""
+        if status is None and server is None and set(self.urls) <= failed:  # every server of the pool refused
+            dropped = f"; dropped before as unreachable: {', '.join(self.dropped)}" if self.dropped else ""
+            gone = f"; no rollout server is reachable (none of {', '.join(self.urls)} answered{dropped})"
+        raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}{gone}", server=url)
+
+    def _connection_failed(self, url: str, error: str) -> None:
+        """Count a connection error of `url`; once it has failed `max_retries + 1` times in a row over
+        at least the retry window, drop it from the pool (a warning) while other servers remain."""
+        count, since = self._unreachable.get(url, (0, asyncio.get_running_loop().time()))
+        self._unreachable[url] = (count + 1, since)
+        window = self.backoff_s * (2**self.max_retries - 1)
+        lasted = asyncio.get_running_loop().time() - since
+        if count + 1 <= self.max_retries or lasted < window or url not in self.urls or len(self.urls) == 1:
+            return
+        self.urls.remove(url)
+        self.dropped.append(url)
+        log.warning(
+            "dropping %s from the rollout servers: %d connection errors in a row over %.1f s (last: %s); %d remain: %s",
+            url,
+            count + 1,
+            lasted,
+            error,
+            len(self.urls),
+            ", ".join(self.urls),
+        )
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per server (those with any)."""
+        return {url: n for url, n in self._in_flight.items() if n}
 
     async def _json(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
         import json
@@ -340,15 +388,23 @@ class SGLangClient:
         params: SamplingParams | Sequence[SamplingParams],
         return_logprob: bool = True,
         return_routed_experts: bool = False,
+        done: dict[int, Sample] | None = None,
     ) -> list[Sample]:
         """One response per prompt, in prompt order; requests run concurrently within the bound.
-        `params`: shared, or one per prompt."""
+        `params`: shared, or one per prompt. `done` receives each sample by prompt index as soon as
+        it is complete, so that after a failure only the unfinished requests need to be sent again."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"generate_batch: {len(per_prompt)} sampling params for {len(prompts)} prompts")
+
+        async def one(index: int, prompt: Sequence[int], sp: SamplingParams) -> Sample:
+            sample = await self.generate(prompt, sp, return_logprob, return_routed_experts)
+            if done is not None:
+                done[index] = sample
+            return sample
+
         tasks = [
-            asyncio.ensure_future(self.generate(p, sp, return_logprob, return_routed_experts))
-            for p, sp in zip(prompts, per_prompt, strict=True)
+            asyncio.ensure_future(one(i, p, sp)) for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True))
         ]
         try:
             return list(await asyncio.gather(*tasks))

@@ -16,7 +16,8 @@ and makes `train.updates_per_step` optimizer steps on them; the learning-rate sc
 is the sampling temperature of pass@n). With `data.eval_path`, rank 0 serves the exported policy
 with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy every
 `eval.every` steps and at the end. `--resume` continues from the newest complete checkpoint (the
-actor, the row order's position), as `megatron-rl train --resume` does.
+actor, the row order's position), as `megatron-rl train --resume` does. SIGTERM and SIGUSR1 stop
+after the current step with a checkpoint of it, as in `megatron-rl train` (`megatron_rl.parallel.signals`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_rl.config import Config
+from megatron_rl.parallel.signals import StoppedBySignal, exit_code, stop_at_step_boundary
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
@@ -91,7 +94,9 @@ def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[s
     hf_dir = run_folder.run_dir / "hf"
     result: dict[str, Any] = {"run_dir": str(run_folder.run_dir), "hf_dir": str(hf_dir)}
     start = time.perf_counter()
+    stopped_by = 0
     with contextlib.ExitStack() as stack:
+        stop_request = stack.enter_context(stop_at_step_boundary())
         actor = run_folder.start_actor(
             dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=1.0))
         )
@@ -132,9 +137,16 @@ def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[s
                 evaluate(step, record)  # at the end also without evaluator: the final HF folder
             record["time/elapsed"] = time.perf_counter() - start
             log.log(record)  # logged before the checkpoint: resuming from step k keeps the records up to k
-            if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            stop = stop_request.agreed()  # SIGTERM/SIGUSR1 on any rank (megatron_rl.parallel.signals)
+            if last or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 result["checkpoint"] = str(run_folder.save_checkpoint(actor, step, sampler))
+            if stop and not last:
+                log.message(f"sft: {signal.Signals(stop).name}: stopped after step {step}; continue with --resume")
+                stopped_by = stop
+                break
         result["metrics"] = record
+    if stopped_by:
+        raise StoppedBySignal(exit_code(stopped_by))
     if rank == 0:
         print(f"sft: done in {time.perf_counter() - start:.0f} s; HF folder {hf_dir}", file=sys.stderr, flush=True)
     return result

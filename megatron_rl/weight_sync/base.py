@@ -135,6 +135,7 @@ class WeightSync(ABC):
         self._version = ""
         self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer)
         self._paused = False
+        self.synced: str | None = None  # the version of the last complete sync
 
     @property
     def client(self) -> SGLangClient:
@@ -170,6 +171,7 @@ class WeightSync(ABC):
         )
         if error is not None:
             raise WeightSyncError(error)
+        self.synced = version
         if self.is_controller:
             log.info("weight sync (%s): %.1f MB in %.3f s, version %s", self.mode, nbytes / 1e6, seconds, version)
         return SyncReport(self.mode, nbytes, seconds, version)
@@ -210,6 +212,17 @@ class WeightSync(ABC):
         if self._paused:
             self._paused = False
             self._call(self.client.continue_generation(), "POST /continue_generation")
+
+    def resync_restarted_engine(self) -> None:
+        """Rank 0 alone, within a rollout: an engine restarted from its model folder gets the weights
+        of the last sync (nothing to do before the first). Only the disk mode can resend them without
+        the other ranks; the others raise `WeightSyncError` saying so."""
+        if self.synced is None:
+            return
+        raise WeightSyncError(
+            f"the restarted engine needs the weights of version {self.synced!r}, which rollout.weight_sync = "
+            f"{self.mode} sends only with every rank taking part; rollout.weight_sync=disk resends them from rank 0"
+        )
 
     def close(self) -> None:  # noqa: B027 - most modes hold nothing
         """Release what the mode holds (groups, buffers); call on every rank."""

@@ -37,6 +37,18 @@ class DiskSync(WeightSync):
         self.hf_config = hf_config_from_model(self.model)
         self._serving: Path | None = None
 
+    def resync_restarted_engine(self) -> None:
+        """The folder the engine served before it died, loaded again (rank 0 alone)."""
+        if self.synced is None or self._serving is None:
+            return
+        self._error = None
+        self._call(
+            self.client.update_weights_from_disk(str(self._serving), weight_version=self.synced),
+            f"POST /update_weights_from_disk {self._serving} (after an engine restart)",
+        )
+        if self._error is not None:
+            raise WeightSyncError(self._error)
+
     def _transfer(self, version: str) -> int:
         folder = self.root / version_folder_name(version)
         problem = None

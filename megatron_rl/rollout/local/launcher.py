@@ -45,6 +45,14 @@ class LocalEngineProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def stopped(self) -> bool:
+        """Linux: the child is stopped (SIGSTOP, SIGTSTP), not merely slow."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
     def log_tail(self, lines: int = 30) -> str:
         return _tail(self.log_path, self.log_file, lines)
 
