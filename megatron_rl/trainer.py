@@ -323,7 +323,17 @@ class Trainer:
             routed = old.routed_experts if r2 else batch.routed_experts
             batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=routed)
             out.update(logprob_gap(old.log_probs, batch.rollout_log_probs))
-            self.check_logprob_gap(out)  # before the update: never train on another policy's rollouts
+            # before the update: never train on another policy's rollouts. Only samples generated
+            # wholly by the current weights can be compared (asynchronous modes also train older ones).
+            fresh = [
+                i
+                for i in range(len(batch))
+                if plan.versions is None or all(v == self.version for v in plan.versions[i])
+            ]
+            if fresh:
+                self.check_logprob_gap(
+                    logprob_gap([old.log_probs[i] for i in fresh], [batch.rollout_log_probs[i] for i in fresh])
+                )
         else:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
         referenced = time.perf_counter()
@@ -344,8 +354,8 @@ class Trainer:
         return out
 
     def check_logprob_gap(self, gap: dict[str, float]) -> None:
-        """Raise `LogprobGapError` on every rank when `logprob_gap/abs_mean` (the first recompute after a
-        sync) exceeds `rollout.max_logprob_gap`: the engine serves other weights than the actor's."""
+        """Raise `LogprobGapError` on every rank when `logprob_gap/abs_mean` of the samples the current
+        weights generated exceeds `rollout.max_logprob_gap`: the engine serves other weights than the actor's."""
         limit = self.cfg.rollout.max_logprob_gap
         if limit is None:
             return
