@@ -127,6 +127,7 @@ class VersionedEngine:
         self.cond = threading.Condition()
         self.closed = False
         self.calls: Counter[tuple[int, ...]] = Counter()  # group requests per prompt
+        self.restarts = 0  # as `RolloutEngine` reports them (this engine never dies)
 
     def sync(self, version: int) -> None:
         with self.cond:

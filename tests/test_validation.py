@@ -286,9 +286,7 @@ def test_rl_batch_check_counts_the_data_parallel_ranks(folder: Path) -> None:
 def test_a_tokenizer_that_is_not_the_models_is_refused_naming_the_folder(tmp_path: Path) -> None:
     tiny_tokenizer.build_tokenizer(tmp_path / "tok")  # 28 tokens
     tok = load_tokenizer(tmp_path / "tok", vocab_size=28)
-    check_tokenizer_vocab(tok, 56, tmp_path / "tok", "model.hf_path")  # a padded vocabulary is fine
-    with pytest.raises(DataError, match=r"has 28 tokens for a model vocabulary of 57 .*: not this model's tokenizer;"):
-        check_tokenizer_vocab(tok, 57, tmp_path / "tok", "model.hf_path")
+    check_tokenizer_vocab(tok, 1024, tmp_path / "tok", "model.hf_path")  # a padded vocabulary is fine
     with pytest.raises(DataError, match=r"the tokenizer has 28 tokens, more than the model's vocabulary \(model.vocab"):
         check_tokenizer_vocab(tok, 27, tmp_path / "tok", "model.hf_path")
     # config files without a vocabulary: transformers loads a tokenizer of one token, silently

@@ -18,21 +18,19 @@ def has_tokenizer_files(folder: str | Path) -> bool:
 
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, path: str | Path, key: str) -> None:
     """DataError naming `key` = `path` when the tokenizer cannot be the model's: token ids past the
-    embedding (more tokens than `vocab_size`), or fewer than half of its rows (models pad their
-    vocabulary by a few hundred rows at most; transformers loads a folder without tokenizer files
-    as a tokenizer of one token)."""
+    embedding (more tokens than `vocab_size`), or a folder without a vocabulary file (transformers
+    then loads a tokenizer of one token, silently). Fewer tokens than embedding rows is normal:
+    vocabularies are padded, and a small tokenizer may drive a larger model."""
     n = len(tokenizer)
     if n > vocab_size:
         raise DataError(
             f"{key} = {str(path)!r}: the tokenizer has {n} tokens, more than the model's vocabulary "
             f"(model.vocab_size = {vocab_size}, from config.json): ids past {vocab_size - 1} have no embedding"
         )
-    if 2 * n < vocab_size:
-        files = "" if has_tokenizer_files(path) else f"; the folder has none of {', '.join(TOKENIZER_FILES)}"
+    if not has_tokenizer_files(path):
         raise DataError(
-            f"{key} = {str(path)!r}: the tokenizer has {n} tokens for a model vocabulary of {vocab_size} "
-            f"(model.vocab_size, from config.json): not this model's tokenizer{files}; set data.tokenizer_path "
-            "to the model's tokenizer folder"
+            f"{key} = {str(path)!r}: the tokenizer has {n} tokens for a model vocabulary of {vocab_size}: the "
+            f"folder has none of {', '.join(TOKENIZER_FILES)}; set data.tokenizer_path to the model's tokenizer folder"
         )
 
 
