@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_sft import EXAMPLE, assets
+from test_sft import assets, one_process_sft_command
 from test_slurm import big, job_env, metrics, plan, slurm_cluster, submit, train_args, wait_job
 from test_trainer import (
     _tree,
@@ -373,19 +373,7 @@ def test_an_engine_serving_other_weights_stops_the_run_before_training(
 def test_sft_stops_on_sigterm_with_a_checkpoint(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "sft"
     log = tmp_path / "sft.log"
-    overrides = [
-        f"model.hf_path={assets / 'model'}",
-        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
-        "data.eval_path=null",
-        "parallel.expert_model_parallel_size=1",
-        f"logging.run_dir={run_dir}",
-        "train.steps=200",
-        "train.prompts_per_step=8",
-        "checkpoint.every=0",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-    ]
-    process = start([sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides], log)
+    process = start(one_process_sft_command(assets, run_dir, "train.steps=200", "checkpoint.every=0"), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     process.send_signal(signal.SIGTERM)
     try:

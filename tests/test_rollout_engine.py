@@ -468,27 +468,27 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
     KV cache; "abort" returns it aborted."""
     params = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
 
-    async def running(client) -> None:
-        """Until the engine runs one request: prefilled, so it has sampled a token with the weights now."""
+    async def pause_when_running(client, mode: str) -> None:
+        """Once the engine runs one request (prefilled, so it has sampled a token with the weights
+        now), pause generation with `mode`."""
         while True:
             info = await client._json("GET", "/get_server_info", server=engine.url)
             if info["internal_states"][0]["running"] == 1:
-                return
+                break
             await asyncio.sleep(0.01)
+        await client.pause_generation(mode)
 
     async def go():
         async with client_for(engine.url) as client:
             await client.update_weights_from_disk(models["A"], weight_version="0")
             job = asyncio.ensure_future(client.generate([4, 5, 6], params, return_routed_experts=True))
-            await running(client)
-            await client.pause_generation("retract")
+            await pause_when_running(client, "retract")
             info = await client._json("GET", "/get_server_info", server=engine.url)
             assert info["internal_states"][0] == {"running": 0, "waiting": 1, "paused": True}
             await client.flush_cache()  # retracted requests hold no cache (SGLang flushes here too)
             await client.update_weights_from_disk(models["B"], weight_version="1", abort_all_requests=False)
             await client.continue_generation()
-            await running(client)
-            await client.pause_generation("retract")
+            await pause_when_running(client, "retract")
             assert await client.begin_weight_update() == [True]
             payload, shm = send.serialize_named_tensors(_checkpoint(models["C"]))
             await client.update_weights_from_tensor(
@@ -499,8 +499,7 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
             partial = await job
 
             job = asyncio.ensure_future(client.generate([7, 8], params))
-            await running(client)
-            await client.pause_generation("in_place")
+            await pause_when_running(client, "in_place")
             await client.update_weights_from_disk(models["A"], weight_version="3", abort_all_requests=False)
             info = await client._json("GET", "/get_server_info", server=engine.url)
             assert info["internal_states"][0]["running"] == 1  # kept in place with its KV cache
@@ -510,8 +509,7 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
             in_place = await job
 
             job = asyncio.ensure_future(client.generate([9, 10], params))
-            await running(client)
-            await client.pause_generation("abort")
+            await pause_when_running(client, "abort")
             aborted = await job
             await client.continue_generation()
             return partial, in_place, aborted

@@ -195,24 +195,27 @@ def test_sft_exports_a_loadable_trained_folder(sft_run: tuple[Path, Path, list[s
     assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
 
 
-def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
-    """`megatron-rl sft --resume` as a world of one (EP=1, no evaluation), 3 steps of 8 rows, a
-    checkpoint after every step (all kept); returns its console output."""
-    overrides = [
+def one_process_sft_command(assets: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`megatron-rl sft` of the example's sft.yaml on `assets` into `run_dir` as a world of one
+    (EP=1), 8 rows a step, no evaluation, no progress bar or TensorBoard, then `overrides`."""
+    settings = [
         f"model.hf_path={assets / 'model'}",
         f"data.train_path={assets / 'data' / 'sft.jsonl'}",
         "data.eval_path=null",
         "parallel.expert_model_parallel_size=1",
         f"logging.run_dir={run_dir}",
-        "train.steps=3",
         "train.prompts_per_step=8",
-        "train.lr_warmup_steps=1",
-        "checkpoint.every=1",
-        "checkpoint.keep_last=3",
         "logging.progress=false",
         "logging.tensorboard=false",
     ]
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides, *extra, "--resume"]
+    return [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *settings, *overrides]
+
+
+def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
+    """`megatron-rl sft --resume` as a world of one, 3 steps, a checkpoint after every step (all
+    kept); returns its console output."""
+    steps = ["train.steps=3", "train.lr_warmup_steps=1", "checkpoint.every=1", "checkpoint.keep_last=3"]
+    cmd = [*one_process_sft_command(assets, run_dir, *steps, *extra), "--resume"]
     proc = subprocess.run(
         cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
     )

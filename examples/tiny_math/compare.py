@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,32 +112,51 @@ def table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/tiny_math/compare"), help="output folder")
-    parser.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
+def compare_parser(doc: str, out: str, flag: str, names: tuple[str, ...] | list[str]) -> argparse.ArgumentParser:
+    """The command line of a compare script (this one, tiny_tools'): `--out` (default `out`), the
+    runs to make as `--FLAG` (any of `names`, default all), --nproc, --plot-only and the overrides."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(out), help="output folder")
+    parser.add_argument(f"--{flag}", nargs="+", choices=list(names), default=list(names))
     parser.add_argument("--nproc", type=int, default=2, help="trainer ranks (EP = 2 in rl.yaml)")
     parser.add_argument("--plot-only", action="store_true", help="redraw from the runs already in --out")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def compare_runs(
+    names: list[str], out: Path, command: Callable[[str, Path], list[str]], title: str, plot_only: bool = False
+) -> int:
+    """Train each run `name` with `command(name, OUT/name)` (unless `plot_only`), then write
+    OUT/compare.png and OUT/summary.json and print the table."""
     sys.path.insert(0, str(REPO))
     from megatron_rl.metrics import read_metrics
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     summaries = []
-    for name in args.objectives:
-        run_dir = args.out / name
-        if not args.plot_only:
+    for name in names:
+        run_dir = out / name
+        if not plot_only:
             print(f"== {name}: {run_dir}", flush=True)
-            subprocess.run(train_command(name, run_dir, list(args.overrides), args.nproc), env=env, check=True)
+            subprocess.run(command(name, run_dir), env=env, check=True)
         summaries.append(summarize(name, *accuracy_curve(read_metrics(run_dir))))
-    title = "tiny_math: held-out greedy accuracy from one warm start (seed 0, 2 ranks, EP=2)"
-    plot(summaries, args.out / "compare.png", title)
-    (args.out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    plot(summaries, out / "compare.png", title)
+    (out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
     print(table(summaries))
-    print(f"plot: {args.out / 'compare.png'}")
+    print(f"plot: {out / 'compare.png'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = compare_parser(__doc__, "runs/tiny_math/compare", "objectives", OBJECTIVES).parse_args(argv)
+    return compare_runs(
+        args.objectives,
+        args.out,
+        lambda name, run_dir: train_command(name, run_dir, list(args.overrides), args.nproc),
+        "tiny_math: held-out greedy accuracy from one warm start (seed 0, 2 ranks, EP=2)",
+        args.plot_only,
+    )
 
 
 if __name__ == "__main__":

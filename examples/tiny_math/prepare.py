@@ -12,26 +12,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when run as a script
 
 from tiny_model import build_model  # noqa: E402
-from tiny_task import add_task_arguments, write_task  # noqa: E402
+from tiny_task import add_task_arguments, write_from_args  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def prepare_main(
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    write: Callable[[argparse.Namespace, Path], dict[str, Path]],
+    argv: list[str] | None = None,
+    tokenizer: Callable[[], Any] | None = None,
+) -> int:
+    """The command line of a prepare script (this one, tiny_tools'): the task's data into OUT/data
+    by `write`, then the tiny model with `tokenizer()` (default: tiny_math's) into OUT/model."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--model-seed", type=int, default=0, help="model initialisation seed")
-    add_task_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    paths = write_task(args.out / "data", args.seed, args.heldout, args.sft_rows, args.sft_correct_fraction)
-    model = build_model(args.out / "model", args.model_seed)
+    paths = write(args, args.out / "data")
+    model = build_model(args.out / "model", args.model_seed, tokenizer=None if tokenizer is None else tokenizer())
     for name, path in paths.items():
         print(f"{name}: {path}")
     print(f"model: {args.out / 'model'} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return prepare_main(__doc__, add_task_arguments, write_from_args, argv)
 
 
 if __name__ == "__main__":

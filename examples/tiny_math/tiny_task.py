@@ -20,14 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 A_RANGE = range(1, 50)
 BC_RANGE = range(2, 10)
 DATA_SOURCE = "tiny_math"
+
+
+class TaskProblem(Protocol):
+    """What a task row needs of a problem (tiny_math's and tiny_tools' problems both have it)."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def answer(self) -> int: ...
+
+
+P = TypeVar("P", bound=TaskProblem)
 
 
 @dataclass(frozen=True)
@@ -86,10 +99,10 @@ def split_problems(seed: int = 0, num_heldout: int = 500) -> tuple[list[Problem]
     return problems[:-num_heldout], problems[-num_heldout:]
 
 
-def task_row(problem: Problem, index: int, split: str) -> dict[str, Any]:
+def task_row(problem: TaskProblem, index: int, split: str, data_source: str = DATA_SOURCE) -> dict[str, Any]:
     """One row in the DAPO-Math-17k format."""
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": problem.prompt}],
         "ability": "MATH",
         "reward_model": {"ground_truth": str(problem.answer), "style": "rule"},
@@ -104,18 +117,37 @@ def sft_rows(
     response correct with probability `correct_fraction`, else the addition-first procedure."""
     if not 0.0 <= correct_fraction <= 1.0:
         raise ValueError(f"--sft-correct-fraction = {correct_fraction} must be in [0, 1]")
+
+    def respond(problem: Problem, draw: float) -> tuple[str, str]:
+        if draw < correct_fraction:
+            return problem.correct_response(), "correct"
+        return problem.corrupted_response(), "addition_first"
+
+    return mixed_sft_rows(train, num_rows, seed, respond)
+
+
+def mixed_sft_rows(
+    train: list[P],
+    num_rows: int,
+    seed: int,
+    respond: Callable[[P, float], tuple[Any, str]],
+    data_source: str = DATA_SOURCE,
+) -> list[dict[str, Any]]:
+    """SFT rows over `train` in seeded passes (each pass a fresh shuffle): the task row of each
+    problem plus the "response" and the extra_info "procedure" that `respond(problem, draw)` returns
+    for one uniform draw in [0, 1) of the same seeded generator."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
-    order: list[Problem] = []
+    order: list[P] = []
     while len(rows) < num_rows:
         if not order:
             order = list(train)
             rng.shuffle(order)
         problem = order.pop()
-        correct = rng.random() < correct_fraction
-        row = task_row(problem, len(rows), "sft")
-        row["response"] = problem.correct_response() if correct else problem.corrupted_response()
-        row["extra_info"]["procedure"] = "correct" if correct else "addition_first"
+        response, procedure = respond(problem, rng.random())
+        row = task_row(problem, len(rows), "sft", data_source)
+        row["response"] = response
+        row["extra_info"]["procedure"] = procedure
         rows.append(row)
     return rows
 
@@ -136,10 +168,22 @@ def write_task(
 ) -> dict[str, Path]:
     """train.jsonl, heldout.jsonl and sft.jsonl under `out`; returns their paths."""
     train, heldout = split_problems(seed, num_heldout)
+    return write_splits(out, train, heldout, lambda: sft_rows(train, num_sft_rows, correct_fraction, seed))
+
+
+def write_splits(
+    out: Path,
+    train: Sequence[TaskProblem],
+    heldout: Sequence[TaskProblem],
+    sft: Callable[[], list[dict[str, Any]]],
+    data_source: str = DATA_SOURCE,
+) -> dict[str, Path]:
+    """train.jsonl and heldout.jsonl (the problems' task rows), then sft.jsonl (the rows `sft()`
+    makes) under `out`; returns their paths."""
     paths = {name: out / f"{name}.jsonl" for name in ("train", "heldout", "sft")}
-    write_jsonl((task_row(p, i, "train") for i, p in enumerate(train)), paths["train"])
-    write_jsonl((task_row(p, i, "heldout") for i, p in enumerate(heldout)), paths["heldout"])
-    write_jsonl(sft_rows(train, num_sft_rows, correct_fraction, seed), paths["sft"])
+    write_jsonl((task_row(p, i, "train", data_source) for i, p in enumerate(train)), paths["train"])
+    write_jsonl((task_row(p, i, "heldout", data_source) for i, p in enumerate(heldout)), paths["heldout"])
+    write_jsonl(sft(), paths["sft"])
     return paths
 
 
@@ -150,15 +194,28 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sft-correct-fraction", type=float, default=0.45, help="share of correct SFT responses")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def write_from_args(args: argparse.Namespace, out: Path) -> dict[str, Path]:
+    return write_task(out, args.seed, args.heldout, args.sft_rows, args.sft_correct_fraction)
+
+
+def task_main(
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    write: Callable[[argparse.Namespace, Path], dict[str, Path]],
+    argv: list[str] | None = None,
+) -> int:
+    """The command line of a task script (this one, tiny_tools'): --out and the task's arguments."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    add_task_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    paths = write_task(args.out, args.seed, args.heldout, args.sft_rows, args.sft_correct_fraction)
-    for name, path in paths.items():
+    for name, path in write(args, args.out).items():
         print(f"{name}: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return task_main(__doc__, add_task_arguments, write_from_args, argv)
 
 
 if __name__ == "__main__":

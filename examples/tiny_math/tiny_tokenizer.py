@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +88,18 @@ def save_tokenizer(tokenizer: Any, out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def tokenizer_main(doc: str, build: Callable[[Path], Any], argv: list[str] | None = None) -> int:
+    """The command line of a tokenizer script (this one, tiny_tools'): `build(--out)`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="tokenizer folder to write")
     args = parser.parse_args(argv)
-    tokenizer = build_tokenizer(args.out)
+    tokenizer = build(args.out)
     print(f"tokenizer: {args.out} ({len(tokenizer)} tokens)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return tokenizer_main(__doc__, build_tokenizer, argv)
 
 
 if __name__ == "__main__":

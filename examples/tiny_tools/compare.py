@@ -12,10 +12,6 @@ prints a Markdown table (warm start, final and best greedy accuracy, seconds to 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))  # examples.tiny_math.compare, megatron_rl
 
-from examples.tiny_math.compare import accuracy_curve, plot, summarize, table, train_command  # noqa: E402
+from examples.tiny_math.compare import compare_parser, compare_runs, train_command  # noqa: E402
 
 # The two ways to credit a multi-turn trajectory (GSPO cannot take per-turn advantages: one ratio
 # and one advantage per sequence; GSPO-token with outcome credit equals GSPO).
@@ -34,31 +30,16 @@ RUNS: dict[str, list[str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/tiny_tools/compare"), help="output folder")
-    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
-    parser.add_argument("--nproc", type=int, default=2, help="trainer ranks (EP = 2 in rl.yaml)")
-    parser.add_argument("--plot-only", action="store_true", help="redraw from the runs already in --out")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
-    args = parser.parse_args(argv)
-    from megatron_rl.metrics import read_metrics
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    summaries = []
-    for name in args.runs:
-        run_dir = args.out / name
-        if not args.plot_only:
-            print(f"== {name}: {run_dir}", flush=True)
-            cmd = train_command(name, run_dir, list(args.overrides), args.nproc, HERE / "rl.yaml", RUNS[name])
-            subprocess.run(cmd, env=env, check=True)
-        summaries.append(summarize(name, *accuracy_curve(read_metrics(run_dir))))
-    title = "tiny_tools: held-out greedy accuracy from one warm start (seed 0, 2 ranks, EP=2)"
-    plot(summaries, args.out / "compare.png", title)
-    (args.out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    print(table(summaries))
-    print(f"plot: {args.out / 'compare.png'}")
-    return 0
+    args = compare_parser(__doc__, "runs/tiny_tools/compare", "runs", list(RUNS)).parse_args(argv)
+    return compare_runs(
+        args.runs,
+        args.out,
+        lambda name, run_dir: train_command(
+            name, run_dir, list(args.overrides), args.nproc, HERE / "rl.yaml", RUNS[name]
+        ),
+        "tiny_tools: held-out greedy accuracy from one warm start (seed 0, 2 ranks, EP=2)",
+        args.plot_only,
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Usage: python examples/tiny_tools/prepare.py --out runs/tiny_tools/assets [--see
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,24 +18,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root (examples.tiny_tools)
 sys.path.insert(0, str(HERE.parent / "tiny_math"))  # tiny_math's model builder
 
+from examples.tiny_math.prepare import prepare_main  # noqa: E402
 from examples.tiny_tools.tools_task import add_task_arguments, write_from_args  # noqa: E402
 from examples.tiny_tools.tools_tokenizer import build_tokenizer  # noqa: E402
 
-from tiny_model import build_model  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--model-seed", type=int, default=0, help="model initialisation seed")
-    add_task_arguments(parser)
-    args = parser.parse_args(argv)
-    paths = write_from_args(args, args.out / "data")
-    model = build_model(args.out / "model", args.model_seed, tokenizer=build_tokenizer())
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    print(f"model: {args.out / 'model'} ({sum(p.numel() for p in model.parameters()):,} parameters)")
-    return 0
+    return prepare_main(__doc__, add_task_arguments, write_from_args, argv, tokenizer=build_tokenizer)
 
 
 if __name__ == "__main__":

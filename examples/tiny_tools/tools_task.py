@@ -42,7 +42,9 @@ sys.path.insert(0, str(HERE.parent / "tiny_math"))  # tiny_math's helpers
 from examples.tiny_tools.tools_env import TinyToolsEnv  # noqa: E402
 from examples.tiny_tools.tools_tokenizer import CALL_PREFIX, CALL_SUFFIX  # noqa: E402
 
-from tiny_task import write_jsonl  # noqa: E402
+import tiny_task  # noqa: E402
+from tiny_task import mixed_sft_rows, task_main, write_splits  # noqa: E402
+from tiny_task import write_jsonl as write_jsonl  # noqa: E402  (re-exported: tests write rows with it)
 
 OPERAND_RANGE = range(100, 1000)
 DATA_SOURCE = "tiny_tools"
@@ -107,14 +109,8 @@ def split_problems(seed: int = 0, num_train: int = 5000, num_heldout: int = 500)
 
 
 def task_row(problem: Problem, index: int, split: str) -> dict[str, Any]:
-    """One row in the DAPO-Math-17k format."""
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": problem.prompt}],
-        "ability": "MATH",
-        "reward_model": {"ground_truth": str(problem.answer), "style": "rule"},
-        "extra_info": {"index": f"{split}-{index}", "split": split},
-    }
+    """One row in the DAPO-Math-17k format (tiny_math's, with this task's data source)."""
+    return tiny_task.task_row(problem, index, split, DATA_SOURCE)
 
 
 def trace(problem: Problem, procedure: str) -> list[dict[str, str]]:
@@ -147,23 +143,14 @@ def sft_rows(
             "must be >= 0 with a sum of at most 1"
         )
     traces: dict[tuple[Problem, str], list[dict[str, str]]] = {}
-    rng = random.Random(seed)
-    rows: list[dict[str, Any]] = []
-    order: list[Problem] = []
-    while len(rows) < num_rows:
-        if not order:
-            order = list(train)
-            rng.shuffle(order)
-        problem = order.pop()
-        draw = rng.random()
+
+    def respond(problem: Problem, draw: float) -> tuple[list[dict[str, str]], str]:
         procedure = "tool" if draw < tool_fraction else "ignored" if draw < tool_fraction + ignored_fraction else "head"
-        row = task_row(problem, len(rows), "sft")
         if (problem, procedure) not in traces:
             traces[(problem, procedure)] = trace(problem, procedure)
-        row["response"] = traces[(problem, procedure)]
-        row["extra_info"]["procedure"] = procedure
-        rows.append(row)
-    return rows
+        return traces[(problem, procedure)], procedure
+
+    return mixed_sft_rows(train, num_rows, seed, respond, DATA_SOURCE)
 
 
 def write_task(
@@ -177,11 +164,8 @@ def write_task(
 ) -> dict[str, Path]:
     """train.jsonl, heldout.jsonl and sft.jsonl under `out`; returns their paths."""
     train, heldout = split_problems(seed, num_train, num_heldout)
-    paths = {name: out / f"{name}.jsonl" for name in ("train", "heldout", "sft")}
-    write_jsonl((task_row(p, i, "train") for i, p in enumerate(train)), paths["train"])
-    write_jsonl((task_row(p, i, "heldout") for i, p in enumerate(heldout)), paths["heldout"])
-    write_jsonl(sft_rows(train, num_sft_rows, tool_fraction, ignored_fraction, seed), paths["sft"])
-    return paths
+    sft = lambda: sft_rows(train, num_sft_rows, tool_fraction, ignored_fraction, seed)  # noqa: E731
+    return write_splits(out, train, heldout, sft, DATA_SOURCE)
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,13 +190,7 @@ def write_from_args(args: argparse.Namespace, out: Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    add_task_arguments(parser)
-    args = parser.parse_args(argv)
-    for name, path in write_from_args(args, args.out).items():
-        print(f"{name}: {path}")
-    return 0
+    return task_main(__doc__, add_task_arguments, write_from_args, argv)
 
 
 if __name__ == "__main__":

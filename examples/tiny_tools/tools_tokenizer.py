@@ -21,7 +21,6 @@ Usage: python examples/tiny_tools/tools_tokenizer.py --out DIR
 
 from __future__ import annotations
 
-import argparse
 import string
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiny_math"))  # tiny_math's builders
 
-from tiny_tokenizer import ROLE_TOKENS  # noqa: E402
+from tiny_tokenizer import ROLE_TOKENS, tokenizer_main  # noqa: E402
 from tiny_tokenizer import build_tokenizer as build_character_tokenizer  # noqa: E402
 
 TOOL_ROLE = "<|tool|>"
@@ -60,12 +59,7 @@ def build_tokenizer(out: Path | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="tokenizer folder to write")
-    args = parser.parse_args(argv)
-    tokenizer = build_tokenizer(args.out)
-    print(f"tokenizer: {args.out} ({len(tokenizer)} tokens)")
-    return 0
+    return tokenizer_main(__doc__, build_tokenizer, argv)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,20 @@ def _cli(*args: str) -> list[str]:
     return ["taskset", "-c", TRAINER_CORE, sys.executable, "-m", "megatron_rl.cli", *args]
 
 
+def _one_rank(model: Path, train_data: Path, assets: Path, run_dir: Path) -> list[str]:
+    """The overrides both runs share: `model` on `train_data` as one rank (EP=1), evaluated on the
+    held-out rows of `assets`, into `run_dir`, no progress bar or TensorBoard."""
+    return [
+        f"model.hf_path={model}",
+        f"data.train_path={train_data}",
+        f"data.eval_path={assets / 'data' / 'heldout.jsonl'}",
+        f"logging.run_dir={run_dir}",
+        "parallel.expert_model_parallel_size=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+
+
 def prepare_assets(assets: Path, sft_rows: int) -> None:
     """The example's task data and tiny model (examples/tiny_math/prepare.py) into `assets`."""
     assets.mkdir(parents=True, exist_ok=True)
@@ -78,18 +92,8 @@ def build_warm_start(work: Path, assets: Path, sft_steps: int) -> Path:
     if not (assets / "data" / "sft.jsonl").is_file():
         raise SystemExit(f"{assets}/data/sft.jsonl is missing: run examples/tiny_math/prepare.py --out {assets}")
     sft = _cli("sft", str(EXAMPLE / "sft.yaml"))
-    sft += [
-        f"model.hf_path={assets / 'model'}",
-        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
-        f"data.eval_path={assets / 'data' / 'heldout.jsonl'}",
-        f"logging.run_dir={work / 'sft'}",
-        "parallel.expert_model_parallel_size=1",
-        f"train.steps={sft_steps}",
-        f"train.lr_warmup_steps={max(sft_steps // 20, 1)}",
-        "eval.max_prompts=50",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-    ]
+    sft += _one_rank(assets / "model", assets / "data" / "sft.jsonl", assets, work / "sft")
+    sft += [f"train.steps={sft_steps}", f"train.lr_warmup_steps={max(sft_steps // 20, 1)}", "eval.max_prompts=50"]
     print(f"building a {sft_steps}-step SFT warm start in {work / 'sft'} ...", file=sys.stderr)
     _run(sft, work / "sft.log", "megatron-rl sft")
     return work / "sft" / "hf"
@@ -114,12 +118,8 @@ def run_mode(
     run_dir = work / label
     try:
         train = _cli("train", str(EXAMPLE / "rl.yaml"))
+        train += _one_rank(policy, assets / "data" / "train.jsonl", assets, run_dir)
         train += [
-            f"model.hf_path={policy}",
-            f"data.train_path={assets / 'data' / 'train.jsonl'}",
-            f"data.eval_path={assets / 'data' / 'heldout.jsonl'}",
-            f"logging.run_dir={run_dir}",
-            "parallel.expert_model_parallel_size=1",
             "rollout.engine=sglang",
             f"rollout.sglang_urls=[{engine.url}]",
             f"rollout.api_key={key}",
@@ -132,8 +132,6 @@ def run_mode(
             "algorithm.dynamic_sampling=false",
             "checkpoint.every=0",
             "checkpoint.export_hf=false",
-            "logging.progress=false",
-            "logging.tensorboard=false",
             *MODES[label],
             *extra,
         ]
