@@ -226,7 +226,7 @@ class AlgorithmConfig:
     turn_credit: Literal["outcome", "per_turn"] = _f(
         "outcome",
         "multi-turn credit: outcome = one advantage per trajectory; per_turn = each turn's tokens get the return "
-        "from that turn on (turn rewards + final reward), normalised by the group's trajectory returns",
+        "from that turn on (turn rewards + final reward), normalised among the group's returns of the same turn",
     )
     turn_discount: float = _f(1.0, "per_turn: gamma, the discount of later turns' rewards", ge=0, le=1)
 

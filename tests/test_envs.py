@@ -376,11 +376,20 @@ def test_turn_returns_and_per_turn_advantages_by_hand() -> None:
     assert turn_returns([0.2, 0.0], 1.0, 0.5) == pytest.approx([0.7, 1.0])
     adv = per_turn_advantages([[0.2, 0.0], [0.0]], torch.tensor([1.0, 0.0]), 2, discount=0.5, eps=0.0)
     std = float(torch.tensor([0.7, 0.0]).std())
-    assert torch.allclose(adv[0], torch.tensor([0.35 / std, 0.65 / std]))
+    # turn 0 against the group's turn-0 returns (0.7, 0.0); turn 1 is reached by trajectory 0 alone: 0
+    assert torch.allclose(adv[0], torch.tensor([0.35 / std, 0.0]))
     assert torch.allclose(adv[1], torch.tensor([-0.35 / std]))
-    # no turn rewards, gamma 1: every turn gets the outcome advantage
-    out = per_turn_advantages([[0.0, 0.0, 0.0], [0.0]], torch.tensor([1.0, -1.0]), 2)
-    assert torch.allclose(out[0], torch.full((3,), 1 / (2**0.5 + 1e-6))) and torch.allclose(out[1], -out[0][:1])
+    # each turn against the same turn of the others: the call reward of turn 0 does not lower turn 1's
+    adv = per_turn_advantages([[0.1, 0.0], [0.1, 0.0], [0.0]], torch.tensor([1.0, 0.0, 0.0]), 3, eps=0.0)
+    first, second = torch.tensor([1.1, 0.1, 0.0]), torch.tensor([1.0, 0.0])
+    assert torch.allclose(adv[0], torch.tensor([0.7 / first.std(), 0.5 / second.std()]))
+    assert torch.allclose(adv[1], torch.tensor([-0.3 / first.std(), -0.5 / second.std()]))
+    assert torch.allclose(adv[2], torch.tensor([-0.4 / first.std()]))
+    # no turn rewards, gamma 1, the same number of turns: every turn gets the outcome advantage
+    out = per_turn_advantages([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], torch.tensor([1.0, -1.0]), 2)
+    assert torch.allclose(out[0], torch.full((3,), 1 / (2**0.5 + 1e-6))) and torch.allclose(out[1], -out[0])
+    # mean-only: a group of one trajectory gets 0
+    assert per_turn_advantages([[0.5]], torch.tensor([1.0]), 1, norm_std=False)[0].tolist() == [0.0]
 
 
 class RewardedCalculator(CalculatorEnv):
@@ -420,11 +429,12 @@ def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories()
     # outcome: rewards 1 (+0.5 on the tool turn, unused by outcome credit) and -1: advantages +-1/sqrt(2)
     assert [float(a) for a in batch.advantages] == pytest.approx([2**-0.5, -(2**-0.5)], rel=1e-5)
     per_turn = collect(**{"algorithm.turn_credit": "per_turn", "algorithm.turn_discount": 1.0}).batch
-    g = torch.tensor([1.5, -1.0])  # trajectory returns G_0: 0.5 + 1, and -1
-    a0, a1 = (1.5 - g.mean()) / (g.std() + 1e-6), (1.0 - g.mean()) / (g.std() + 1e-6)
+    g = torch.tensor([1.5, -1.0])  # turn-0 returns G_0: 0.5 + 1, and -1
+    a0 = (1.5 - g.mean()) / (g.std() + 1e-6)
     adv = per_turn.advantages[0]
     assert adv.shape == (lengths[0],)
-    assert torch.allclose(adv[:n_call], a0.expand(n_call)) and torch.allclose(adv[-3:], a1.expand(3))
+    # the answer turn is reached by episode 0 alone: nothing to compare it with, advantage 0
+    assert torch.allclose(adv[:n_call], a0.expand(n_call)) and torch.equal(adv[-3:], torch.zeros(3))
     assert torch.allclose(per_turn.advantages[1], ((-1.0 - g.mean()) / (g.std() + 1e-6)).expand(lengths[1]))
     # the actor's padded micro-batch: observation positions are no targets, each target has its turn's advantage
     per_turn.validate(vocab_size=200, num_layers=1, top_k=1, num_experts=None)

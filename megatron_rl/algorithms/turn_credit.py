@@ -2,10 +2,12 @@
 
 Turn t of trajectory i has the return G_it = sum_{k >= t} gamma^(k - t) r_ik over its turns'
 rewards r_ik (the environment's turn rewards, the trajectory's final reward added to its last
-turn), gamma = `algorithm.turn_discount`. Its advantage is normalised by the statistics of the
-group's trajectory returns G_i0: A_it = (G_it - mean_g G_0) / (std_g G_0 + eps) (mean-only with
-`algorithm.adv_norm_std = false`). With no turn rewards and gamma = 1 every G_it is the final
-reward, so A_it is the outcome advantage of GRPO on every turn.
+turn), gamma = `algorithm.turn_discount`. Its advantage is normalised among the returns of the same
+turn in the group: A_it = (G_it - mean_j G_jt) / (std_j G_jt + eps), j over the group's trajectories
+that reach turn t (mean-only with `algorithm.adv_norm_std = false`; 0 when only i reaches it). Each
+turn is judged against the other trajectories' same turn, not against whole-episode returns: a
+turn reward earned earlier does not lower the advantage of every later turn. With no turn rewards,
+gamma = 1 and the same number of turns in the group, every A_it is the outcome advantage of GRPO.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from megatron_rl.algorithms.advantages import group_baseline
 
 
 def turn_returns(turn_rewards: Sequence[float], final_reward: float, discount: float) -> list[float]:
@@ -48,7 +48,17 @@ def per_turn_advantages(
             f"expected ({len(turn_rewards)},) = one per trajectory"
         )
     returns = [turn_returns(r, float(f), discount) for r, f in zip(turn_rewards, final_rewards.tolist(), strict=True)]
-    mean, scale = group_baseline(
-        torch.tensor([g[0] for g in returns], dtype=torch.float32), group_size, norm_std=norm_std, eps=eps
-    )
-    return [(torch.tensor(g, dtype=torch.float32) - m) / s for g, m, s in zip(returns, mean, scale, strict=True)]
+    if group_size < 1 or len(returns) % group_size != 0:
+        raise ValueError(
+            f"per_turn_advantages: {len(returns)} trajectories do not split into groups of group_size={group_size}"
+        )
+    out = [torch.zeros(len(g), dtype=torch.float32) for g in returns]
+    for first in range(0, len(returns), group_size):
+        group = range(first, first + group_size)
+        for t in range(max(len(returns[i]) for i in group)):
+            members = [i for i in group if len(returns[i]) > t]
+            values = torch.tensor([returns[i][t] for i in members], dtype=torch.float32)
+            scale = values.std() + eps if norm_std and len(members) > 1 else torch.tensor(1.0)
+            for i, a in zip(members, (values - values.mean()) / scale, strict=True):
+                out[i][t] = a
+    return out
