@@ -88,10 +88,13 @@ def on_rank0_with(held: V | None, call: Callable[[V], T]) -> T:
     return on_rank0(on_holder)
 
 
-def logprob_gap(trainer: list[torch.Tensor], rollout: list[torch.Tensor]) -> dict[str, float]:
-    """How far the engine's log-probs are from the trainer's for the same tokens and weights:
+def logprob_gap(
+    trainer: list[torch.Tensor], rollout: list[torch.Tensor], masks: list[torch.Tensor]
+) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's for the same tokens and weights, over
+    each sample's loss tokens (`masks`; a trajectory's observation tokens have no engine log-prob):
     |difference| mean and max, and the k3 estimate of KL(pi_rollout || pi_trainer) per token."""
-    diff = torch.cat([t.double() - r.double() for t, r in zip(trainer, rollout, strict=True)])
+    diff = torch.cat([(t.double() - r.double())[m.bool()] for t, r, m in zip(trainer, rollout, masks, strict=True)])
     if diff.numel() == 0:
         return {}
     return {
@@ -322,7 +325,8 @@ class Trainer:
             old = self.actor.compute_log_probs(batch, record_routing=r2, replay_routing=r3)
             routed = old.routed_experts if r2 else batch.routed_experts
             batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=routed)
-            out.update(logprob_gap(old.log_probs, batch.rollout_log_probs))
+            masks = [batch.loss_mask(i) for i in range(len(batch))]
+            out.update(logprob_gap(old.log_probs, batch.rollout_log_probs, masks))
             # before the update: never train on another policy's rollouts. Only samples generated
             # wholly by the current weights can be compared (asynchronous modes also train older ones).
             fresh = [
@@ -332,7 +336,11 @@ class Trainer:
             ]
             if fresh:
                 self.check_logprob_gap(
-                    logprob_gap([old.log_probs[i] for i in fresh], [batch.rollout_log_probs[i] for i in fresh])
+                    logprob_gap(
+                        [old.log_probs[i] for i in fresh],
+                        [batch.rollout_log_probs[i] for i in fresh],
+                        [masks[i] for i in fresh],
+                    )
                 )
         else:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)

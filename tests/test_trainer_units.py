@@ -282,7 +282,9 @@ def test_summarize_updates_reduces_each_key_by_its_kind() -> None:
 
 def test_logprob_gap_by_hand() -> None:
     out = logprob_gap(
-        [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])], [torch.tensor([-1.0, -1.5]), torch.tensor([-1.0])]
+        [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5])],
+        [torch.tensor([-1.0, -1.5, 0.0]), torch.tensor([-1.0])],
+        [torch.tensor([True, True, False]), torch.tensor([True])],  # an observation token: no engine log-prob
     )
     diffs = [0.0, -0.5, 0.5]
     assert out["logprob_gap/abs_mean"] == pytest.approx(1 / 3) and out["logprob_gap/abs_max"] == 0.5
