@@ -479,24 +479,6 @@ def test_disaggregated_job_trains_and_syncs_the_engine(jobs: dict) -> None:
 
 
 @pytest.mark.slurm
-def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
-    """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
-    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort"."""
-    run_dir = tmp_path / "run"
-    overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
-    job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)
-    state, code, out = wait_job(job, tmp_path)
-    assert (state, code) == ("COMPLETED", 0), out[-4000:]
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
-    logs = run_dir / "logs" / f"job-{job}"
-    text = (logs / "engine0-node2.log").read_text()
-    assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
-    assert "mode abort" not in text
-    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
-    assert not wait_no_leftovers(job, str(logs))
-
-
-@pytest.mark.slurm
 def test_chained_colocated_job_resumes_and_cancel_leaves_no_process(jobs: dict) -> None:
     job, run_dir, out_dir = jobs["colocated"], jobs["run_dir"], jobs["out_dir"]
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -535,3 +517,22 @@ def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
     assert layout["world_size"] == 2 and layout["expert_model_parallel_size"] == 2
     assert (jobs["out_dir"] / "ckpt" / "hf_config" / "config.json").is_file()
     assert "convert on 1 node(s) x 2 ranks" in out and "convert exited with 0" in out
+
+
+@pytest.mark.slurm
+def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
+    """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
+    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort".
+    Last in the file: the chained job of `jobs` must still be running when its test looks at it."""
+    run_dir = tmp_path / "run"
+    overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
+    job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)
+    state, code, out = wait_job(job, tmp_path)
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    logs = run_dir / "logs" / f"job-{job}"
+    text = (logs / "engine0-node2.log").read_text()
+    assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
+    assert "mode abort" not in text
+    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
+    assert not wait_no_leftovers(job, str(logs))
