@@ -78,6 +78,11 @@ class LogprobGapError(RuntimeError):
     """The engine's log-probs are too far from the trainer's: it serves other weights (`rollout.max_logprob_gap`)."""
 
 
+def agreed_stop(request: StopRequest | None) -> int:
+    """At a step boundary: the stop signal any rank received, 0 if none (collective)."""
+    return request.agreed() if request is not None else 0
+
+
 def on_rank0_with(held: V | None, call: Callable[[V], T]) -> T:
     """`call(held)` through `on_rank0` (collective), where `held` is what only rank 0 holds (None elsewhere)."""
 
@@ -157,8 +162,9 @@ class Trainer:
         self.log = log
         self.weight_sync = weight_sync
         self.rank0 = rank0
-        self.stop: StopRequest | None = None  # set by run_training: SIGTERM/SIGUSR1 end `run` at a step boundary
         self.stopped_by = 0  # the stop signal `run` ended on (0: it ran every step)
+        # the engine serves the weights of the last synced step (on resume: the checkpoint's, synced at start)
+        self.version = run_folder.start_step
 
     @classmethod
     def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False, force: bool = False) -> Trainer:
@@ -214,13 +220,12 @@ class Trainer:
         return trainer
 
     # ---- the loop ----
-    def run(self) -> dict[str, Any]:
-        """Train from the resumed step to `train.steps`; returns the last step's record (rank 0; {} elsewhere)."""
+    def run(self, stop_request: StopRequest | None = None) -> dict[str, Any]:
+        """Train from the resumed step to `train.steps`; returns the last step's record (rank 0; {} elsewhere).
+        `stop_request` (SIGTERM/SIGUSR1) ends the run at a step boundary with a checkpoint."""
         cfg = self.cfg
         start_step = self.run_folder.start_step
         started = time.perf_counter()
-        # the engine serves the weights of the last synced step (on resume: the checkpoint's, synced at start)
-        self.version = start_step
         saved = self.run_folder.loop_state.rollout if self.run_folder.loop_state is not None else None
         if saved is not None and self.rank0 is not None:
             self.rank0.load_state_dict(saved)
@@ -228,7 +233,7 @@ class Trainer:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
         checkpoint_s = None
-        stop = self.stop_requested()  # a signal during the start-up: nothing new to save
+        stop = agreed_stop(stop_request)  # a signal during the start-up: nothing new to save
         if stop and start_step < cfg.train.steps:
             self.stopped_by = stop
             self.log.message(f"{signal.Signals(stop).name}: stopped before step {start_step + 1}")
@@ -249,7 +254,7 @@ class Trainer:
                     f"{record['async/staleness_max']:.0f}, dropped {record['async/dropped_stale']:.0f}, "
                     f"buffer {record['async/buffer_groups']:.0f}, waited {record['time/wait_batch']:.2f} s"
                 )
-            stop = self.stop_requested()
+            stop = agreed_stop(stop_request)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last or stop:
                 began = time.perf_counter()
                 sampler = self.rank0.data.sampler if self.rank0 is not None else None
@@ -277,10 +282,6 @@ class Trainer:
             return
         with self.rank0.checkpoint_state() as state:
             yield state
-
-    def stop_requested(self) -> int:
-        """At a step boundary: the stop signal any rank received, 0 if none (collective)."""
-        return self.stop.agreed() if self.stop is not None else 0
 
     def _step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
@@ -320,12 +321,12 @@ class Trainer:
         assert batch is not None
         out: dict[str, float] = {}
         began = time.perf_counter()
+        masks = [batch.loss_mask(i) for i in range(len(batch))]  # the tokens the loss, gap and KL see
         if alg.old_logprob_source == "recompute":
             r2, r3 = alg.routing_replay == "r2", alg.routing_replay == "r3"
             old = self.actor.compute_log_probs(batch, record_routing=r2, replay_routing=r3)
             routed = old.routed_experts if r2 else batch.routed_experts
             batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=routed)
-            masks = [batch.loss_mask(i) for i in range(len(batch))]
             out.update(logprob_gap(old.log_probs, batch.rollout_log_probs, masks))
             # before the update: never train on another policy's rollouts. Only samples generated
             # wholly by the current weights can be compared (asynchronous modes also train older ones).
@@ -346,7 +347,7 @@ class Trainer:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
         referenced = time.perf_counter()
         if self.reference is not None:
-            batch = self._with_reference(batch, plan.rewards, out)
+            batch = self._with_reference(batch, plan.rewards, masks, out)
         trained = time.perf_counter()
         history = self.actor.train(batch)
         done = time.perf_counter()
@@ -385,14 +386,15 @@ class Trainer:
             "by another client, or a failed sync); stopping instead of training on its rollouts"
         )
 
-    def _with_reference(self, batch: ActorBatch, rewards: torch.Tensor | None, out: dict[str, float]) -> ActorBatch:
+    def _with_reference(
+        self, batch: ActorBatch, rewards: torch.Tensor | None, masks: list[torch.Tensor], out: dict[str, float]
+    ) -> ActorBatch:
         """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
         advantages); KL(pi_old || pi_ref) metrics into `out`."""
         alg = self.cfg.algorithm
         assert self.reference is not None and batch.old_log_probs is not None
         ref = self.reference.compute_log_probs(batch, replay_routing=alg.routing_replay != "none")
         batch = batch.with_fields(ref_log_probs=ref.log_probs)
-        masks = [batch.loss_mask(i) for i in range(len(batch))]
         kl_sums, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
         out.update(metrics)
         if alg.kl_in_reward:
@@ -423,8 +425,7 @@ def run_training(cfg: Config, *, resume: bool = False, force: bool = False) -> d
         try:
             with contextlib.ExitStack() as stack:
                 trainer = Trainer.start(cfg, stack, resume=resume, force=force)
-                trainer.stop = stop
-                record = trainer.run()
+                record = trainer.run(stop)
         finally:
             if dist.is_initialized():
                 destroy_distributed()
