@@ -10,6 +10,7 @@ result. Every failure raises `ConfigError` naming the key path and what is allow
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -502,6 +503,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except OmegaConfBaseException as err:
         raise _explain(err, "preset") from err
     for source, layer in layers:
+        _check_bool_values(OmegaConf.to_container(layer, resolve=False), Config, "", source)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
@@ -509,6 +511,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg, model_shape=not (cfg.model.hf_path or cfg.checkpoint.load))
     return cfg
+
+
+def _check_bool_values(values: Any, cls: Any, prefix: str, source: str) -> None:
+    """Refuse a non-bool value of a bool key in one layer before OmegaConf converts it (2, 'yes' -> true)."""
+    if not isinstance(values, dict) or not dataclasses.is_dataclass(cls):
+        return
+    hints = _hints(cls)
+    for name, value in values.items():
+        if name not in hints:
+            continue  # an unknown key: the merge names it
+        tp, key = hints[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            _check_bool_values(value, tp, f"{key}.", source)
+        elif tp in (bool, bool | None) and not isinstance(value, bool) and value is not None:
+            if isinstance(value, str) and value.startswith("${"):
+                continue  # an interpolation: OmegaConf checks what it resolves to
+            nullable = " (or null)" if tp == bool | None else ""
+            raise ConfigError(f"{key} = {value!r} (from {source}) is not a bool; allowed: true or false{nullable}")
 
 
 # Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
@@ -544,6 +564,8 @@ def _check_bounds(section: Any, prefix: str) -> None:
             continue
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} = {value} is not a finite number; every numeric key must be finite")
         meta = fld.metadata
         in_range = (
             ("ge" not in meta or value >= meta["ge"])
@@ -673,6 +695,11 @@ def _validate_parallel(cfg: Config) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     ro = cfg.rollout
+    for i, url in enumerate(ro.sglang_urls):
+        _require(
+            isinstance(url, str) and url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0,
+            f"rollout.sglang_urls[{i}] = {url!r} is not an http:// or https:// address (http://host:port)",
+        )
     _require(
         ro.engine != "sglang" or bool(ro.sglang_urls),
         "rollout.engine = 'sglang' needs rollout.sglang_urls (the servers' or router's http://host:port)",

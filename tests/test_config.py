@@ -162,3 +162,39 @@ def test_model_shape_checks_wait_for_the_checkpoints_config():
         load_config(None, overrides)
     cfg = load_config(None, [*overrides, "model.hf_path=/models/qwen3-30b-a3b"])
     assert cfg.parallel.tensor_model_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["reward.incorrect_reward=nan", "reward.incorrect_reward=-inf", "algorithm.kl_coef=inf", "train.lr=inf"],
+)
+def test_a_non_finite_number_is_refused_naming_the_key(override: str) -> None:
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key} = {value} is not a finite number"):
+        load_config(None, [override])
+
+
+def test_a_non_finite_number_in_a_yaml_file_is_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("reward:\n  correct_reward: .nan\n")
+    with pytest.raises(ConfigError, match=r"^reward\.correct_reward = nan is not a finite number"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", ["2", "0", "'true'", "1.0"])
+def test_a_bool_key_refuses_a_value_that_is_not_a_bool(value: str, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"^rollout\.partial_rollout = .* \(from the command line\) is not a bool"):
+        load_config(None, [f"rollout.partial_rollout={value}"])
+    path = tmp_path / "run.yaml"
+    path.write_text(f"parallel:\n  sequence_parallel: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^parallel\.sequence_parallel = .* \(from {path}\) is not a bool"):
+        load_config(path)
+    assert load_config(None, ["rollout.partial_rollout=false"]).rollout.partial_rollout is False
+    assert load_config(None, ["parallel.sequence_parallel=null"]).parallel.sequence_parallel is None
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "http://", "localhost:30000", "3"])
+def test_an_sglang_url_that_is_not_http_is_refused_naming_its_index(url: str) -> None:
+    with pytest.raises(ConfigError, match=r"^rollout\.sglang_urls\[1\] = .* is not an http:// or https:// address"):
+        load_config(None, [f"rollout.sglang_urls=[http://a:1,{url}]", "rollout.engine=sglang"])
+    assert load_config(None, ["rollout.sglang_urls=[https://b]"]).rollout.sglang_urls == ["https://b"]
