@@ -176,7 +176,11 @@ class AlgorithmConfig:
         "kl_in_reward); 0 = no reference model unless ref_kl_metrics",
         **BOUNDS["kl_coef"],
     )
-    kl_estimator: Literal[KL_ESTIMATORS] = _f("k3", "per-token KL estimator (Schulman k1/k2/k3)")
+    kl_estimator: Literal[KL_ESTIMATORS] = _f(
+        "k3",
+        "per-token KL estimator (Schulman): k1 = log pi - log pi_ref (only with kl_in_reward: in the loss its "
+        "expected gradient is 0); k2 = its square / 2; k3 = verl's low_var_kl, clamped to 10 per token",
+    )
     entropy_coef: float = _f(
         0.0,
         "entropy bonus: loss -= coef x mean entropy per loss token (verl's entropy_coeff); 0 = off",
@@ -631,6 +635,12 @@ def _validate_algorithm(alg: AlgorithmConfig) -> None:
         not (alg.turn_credit == "per_turn" and alg.kl_in_reward),
         "algorithm.kl_in_reward = true penalises each trajectory's reward once, which algorithm.turn_credit = "
         "'per_turn' does not take; use the KL in the loss (kl_in_reward = false) or turn_credit = 'outcome'",
+    )
+    _require(
+        not (alg.kl_estimator == "k1" and alg.kl_coef > 0 and not alg.kl_in_reward),
+        "algorithm.kl_estimator = 'k1' in the loss (algorithm.kl_coef > 0, kl_in_reward = false): the gradient "
+        "of k1 = log pi - log pi_ref is that of log pi, whose expectation is 0, so the term only adds noise; "
+        "use kl_estimator = 'k3' (or 'k2'), or put k1 in the reward (algorithm.kl_in_reward = true)",
     )
     _require(
         not (alg.kl_in_reward and alg.kl_coef == 0),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.config import AlgorithmConfig, ConfigError, loss_spec, preset
+from megatron_rl.config import AlgorithmConfig, ConfigError, load_config, loss_spec, preset
 from megatron_rl.losses import LossSpec, finalize_metrics, global_normalizer, policy_loss
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.spec import IS_LEVELS
@@ -406,3 +406,24 @@ def test_losses_import_no_other_package_of_megatron_rl():
     loaded = json.loads(out)
     assert "megatron_rl.losses.objective" in loaded
     assert [m for m in loaded if m != "megatron_rl" and not m.startswith("megatron_rl.losses")] == []
+
+
+def test_k3_is_clamped_to_10_per_token_with_zero_gradient_beyond_as_verls_low_var_kl():
+    # x = log pi_ref - log pi: 7.5 gives e^7.5 - 1 - 7.5 = 1799.54 unclamped (gradient -1807.04), here 10 and 0;
+    # x = 2 stays e^2 - 3 = 4.389 with gradient -(e^2 - 1) = -6.389
+    cfg = spec("grpo", kl_coef=0.1, kl_estimator="k3")
+    lp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
+    ref = torch.tensor([[7.5, 2.0]], dtype=F64)
+    loss, metrics = policy_loss(lp, lp.detach(), torch.zeros(1, 2, dtype=F64), torch.ones(1, 2), cfg, ref_log_probs=ref)
+    assert loss.item() == pytest.approx(0.1 * (10.0 + math.exp(2) - 3) / 2, abs=1e-12)
+    assert finalize_metrics(metrics)["ref_kl_mean"] == pytest.approx((10.0 + math.exp(2) - 3) / 2, abs=1e-12)
+    loss.backward()
+    expected = torch.tensor([[0.0, -0.1 * (math.exp(2) - 1) / 2]], dtype=F64)
+    torch.testing.assert_close(lp.grad, expected, rtol=1e-12, atol=1e-16)
+
+
+def test_k1_in_the_loss_is_refused_and_allowed_in_the_reward():
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_estimator = 'k1' in the loss .* expectation is 0"):
+        load_config(None, ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"])
+    cfg = load_config(None, ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1", "algorithm.kl_in_reward=true"])
+    assert cfg.algorithm.kl_estimator == "k1" and loss_spec(cfg.algorithm).kl_coef == 0.0

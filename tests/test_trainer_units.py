@@ -417,3 +417,11 @@ def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
     written = plot_run(tmp_path)
     assert sorted(p.name for p in written) == ["accuracy.png", "overview.png", "reward.png", "stage_times.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_kl_in_the_reward_takes_k3_clamped_to_10_per_token() -> None:
+    # x = log pi_ref - log pi_old = 7.5 on token 0 (1799.54 unclamped), 0.5 on token 1 (e^0.5 - 1.5)
+    sums, metrics = reference_kl([torch.tensor([-8.0, -1.0])], [torch.tensor([-0.5, -0.5])],
+                                 [torch.tensor([True, True])], "k3", 20.0)  # fmt: skip
+    assert sums.tolist() == pytest.approx([10.0 + math.exp(0.5) - 1.5], abs=1e-12)
+    assert metrics["actor/kl_ref_max"] == 10.0
