@@ -183,7 +183,8 @@ class AlgorithmConfig:
     )
     entropy_coef: float = _f(
         0.0,
-        "entropy bonus: loss -= coef x mean entropy per loss token (verl's entropy_coeff); 0 = off",
+        "entropy bonus (verl's entropy_coeff): loss -= coef x the entropy of the loss tokens aggregated as the "
+        "policy loss (loss_agg_mode); 0 = off",
         **BOUNDS["entropy_coef"],
     )
     kl_in_reward: bool = _f(

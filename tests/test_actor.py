@@ -202,8 +202,8 @@ def test_package_exports_megatron_parts_lazily() -> None:
 
 def test_entropy_coef_adds_the_bonus_to_the_policy_loss() -> None:
     """The train step's micro-batch loss with `algorithm.entropy_coef` = c on a tiny batch: loss and
-    gradients equal autograd through a full log_softmax of policy_loss - c x H_mean (H_mean over the
-    loss tokens of the whole batch); the metrics report the bonus and include it in `loss`; c = 0
+    gradients equal autograd through a full log_softmax of policy_loss - c x H (GRPO's seq-mean-token-mean
+    of the entropy over the loss tokens of the whole batch); the metrics report the bonus and include it in `loss`; c = 0
     leaves the entropy without gradient and the policy loss as it was."""
     import dataclasses
 
@@ -224,7 +224,7 @@ def test_entropy_coef_adds_the_bonus_to_the_policy_loss() -> None:
         spec = loss_spec(dataclasses.replace(preset("grpo"), entropy_coef=coef))
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = vocab_parallel_logprobs_from_hidden(h, w, inp.target, temperature, mask=inp.target_mask, chunk_tokens=3)
-        loss, metrics = _loss_fn(policy_token_loss(spec), norm, 1.0, spec.entropy_coef)(inp, out)
+        loss, metrics = _loss_fn(policy_token_loss(spec), norm, 1.0, spec.entropy_coef, spec.loss_agg_mode)(inp, out)
         loss.backward()
 
         hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -233,7 +233,8 @@ def test_entropy_coef_adds_the_bonus_to_the_policy_loss() -> None:
         ent = -(lsm.exp() * lsm).sum(-1)
         f = inp.fields
         ref_pg, _ = policy_loss(logp, f["old_log_probs"], f["advantages"], inp.target_mask, spec, normalizer=norm)
-        h_mean = ent[inp.target_mask].sum() / 4  # 4 loss tokens in the whole batch
+        rows = inp.target_mask.sum(-1)  # the loss tokens of each of the 2 sequences
+        h_mean = sum(ent[i][inp.target_mask[i]].sum() / rows[i] for i in range(2)) / 2
         ref = ref_pg - coef * h_mean
         ref.backward()
         assert abs(loss.item() - ref.item()) <= 1e-5

@@ -148,7 +148,7 @@ def test_entropy_bonus_gradient_matches_autograd() -> None:
     for coef in (0.0, 0.3):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = vocab_parallel_logprobs_from_hidden(h, w, target, 0.8, mask=mask, chunk_tokens=2)
-        bonus = entropy_bonus(out.entropy, mask, coef, norm)
+        bonus = entropy_bonus(out.entropy, mask, coef, norm, "token-mean")
         assert abs(bonus.item() - (-coef * out.entropy[mask].sum().item() / norm.num_tokens)) <= 1e-7
         (-(out.logprobs[mask]).sum() / norm.num_tokens + bonus).backward()
 
@@ -159,7 +159,7 @@ def test_entropy_bonus_gradient_matches_autograd() -> None:
         (-(logp[mask]).sum() / norm.num_tokens - coef * ent[mask].sum() / norm.num_tokens).backward()
         assert max_diff(h.grad, hr.grad) <= TOL and max_diff(w.grad, wr.grad) <= TOL
     with pytest.raises(ValueError, match=r"entropy shape \(3, 5\) must equal mask shape \(3, 4\)"):
-        entropy_bonus(out.entropy, mask[:, :4], 0.1, norm)
+        entropy_bonus(out.entropy, mask[:, :4], 0.1, norm, "token-mean")
 
 
 def test_bf16_inputs_give_fp32_outputs() -> None:

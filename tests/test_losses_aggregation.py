@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.config import preset
 from megatron_rl.losses import LossSpec, Normalizer, finalize_metrics, global_normalizer, merge_metrics, policy_loss
+from megatron_rl.losses.entropy import entropy_bonus
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.spec import AGGREGATION_MODES
 
@@ -150,3 +151,34 @@ def test_empty_micro_batch_gives_zero_loss_and_neutral_metrics():
     assert metrics["ratio_max"].item() == float("-inf") and metrics["ratio_min"].item() == float("inf")
     with pytest.raises(ValueError, match="Normalizer.num_tokens must be >= 0"):
         Normalizer(-1.0, 1.0, 1.0)
+
+
+def test_entropy_bonus_is_aggregated_as_the_policy_loss_by_hand():
+    # row 0: entropies 1, 2, 3 (3 tokens); row 1: 4 (1 token, then padding holding NaN)
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), float("nan")]], dtype=F64)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    norm = global_normalizer(mask, token_norm=5.0)
+    expected = {
+        "token-mean": (1 + 2 + 3 + 4) / 4,
+        "seq-mean-token-mean": ((1 + 2 + 3) / 3 + 4 / 1) / 2,
+        "seq-mean-token-sum": (6 + 4) / 2,
+        "seq-mean-token-sum-norm": (6 + 4) / (2 * 5.0),
+    }
+    for mode, value in expected.items():
+        assert entropy_bonus(entropy, mask, 0.5, norm, mode).item() == pytest.approx(-0.5 * value, abs=1e-12), mode
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_entropy_bonus_shares_of_a_split_add_up_to_the_whole_batch(mode):
+    gen = torch.Generator().manual_seed(3)
+    _, _, _, mask, _, _ = _batch(0)
+    entropy = (torch.rand(B, T, generator=gen, dtype=F64) * 2).requires_grad_()
+    norm = global_normalizer(mask, token_norm=16.0)
+    whole = entropy_bonus(entropy, mask, 0.1, norm, mode)
+    (whole_grad,) = torch.autograd.grad(whole, entropy)
+    # DP rank 0 takes rows 0-4 in micro-batches of 2, 3; rank 1 rows 5-7 cut to their own padded width
+    parts = [(slice(0, 2), T), (slice(2, 5), T), (slice(5, 8), 11)]
+    shares = [entropy_bonus(entropy[rows, :width], mask[rows, :width], 0.1, norm, mode) for rows, width in parts]
+    split_grad = torch.autograd.grad(sum(shares), entropy)[0]
+    assert sum(shares).item() == pytest.approx(whole.item(), rel=1e-13)
+    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-13, atol=1e-16)

@@ -7,8 +7,8 @@ global normaliser (`megatron_rl.losses.global_normalizer` over its whole respons
 and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
 the SFT cross-entropy), then one optimizer step with gradient clipping. Log-probs and entropy come
 from the decoder's hidden states without logits (`forward.LogProbHead`). With the policy loss,
-`algorithm.entropy_coef` > 0 adds the entropy bonus (`losses.entropy_bonus`: -coef x the token-mean
-entropy over the loss tokens, as entropy_mean is computed), back-propagated through the entropy.
+`algorithm.entropy_coef` > 0 adds the entropy bonus (`losses.entropy_bonus`: -coef x the entropy of the
+loss tokens aggregated as the policy loss, `algorithm.loss_agg_mode`), back-propagated through the entropy.
 Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics` (with a bonus, `loss` includes it and `entropy_bonus` is
@@ -130,12 +130,12 @@ def policy_token_loss(spec: LossSpec) -> TokenLoss:
     return loss
 
 
-def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float):
+def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float, loss_agg_mode: str):
     def loss_fn(mb: MicroBatchInputs, out: LogProbs) -> tuple[Tensor, dict[str, Tensor]]:
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
         if entropy_coef > 0:
-            bonus = entropy_bonus(out.entropy, mb.target_mask, entropy_coef, normalizer)
+            bonus = entropy_bonus(out.entropy, mb.target_mask, entropy_coef, normalizer, loss_agg_mode)
             loss = loss + bonus
             metrics["loss"] = metrics["loss"] + bonus.detach().to(torch.float64)
             metrics["entropy_bonus"] = bonus.detach().to(torch.float64)
@@ -199,7 +199,7 @@ def train_on_batch(
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, max_tokens)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
-        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef)
+        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode)
         for chunk in state.model:
             chunk.train()
             chunk.zero_grad_buffer()
