@@ -135,10 +135,13 @@ def test_every_field_is_documented():
 
 def test_cli_prints_resolved_config_and_errors():
     ok = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "config", "algorithm.name=sapo"], capture_output=True, text=True
+        [sys.executable, "-m", "megatron_rl.cli", "config", "algorithm.name=sapo", "--check", "none"],
+        capture_output=True,
+        text=True,
     )
     assert ok.returncode == 0, ok.stderr
     assert "sapo_tau_neg: 1.05" in ok.stdout and "gate: soft" in ok.stdout
+    assert ok.stdout.endswith("# checked: types, ranges and combinations only (--check none)\n")
     bad = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "config", "train.steps=-1"], capture_output=True, text=True
     )

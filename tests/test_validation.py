@@ -337,3 +337,54 @@ def test_an_unusable_data_file_is_one_error_line_and_the_traceback_with_verbose(
         f"sft: error: data file {tmp_path / 'binary.jsonl'}: no usable"
     )
     assert ("Traceback (most recent call last)" in proc.stderr) == verbose
+
+
+def _config_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`megatron-rl config ARGV` in this process: exit code, stdout, stderr."""
+    import argparse
+
+    from megatron_rl.commands import config as config_command
+
+    parser = argparse.ArgumentParser()
+    config_command.add_arguments(parser)
+    rc = config_command.run(parser.parse_args(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt = 1: algorithm.name = 'grpo' computes"),
+        (["rollout.temperature=0"], "rollout.temperature = 0: greedy rollouts give every response"),
+        (R2_ROLLOUT, R2_ROLLOUT_ERROR),
+        (["parallel.expert_model_parallel_size=3"], "parallel.expert_model_parallel_size (3) must divide"),
+    ],
+)
+def test_the_config_command_refuses_what_train_refuses(
+    folder: Path, overrides: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _config_command([str(folder / "run.yaml"), *overrides], capsys)
+    assert (rc, out) == (2, "") and err.startswith("config error: ") and expected in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_config_command_says_it_validated_on_the_smallest_world_the_layout_fits(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # EP 2 x TP 2: TP x PP = 2 and ETP x EP x PP = 4 ranks, so 4 is the smallest world
+    layout = ["parallel.expert_model_parallel_size=2", "parallel.tensor_model_parallel_size=2"]
+    rc, out, err = _config_command([str(folder / "run.yaml"), *layout, "model.num_experts=16"], capsys)
+    assert rc == 0, err
+    assert "num_experts: 4" in out  # the model as train resolves it, from config.json
+    assert out.endswith("# validated for megatron-rl train on a world of 4 rank(s) (the device and rollout.port are "
+                        "checked at launch)\n")  # fmt: skip
+    rc, out, err = _config_command([str(folder / "run.yaml"), *layout, "--world-size", "6"], capsys)
+    assert rc == 2 and "world size 6 is not divisible by parallel.expert_tensor_parallel_size (2)" in err
+    # 16 prompts x 2 samples = 32 samples, fewer than 9 updates x 4 data-parallel ranks (a world of 4, TP 1)
+    batch = ["train.prompts_per_step=16", "rollout.n_samples_per_prompt=2", "train.updates_per_step=9"]
+    rc, _, err = _config_command([str(folder / "run.yaml"), *batch, "--world-size", "4"], capsys)
+    assert rc == 2 and "than train.updates_per_step (9) x the data-parallel size (4)" in err
+    rc, out, err = _config_command([str(folder / "run.yaml"), "--check", "sft"], capsys)
+    assert rc == 0 and out.endswith("# validated for megatron-rl sft on a world of 1 rank(s) (the device and "
+                                    "rollout.port are checked at launch)\n"), err  # fmt: skip
