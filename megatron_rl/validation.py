@@ -1,7 +1,7 @@
 """The one check of a run's configuration, made before Megatron is imported or any model is built.
 
 Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`, the Slurm planner
-`slurm/jobplan.py`) calls `validate_run` first, so that a configuration that cannot run fails within
+`slurm/jobplan.py`, and `megatron-rl config`, which checks a config as a stage would) calls `validate_run` first, so that a configuration that cannot run fails within
 seconds with a `ConfigError` naming the key path and the allowed values. In order:
 
 1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's),
