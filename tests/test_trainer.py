@@ -257,6 +257,10 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
         pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
     assert process.returncode != 0
     assert "dynamic sampling kept 0 informative groups of 4 in 2 rounds" in log.read_text()
+    if sig == signal.SIGINT:  # Ctrl-C: a quiet exit, one line and no traceback
+        assert process.returncode == 130, log.read_text()[-3000:]
+        assert "train: interrupted (SIGINT): stopped at once, nothing saved" in log.read_text()
+        assert "Traceback" not in log.read_text() and "KeyboardInterrupt" not in log.read_text()
     deadline = time.monotonic() + 30
     while leftovers(work) and time.monotonic() < deadline:
         time.sleep(0.5)

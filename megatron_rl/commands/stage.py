@@ -1,6 +1,9 @@
 """What `megatron-rl train` and `megatron-rl sft` share: their arguments, the validation before the
 slow start, and one error line for a bad config, bad data or a checkpoint that does not fit (the
-traceback too with `megatron-rl --verbose`)."""
+traceback too with `megatron-rl --verbose`), or for a stage's own run errors raised on every rank
+alike (printed by rank 0 only). Ctrl-C (SIGINT) ends the stage at once, with one line on rank 0 and
+exit code 130 on every rank, without a traceback; nothing is saved (SIGTERM/SIGUSR1 stop with a
+checkpoint: `megatron_rl.parallel.signals`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.parallel.launch import LaunchError, read_launch_env
 from megatron_rl.validation import Command, validate_run
 
 
@@ -37,9 +41,38 @@ def _error(prefix: str, err: BaseException, verbose: bool) -> int:
     return 2
 
 
-def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, bool, bool], Any]) -> int:
+def _rank0() -> bool:
+    """Whether this process prints a line every rank would: global rank 0 (or one not launched yet)."""
+    try:
+        return read_launch_env().rank == 0
+    except LaunchError:
+        return True
+
+
+def run_stage(
+    args: argparse.Namespace,
+    command: Command,
+    run: Callable[[Config, bool, bool], Any],
+    *,
+    run_errors: tuple[type[Exception], ...] = (),
+) -> int:
     """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error."""
+    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error, 1 with
+    one line from rank 0 on one of `run_errors` (raised on every rank alike), 130 on Ctrl-C."""
+    try:
+        return _run_stage(args, command, run, run_errors)
+    except KeyboardInterrupt:
+        if _rank0():
+            print(f"{command}: interrupted (SIGINT): stopped at once, nothing saved", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run_stage(
+    args: argparse.Namespace,
+    command: Command,
+    run: Callable[[Config, bool, bool], Any],
+    run_errors: tuple[type[Exception], ...],
+) -> int:
     import torch.distributed as dist
 
     from megatron_rl.data import DataError
@@ -61,6 +94,10 @@ def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config,
         return _error("config error: ", err, verbose)
     except (DataError, ConversionError) as err:
         return _error(f"{command}: error: ", err, verbose)
+    except run_errors as err:
+        if _rank0():
+            _error(f"{command}: error: ", err, verbose)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

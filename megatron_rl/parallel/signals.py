@@ -7,7 +7,8 @@
   terminated process). The same signal a second time stops at once; the other one is taken as the
   same request (under Slurm a task can get SIGTERM from Slurm and SIGUSR1 from the batch script).
 - SIGHUP raises `Terminated` at once, as Ctrl-C (SIGINT) raises KeyboardInterrupt: nothing is saved,
-  the stage's `ExitStack` stops the engine.
+  the stage's `ExitStack` stops the engine (after Ctrl-C the command exits with code 130 and one line,
+  no traceback: `megatron_rl.commands.stage`).
 
 The ranks agree at the boundary (`StopRequest.agreed`, one all-reduce): a signal that reached only
 rank 0 (torchrun's workers signalled one by one, `kill` by hand) stops every rank after the same step.

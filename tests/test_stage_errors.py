@@ -1,0 +1,90 @@
+"""How `megatron-rl train`/`sft` end on a run error raised on every rank, and on Ctrl-C: one line from
+rank 0 (none from the others), no traceback, a non-zero exit code (1; 130 after SIGINT) on every rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.commands import sft as sft_command
+from megatron_rl.commands import train as train_command
+from megatron_rl.config import ModelConfig
+from megatron_rl.models.hf_config import hf_config_from_model
+from megatron_rl.trainer import LogprobGapError
+
+GAP = "the engine's log-probs differ from the trainer's by 0.3 per token on average"
+
+
+@pytest.fixture
+def run_config(tmp_path: Path) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(hf_config_from_model(ModelConfig(num_experts=4))))
+    run = {
+        "model": {"hf_path": str(tmp_path / "model")},
+        "data": {"train_path": str(tmp_path / "train.jsonl")},
+        "logging": {"run_dir": str(tmp_path / "run")},
+    }
+    (tmp_path / "run.yaml").write_text(json.dumps(run))
+    return tmp_path / "run.yaml"
+
+
+@pytest.fixture
+def launched_as(monkeypatch: pytest.MonkeyPatch):
+    """Set this process's launch variables to rank `rank` of 2; the stop-signal handlers the stage installs
+    are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def launch(rank: int) -> None:
+        env = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1}
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value))
+
+    yield launch
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def _run(command, run_config: Path) -> int:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return command.run(parser.parse_args([str(run_config)]))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_logprob_gap_ends_train_with_one_error_line_from_rank_0(
+    rank: int, run_config: Path, launched_as, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def gap(cfg, *, resume: bool, force: bool) -> None:
+        raise LogprobGapError(GAP)
+
+    monkeypatch.setattr("megatron_rl.trainer.run_training", gap)
+    launched_as(rank)
+    assert _run(train_command, run_config) == 1
+    err = capsys.readouterr().err
+    assert err == (f"train: error: {GAP}\n" if rank == 0 else "")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("command", [train_command, sft_command])
+def test_ctrl_c_is_a_quiet_exit_130_on_every_rank(
+    rank: int,
+    command,
+    run_config: Path,
+    launched_as,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def interrupted(cfg, *, resume: bool, force: bool) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("megatron_rl.trainer.run_training", interrupted)
+    monkeypatch.setattr("megatron_rl.sft.stage.run_sft", interrupted)
+    launched_as(rank)
+    name = "train" if command is train_command else "sft"
+    assert _run(command, run_config) == 130
+    err = capsys.readouterr().err
+    assert err == (f"{name}: interrupted (SIGINT): stopped at once, nothing saved\n" if rank == 0 else "")
