@@ -17,6 +17,7 @@ End to end (`megatron-rl train`, one trainer rank, the local engine on the tiny_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -347,3 +348,60 @@ def test_fully_async_trains_within_the_staleness_bound(work: Path, tmp_path: Pat
         assert r["async/staleness_max"] <= 1.0 and r["groups/groups_used"] == 4
         assert r["actor/tokens"] == r["response/tokens"]  # the trained groups are the ones generated
     assert leftovers(work) == []
+
+
+# ---- fully_async with dynamic sampling: a round takes what the staleness bound leaves it ----
+def _collect_within(driver: RolloutDriver, step: int, version: int, timeout: float = 120.0):
+    """`driver.collect(step, version)` on a thread; fails instead of hanging when it does not return."""
+    done: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: done.setdefault("plan", driver.collect(step, version)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), f"step {step}: collect waited for groups the staleness bound never lets exist"
+    return done["plan"]
+
+
+def test_fully_async_dynamic_sampling_oversampling_past_the_bound_takes_what_the_bound_allows(
+    tiny_data: Path, rank0_env: None
+) -> None:
+    # B = 4, G = 2, max_staleness 1: at most (0 + 1 + 1) x 4 = 8 live groups at version 0, while a round of
+    # oversample_factor 3 asks for 12 (it waited for them forever); every group is uninformative (reward 1)
+    cfg = in_process_config(tiny_data)
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, dynamic_sampling=True, oversample_factor=3.0, max_gen_rounds=2)
+    cfg.train.prompts_per_step = 4
+    engine = VersionedEngine(held_prompt=(), hold=0)
+    driver = start_driver(cfg, tiny_data, engine)
+    try:
+        first = _collect_within(driver, 1, 0)
+        second = _collect_within(driver, 2, 0)  # a skipped step: still version 0, nothing consumed
+    finally:
+        driver.close()
+        engine.close()
+    for plan in (first, second):
+        assert plan.batch is None and plan.metrics["groups/target_missed"] == 1.0
+        assert (plan.metrics["groups/rounds"], plan.metrics["groups/groups_generated"]) == (2.0, 16.0)  # 8 a round
+
+
+def test_a_round_after_kept_groups_takes_the_slots_they_leave(tiny_data: Path) -> None:
+    from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter
+
+    cfg = in_process_config(tiny_data)
+    cfg.train.prompts_per_step = 4  # bound (0 + 1 + 1) x 4 = 8 groups at version 0
+    data = RolloutData.load(cfg)
+    answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
+    producer = AsyncProducer(cfg, lambda job: list(answer), lambda: data.sampler.next(1)[0], BusyMeter())
+    try:
+        first = []
+        worker = threading.Thread(target=lambda: first.append(producer.take(6, 0)), daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive()
+        # 3 of the first round's 6 kept: 8 - 3 = 5 slots left for the next round, which asks for 6
+        second = []
+        worker = threading.Thread(target=lambda: second.append(producer.take(6, 3)), daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "take(6) waited for a sixth group the bound never lets exist"
+    finally:
+        producer.close()
+    assert [len(first[0][1]), len(second[0][1])] == [6, 5]

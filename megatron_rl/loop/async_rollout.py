@@ -14,7 +14,10 @@ trainer's version minus the version that generated it.
   them) to the engine, as long as the groups trained, taken, buffered and in flight stay within
   (version + max_staleness + 1) x train.prompts_per_step (AReaL's bound); finished groups go into a
   FIFO buffer. The trainer takes its rounds of groups from the buffer, dropping (and resubmitting the
-  prompt of) every group holding a token more than `rollout.max_staleness` versions behind it. A group
+  prompt of) every group holding a token more than `rollout.max_staleness` versions behind it. A round
+  takes at most what the bound leaves it (a dynamic-sampling round of oversample_factor x
+  prompts_per_step groups can ask for more than the bound ever lets exist), so it never waits for a
+  group the producer may not submit. A group
   with an aborted response (an engine error, or a weight sync with `rollout.partial_rollout=false`) is
   resubmitted, up to `rollout.max_retries` times, then left out (`groups/aborted`).
 """
@@ -241,10 +244,14 @@ class AsyncProducer:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
             self._thread.start()
 
+    def bound(self) -> int:
+        """The most groups consumed, taken, buffered and in flight together (caller holds the lock)."""
+        return (self.version + self.max_staleness + 1) * self.batch_groups
+
     def allowance(self) -> int:
         """Groups that may still be submitted under the staleness bound (caller holds the lock)."""
         live = self.consumed + self.taken + len(self.buffer) + len(self.in_flight)
-        return (self.version + self.max_staleness + 1) * self.batch_groups - live
+        return self.bound() - live
 
     def _can_submit(self) -> bool:
         return (
@@ -300,14 +307,18 @@ class AsyncProducer:
 
     # ---- the trainer's side (rank 0's main thread) ----
     def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Sample]]]:
-        """The next `n` finished groups fresh enough to train on, waiting for them; a stale one is dropped
-        (its samples counted) and its prompt resubmitted. `counted`: the groups already taken this step
-        that still count towards the bound (the informative ones kept so far)."""
+        """The next `n` finished groups fresh enough to train on, or as many as the staleness bound leaves
+        this round (fewer than `n` when it caps them), waiting for them; a stale one is dropped (its
+        samples counted) and its prompt resubmitted. `counted`: the groups already taken this step that
+        still count towards the bound (the informative ones kept so far)."""
         self.start()
         prompts: list[Prompt] = []
         grouped: list[list[Sample]] = []
         with self.cond:
             self.taken = counted
+            # every slot of the bound not consumed or kept can hold a group of this round (a dropped stale
+            # group's prompt keeps its slot); never ask for more, which the producer would never submit
+            n = min(n, self.bound() - self.consumed - counted)
             self.cond.notify_all()
             while len(grouped) < n:
                 while not self.buffer and self.error is None:
