@@ -100,6 +100,9 @@ class LoopState:
     # the rollout side's state, pickled (`RolloutDriver.checkpoint_state`: one_step_off's pre-generated
     # batch, fully_async's buffer and prompts in flight); None in checkpoints written before it existed
     rollout: bytes | None = None
+    # the weight version the engine serves (the last step that trained and synced: below `step` after
+    # skipped steps); None in checkpoints written before it existed (then taken as `step`)
+    weight_version: int | None = None
 
 
 def save_loop_state(folder: str | Path, state: LoopState) -> Path:
@@ -421,12 +424,17 @@ class RunFolder:
         return log
 
     def save_checkpoint(
-        self, actor: MegatronActor, step: int, sampler: PromptSampler | None, rollout: bytes | None = None
+        self,
+        actor: MegatronActor,
+        step: int,
+        sampler: PromptSampler | None,
+        rollout: bytes | None = None,
+        weight_version: int | None = None,
     ) -> Path:
         """CKPT_DIR/step_NNNNNN (collective): the actor, then rank 0's loop state and manifest into
         step_NNNNNN.tmp, renamed into place once every file is on disk; then pruning to
         `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0; `rollout`
-        rank 0's rollout state (`LoopState.rollout`)."""
+        rank 0's rollout state (`LoopState.rollout`), `weight_version` the RL loop's (`LoopState.weight_version`)."""
         folder = checkpoint_dir(self.ckpt_root, step)
         staging = folder.with_name(folder.name + STAGING_SUFFIX)
         if self.rank == 0:
@@ -440,7 +448,13 @@ class RunFolder:
                 raise ValueError("save_checkpoint: rank 0 needs the prompt sampler (its position is loop state)")
             save_loop_state(
                 staging,
-                LoopState(step=step, sampler=sampler.state_dict(), rollout_seed=self.cfg.train.seed, rollout=rollout),
+                LoopState(
+                    step=step,
+                    sampler=sampler.state_dict(),
+                    rollout_seed=self.cfg.train.seed,
+                    rollout=rollout,
+                    weight_version=weight_version,
+                ),
             )
             write_manifest(staging, step)
             if folder.exists():  # this step saved before (a damaged checkpoint skipped at resume)

@@ -142,6 +142,16 @@ def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) 
     return str(folder) if folder is not None else None
 
 
+def resumed_weight_version(run_folder: RunFolder) -> int:
+    """The weight version a run starts with: 0 from scratch; on resume the checkpoint's (the last step
+    that trained and synced, below the checkpoint's step after skipped steps), or its step for a
+    checkpoint written before the version was saved."""
+    state = run_folder.loop_state
+    if state is None:
+        return 0
+    return state.step if state.weight_version is None else state.weight_version
+
+
 class Trainer:
     """The loop of one trainer rank: the actor, the weight sync, the run folder and the step log on
     every rank; `rank0`, the rollout driver, on global rank 0 only (None on the other ranks)."""
@@ -164,8 +174,7 @@ class Trainer:
         self.weight_sync = weight_sync
         self.rank0 = rank0
         self.stopped_by = 0  # the stop signal `run` ended on (0: it ran every step)
-        # the engine serves the weights of the last synced step (on resume: the checkpoint's, synced at start)
-        self.version = run_folder.start_step
+        self.version = resumed_weight_version(run_folder)
 
     @classmethod
     def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False, force: bool = False) -> Trainer:
@@ -217,7 +226,7 @@ class Trainer:
         if colocated_engines_released(cfg):
             weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
         if run_folder.start_step > 0 or cfg.checkpoint.load or colocated_engines_released(cfg):
-            trainer._sync(run_folder.start_step)  # the engine serves model.hf_path: give it the checkpoint's weights
+            trainer._sync(trainer.version)  # the engine serves model.hf_path: give it the checkpoint's weights
         return trainer
 
     # ---- the loop ----
@@ -260,7 +269,9 @@ class Trainer:
                 began = time.perf_counter()
                 sampler = self.rank0.data.sampler if self.rank0 is not None else None
                 with self._rollout_state() as rollout:
-                    folder = self.run_folder.save_checkpoint(self.actor, step, sampler, rollout=rollout)
+                    folder = self.run_folder.save_checkpoint(
+                        self.actor, step, sampler, rollout=rollout, weight_version=self.version
+                    )
                 checkpoint_s = time.perf_counter() - began
             if stop and not last:
                 self.stopped_by = stop

@@ -6,6 +6,8 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -425,3 +427,89 @@ def test_kl_in_the_reward_takes_k3_clamped_to_10_per_token() -> None:
                                  [torch.tensor([True, True])], "k3", 20.0)  # fmt: skip
     assert sums.tolist() == pytest.approx([10.0 + math.exp(0.5) - 1.5], abs=1e-12)
     assert metrics["actor/kl_ref_max"] == 10.0
+
+
+# ---- the weight version across a resume (the loop state holds it) ----
+class VersionRecordingDriver:
+    """Rank 0's driver for `Trainer.run`: step `step`'s batch is trained (a stand-in object) when `step`
+    is in `trained`, else empty (a skipped step); records the version each step starts from."""
+
+    def __init__(self, trained: set[int]) -> None:
+        self.trained = trained
+        self.versions: dict[int, int] = {}
+        self.data = type("Data", (), {"sampler": PromptSampler(list(range(10)), seed=1)})()
+
+    def collect(self, step: int, version: int):
+        from megatron_rl.loop.collect import StepBatch
+
+        self.versions[step] = version
+        return StepBatch(object() if step in self.trained else None, {"time/wait_batch": 0.0})
+
+    def finish_step(self) -> dict[str, float]:
+        return {"time/wait_batch": 0.0, "time/engine_idle": 0.0}
+
+    def checkpoint_state(self):
+        import contextlib
+
+        return contextlib.nullcontext(b"")
+
+    def load_state_dict(self, state: bytes) -> None:
+        pass
+
+
+class LabelRecordingSync:
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+    def sync(self, version: str):
+        self.labels.append(version)
+        return type("Report", (), {"seconds": 0.0, "bytes": 0})()
+
+
+class FileActor:
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True)
+        (path / "common.pt").write_bytes(b"weights")
+
+
+def _run_trainer(cfg: Config, trained: set[int], *, resume: bool) -> tuple[Any, VersionRecordingDriver, Any]:
+    from megatron_rl.checkpoints import RunFolder
+    from megatron_rl.trainer import Trainer
+
+    run_folder = RunFolder(cfg, rank=0, resume=resume)
+    driver, sync = VersionRecordingDriver(trained), LabelRecordingSync()
+    log = run_folder.open_log(desc="rl")
+    trainer = Trainer(cfg, run_folder, FileActor(), log, sync, driver)  # type: ignore[arg-type]
+    trainer._update = lambda plan: {}  # the actor's update is not what is tested
+    try:
+        trainer.run()
+    finally:
+        log.close()
+    return trainer, driver, sync
+
+
+def test_resume_from_the_checkpoint_of_a_skipped_step_keeps_the_weight_version(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    def cfg(steps: int) -> Config:
+        over = {"logging.run_dir": str(tmp_path / "run"), "train.steps": steps, "checkpoint.every": 1}
+        return make_cfg(**over, **{"checkpoint.export_hf": False, "logging.tensorboard": False})
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        # step 1 trains (the engine then serves version 1); steps 2 and 3 are skipped (no informative group)
+        _, first, sync = _run_trainer(cfg(3), {1}, resume=False)
+        assert first.versions == {1: 0, 2: 1, 3: 1} and sync.labels == ["1"]
+        assert load_loop_state(checkpoint_dir(tmp_path / "run" / "checkpoints", 3)).weight_version == 1
+        # resumed from step 3's checkpoint: version 1, as the uninterrupted run (which would say 1 at step 4)
+        trainer, resumed, sync = _run_trainer(cfg(5), {5}, resume=True)
+        assert resumed.versions == {4: 1, 5: 1} and sync.labels == ["5"] and trainer.version == 5
+    finally:
+        dist.destroy_process_group()
+    # a checkpoint written before the version was saved: its step, as before; from scratch: 0
+    from megatron_rl.trainer import resumed_weight_version
+
+    saved_before = LoopState(step=5, sampler={}, rollout_seed=0)
+    assert saved_before.weight_version is None
+    assert resumed_weight_version(SimpleNamespace(loop_state=saved_before)) == 5  # type: ignore[arg-type]
+    assert resumed_weight_version(SimpleNamespace(loop_state=None)) == 0  # type: ignore[arg-type]
