@@ -40,17 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-rl: {err}", file=sys.stderr)
         return 2
-    for command, module_name in COMMANDS.items():
-        if command == name:
-            module = importlib.import_module(module_name)
-            module.add_arguments(sub.add_parser(command, help=module.HELP, description=module.HELP))
-        else:
-            sub.add_parser(command, help=f"(see: megatron-rl {command} --help)")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return int(importlib.import_module(COMMANDS[args.command]).run(args) or 0)
+    try:
+        for command, module_name in COMMANDS.items():
+            if command == name:
+                module = importlib.import_module(module_name)
+                module.add_arguments(sub.add_parser(command, help=module.HELP, description=module.HELP))
+            else:
+                sub.add_parser(command, help=f"(see: megatron-rl {command} --help)")
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(importlib.import_module(COMMANDS[args.command]).run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before the command handles it (its imports take seconds): no traceback
+        return 130
 
 
 if __name__ == "__main__":

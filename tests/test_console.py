@@ -86,3 +86,13 @@ def test_unknown_log_level_names_the_variable_and_the_allowed_values(
     assert cli.main(["config"]) == 2
     err = capsys.readouterr().err
     assert f"{LOG_LEVEL_VARIABLE} = 'loud'" in err and "['debug', 'info', 'warning', 'error']" in err
+
+
+def test_ctrl_c_while_a_command_is_imported_exits_130_without_a_traceback(
+    console: None, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "slow_to_import.py").write_text("raise KeyboardInterrupt  # Ctrl-C while torch is imported\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "slow", "slow_to_import")
+    assert cli.main(["slow"]) == 130
+    assert capsys.readouterr().err == ""
