@@ -159,6 +159,7 @@ class RolloutCollector:
             self.renderer,
             self.cfg.env,
             return_routed_experts=ro.return_routed_experts,
+            stall_warning_s=ro.stall_warning_s,
         )
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
