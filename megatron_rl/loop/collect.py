@@ -357,7 +357,9 @@ def evaluate(
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
     make_env = environment_factory(cfg.env)
-    samples = run_episodes(engine, [make_env() for _ in prompts], prompts, params, TurnRenderer(tokenizer), cfg.env)
+    envs, renderer = [make_env() for _ in prompts], TurnRenderer(tokenizer)
+    stall_s = cfg.rollout.stall_warning_s
+    samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     result = scorer.score_prompts(texts, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
