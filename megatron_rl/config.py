@@ -257,7 +257,11 @@ class RewardConfig:
     custom_function: str | None = _f(None, "module:function for type=custom")
     correct_reward: float = _f(1.0, "reward of a correct answer")
     incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
-    failure_reward: float = _f(-1.0, "reward when the reward function raises or the reward server fails")
+    failure_reward: float = _f(
+        -1.0,
+        "what a response the reward function or server failed on counts for in reward/mean and the "
+        "evaluation; never trained on (its group is left out)",
+    )
     max_failure_frac: float = _f(
         0.05,
         "stop the run when more than this fraction of a step's responses (or an evaluation's) fail to be "
