@@ -407,11 +407,13 @@ def remote_collector(url: str, *overrides: str) -> RolloutCollector:
     [
         ("html", "malformed reply: the reply is not JSON: '<html><body>\\n Bad gateway"),
         ("busy", "failed after 2 tries: HTTP 503"),
+        ("slow", "failed after 2 tries: no reply within reward.timeout_s = 0.3 s"),
+        ("length", "the reply holds 3 results for 4 items"),
         ("nan", "result 2: 'score' is nan, not a finite number"),
     ],
 )
 def test_a_failing_server_mid_run_stops_the_step_naming_it(scripted: ScriptedServer, mode: str, reason: str) -> None:
-    collector = remote_collector(scripted.url, "reward.max_retries=1")  # the start-up check passed
+    collector = remote_collector(scripted.url, "reward.max_retries=1", "reward.timeout_s=0.3")  # the check passed
     scripted.mode = mode
     with pytest.raises(RewardFailureError) as err:
         collector.collect(step=2)
