@@ -263,7 +263,18 @@ class RewardConfig:
     custom_function: str | None = _f(None, "module:function for type=custom")
     correct_reward: float = _f(1.0, "reward of a correct answer")
     incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
-    failure_reward: float = _f(-1.0, "reward when the reward function raises or the reward server fails")
+    failure_reward: float = _f(
+        -1.0,
+        "what a response the reward function or server failed on counts for in reward/mean and the "
+        "evaluation; never trained on (its group is left out)",
+    )
+    max_failure_frac: float = _f(
+        0.05,
+        "stop the run when more than this fraction of a step's responses (or an evaluation's) fail to be "
+        "scored; below it a failed response's group is left out of the step (reward/failures, groups/reward_failed)",
+        ge=0,
+        le=1,
+    )
     url: str | None = _f(None, "type=remote: the endpoint batches are POSTed to, e.g. http://host:8000/score")
     api_key: str | None = _f(
         None, "type=remote: sent as 'Authorization: Bearer KEY'; null = $MEGATRON_RL_REWARD_API_KEY"
@@ -284,14 +295,26 @@ class EnvConfig:
     max_turns: int = _f(1, "model turns per episode at most (single_turn uses one)", ge=1)
     max_total_tokens: int | None = _f(
         None,
-        "prompt + every turn and observation of a trajectory, in tokens, at most; null = no cap beyond "
-        "rollout.max_new_tokens per turn",
+        "prompt + every turn and observation of a trajectory, in tokens, at most; null = the model's "
+        "max_position_embeddings (a larger value is refused)",
         ge=2,
     )
     tool_timeout_s: float = _f(
         10.0, "seconds one tool call may run before it is abandoned (an error observation)", gt=0
     )
+    step_timeout_s: float = _f(
+        300.0,
+        "seconds one Environment.step may run; past it the episode ends (env/step_timeout); a warning "
+        "every rollout.stall_warning_s while it runs",
+        gt=0,
+    )
+    max_tool_calls: int = _f(
+        16, "tool calls run per model turn; the ones after get an error response (env/too_many_tool_calls)", ge=1
+    )
     tool_url: str | None = _f(None, "http_tool: the tool server's endpoint, POSTed {name, arguments}")
+    max_tool_reply_bytes: int = _f(
+        1 << 20, "http_tool: the longest reply read from the tool server; a longer one is a tool error", ge=1
+    )
     tool_api_key: str | None = _f(None, "http_tool: sent as 'Authorization: Bearer KEY'")
 
 

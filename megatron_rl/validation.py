@@ -11,6 +11,7 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    and the safetensors headers of `model.hf_path` (and `algorithm.ref_path`) against their files'
    sizes (a truncated file is named with the tensor cut off);
 3. `megatron_rl.config.validate` on the resolved configuration: ranges, choices, combinations;
+   for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
 5. the torch.distributed backend against the device.
@@ -21,6 +22,7 @@ It reads config.json and the safetensors headers, so it is cheap and idempotent:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 from pathlib import Path
@@ -144,6 +146,19 @@ def _check_weight_files(cfg: Config) -> None:
                 raise ConfigError(f"{key}: {err}") from None
 
 
+def _with_trajectory_budget(cfg: Config) -> Config:
+    """`cfg` with env.max_total_tokens the model's max_position_embeddings when null; a larger one is refused."""
+    positions, budget = cfg.model.max_position_embeddings, cfg.env.max_total_tokens
+    if budget is None:
+        return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_total_tokens=positions))
+    if budget > positions:
+        raise ConfigError(
+            f"env.max_total_tokens = {budget} exceeds the model's max_position_embeddings ({positions}): a "
+            "trajectory cannot be longer than the model's positions; lower it or leave it null (= the positions)"
+        )
+    return cfg
+
+
 def _check_command_needs(cfg: Config, command: Command) -> None:
     """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
     if command == "train":
@@ -171,6 +186,8 @@ def validate_run(
     resolved = resolve_model(cfg)
     _check_weight_files(resolved)
     validate(resolved)
+    if command != "convert":
+        resolved = _with_trajectory_budget(resolved)
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)
     if command == "train":

@@ -23,7 +23,7 @@ from aiohttp import web
 from megatron_rl.config import ConfigError, RewardConfig, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.loop.collect import RolloutCollector
-from megatron_rl.rewards import RewardScorer
+from megatron_rl.rewards import RewardFailureError, RewardScorer
 from megatron_rl.rewards import server as reward_server
 from megatron_rl.rewards.protocol import API_KEY_ENV
 from megatron_rl.rewards.remote import RemoteRewardError
@@ -274,6 +274,10 @@ class ScriptedServer:
             return web.json_response({"scores": [1.0] * len(items)})
         elif self.mode == "busy":
             return web.json_response({"error": "overloaded"}, status=503)
+        elif self.mode == "html":
+            return web.Response(text="<html><body>\n  Bad gateway\n</body></html>", content_type="text/html")
+        elif self.mode == "unauthorized":
+            return web.json_response({"error": "bad key"}, status=401)
         self.finished += 1
         return web.Response(text=json.dumps({"results": results}), content_type="application/json")
 
@@ -378,3 +382,60 @@ def test_non_finite_json_and_oversized_bodies_are_refused(custom_server: ServerP
         status == 413
         and f"--max-request-mb: a body of {limit + 1} bytes is over this endpoint's limit of {limit} bytes" in text
     )
+
+
+class OneLetterEngine:
+    """Answers every request with the one token "a" (a finished response)."""
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        return [Sample(list(ids), [ord("a")], [0.0], "stop") for ids in prompts]
+
+
+def remote_collector(url: str, *overrides: str) -> RolloutCollector:
+    cfg = load_config(
+        overrides=["reward.type=remote", f"reward.url={url}", f"reward.api_key={KEY}", "reward.retry_backoff_s=0.05"]
+        + ["rollout.n_samples_per_prompt=2", "train.prompts_per_step=2", *overrides]
+    )
+    prompts = [Prompt(i, (1, 2), "q", "1", {}, RowLocation("t.jsonl", "line", i + 1)) for i in range(2)]
+    return RolloutCollector(
+        cfg, OneLetterEngine(), CodePointTokenizer(), RewardScorer(cfg.reward), PromptSampler(prompts)
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("html", "malformed reply: the reply is not JSON: '<html><body>\\n Bad gateway"),
+        ("busy", "failed after 2 tries: HTTP 503"),
+        ("slow", "failed after 2 tries: no reply within reward.timeout_s = 0.3 s"),
+        ("length", "the reply holds 3 results for 4 items"),
+        ("nan", "result 2: 'score' is nan, not a finite number"),
+    ],
+)
+def test_a_failing_server_mid_run_stops_the_step_naming_it(scripted: ScriptedServer, mode: str, reason: str) -> None:
+    collector = remote_collector(scripted.url, "reward.max_retries=1", "reward.timeout_s=0.3")  # the check passed
+    scripted.mode = mode
+    with pytest.raises(RewardFailureError) as err:
+        collector.collect(step=2)
+    message = str(err.value)
+    failed = 1 if mode == "nan" else 4
+    assert message.startswith(f"step 2: {failed} of 4 rewards failed") and "\n" not in message
+    assert f"from the reward server at reward.url = {scripted.url}; first: response " in message
+    assert reason in message
+
+
+def test_one_nan_leaves_its_group_out_and_the_others_are_trained_on(scripted: ScriptedServer) -> None:
+    collector = remote_collector(scripted.url, "reward.max_failure_frac=0.25")
+    scripted.mode = "nan"  # response 2 (the first of prompt 1's group) gets a NaN score
+    plan = collector.collect(step=1)
+    assert (plan.metrics["reward/failures"], plan.metrics["groups/reward_failed"]) == (1.0, 1.0)
+    assert plan.batch is not None and len(plan.batch) == 2 and plan.rewards.tolist() == [1.0, 1.0]
+    assert collector.sampler.position == 2  # prompt 1 was generated, scored and left out
+
+
+def test_a_refused_key_mid_run_raises_without_an_unrelated_chained_error(scripted: ScriptedServer) -> None:
+    scorer = RewardScorer(remote(scripted.url))
+    scripted.mode = "unauthorized"
+    with pytest.raises(RemoteRewardError, match="HTTP 401") as err:
+        scorer.score(["a"], ["1"])
+    assert err.value.__context__ is None and err.value.__cause__ is None

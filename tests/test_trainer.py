@@ -3,7 +3,8 @@
 - lr 0 with GRPO's KL term and R3 + recomputed old log-probs + truncated IS: the KL to the frozen
   reference is exactly 0, the IS weight 1 (<= 1e-4); the first update's KL(old || new) is 0, the engine's and the trainer's log-probs agree
   (<= 1e-4) before and after a weight sync, the exported HF folder holds the starting weights, bad
-  data rows and reward failures are counted, the engine is gone after the run.
+  data rows and reward failures are counted (a failed response's group is not trained on), the
+  engine is gone after the run.
 - kill -9 during a step after a checkpoint, `--resume` (KL penalty in the reward): the metrics equal an
   uninterrupted run's, the reference is the start policy in both, the KL to it grows.
 - dynamic sampling on a task the policy always fails stops at the round limit with the warning
@@ -11,7 +12,8 @@
   on no command line, in no config.yaml or log; SIGTERM (torchrun) and SIGINT (a single process) end the run with no process left.
 
 The policy is the example's randomly initialised tiny Qwen3-MoE; a custom reward (the share of
-digits in the response, failing on prompts with an odd answer) gives varied rewards.
+digits in the response, failing on prompts with an odd answer: 3 of the 8, so every step trains on
+a group, with `reward.max_failure_frac` = 1) gives varied rewards.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "max_prompt_tokens": 64,
         },
         "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 12, "max_concurrency": 1},
-        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits"},
+        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits", "max_failure_frac": 1.0},
         "algorithm": {"name": "grpo"},
         "train": {"steps": 2, "prompts_per_step": 4, "lr": 1e-3, "seed": 7},
         "eval": {"every": 2, "max_prompts": 4},
@@ -170,7 +172,12 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
         assert r["time/ref_logprobs"] > 0.0
         assert abs(r["actor/is_weight_mean"] - 1.0) <= 1e-4 and "actor/routing_changed_frac" in r  # replayed
         assert r["logprob_gap/abs_max"] <= 1e-4, r["logprob_gap/abs_max"]
-        assert r["groups/groups_used"] == 4 and r["actor/tokens"] == r["response/tokens"]
+        # the groups of odd answers are left out: the trained tokens are the other groups'
+        assert (
+            r["groups/groups_used"] + r["groups/reward_failed"] == 4
+            and r["reward/failures"] == 4 * r["groups/reward_failed"]
+        )
+        assert (r["actor/tokens"] < r["response/tokens"]) == (r["groups/reward_failed"] > 0)
         assert r["data/train_rows_kept"] == GOOD_ROWS and r["data/train_rows_skipped"] == sum(BAD_ROWS.values())
         assert all(r[f"data/train_skipped_{reason}"] == n for reason, n in BAD_ROWS.items())
     failures = by_step[1]["reward/failures"] + by_step[2]["reward/failures"]

@@ -34,7 +34,7 @@ from megatron_rl.loop.collect import (
 )
 from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
 from megatron_rl.models.source import resolve_model
-from megatron_rl.rewards import RewardScorer
+from megatron_rl.rewards import RewardFailureError, RewardScorer
 from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer import logprob_gap, reference_kl
@@ -218,22 +218,27 @@ def test_overlong_shaping_filtering_and_reward_failures() -> None:
             "algorithm.overlong_filter": True,
             "reward.type": "custom",
             "reward.custom_function": "unused:unused",
+            "reward.max_failure_frac": 0.125,  # 1 of the step's 8 responses fails: at the limit, not above
         }
     )
     short, mid, long_, bad = "ab", "abcdefghi", "abcdefghijklmnop", "x"
-    engine = ScriptedEngine({100: [short, mid, long_, bad]}, cfg.rollout.max_new_tokens)
-    col = RolloutCollector(
-        cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), PromptSampler([prompt(0, "1")])
+    engine = ScriptedEngine(
+        {100: [short, mid, long_, "abc"], 101: [bad, short, short, short]}, cfg.rollout.max_new_tokens
     )
-    cfg.train.prompts_per_step = 1
+    sampler = PromptSampler([prompt(0, "1"), prompt(1, "1")], shuffle=False)
+    col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), sampler)
     plan = col.collect(step=1)
     groups, stats = col.score([prompt(0, "1")], [engine.generate([[100, 61]] * 4, [None] * 4)])
-    # lengths: 3, 10 (9 + EOS), 12 (truncated, no EOS), 2 tokens; L_max 12, L_cache 4: penalty zone above 8
-    assert groups[0].scores == [2.0, 9.0, 12.0, -1.0]
-    assert groups[0].rewards == pytest.approx([2.0, 9.0 - 2 / 4, 12.0 - 1.0, -1.0])
-    assert stats.failed == 1 and plan.metrics["reward/failures"] == 1.0
-    assert [m.tolist() for m in plan.batch.response_mask] == [[True] * 3, [True] * 10, [False] * 12, [True] * 2]
-    assert plan.metrics["response/clipped_frac"] == 0.25 and plan.metrics["response/length_max"] == 12
+    # lengths: 3, 10 (9 + EOS), 12 (truncated, no EOS), 4 tokens; L_max 12, L_cache 4: penalty zone above 8
+    assert groups[0].scores == [2.0, 9.0, 12.0, 3.0]
+    assert groups[0].rewards == pytest.approx([2.0, 9.0 - 2 / 4, 12.0 - 1.0, 3.0])
+    assert stats.failed == 0 and plan.metrics["reward/failures"] == 1.0
+    # the group with the failed response is left out whole: only prompt 0's group is trained on
+    assert (plan.metrics["groups/reward_failed"], plan.metrics["groups/groups_used"]) == (1.0, 1.0)
+    assert [int(t[0]) for t in plan.batch.tokens] == [100] * 4
+    assert [m.tolist() for m in plan.batch.response_mask] == [[True] * 3, [True] * 10, [False] * 12, [True] * 4]
+    assert plan.rewards.tolist() == pytest.approx([2.0, 8.5, 11.0, 3.0])
+    assert plan.metrics["response/clipped_frac"] == 0.125 and plan.metrics["response/length_max"] == 12
 
 
 def test_evaluate_is_greedy_accuracy() -> None:
@@ -513,3 +518,44 @@ def test_resume_from_the_checkpoint_of_a_skipped_step_keeps_the_weight_version(t
     assert saved_before.weight_version is None
     assert resumed_weight_version(SimpleNamespace(loop_state=saved_before)) == 5  # type: ignore[arg-type]
     assert resumed_weight_version(SimpleNamespace(loop_state=None)) == 0  # type: ignore[arg-type]
+
+
+def test_reward_failures_above_the_fraction_stop_the_step_naming_the_source(caplog: pytest.LogCaptureFixture) -> None:
+    def rule(response: str, answer: str) -> float:
+        if "x" in response:
+            raise ValueError("x is not allowed")
+        return 1.0
+
+    def run(max_failure_frac: float, script: dict[int, list[str]]):
+        cfg = make_cfg(**{"reward.type": "custom", "reward.custom_function": "mod:fn"})
+        cfg.reward.max_failure_frac = max_failure_frac
+        engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
+        sampler = PromptSampler([prompt(0, "1"), prompt(1, "1")], shuffle=False)
+        col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), sampler)
+        return col.collect(step=4), col
+
+    # 2 of 8 (25%) above 0.2: the step stops with one line naming the function and the first failure
+    with pytest.raises(RewardFailureError) as err:
+        run(0.2, {100: ["ab"], 101: ["x", "b"]})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("step 4: 2 of 8 rewards failed (25%, above reward.max_failure_frac = 0.2)")
+    assert "reward.custom_function = 'mod:fn'; first: response 4: ValueError: x is not allowed" in message
+    # at the fraction: the failed group is left out, the other trained, and this step's failures reported
+    with caplog.at_level("WARNING", logger="megatron_rl.loop.collect"):
+        plan, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})
+        plan, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})  # again: each step warns, not only the first
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all(
+        "step 4: 2 of 8 rewards failed" in w and "1 group(s) left out" in w for w in warnings
+    )
+    assert (plan.metrics["reward/failures"], plan.metrics["groups/reward_failed"]) == (2.0, 1.0)
+    assert len(plan.batch) == 4 and all(int(t[0]) == 100 for t in plan.batch.tokens)
+    # every group failed under a lenient fraction: nothing is trained on (no made-up reward)
+    plan, _ = run(1.0, {100: ["x"], 101: ["x"]})
+    assert plan.batch is None and plan.metrics["groups/reward_failed"] == 2.0
+    # an evaluation whose rewards fail stops the same way
+    cfg = make_cfg(**{"reward.type": "custom", "reward.custom_function": "mod:fn"})
+    engine = ScriptedEngine({100: ["x"], 101: ["b"]}, 12)
+    with pytest.raises(RewardFailureError, match=r"the evaluation at step 5: 1 of 2 rewards failed"):
+        evaluate(engine, [prompt(0, "1"), prompt(1, "1")], CharTokenizer(), RewardScorer(cfg.reward, rule=rule), cfg, 5)

@@ -3,8 +3,9 @@
 Grammar: expr = term (("+" | "-") term)*; term = unary (("*" | "/" | "//" | "%") unary)*;
 unary = ("+" | "-") unary | power; power = atom ("**" unary)?; atom = number | "(" expr ")".
 Numbers are integers or decimals, computed as exact fractions. Bounded: at most
-`MAX_EXPRESSION_CHARS` characters, exponents of at most `MAX_EXPONENT` in magnitude, and results of
-at most `MAX_DIGITS` digits, so no input can make it run long or use much memory.
+`MAX_EXPRESSION_CHARS` characters, `MAX_NESTING` levels of parentheses, signs and powers, exponents
+of at most `MAX_EXPONENT` in magnitude, and numbers (literals and results) of at most `MAX_DIGITS`
+digits, so no input can make it run long, recurse deep or use much memory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_rl.envs.tools import ToolEnvironment
 MAX_EXPRESSION_CHARS = 256
 MAX_EXPONENT = 64
 MAX_DIGITS = 64
+MAX_NESTING = 32
 _TOKEN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+|\*\*|//|[-+*/%()])")
 
 
@@ -40,7 +42,13 @@ def _tokens(expression: str) -> list[str]:
 
 class _Parser:
     def __init__(self, tokens: list[str]) -> None:
-        self.tokens, self.pos = tokens, 0
+        self.tokens, self.pos, self.depth = tokens, 0, 0
+
+    def nested(self) -> None:
+        """One level deeper (a parenthesis, a sign or a power): the recursion stays bounded."""
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise CalculatorError(f"nested deeper than {MAX_NESTING} levels")
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -78,7 +86,9 @@ class _Parser:
     def unary(self) -> Fraction:
         if self.peek() in ("+", "-"):
             sign = self.take()
+            self.nested()
             value = self.unary()
+            self.depth -= 1
             return -value if sign == "-" else value
         return self.power()
 
@@ -87,7 +97,9 @@ class _Parser:
         if self.peek() != "**":
             return base
         self.take()
+        self.nested()
         exponent = self.unary()
+        self.depth -= 1
         if exponent.denominator != 1 or abs(exponent) > MAX_EXPONENT:
             raise CalculatorError(f"exponents must be integers of at most {MAX_EXPONENT} in magnitude")
         if base == 0 and exponent < 0:
@@ -100,13 +112,15 @@ class _Parser:
     def atom(self) -> Fraction:
         tok = self.take()
         if tok == "(":
+            self.nested()
             value = self.expr()
             if self.peek() != ")":
                 raise CalculatorError("missing ')'")
             self.take()
+            self.depth -= 1
             return value
         if tok[0].isdigit() or tok[0] == ".":
-            return Fraction(tok)
+            return _bounded(Fraction(tok))
         raise CalculatorError(f"unexpected {tok!r}")
 
 

@@ -12,27 +12,45 @@ the next call's prefill for the last token of a turn and the observation's token
 An episode ends with one reason, counted as `env/end_<reason>`: `done` (the environment said so),
 `length` (a turn hit its token budget), `abort` (the engine aborted the request),
 `max_turns` (`env.max_turns` turns ran), `max_total_tokens` (the next observation, plus one token to
-generate, would not fit in `env.max_total_tokens`), `env_error` (the environment's `step` raised,
-counted as `env/env_error`, or its observation could not be rendered, `env/render_error`: the
-episode ends, the step goes on).
+generate, would not fit in `env.max_total_tokens`, by default the model's positions), `env_error`
+(the environment's `step` raised, counted as `env/env_error`, ran past `env.step_timeout_s`,
+`env/step_timeout`, or its observation could not be rendered or holds a token outside the
+vocabulary, `env/render_error`: the episode ends, the step goes on). A turn reward that is not a
+finite number is the environment's bug: `EnvRewardError`, naming it, stops the step.
+
+Observation text is tokenized as text: special-token text inside it (`<|im_end|>` in a tool's
+output) never becomes the control token, so only the chat template's own delimiters are special.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
 import numpy as np
 
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import Environment, Observation, Turn
-from megatron_rl.envs.tools import tool_response
+from megatron_rl.envs.tools import call_with_timeout, tool_response
 from megatron_rl.rollout.types import Sample, SamplingParams
 
+log = logging.getLogger(__name__)
 _USER, _ASSISTANT = "\x00megatron-rl-user\x00", "\x00megatron-rl-assistant\x00"
+_CONTENT = "\x00megatron-rl-content\x00"
+
+
+class EnvRewardError(ValueError):
+    """An environment gave a turn reward that is not a finite number."""
+
+
+class StepTimeoutError(RuntimeError):
+    """An environment's `step` ran past env.step_timeout_s (and was abandoned)."""
 
 
 class TurnRenderer:
@@ -41,12 +59,16 @@ class TurnRenderer:
     With a template: the text the template adds after an assistant turn for the message (its
     delimiters, the message, the next assistant header), less the end-of-turn token when the engine
     already generated it. Without one: the message on its own lines (a tool result inside
-    `<tool_response>`). Either way tokenized once, with no special tokens added.
+    `<tool_response>`). Either way tokenized once, with no special tokens added; the message itself
+    without special tokens (`split_special_tokens`), so its text cannot forge a turn end or a role.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.special_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        # what text may still encode to: the unknown token (a character outside the vocabulary)
+        self.control_ids = self.special_ids - {getattr(tokenizer, "unk_token_id", None)}
+        self.vocab_size: int | None = len(tokenizer) if hasattr(tokenizer, "__len__") else None
 
     def text(self, content: str, role: str, last_generated_id: int | None) -> str:
         tok = self.tokenizer
@@ -67,7 +89,44 @@ class TurnRenderer:
         return delta
 
     def observation_ids(self, content: str, role: str, last_generated_id: int | None) -> list[int]:
-        return list(self.tokenizer.encode(self.text(content, role, last_generated_id), add_special_tokens=False))
+        """The template's text around the message tokenized as usual, the message as plain text."""
+        before, found, after = self.text(_CONTENT, role, last_generated_id).partition(_CONTENT)
+        if not found or _CONTENT in after:
+            raise ValueError(
+                f"the chat template does not hold a {role!r} message's content once; it cannot be rendered"
+            )
+        encode = self.tokenizer.encode
+        return [
+            *encode(before, add_special_tokens=False),
+            *self.plain_ids(content),
+            *encode(after, add_special_tokens=False),
+        ]
+
+    def plain_ids(self, text: str) -> list[int]:
+        """`text` tokenized with its special-token text split into ordinary tokens; ValueError when the
+        tokenizer cannot split it (a tokenizer without `split_special_tokens`)."""
+        try:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        except TypeError:  # a tokenizer without the option: checked below
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        forged = sorted({i for i in ids if i in self.control_ids})
+        if forged:
+            raise ValueError(
+                f"the observation's text encodes to the special token(s) {forged[:5]}, which the "
+                "tokenizer cannot split into text"
+            )
+        return ids
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """`ids` when each is a token of the vocabulary; ValueError naming the first that is not."""
+        bad = next((i for i in ids if i < 0 or (self.vocab_size is not None and i >= self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(
+                f"observation token {bad} is outside the vocabulary (0-{self.vocab_size - 1})"
+                if self.vocab_size is not None
+                else f"observation token {bad} is negative"
+            )
+        return ids
 
     def first_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
@@ -117,9 +176,11 @@ def run_episodes(
     cfg: EnvConfig,
     *,
     return_routed_experts: bool = False,
+    stall_warning_s: float = 0.0,
 ) -> list[Trajectory]:
     """One trajectory per (environment, data row), in order; `params(turn, i)` the sampling of
-    episode i's turn. `episode_metrics` gives their `env/*` metrics."""
+    episode i's turn. `episode_metrics` gives their `env/*` metrics. A `step` running longer than
+    `stall_warning_s` (0 = never) is warned about, again after each further `stall_warning_s`."""
     episodes = []
     for env, row in zip(envs, rows, strict=True):
         messages = env.start(row)
@@ -140,11 +201,48 @@ def run_episodes(
             request_params.append(p)
         samples = engine.generate(requests, request_params, return_routed_experts=return_routed_experts)
         for i, sample in zip(live, samples, strict=True):
-            _advance(episodes[i], sample, turn, renderer, cfg)
+            _advance(episodes[i], sample, turn, renderer, cfg, stall_warning_s)
     return [ep.traj for ep in episodes]
 
 
-def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cfg: EnvConfig) -> None:
+def _step(env: Environment, turn: Turn, cfg: EnvConfig, stall_warning_s: float) -> Observation:
+    """`env.step(turn)` on a thread of its own, abandoned after env.step_timeout_s (StepTimeoutError)."""
+    name = type(env).__name__
+
+    def stalled(seconds: float) -> None:
+        log.warning(
+            "%s.step has run for %.0f s on turn %d (env.step_timeout_s = %g)",
+            name,
+            seconds,
+            turn.index,
+            cfg.step_timeout_s,
+        )
+
+    status, value = call_with_timeout(lambda: env.step(turn), cfg.step_timeout_s, stall_warning_s, stalled)
+    if status == "timeout":
+        raise StepTimeoutError(f"{name}.step ran past env.step_timeout_s = {cfg.step_timeout_s:g} s")
+    if status == "error":
+        raise value
+    if not isinstance(value, Observation):
+        raise TypeError(f"{name}.step returned {type(value).__name__}, not an Observation")
+    return value
+
+
+def _turn_reward(obs: Observation, env: Environment, turn: int, cfg: EnvConfig) -> float:
+    reward = obs.reward
+    if reward is None:
+        return 0.0
+    if not isinstance(reward, Real) or not math.isfinite(reward):
+        raise EnvRewardError(
+            f"env.type = {cfg.type!r}: {type(env).__name__}.step gave turn {turn} the reward {reward!r}; "
+            "a turn reward must be a finite number (or None)"
+        )
+    return float(reward)
+
+
+def _advance(
+    ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cfg: EnvConfig, stall_warning_s: float
+) -> None:
     traj = ep.traj
     out = list(sample.output_ids)
     if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
@@ -170,25 +268,23 @@ def _advance(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cf
         return ep.end("length")
     text = renderer.tokenizer.batch_decode([out], skip_special_tokens=True)[0]
     try:
-        obs = ep.env.step(Turn(turn, text, tuple(out), sample.finish_reason))
-        if not isinstance(obs, Observation):
-            raise TypeError(f"{type(ep.env).__name__}.step returned {type(obs).__name__}, not an Observation")
+        obs = _step(ep.env, Turn(turn, text, tuple(out), sample.finish_reason), cfg, stall_warning_s)
     except Exception as err:  # a user environment's bug ends its episode, counted, not the step
-        traj.events["env_error"] += 1
+        traj.events["step_timeout" if isinstance(err, StepTimeoutError) else "env_error"] += 1
         traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
         return ep.end("env_error")
     traj.events.update(obs.events)
-    traj.turn_rewards[-1] = float(obs.reward or 0.0)
+    traj.turn_rewards[-1] = _turn_reward(obs, ep.env, turn, cfg)
     if obs.done:
         return ep.end("done")
     if turn + 1 >= cfg.max_turns:
         return ep.end("max_turns")
     try:
         if obs.token_ids is not None:
-            obs_ids = [int(t) for t in obs.token_ids]
+            obs_ids = renderer.check_ids([int(t) for t in obs.token_ids])
         else:
             obs_ids = renderer.observation_ids(obs.text, obs.role, out[-1] if out else None)
-    except Exception as err:  # e.g. a chat template that refuses the observation's role
+    except Exception as err:  # e.g. a chat template that refuses the observation's role, a token out of range
         traj.events["render_error"] += 1
         traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
         return ep.end("env_error")

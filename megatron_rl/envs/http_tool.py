@@ -3,8 +3,8 @@
 Request: `POST env.tool_url` with JSON `{"name": ..., "arguments": {...}}` (and
 `Authorization: Bearer env.tool_api_key` when set); the answer is JSON `{"result": ...}` (a
 string, or any JSON value, sent back as JSON) or `{"error": "..."}`. Each call waits at most
-`env.tool_timeout_s`; an HTTP error, a bad answer or the timeout become the tool's error response
-(counted), as for any tool.
+`env.tool_timeout_s` and reads at most `env.max_tool_reply_bytes`; an HTTP error, a bad or longer
+answer or the timeout become the tool's error response (counted), as for any tool.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ class HttpToolEnv(ToolEnvironment):
         request = urllib.request.Request(url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.cfg.tool_timeout_s) as reply:
-                answer = json.loads(reply.read().decode())
+                data = reply.read(self.cfg.max_tool_reply_bytes + 1)
+            if len(data) > self.cfg.max_tool_reply_bytes:
+                raise ToolServerError(
+                    f"tool server {url} answered more than env.max_tool_reply_bytes = {self.cfg.max_tool_reply_bytes}"
+                )
+            answer = json.loads(data.decode())
         except urllib.error.HTTPError as err:
             raise ToolServerError(f"tool server {url} answered HTTP {err.code}") from err
         except TimeoutError as err:

@@ -5,9 +5,11 @@ more); the environment answers with one `tool` message holding a `<tool_response
 chat template renders it as the tool turn). Lenient: whitespace and a ```json fence around the
 object, `arguments` given as a JSON string, `parameters` for `arguments`, and a last call left
 open by a turn that stopped early are accepted. Anything else is a malformed call: an error
-response the model can read, counted as `env/malformed_tool_call`, never an exception. A tool that
-raises gives an error response (`env/tool_error`); one that runs past `env.tool_timeout_s` is
-abandoned (`env/tool_timeout`). A turn without a tool call is the final answer: the episode ends.
+response the model can read, counted as `env/malformed_tool_call`, never an exception (JSON nested
+too deep or with an integer past Python's digit limit included). A tool that raises gives an error
+response (`env/tool_error`); one that runs past `env.tool_timeout_s` is abandoned
+(`env/tool_timeout`). At most `env.max_tool_calls` calls of a turn run; the rest get one error
+response (`env/too_many_tool_calls`). A turn without a tool call is the final answer: the episode ends.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +50,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
         if fenced:
             body = fenced.group(1)
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(MalformedCall(body, f"not JSON ({err.msg} at char {err.pos})"))
+            obj = _json(body)
+        except ValueError as err:
+            calls.append(MalformedCall(body, f"not JSON ({err})"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             calls.append(MalformedCall(body, 'expected an object with a string "name"'))
@@ -57,8 +60,8 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+                args = _json(args) if args.strip() else {}
+            except ValueError:
                 calls.append(MalformedCall(body, '"arguments" is a string that is not a JSON object'))
                 continue
         if not isinstance(args, dict):
@@ -68,14 +71,33 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
     return calls
 
 
+def _json(text: str) -> Any:
+    """json.loads, its every failure a ValueError: nesting too deep for the decoder's recursion, an
+    integer longer than int's digit limit, or not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{err.msg} at char {err.pos}") from None
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(str(err).split(";")[0]) from None
+
+
 class ToolTimeout(Exception):
     """Raised by a tool that enforces its own deadline (e.g. an HTTP timeout): counted as a timeout."""
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
-    """("ok", result), ("error", the exception) or ("timeout", None) after `timeout_s` seconds.
+def call_with_timeout(
+    fn: Callable[[], Any],
+    timeout_s: float,
+    warn_every_s: float = 0.0,
+    on_stall: Callable[[float], None] | None = None,
+) -> tuple[str, Any]:
+    """("ok", result), ("error", the exception) or ("timeout", None) after `timeout_s` seconds;
+    `on_stall(seconds running)` after each `warn_every_s` (0 = never) while it runs.
 
-    The call runs on a daemon thread: a tool that never returns is abandoned, not joined."""
+    The call runs on a daemon thread: a call that never returns is abandoned, not joined."""
     box: queue.Queue = queue.Queue(maxsize=1)
 
     def run() -> None:
@@ -85,10 +107,17 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any
             box.put(("error", err))
 
     threading.Thread(target=run, daemon=True, name="megatron-rl-tool").start()
-    try:
-        return box.get(timeout=timeout_s)
-    except queue.Empty:
-        return "timeout", None
+    began = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - began)
+        if left <= 0:
+            return "timeout", None
+        warn = on_stall is not None and 0 < warn_every_s < left
+        try:
+            return box.get(timeout=warn_every_s if warn else left)
+        except queue.Empty:
+            if warn:
+                on_stall(time.monotonic() - began)
 
 
 def tool_response(content: str) -> str:
@@ -108,7 +137,8 @@ class ToolEnvironment(Environment):
         if not calls:
             return Observation(done=True)
         responses, events = [], []
-        for call in calls:
+        limit = self.cfg.max_tool_calls
+        for call in calls[:limit]:
             if isinstance(call, MalformedCall):
                 events.append("malformed_tool_call")
                 responses.append(json.dumps({"error": f"malformed tool call: {call.reason}"}))
@@ -131,4 +161,9 @@ class ToolEnvironment(Environment):
                 responses.append(
                     json.dumps({"error": f"tool {call.name!r} timed out after {self.cfg.tool_timeout_s}s"})
                 )
+        if len(calls) > limit:
+            events.append("too_many_tool_calls")
+            responses.append(
+                json.dumps({"error": f"{len(calls) - limit} more tool calls not run: at most {limit} a turn"})
+            )
         return Observation(text="\n".join(responses), role="tool", events=events)

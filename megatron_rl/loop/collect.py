@@ -8,8 +8,10 @@
    request with its own `sampling_seed` derived from (train.seed, step, round, index), so the
    responses do not depend on the engine's history (a resumed run samples what the uninterrupted
    one did); the reward rule reads the whole decoded trajectory after the prompt;
-2. reward them (`reward.*`; a failing reward function gives `reward.failure_reward` and is counted),
-   add DAPO's soft overlong penalty when enabled;
+2. reward them (`reward.*`), add DAPO's soft overlong penalty when enabled; a group with a response
+   the reward function or server failed to score is left out, never trained on a made-up reward
+   (`reward/failures` responses, `groups/reward_failed` groups, one warning per step), and more
+   than `reward.max_failure_frac` of the step's responses failed stops the run (`RewardFailureError`);
 3. with `algorithm.dynamic_sampling`, keep only groups whose rule rewards differ and go on
    generating until `train.prompts_per_step` groups are kept or `algorithm.max_gen_rounds` rounds
    ran; then the kept groups are used as they are and `groups/target_missed` is 1 (the warning);
@@ -36,10 +38,11 @@ samples gets fewer mini-batches (the actor's `mini_batches`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +62,8 @@ from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
     """The rollout seed of request `index` of generation round `round_` of `step`: in [0, 2**63)."""
@@ -72,12 +77,14 @@ RoundSource = Callable[[int, int, int, int], tuple[list[Prompt], list[list[Sampl
 
 @dataclass
 class Group:
-    """One prompt's responses: `scores` from the reward rule, `rewards` after overlong shaping."""
+    """One prompt's responses: `scores` from the reward rule, `rewards` after overlong shaping,
+    `failed`: whether the reward function failed on each (its score is then reward.failure_reward)."""
 
     prompt: Prompt
     samples: list[Sample]
     scores: list[float]
     rewards: list[float]
+    failed: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -152,6 +159,7 @@ class RolloutCollector:
             self.renderer,
             self.cfg.env,
             return_routed_experts=ro.return_routed_experts,
+            stall_warning_s=ro.stall_warning_s,
         )
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
@@ -173,7 +181,8 @@ class RolloutCollector:
         groups, start = [], 0
         for prompt, group in zip(prompts, grouped, strict=True):
             end = start + len(group)
-            groups.append(Group(prompt, list(group), result.rewards[start:end], shaped[start:end].tolist()))
+            rewards = shaped[start:end].tolist()
+            groups.append(Group(prompt, list(group), result.rewards[start:end], rewards, result.failed[start:end]))
             start = end
         return groups, result.stats
 
@@ -245,7 +254,7 @@ class RolloutCollector:
         acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds) if dynamic else None
         stats, generated = RewardStats(), []
         seconds = {"generate": 0.0, "reward": 0.0}
-        informative, rounds, aborted_groups = 0, 0, 0
+        informative, rounds, aborted_groups, failed_groups = 0, 0, 0, 0
         used: list[Group] = []
         while True:
             began = time.perf_counter()
@@ -260,6 +269,10 @@ class RolloutCollector:
             seconds["reward"] += time.perf_counter() - scored
             rounds += 1
             stats = stats.merge(round_stats)
+            self.scorer.check_failures(stats, f"step {step}")
+            rewarded = [grp for grp in groups if not any(grp.failed)]
+            failed_groups += len(groups) - len(rewarded)
+            groups = rewarded
             scores = torch.tensor([r for grp in groups for r in grp.scores], dtype=torch.float32)
             if acc is None:
                 informative, used = filter_groups(scores, g).kept, groups
@@ -281,6 +294,17 @@ class RolloutCollector:
         group_metrics["groups/informative"] = float(informative)
         group_metrics["groups/filtered"] = group_metrics["groups/groups_generated"] - informative
         group_metrics["groups/aborted"] = float(aborted_groups)
+        group_metrics["groups/reward_failed"] = float(failed_groups)
+        if stats.failed:
+            log.warning(
+                "step %d: %d of %d rewards failed from %s, %d group(s) left out; first: %s",
+                step,
+                stats.failed,
+                stats.count,
+                self.scorer.source,
+                failed_groups,
+                stats.errors[0] if stats.errors else "no message",
+            )
         short = 0 < len(used) * g < self.min_samples
         group_metrics["groups/short_batch_dropped"] = 1.0 if short else 0.0
         metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(generated)}
@@ -333,9 +357,12 @@ def evaluate(
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
     make_env = environment_factory(cfg.env)
-    samples = run_episodes(engine, [make_env() for _ in prompts], prompts, params, TurnRenderer(tokenizer), cfg.env)
+    envs, renderer = [make_env() for _ in prompts], TurnRenderer(tokenizer)
+    stall_s = cfg.rollout.stall_warning_s
+    samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     result = scorer.score_prompts(texts, prompts)
+    scorer.check_failures(result.stats, f"the evaluation at step {step}")
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
     return {
         name: result.stats.correct / len(prompts),

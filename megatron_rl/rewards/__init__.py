@@ -14,12 +14,13 @@ from megatron_rl.rewards.registry import (
     rule_caller,
 )
 from megatron_rl.rewards.rules import Verdict, boxed_rule, dapo_rule, math_verify_rule
-from megatron_rl.rewards.scorer import RewardResult, RewardScorer, RewardStats
+from megatron_rl.rewards.scorer import RewardFailureError, RewardResult, RewardScorer, RewardStats
 
 __all__ = [
     "BUILTIN_RULES",
     "DAPO_WINDOW_CHARS",
     "RewardConfigError",
+    "RewardFailureError",
     "RewardFn",
     "RewardItem",
     "RewardResult",

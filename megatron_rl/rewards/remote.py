@@ -4,10 +4,10 @@ that speaks `rewards/protocol.py`).
 The items go out in batches of `reward.batch_size`, at most `reward.max_concurrency` requests in
 flight. A request without a reply within `reward.timeout_s`, a connection error, or HTTP 429 / 5xx is
 retried `reward.max_retries` times, waiting `reward.retry_backoff_s` (doubled each time); a batch still
-failing then stands as a failure for each of its items (the scorer gives them reward.failure_reward
-and counts them), so one batch takes at most (max_retries + 1) x timeout_s plus the waits. A reply
-that breaks the protocol (no score, NaN, a wrong number of results) fails the items it concerns with
-an error naming the problem. A refused key (401/403), a wrong address (404) or a refused request
+failing then stands as a failure for each of its items (the scorer counts them; their groups are not
+trained on, and more than `reward.max_failure_frac` of a step's responses stops the run), so one
+batch takes at most (max_retries + 1) x timeout_s plus the waits. A reply that breaks the protocol
+(no score, NaN, a wrong number of results) fails the items it concerns with an error naming the problem. A refused key (401/403), a wrong address (404) or a refused request
 (400, 413) cannot heal by retrying: it raises `RemoteRewardError` at once.
 """
 
@@ -45,7 +45,7 @@ class RemoteRewardError(RuntimeError):
 
 
 class RemoteRewardFailure(RuntimeError):
-    """A batch that failed for good after its retries; each of its items gets reward.failure_reward."""
+    """A batch that failed for good after its retries: a failure of each of its items."""
 
 
 class RemoteRewardClient:
@@ -175,6 +175,8 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1, thread_name_prefix="remote-reward") as pool:
-        return pool.submit(asyncio.run, coro).result()
+        pass  # no loop here: asyncio.run below, outside this block, so its errors chain nothing
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="remote-reward") as pool:
+            return pool.submit(asyncio.run, coro).result()
+    return asyncio.run(coro)

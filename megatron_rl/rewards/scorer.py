@@ -1,4 +1,5 @@
-"""Batched scoring: rewards for many responses, with a failing reward function counted, never fatal."""
+"""Batched scoring: rewards for many responses, a failing reward function counted, and fatal only
+beyond `reward.max_failure_frac` of a step's responses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _MAX_ERRORS_KEPT = 5
+
+
+class RewardFailureError(RuntimeError):
+    """More than `reward.max_failure_frac` of a step's responses could not be scored."""
 
 
 @dataclass
@@ -78,7 +83,8 @@ class RewardScorer:
     Built-in rules give reward.correct_reward / reward.incorrect_reward. A custom function may return a
     bool (mapped the same way) or a finite number (the reward; counted correct when >= correct_reward).
     When the function raises or returns anything else, that response gets reward.failure_reward and
-    the failure is counted in the stats. With reward.type = remote the reward server runs the function
+    the failure is counted in the stats (the loop leaves its group out, and `check_failures` stops the
+    run beyond reward.max_failure_frac). With reward.type = remote the reward server runs the function
     (`rewards/remote.py`); a batch the server does not answer, or answers against the protocol, is
     counted the same way.
     """
@@ -93,7 +99,6 @@ class RewardScorer:
             self.remote.check()
         else:
             self._call = rule_caller(rule if rule is not None else resolve_rule(cfg))
-        self._failure_logged = False
 
     def score_prompts(self, responses: Sequence[str], prompts: Sequence[ScoredPrompt]) -> RewardResult:
         """`score` of response i against prompts[i]'s answer, with its text and data row."""
@@ -120,7 +125,8 @@ class RewardScorer:
         stats = result.stats
         for i, out in enumerate(outputs):
             if isinstance(out, Exception):
-                self._log_failure(out)
+                if not stats.failed:
+                    logger.debug("the first reward failure of %d responses", len(outputs), exc_info=out)
                 if len(stats.errors) < _MAX_ERRORS_KEPT:
                     stats.errors.append(f"response {i}: {type(out).__name__}: {out}")
                 reward, correct, extracted, found = float(self.cfg.failure_reward), False, None, True
@@ -153,9 +159,23 @@ class RewardScorer:
     def _binary(self, correct: bool) -> float:
         return float(self.cfg.correct_reward if correct else self.cfg.incorrect_reward)
 
-    def _log_failure(self, err: Exception) -> None:
-        if not self._failure_logged:
-            self._failure_logged = True
-            logger.warning(
-                "reward function failed (reward.failure_reward is used; later failures are only counted)", exc_info=err
-            )
+    @property
+    def source(self) -> str:
+        """What scores the responses, as the configuration names it."""
+        if self.remote is not None:
+            return f"the reward server at reward.url = {self.remote.url}"
+        if self.cfg.type == "custom":
+            return f"reward.custom_function = {self.cfg.custom_function!r}"
+        return f"the reward rule reward.type = {self.cfg.type!r}"
+
+    def check_failures(self, stats: RewardStats, where: str) -> None:
+        """Raise RewardFailureError, one line naming the source and the first failure, when more than
+        reward.max_failure_frac of the responses counted in `stats` failed (`where`: e.g. "step 3")."""
+        limit = self.cfg.max_failure_frac
+        if stats.failed <= limit * stats.count:
+            return
+        first = " ".join(stats.errors[0].split()) if stats.errors else "no message"
+        raise RewardFailureError(
+            f"{where}: {stats.failed} of {stats.count} rewards failed ({stats.failed / stats.count:.0%}, above "
+            f"reward.max_failure_frac = {limit:g}) from {self.source}; first: {first}"
+        )
