@@ -9,19 +9,29 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.validation import Command, validate_run
 
+if TYPE_CHECKING:
+    from megatron_rl.checkpoints import ResumeMode
+
 
 def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> None:
-    """CONFIG, key=value overrides (`example` shows one), --resume and --force."""
+    """CONFIG, key=value overrides (`example` shows one), --resume, --resume-if-any and --force."""
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+    parser.add_argument("overrides", nargs="*", help=f"key=value overrides (before or after the flags), e.g. {example}")
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
-        "--resume", action="store_true", help="continue from the newest complete checkpoint in checkpoint.dir"
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in checkpoint.dir (refused when there is none)",
+    )
+    start.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        help="as --resume, but a logging.run_dir that holds no run starts afresh (a first Slurm job)",
     )
     start.add_argument(
         "--force",
@@ -37,11 +47,13 @@ def _error(prefix: str, err: BaseException, verbose: bool) -> int:
     return 2
 
 
-def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, bool, bool], Any]) -> int:
+def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config, ResumeMode, bool], Any]) -> int:
     """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error."""
+    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error or a
+    checkpoint that could not be written."""
     import torch.distributed as dist
 
+    from megatron_rl.checkpoints import RESUME_IF_ANY, CheckpointWriteError
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.parallel.launch import ensure_launch_env
@@ -55,11 +67,12 @@ def run_stage(args: argparse.Namespace, command: Command, run: Callable[[Config,
     except ConfigError as err:
         return _error("config error: ", err, verbose)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resume: ResumeMode = RESUME_IF_ANY if getattr(args, "resume_if_any", False) else args.resume
     try:
-        run(cfg, args.resume, getattr(args, "force", False))
+        run(cfg, resume, getattr(args, "force", False))
     except ConfigError as err:
         return _error("config error: ", err, verbose)
-    except (DataError, ConversionError) as err:
+    except (DataError, ConversionError, CheckpointWriteError) as err:
         return _error(f"{command}: error: ", err, verbose)
     finally:
         if dist.is_initialized():
