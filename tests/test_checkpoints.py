@@ -178,7 +178,10 @@ def test_a_checkpoint_is_renamed_into_place_with_a_manifest_of_its_files(tmp_pat
     step3 = checkpoint_dir(root, 3)
     manifest = json.loads((step3 / MANIFEST_FILE).read_text())
     files = {
-        p.relative_to(step3).as_posix(): {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        p.relative_to(step3).as_posix(): {
+            "size": p.stat().st_size,
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
         for p in step3.rglob("*")
         if p.is_file()
     }
