@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.config import Config, ConfigError, to_yaml
 from megatron_rl.metrics import METRICS_FILE, MetricsLogger, read_metrics, truncate_metrics
@@ -467,6 +468,13 @@ def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def _first_cause(err: BaseException) -> BaseException:
+    """A failed distributed save reports each rank's error inside one `CheckpointException`: the first."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
 def _out_of_space(err: BaseException, free: int) -> bool:
     """Whether `err` (or an error it was raised from) is a full disk or quota. torch's zip writer
     reports a failed write as `[enforce fail at inline_container.cc] unexpected pos`, without errno."""
@@ -482,6 +490,7 @@ def _out_of_space(err: BaseException, free: int) -> bool:
 
 def checkpoint_write_error(folder: Path, err: BaseException) -> CheckpointWriteError:
     """The one-line error of a failed save into `folder`, with the free bytes of its file system."""
+    err = _first_cause(err)
     free = _free_bytes(folder)
     if _out_of_space(err, free):
         return CheckpointWriteError(
@@ -668,7 +677,7 @@ class RunFolder:
         dist.barrier()
         try:
             written = actor.save(staging / ACTOR_DIR)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # CheckpointException: a BaseException
             raise checkpoint_write_error(staging, err) from err
         shard_digests: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(shard_digests, written)  # also: every rank's files are written before rank 0 lists them

@@ -73,8 +73,9 @@ class _Evaluator:
 
 def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
-    With `resume`, continue from the newest complete checkpoint (from scratch without one); with
-    `force`, a run folder that holds a run is moved aside (`checkpoints.RunFolder`).
+    With `resume`, continue from the newest complete checkpoint (refused without one; with
+    `checkpoints.RESUME_IF_ANY` a folder that holds no run starts from scratch); with `force`, a run
+    folder that holds a run is moved aside (`checkpoints.RunFolder`).
 
     Returns the last step's metrics and the paths written (every rank), and the last evaluation
     (rank 0, when `data.eval_path` is set)."""

@@ -15,7 +15,9 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.forward import LogProbHead, padded_shapes, plan_for_rank, prepare_inputs, run_schedule
-from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, RunFolder, checkpoint_dir
+from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, RunFolder, checkpoint_dir
 from megatron_rl.config import (
     CheckpointConfig,
     Config,
@@ -857,7 +859,30 @@ def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: 
         logging.getLogger("megatron_rl.checkpoints").removeHandler(handler)
     info = actor.load(folder.resume_from / ACTOR_DIR)
     assert info["step"] == actor.step and info["optimizer_loaded"], info
+    check_a_failed_write_is_one_line(ctx, actor, cfg)
     actor.close()
+
+
+def check_a_failed_write_is_one_line(ctx, actor: MegatronActor, cfg: Config) -> None:  # noqa: ANN001
+    """A write that fails in the shard writer (over the file size limit: EFBIG, where a full disk gives
+    ENOSPC) is one `CheckpointWriteError` line naming the staging folder."""
+    folder = RunFolder(_run_config(ctx.shared_dir / "integrity" / "full", cfg), rank=0, resume=False)
+    staging = checkpoint_dir(folder.ckpt_root, 1).with_name("step_000001.tmp")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        folder.save_checkpoint(actor, 1, PromptSampler(list(range(16)), seed=3))
+    except CheckpointWriteError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a save over the file size limit did not fail")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+        folder.close()
+    assert message.startswith(f"{staging}: the checkpoint could not be written (") and "\n" not in message, message
+    assert "File too large" in message and "bytes free there" in message, message
 
 
 def w2_every_ranks_shard_is_in_the_manifest(ctx) -> None:  # noqa: ANN001
