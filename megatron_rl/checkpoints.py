@@ -6,26 +6,36 @@
                                                       CKPT_DIR: checkpoint.dir, default RUN_DIR/checkpoints
     RUN_DIR/hf, RUN_DIR/hf_start                      the policy as a Hugging Face folder
 
-A fresh run (no `--resume`) refuses a run folder that already holds a run (metrics.jsonl, hf/ or
-checkpoint folders) unless `force` is given: then the old run folder is renamed to RUN_DIR.old-N
-(and a CKPT_DIR outside it to CKPT_DIR.old-N), N the first free number; nothing is deleted. The
-folders are checked writable at start-up, before any step is trained.
+A fresh run (no `--resume`) refuses a run folder that already holds a run (step records in
+metrics.jsonl, hf/ or checkpoint folders) unless `force` is given: then the old run folder is
+renamed to RUN_DIR.old-N (and a CKPT_DIR outside it to CKPT_DIR.old-N), N the first free number;
+nothing is deleted. The folders are checked writable at start-up, before any step is trained.
+Rank 0 holds an exclusive lock on RUN_DIR/.run.lock (`RunLock`) from before anything is written
+until the stage ends: a second launch into the same folder is refused, naming the pid of the first.
 
 A checkpoint is written into CKPT_DIR/step_NNNNNN.tmp: the actor (model, optimizer, schedule,
 per-rank RNG), collectively, then on rank 0 `loop_state.pt` (the step, the prompt sampler's
 position, rank 0's Python, NumPy and torch RNG states, the rollout seed and the asynchronous rollout
 state) and `manifest.json`
-(every file with its size, the SHA-256 of the loop state), every file flushed to disk; only then
-is the folder renamed to step_NNNNNN. A run killed while saving leaves a `.tmp` folder, which is
-ignored and removed at the next save. Resuming takes the newest checkpoint that matches its
-manifest and whose loop state loads; a damaged one (a missing or truncated file) is reported,
-naming the file, and the previous one is taken. `checkpoint.keep_last` complete folders are kept
-(never fewer than the newest complete one). Rollout sampling needs no engine state: every
-request's `sampling_seed` is derived from (train.seed, step, round, index)
-(`megatron_rl.loop.collect.sampling_seed`). Resuming (`RunFolder(..., resume=True)`) drops the
-records of later steps from metrics.jsonl; without a checkpoint the run starts from scratch. The
-frozen reference policy of a KL term is not saved: it is the start policy (or
-`algorithm.ref_path`), rebuilt from the configuration on resume.
+(every file with its size and SHA-256), every file flushed to disk; only then is the folder renamed
+to step_NNNNNN. The SHA-256 of the shards and of the loop state is computed from the bytes as they
+are written (`torch_dist_io`), never by a second read; Megatron's small metadata files are hashed
+when the manifest is written. A run killed while saving leaves a `.tmp` folder, which is ignored
+and removed at the next save. A save that fails (a full disk, a folder made unwritable) stops the
+run with one line naming the folder, the cause and the free bytes (`CheckpointWriteError`).
+
+Resuming takes the newest checkpoint whose files match the manifest's sizes and checksums (one read
+of its files at start-up) and whose loop state loads; a damaged one is reported, naming the file,
+and the previous one is taken. A folder without manifest (older code) needs its loop state and
+shards as long as its `.metadata` says. `--resume` (`resume=True`) refuses a run folder with no
+usable checkpoint, naming what is wrong with each; `--resume-if-any` (`resume=RESUME_IF_ANY`) starts
+afresh a folder that holds no run, and refuses one that does. Neither touches a run folder it
+refuses. Resuming drops the records of later steps from metrics.jsonl (a torn last line too).
+`checkpoint.keep_last` complete folders are kept, never the newest one this run verified or wrote
+among the pruned. Rollout sampling needs no engine state: every request's `sampling_seed` is derived
+from (train.seed, step, round, index) (`megatron_rl.loop.collect.sampling_seed`). The frozen
+reference policy of a KL term is not saved: it is the start policy (or `algorithm.ref_path`),
+rebuilt from the configuration on resume.
 
 Every rank builds the `RunFolder` before torch.distributed starts, so each decides from the
 shared file system: nothing is written into the run folder before every rank has passed its
@@ -35,24 +45,29 @@ checks (the actor start that follows is collective), and only rank 0 moves an ol
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.config import Config, ConfigError, to_yaml
-from megatron_rl.metrics import MetricsLogger, truncate_metrics
+from megatron_rl.metrics import METRICS_FILE, MetricsLogger, read_metrics, truncate_metrics
+from megatron_rl.models.chunked_io import ChunkedWrites
 from megatron_rl.parallel.rank0 import on_rank0
 
 if TYPE_CHECKING:
@@ -68,9 +83,17 @@ STAGING_SUFFIX = ".tmp"  # step_NNNNNN.tmp: a checkpoint being written
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_DIR = re.compile(r"^step_\d+" + re.escape(STAGING_SUFFIX) + "$")
 FORMAT_VERSION = 1
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1: sizes, and the SHA-256 of the loop state only
 # what a run leaves in its run folder: a fresh run into a folder holding one of these is refused
+# (metrics.jsonl only when it holds a record: a run stopped during its start-up leaves it empty)
 RUN_MARKERS = ("metrics.jsonl", "hf")
+LOCK_FILE = ".run.lock"
+RESUME_IF_ANY = "if_any"  # --resume-if-any: resume when there is a checkpoint, start a folder without a run afresh
+ResumeMode = bool | Literal["if_any"]
+_HASH_CHUNK = 1 << 20
+# Megatron's metadata and common state are small next to the shards: the manifest hashes them by reading
+_HASHED_ON_READ = (".metadata", "common.pt", "metadata.json")
+_LOW_SPACE = 16 << 20  # bytes free under which a failed write is put down to a full disk
 
 
 def checkpoint_dir(ckpt_root: str | Path, step: int) -> Path:
@@ -95,6 +118,8 @@ class LoopState:
     step: int
     sampler: dict[str, Any]
     rollout_seed: int
+    # rollout.async_mode of the run that saved it (None: an SFT checkpoint, or saved before it was kept)
+    async_mode: str | None = None
     rng: dict[str, Any] = field(default_factory=capture_rng)
     format_version: int = FORMAT_VERSION
     # the rollout side's state, pickled (`RolloutDriver.checkpoint_state`: one_step_off's pre-generated
@@ -105,13 +130,16 @@ class LoopState:
     weight_version: int | None = None
 
 
-def save_loop_state(folder: str | Path, state: LoopState) -> Path:
-    """Write `state` into the checkpoint `folder` atomically (rank 0 only); returns the file."""
+def save_loop_state(folder: str | Path, state: LoopState) -> str:
+    """Write `state` into the checkpoint `folder` atomically (rank 0 only); returns the file's
+    SHA-256, computed while writing."""
     path = Path(folder) / LOOP_STATE_FILE
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(asdict(state), tmp)
+    digest = hashlib.sha256()
+    with tmp.open("wb") as file:
+        torch.save(asdict(state), ChunkedWrites(file, digest))
     os.replace(tmp, path)
-    return path
+    return digest.hexdigest()
 
 
 def load_loop_state(folder: str | Path) -> LoopState:
@@ -127,7 +155,7 @@ def load_loop_state(folder: str | Path) -> LoopState:
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -141,25 +169,29 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(folder: str | Path, step: int) -> Path:
+def write_manifest(folder: str | Path, step: int, digests: dict[str, str]) -> Path:
     """Flush every file of the checkpoint `folder` to disk and list it in `manifest.json` with its
-    size, with the SHA-256 of the loop state (rank 0, after every rank's files are written)."""
+    size and SHA-256 (rank 0, after every rank's files are written). `digests` (path in `folder` ->
+    SHA-256) holds what the writers computed while writing: every file but Megatron's small
+    metadata files must be in it, so that no shard is read a second time."""
     folder = Path(folder)
-    files: dict[str, int] = {}
+    files: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.rglob("*")):
         if path.is_file() and path.name != MANIFEST_FILE:
+            name = path.relative_to(folder).as_posix()
+            if name in digests:
+                sha = digests[name]
+            elif path.name in _HASHED_ON_READ:
+                sha = _sha256(path)
+            else:
+                raise ValueError(f"{path}: no SHA-256 from its writer (every shard is hashed while it is written)")
             _fsync(path)
-            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+            files[name] = {"size": path.stat().st_size, "sha256": sha}
     for sub in sorted({p.parent for p in folder.rglob("*")} | {folder}):
         _fsync(sub)
     if LOOP_STATE_FILE not in files:
         raise FileNotFoundError(f"{folder / LOOP_STATE_FILE}: write the loop state before the manifest")
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "step": step,
-        "files": files,
-        "loop_state_sha256": _sha256(folder / LOOP_STATE_FILE),
-    }
+    manifest = {"manifest_version": MANIFEST_VERSION, "step": step, "files": files}
     path = folder / MANIFEST_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
@@ -169,28 +201,63 @@ def write_manifest(folder: str | Path, step: int) -> Path:
     return path
 
 
-def checkpoint_damage(folder: str | Path) -> str | None:
+def _manifest_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str | None]]:
+    """name -> (size, SHA-256 or None) of a manifest of either version."""
+    if manifest["manifest_version"] == 1:
+        files = {name: (int(size), None) for name, size in manifest["files"].items()}
+        files[LOOP_STATE_FILE] = (files[LOOP_STATE_FILE][0], manifest["loop_state_sha256"])
+        return files
+    return {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+
+
+def _shard_extent_damage(actor_dir: Path) -> str | None:
+    """Without a manifest: a shard shorter than its `.metadata` says, or a `.metadata` that does not
+    unpickle (naming the file), else None."""
+    metadata_path = actor_dir / ".metadata"
+    if not metadata_path.is_file():
+        return None
+    try:
+        with metadata_path.open("rb") as file:
+            storage = pickle.load(file).storage_data  # torch's own reader unpickles it the same way
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as err:  # unpickling a damaged file raises about anything
+        return f"{metadata_path} is unreadable ({type(err).__name__}: {err})"
+    for name, size in sorted(needed.items()):
+        path = actor_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size < size:
+            return f"{path} holds {path.stat().st_size} bytes, its .metadata needs {size} (truncated)"
+    return None
+
+
+def checkpoint_damage(folder: str | Path, *, checksums: bool = True) -> str | None:
     """What is wrong with the finished checkpoint `folder` against its manifest (naming the file), or
-    None. A folder without manifest (written before manifests) only needs its loop state."""
+    None; `checksums`: also compare every file's SHA-256 (a read of the whole checkpoint), not only
+    the sizes. A folder without manifest (written before manifests) needs its loop state and shards
+    as long as its `.metadata` says."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
-        return None if (folder / LOOP_STATE_FILE).is_file() else f"{folder / LOOP_STATE_FILE} is missing"
+        if not (folder / LOOP_STATE_FILE).is_file():
+            return f"{folder / LOOP_STATE_FILE} is missing"
+        return _shard_extent_damage(folder / ACTOR_DIR) if checksums else None
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files: dict[str, int] = manifest["files"]
-        loop_sha = manifest["loop_state_sha256"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        files = _manifest_files(json.loads(manifest_path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
-    for name, size in files.items():
+    for name, (size, _) in files.items():
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
         actual = path.stat().st_size
         if actual != size:
             return f"{path} holds {actual} bytes, the manifest says {size} (truncated or overwritten)"
-    if _sha256(folder / LOOP_STATE_FILE) != loop_sha:
-        return f"{folder / LOOP_STATE_FILE}: its SHA-256 differs from the manifest's"
+    for name, (_, sha) in files.items() if checksums else ():
+        if sha is not None and _sha256(folder / name) != sha:
+            return f"{folder / name}: its SHA-256 differs from the manifest's (changed after it was written)"
     return None
 
 
@@ -210,8 +277,10 @@ def checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
 
 
 def complete_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
-    """The finished checkpoints whose files match their manifest, oldest first."""
-    return [(step, path) for step, path in checkpoints(ckpt_root) if checkpoint_damage(path) is None]
+    """The finished checkpoints whose files have the sizes of their manifest, oldest first (the
+    checksums are compared at resume only: a read of every checkpoint at every save would cost more
+    than the save)."""
+    return [(step, path) for step, path in checkpoints(ckpt_root) if checkpoint_damage(path, checksums=False) is None]
 
 
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
@@ -220,9 +289,12 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resume_point(ckpt_root: str | Path, *, warn: bool = True) -> tuple[Path, LoopState] | None:
-    """The newest checkpoint that matches its manifest and whose loop state loads, with that loop
-    state; each newer one that does not is skipped with a warning naming the file (`warn`)."""
+def resume_point(
+    ckpt_root: str | Path, *, warn: bool = True, damaged: list[str] | None = None
+) -> tuple[Path, LoopState] | None:
+    """The newest checkpoint that matches its manifest (sizes and checksums) and whose loop state
+    loads, with that loop state; each newer one that does not is skipped with a warning naming the
+    file (`warn`), and what is wrong with it appended to `damaged` when given."""
     for _, folder in reversed(checkpoints(ckpt_root)):
         problem = checkpoint_damage(folder)
         if problem is None:
@@ -232,12 +304,15 @@ def resume_point(ckpt_root: str | Path, *, warn: bool = True) -> tuple[Path, Loo
                 problem = f"{folder / LOOP_STATE_FILE} does not load ({type(err).__name__}: {err})"
         if warn:
             logger.warning("checkpoint %s is damaged, skipped: %s; trying the previous one", folder, problem)
+        if damaged is not None:
+            damaged.append(problem)
     return None
 
 
-def prune_checkpoints(ckpt_root: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(ckpt_root: str | Path, keep_last: int, *, keep: Path | None = None) -> list[Path]:
     """Remove all but the newest `keep_last` complete checkpoints (0: keep all), and the damaged or
-    unfinished folders older than the newest complete one; returns the removed folders."""
+    unfinished folders older than the newest complete one; returns the removed folders. `keep`, the
+    newest checkpoint known to verify (resumed from or written by this run), is never removed."""
     root = Path(ckpt_root)
     complete = complete_checkpoints(root)
     doomed = [path for _, path in complete[:-keep_last]] if keep_last > 0 else []
@@ -248,6 +323,7 @@ def prune_checkpoints(ckpt_root: str | Path, keep_last: int) -> list[Path]:
             match = _STEP_DIR.match(child.name)
             if match and int(match.group(1)) < newest and child not in kept:
                 doomed.append(child)
+    doomed = [path for path in doomed if keep is None or path != keep]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -262,9 +338,14 @@ def remove_staging(ckpt_root: str | Path) -> list[Path]:
     return left
 
 
+def _holds_records(path: Path) -> bool:
+    return path.name != METRICS_FILE or (path.stat().st_size > 0 and bool(path.read_bytes().strip()))
+
+
 def run_contents(run_dir: Path, ckpt_root: Path) -> list[Path]:
-    """What a run left in `run_dir` (metrics, exports) and `ckpt_root` (checkpoint folders, finished or not)."""
-    found = [run_dir / name for name in RUN_MARKERS if (run_dir / name).exists()]
+    """What a run left in `run_dir` (metrics with a record, exports) and `ckpt_root` (checkpoint
+    folders, finished or not)."""
+    found = [run_dir / name for name in RUN_MARKERS if (run_dir / name).exists() and _holds_records(run_dir / name)]
     if ckpt_root.is_dir():
         found += sorted(c for c in ckpt_root.iterdir() if _STEP_DIR.match(c.name) or _STAGING_DIR.match(c.name))
     return found
@@ -276,6 +357,14 @@ def _aside(path: Path) -> Path:
     while path.with_name(f"{path.name}.old-{n}").exists():
         n += 1
     return path.with_name(f"{path.name}.old-{n}")
+
+
+def _moved_path(path: Path, moved: list[tuple[Path, Path]]) -> Path:
+    """Where `path` is after `move_run_aside` renamed the folders `moved`."""
+    for old, new in moved:
+        if path.is_relative_to(old):
+            return new / path.relative_to(old)
+    return path
 
 
 def move_run_aside(run_dir: Path, ckpt_root: Path) -> list[tuple[Path, Path]]:
@@ -322,6 +411,120 @@ def check_writable(folder: Path, key: str) -> None:
         ) from None
 
 
+class RunLock:
+    """An exclusive lock on a run folder, held by this process: a POSIX lock on RUN_DIR/.run.lock, which
+    holds the holder's pid. The kernel drops the lock when its process ends, however it ends, so the
+    file a killed run leaves behind locks nothing; `release` removes it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+        for _ in range(10):  # another holder may remove the file between our open and our lock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                if err.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+                    logger.warning(
+                        "%s: the run folder cannot be locked (%s): make sure no other run uses it", self.path, err
+                    )
+                    return
+                raise ConfigError(
+                    f"logging.run_dir = {str(run_dir)!r} is in use by another run (pid {holder}, lock {self.path}): "
+                    "wait for it to end, or choose another logging.run_dir"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)
+        raise ConfigError(f"{self.path}: could not be locked (removed and created again by other runs)")
+
+    def release(self) -> None:
+        """Remove the lock file and unlock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a folder made unwritable): one line naming
+    the folder, the cause and the bytes free there."""
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _first_cause(err: BaseException) -> BaseException:
+    """A failed distributed save reports each rank's error inside one `CheckpointException`: the first."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+def _out_of_space(err: BaseException, free: int) -> bool:
+    """Whether `err` (or an error it was raised from) is a full disk or quota. torch's zip writer
+    reports a failed write as `[enforce fail at inline_container.cc] unexpected pos`, without errno."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free < _LOW_SPACE
+
+
+def checkpoint_write_error(folder: Path, err: BaseException) -> CheckpointWriteError:
+    """The one-line error of a failed save into `folder`, with the free bytes of its file system."""
+    err = _first_cause(err)
+    free = _free_bytes(folder)
+    if _out_of_space(err, free):
+        return CheckpointWriteError(
+            f"{folder}: no space left to write the checkpoint ({free} bytes free on its file system); "
+            "free some space (or set checkpoint.dir elsewhere) and continue with --resume"
+        )
+    cause = " ".join(f"{type(err).__name__}: {err}".split())
+    return CheckpointWriteError(
+        f"{folder}: the checkpoint could not be written ({cause}; {free} bytes free there); "
+        "fix it and continue with --resume"
+    )
+
+
+def _nothing_to_resume(flag: str, run_dir: Path, ckpt_root: Path, found: list[Path], damaged: list[str]) -> str:
+    """The refusal of a resume without a usable checkpoint (nothing was changed)."""
+    if damaged:
+        why = f"no usable checkpoint in {ckpt_root}: " + "; ".join(damaged)
+    else:
+        why = f"no checkpoint in {ckpt_root}"
+    metrics = run_dir / METRICS_FILE
+    if metrics in found:
+        records = read_metrics(run_dir)
+        why += f" (and {metrics} holds {len(records)} step records)"
+    if found:
+        return (
+            f"{flag}: {why}; nothing was changed: repair the checkpoint, or pass --force to start afresh "
+            f"with the run moved aside to {_aside(run_dir)}"
+        )
+    return f"{flag}: {why}, nothing to resume: start without --resume (or pass --resume-if-any)"
+
+
 class RunFolder:
     """One stage's run folder on every rank: where it resumes from, its logs, checkpoints and exports.
 
@@ -329,9 +532,11 @@ class RunFolder:
     `start_step` is known from the start.
     """
 
-    def __init__(self, cfg: Config, *, rank: int, resume: bool, force: bool = False) -> None:
-        """`resume`: continue from the newest complete checkpoint; otherwise a run folder that holds
-        a run is refused, unless `force`: then rank 0 moves the old run aside (nothing is deleted)."""
+    def __init__(self, cfg: Config, *, rank: int, resume: ResumeMode, force: bool = False) -> None:
+        """`resume`: True: continue from the newest complete checkpoint, refused without one;
+        `RESUME_IF_ANY`: the same, but a folder that holds no run starts afresh. Otherwise a run folder
+        that holds a run is refused, unless `force`: then rank 0 moves the old run aside (nothing is
+        deleted). Rank 0 locks the run folder until `close`."""
         if resume and force:
             raise ConfigError("--resume continues the run in logging.run_dir, --force moves it aside: pass one")
         self.cfg = cfg
@@ -340,8 +545,20 @@ class RunFolder:
         self.run_dir = Path(cfg.logging.run_dir)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.moved_aside: list[tuple[Path, Path]] = []
+        self._lock: RunLock | None = None
+        if rank == 0:  # before anything is read or written: a second launch waits for nothing
+            check_writable(self.run_dir, "logging.run_dir")
+            self._lock = RunLock(self.run_dir)
+        try:
+            self._open(force)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, force: bool) -> None:
+        cfg, rank, resume = self.cfg, self.rank, self.resume
+        found = run_contents(self.run_dir, self.ckpt_root)
         if not resume:
-            found = run_contents(self.run_dir, self.ckpt_root)
             if found and not force:
                 shown = ", ".join(str(p) for p in found[:3]) + (
                     f" (and {len(found) - 3} more)" if len(found) > 3 else ""
@@ -357,17 +574,43 @@ class RunFolder:
                 self.moved_aside = move_run_aside(self.run_dir, self.ckpt_root)
         if rank == 0:  # the other ranks would race rank 0's move; the folders are shared
             check_writable(self.run_dir, "logging.run_dir")
+            if self.moved_aside and self._lock is not None:  # the lock moved with the old run: lock the new folder
+                old = self._lock
+                old.path = _moved_path(old.path, self.moved_aside)
+                self._lock = RunLock(self.run_dir)
+                old.release()
             check_writable(self.ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir")
-        point = resume_point(self.ckpt_root, warn=rank == 0) if resume else None
+        point = None
+        if resume:
+            damaged: list[str] = []
+            point = resume_point(self.ckpt_root, warn=rank == 0, damaged=damaged)
+            if point is None and (resume is True or found):
+                flag = "--resume" if resume is True else "--resume-if-any"
+                raise ConfigError(_nothing_to_resume(flag, self.run_dir, self.ckpt_root, found, damaged))
         self.resume_from = point[0] if point is not None else None
+        # the newest checkpoint known to verify: pruning never removes it
+        self.verified: Path | None = self.resume_from
         self.loop_state = point[1] if point is not None else None
         self.start_step = self.loop_state.step if self.loop_state is not None else 0
+        saved_mode = self.loop_state.async_mode if self.loop_state is not None else None
+        if saved_mode not in (None, "sync") and saved_mode != cfg.rollout.async_mode:
+            raise ConfigError(
+                f"rollout.async_mode = {cfg.rollout.async_mode!r} but {self.resume_from} was saved with "
+                f"{saved_mode!r}, whose rollout state (pre-generated batch or buffer) this mode cannot continue; "
+                f"resume with rollout.async_mode={saved_mode}"
+            )
         if self.loop_state is not None and self.loop_state.rollout_seed != cfg.train.seed:
             logger.warning(
                 "resuming with train.seed = %d, saved with %d: the rollouts will differ from the original run's",
                 cfg.train.seed,
                 self.loop_state.rollout_seed,
             )
+
+    def close(self) -> None:
+        """Release the run folder's lock (rank 0; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def start_actor(self, cfg: Config) -> MegatronActor:
         """The actor of `cfg` (collective), with the resumed checkpoint's state: it replaces `checkpoint.load`."""
@@ -416,7 +659,7 @@ class RunFolder:
             where = (
                 f"from {self.resume_from} (step {self.start_step})"
                 if self.resume_from
-                else "from scratch: no checkpoint"
+                else "from scratch: no checkpoint (--resume-if-any)"
             )
             log.message(f"resuming {where} in {self.ckpt_root}")
         for old, new in self.moved_aside:
@@ -440,28 +683,39 @@ class RunFolder:
         if self.rank == 0:
             remove_staging(self.ckpt_root)
         dist.barrier()
-        actor.save(staging / ACTOR_DIR)
-        dist.barrier()  # every rank's files are written before rank 0 lists them
+        try:
+            written = actor.save(staging / ACTOR_DIR)
+        except (Exception, CheckpointException) as err:  # CheckpointException: a BaseException
+            raise checkpoint_write_error(staging, err) from err
+        shard_digests: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(shard_digests, written)  # also: every rank's files are written before rank 0 lists them
 
         def finish() -> None:
             if sampler is None:
                 raise ValueError("save_checkpoint: rank 0 needs the prompt sampler (its position is loop state)")
-            save_loop_state(
-                staging,
-                LoopState(
-                    step=step,
-                    sampler=sampler.state_dict(),
-                    rollout_seed=self.cfg.train.seed,
-                    rollout=rollout,
-                    weight_version=weight_version,
-                ),
-            )
-            write_manifest(staging, step)
-            if folder.exists():  # this step saved before (a damaged checkpoint skipped at resume)
-                shutil.rmtree(folder)
-            os.replace(staging, folder)
-            _fsync(self.ckpt_root)
-            prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
+            digests = {f"{ACTOR_DIR}/{name}": sha for per_rank in shard_digests for name, sha in per_rank.items()}
+            mode = self.cfg.rollout.async_mode if rollout is not None else None
+            try:
+                digests[LOOP_STATE_FILE] = save_loop_state(
+                    staging,
+                    LoopState(
+                        step=step,
+                        sampler=sampler.state_dict(),
+                        rollout_seed=self.cfg.train.seed,
+                        async_mode=mode,
+                        rollout=rollout,
+                        weight_version=weight_version,
+                    ),
+                )
+                write_manifest(staging, step, digests)
+                if folder.exists():  # this step saved before (a damaged checkpoint skipped at resume)
+                    shutil.rmtree(folder)
+                os.replace(staging, folder)
+                _fsync(self.ckpt_root)
+            except (OSError, RuntimeError) as err:  # RuntimeError: torch's zip writer's failed write
+                raise checkpoint_write_error(staging, err) from err
+            self.verified = folder
+            prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last, keep=self.verified)
 
         on_rank0(finish)
         return folder

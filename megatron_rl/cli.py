@@ -47,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
                 module.add_arguments(sub.add_parser(command, help=module.HELP, description=module.HELP))
             else:
                 sub.add_parser(command, help=f"(see: megatron-rl {command} --help)")
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        late = [a for a in extra if not a.startswith("-")]
+        if late != extra or (late and not isinstance(getattr(args, "overrides", None), list)):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if late:  # key=value overrides after a flag (`train CONFIG --resume train.steps=3`): argparse stops at the flag
+            args.overrides += late
         if args.command is None:
             parser.print_help()
             return 2

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.checkpoints import RunFolder
+from megatron_rl.checkpoints import ResumeMode, RunFolder
 from megatron_rl.config import Config, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
@@ -177,7 +177,9 @@ class Trainer:
         self.version = resumed_weight_version(run_folder)
 
     @classmethod
-    def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: bool = False, force: bool = False) -> Trainer:
+    def start(
+        cls, cfg: Config, stack: contextlib.ExitStack, *, resume: ResumeMode = False, force: bool = False
+    ) -> Trainer:
         """Data (rank 0), checkpoint to resume from, actor, logs, engine and weight sync (collective).
         `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
@@ -187,6 +189,7 @@ class Trainer:
         cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
         run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
+        stack.callback(run_folder.close)  # its lock, released last
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
             release_colocated_engines(cfg)
@@ -428,7 +431,7 @@ class Trainer:
         return scores
 
 
-def run_training(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[str, Any]:
+def run_training(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
     """Run `megatron-rl train` in this process (one rank of a torchrun/srun launch, or a world of one).
     Raises `StoppedBySignal` (a SystemExit) after the checkpoint of a run stopped by SIGTERM/SIGUSR1."""
     from megatron_rl.parallel import destroy_distributed

@@ -8,7 +8,7 @@
 # 2. start the rollout servers as background job steps (one srun each), wait for their /health,
 #    then an sglang-router in front of them when there is one;
 # 3. run the trainer (one srun: one task per GPU, on CPU the least ranks the layout takes) with
-#    rollout.engine=sglang rollout.sglang_urls=[the servers] and --resume;
+#    rollout.engine=sglang rollout.sglang_urls=[the servers] and --resume-if-any;
 # 4. record each server's final weight version (LOG_DIR/engines.json), stop every step, exit with
 #    the trainer's status.
 # Every step runs in a process group of its own and is stopped (SIGTERM to its tasks, SIGKILL after
@@ -22,7 +22,8 @@
 #   TRAIN_NODES        disaggregated: nodes that train, the first ones of the job (default: half)
 #   RANKS_PER_NODE     trainer ranks per node (default: the GPUs per node; CPU: the least the layout takes)
 #   GPUS_PER_NODE      GPUs per node (default: Slurm's count, else nvidia-smi's; 0 = CPU run)
-#   RESUME             1 (default): --resume from the newest checkpoint; 0: start over
+#   RESUME             1 (default): --resume-if-any (the newest checkpoint, or a fresh start in a run folder
+#                      that holds no run; a run without a usable checkpoint is refused); 0: start over
 #   ROUTER             1/0: sglang-router in front of the engines (default: 1 on GPUs when sglang_router imports)
 #   ROUTER_POLICY      the router's --policy (default cache_aware)
 #   SGLANG_ARGS        extra sglang.launch_server arguments (e.g. "--mem-fraction-static 0.7 --ep-size 8")
@@ -318,7 +319,7 @@ run_job() {
   local -a overlap=()
   [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
   local -a resume=()
-  [[ ${RESUME:-1} == 1 ]] && resume=(--resume)
+  [[ ${RESUME:-1} == 1 ]] && resume=(--resume-if-any) # a first job starts afresh; a damaged run is refused
   local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
   if [[ ${DRY_RUN:-0} == 1 ]]; then
     local i

@@ -8,7 +8,9 @@ steps, a checkpoint); TP=2 with SP,
 EP=2 (alltoall), PP=2 and TP=2 x EP=2 must reproduce them: log-probs/entropy within 1e-5,
 parameters after two Adam steps within 1e-6, routing replay exact, checkpoints loadable across layouts
 (also across vocabulary paddings: TP1 <-> TP2, model and optimizer tensors bit for bit) and
-`checkpoint.load` taking both a full and a weights-only checkpoint.
+`checkpoint.load` taking both a full and a weights-only checkpoint. The run folder's checkpoints
+(manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
+a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ WORLDS = {
         "w1_reference_policy_kl",
         "w1_kl_gradient_by_hand",
         "w1_reject_reference",
+        "w1_shards_hashed_while_written_and_damage_falls_back",
     ],
     2: [
         "w2_reject_dp2",
@@ -38,6 +41,7 @@ WORLDS = {
         "w2_pp2_recompute_replay",
         "w2_bad_layout",
         "w2_vocab_padding_tp1_tp2_tp1",
+        "w2_every_ranks_shard_is_in_the_manifest",
     ],
     4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint"],
 }

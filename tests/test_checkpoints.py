@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoints import (
     ACTOR_DIR,
+    LOCK_FILE,
     LOOP_STATE_FILE,
     MANIFEST_FILE,
     RunFolder,
@@ -90,7 +91,7 @@ def test_force_moves_the_old_run_aside_and_deletes_nothing(tmp_path: Path) -> No
         assert set(folder.moved_aside) == moved
         assert read_metrics(tmp_path / f"run.old-{n}") == [{"step": n}]
         assert (tmp_path / f"ckpts.old-{n}" / "step_000001" / LOOP_STATE_FILE).read_text() == f"run {n}"
-        assert list(run_dir.iterdir()) == [] and list(ckpt_dir.iterdir()) == []  # fresh, made writable
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE] and list(ckpt_dir.iterdir()) == []  # fresh, locked
     # another rank sees the same folder and decides the same, but only rank 0 moves it
     (run_dir / "metrics.jsonl").write_text("{}\n")
     assert RunFolder(config(run_dir, ckpt_dir=ckpt_dir), rank=1, resume=False, force=True).moved_aside == []
@@ -137,13 +138,18 @@ class ShardWritingActor:
     def __init__(self) -> None:
         self.saves = 0
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> dict[str, str]:
+        """Returns each shard's SHA-256, as the real writer computes it while writing."""
         self.saves += 1
         path.mkdir(parents=True)
         (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
         torch.save({"step": self.saves}, path / "common.pt")
+        digests = {}
         for shard in range(2):
-            (path / f"__{shard}_0.distcp").write_bytes(bytes([self.saves]) * (1000 + shard))
+            data = bytes([self.saves]) * (1000 + shard)
+            (path / f"__{shard}_0.distcp").write_bytes(data)
+            digests[f"__{shard}_0.distcp"] = hashlib.sha256(data).hexdigest()
+        return digests
 
 
 @pytest.fixture
@@ -157,7 +163,7 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 
 def save_steps(run_dir: Path, steps: list[int], keep_last: int = 0) -> RunFolder:
-    folder = RunFolder(config(run_dir, keep_last=keep_last), rank=0, resume=True)
+    folder = RunFolder(config(run_dir, keep_last=keep_last), rank=0, resume=False)
     actor, sampler = ShardWritingActor(), PromptSampler(list(range(10)), seed=1)
     for step in steps:
         sampler.next(2)
@@ -171,11 +177,17 @@ def test_a_checkpoint_is_renamed_into_place_with_a_manifest_of_its_files(tmp_pat
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003"]
     step3 = checkpoint_dir(root, 3)
     manifest = json.loads((step3 / MANIFEST_FILE).read_text())
-    files = {p.relative_to(step3).as_posix(): p.stat().st_size for p in step3.rglob("*") if p.is_file()}
+    files = {
+        p.relative_to(step3).as_posix(): {
+            "size": p.stat().st_size,
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in step3.rglob("*")
+        if p.is_file()
+    }
     files.pop(MANIFEST_FILE)
     assert manifest["files"] == files and manifest["step"] == 3
-    assert files[f"{ACTOR_DIR}/__1_0.distcp"] == 1001
-    assert manifest["loop_state_sha256"] == hashlib.sha256((step3 / LOOP_STATE_FILE).read_bytes()).hexdigest()
+    assert files[f"{ACTOR_DIR}/__1_0.distcp"]["size"] == 1001
     point = resume_point(root)
     assert point is not None and point[0] == step3 and point[1].step == 3
     assert point[1].sampler["position"] == 6  # 2 prompts drawn per step

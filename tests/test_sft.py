@@ -212,10 +212,10 @@ def one_process_sft_command(assets: Path, run_dir: Path, *overrides: str) -> lis
 
 
 def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
-    """`megatron-rl sft --resume` as a world of one, 3 steps, a checkpoint after every step (all
+    """`megatron-rl sft --resume-if-any` as a world of one, 3 steps, a checkpoint after every step (all
     kept); returns its console output."""
     steps = ["train.steps=3", "train.lr_warmup_steps=1", "checkpoint.every=1", "checkpoint.keep_last=3"]
-    cmd = [*one_process_sft_command(assets, run_dir, *steps, *extra), "--resume"]
+    cmd = [*one_process_sft_command(assets, run_dir, *steps, *extra), "--resume-if-any"]
     proc = subprocess.run(
         cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
     )

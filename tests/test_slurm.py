@@ -412,6 +412,7 @@ def test_misconfigured_submissions_fail_fast_and_dry_run_prints_the_gpu_plan(
     assert "engine0 on node2: " in engines[0] and "--tp-size 4 --base-gpu-id 0" in engines[0]
     assert "--base-gpu-id 4" in engines[1] and engines[1].endswith("--mem-fraction-static 0.7")
     assert "trainer on node1 x 8 ranks: " in out and "rollout.weight_sync=distributed" in out
+    assert "rollout.sglang_urls=[...] --resume-if-any" in out  # a first job starts afresh, a damaged run is refused
     assert not run_dir.exists()  # nothing started
 
 

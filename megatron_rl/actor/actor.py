@@ -84,9 +84,10 @@ class MegatronActor(Policy):
             loss=loss,
         )
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Distributed checkpoint of model, optimizer, schedule, step and RNG (collective)."""
-        save_checkpoint(self.state, path)
+    def save(self, path: str | os.PathLike) -> dict[str, str]:
+        """Distributed checkpoint of model, optimizer, schedule, step and RNG (collective); returns the
+        SHA-256 of each shard file this rank wrote, computed while writing (name in `path` -> hex)."""
+        return save_checkpoint(self.state, path)
 
     def load(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any layout (collective); see `checkpoint.load_checkpoint`."""

@@ -150,15 +150,16 @@ def _rng_sharded_state() -> ShardedObject:
     return ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
 
 
-def save_checkpoint(state: TrainingState, path: str | os.PathLike) -> None:
-    """Write `state` to the folder `path` (created; collective over all ranks)."""
+def save_checkpoint(state: TrainingState, path: str | os.PathLike) -> dict[str, str]:
+    """Write `state` to the folder `path` (created; collective over all ranks); returns the SHA-256
+    of each shard file this rank wrote (`write_checkpoint`)."""
     model = model_sharded_state_dict(state.model)
     extra = {
         "optimizer": _optimizer_sharded_state(state, model, is_loading=False),
         "rng_state": _rng_sharded_state(),
         "scheduler": state.scheduler.state_dict(),
     }
-    write_checkpoint(path, model, step=state.step, weights_only=False, extra=extra)
+    return write_checkpoint(path, model, step=state.step, weights_only=False, extra=extra)
 
 
 def load_checkpoint(state: TrainingState, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:

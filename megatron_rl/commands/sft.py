@@ -1,4 +1,4 @@
-"""`megatron-rl sft CONFIG [key=value ...] [--resume | --force]`: the supervised stage (`megatron_rl.sft.stage`).
+"""`megatron-rl sft CONFIG [key=value ...] [--resume | --resume-if-any | --force]`: the supervised stage (`megatron_rl.sft.stage`).
 
 Run it as one process or under torchrun/srun (e.g. `torchrun --nproc-per-node 2 -m megatron_rl.cli sft
 examples/tiny_math/sft.yaml` for EP = 2 on two CPU ranks).

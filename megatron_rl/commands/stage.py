@@ -12,20 +12,30 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.parallel.launch import LaunchError, read_launch_env
 from megatron_rl.validation import Command, validate_run
 
+if TYPE_CHECKING:
+    from megatron_rl.checkpoints import ResumeMode
+
 
 def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> None:
-    """CONFIG, key=value overrides (`example` shows one), --resume and --force."""
+    """CONFIG, key=value overrides (`example` shows one), --resume, --resume-if-any and --force."""
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+    parser.add_argument("overrides", nargs="*", help=f"key=value overrides (before or after the flags), e.g. {example}")
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
-        "--resume", action="store_true", help="continue from the newest complete checkpoint in checkpoint.dir"
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in checkpoint.dir (refused when there is none)",
+    )
+    start.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        help="as --resume, but a logging.run_dir that holds no run starts afresh (a first Slurm job)",
     )
     start.add_argument(
         "--force",
@@ -52,13 +62,14 @@ def _rank0() -> bool:
 def run_stage(
     args: argparse.Namespace,
     command: Command,
-    run: Callable[[Config, bool, bool], Any],
+    run: Callable[[Config, ResumeMode, bool], Any],
     *,
     run_errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error, 1 with
-    one line from rank 0 on one of `run_errors` (raised on every rank alike), 130 on Ctrl-C."""
+    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error or a
+    checkpoint that could not be written, 1 with one line from rank 0 on one of `run_errors` (raised on
+    every rank alike), 130 on Ctrl-C."""
     try:
         return _run_stage(args, command, run, run_errors)
     except KeyboardInterrupt:
@@ -70,11 +81,12 @@ def run_stage(
 def _run_stage(
     args: argparse.Namespace,
     command: Command,
-    run: Callable[[Config, bool, bool], Any],
+    run: Callable[[Config, ResumeMode, bool], Any],
     run_errors: tuple[type[Exception], ...],
 ) -> int:
     import torch.distributed as dist
 
+    from megatron_rl.checkpoints import RESUME_IF_ANY, CheckpointWriteError
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.parallel.launch import ensure_launch_env
@@ -88,11 +100,12 @@ def _run_stage(
     except ConfigError as err:
         return _error("config error: ", err, verbose)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    resume: ResumeMode = RESUME_IF_ANY if getattr(args, "resume_if_any", False) else args.resume
     try:
-        run(cfg, args.resume, getattr(args, "force", False))
+        run(cfg, resume, getattr(args, "force", False))
     except ConfigError as err:
         return _error("config error: ", err, verbose)
-    except (DataError, ConversionError) as err:
+    except (DataError, ConversionError, CheckpointWriteError) as err:
         return _error(f"{command}: error: ", err, verbose)
     except run_errors as err:
         if _rank0():

@@ -1,4 +1,4 @@
-"""`megatron-rl train CONFIG [key=value ...] [--resume | --force]`: the RL loop (`megatron_rl.trainer`).
+"""`megatron-rl train CONFIG [key=value ...] [--resume | --resume-if-any | --force]`: the RL loop (`megatron_rl.trainer`).
 
 Run it under torchrun/srun for several trainer ranks; started alone it runs as a world of one.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.losses import metric_reduce_op
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TIMING_PREFIXES = ("time/", "throughput/")
@@ -57,32 +60,45 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _parsed_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Each record line of `path` with its JSON object. A last line that does not parse (half-written
+    by a crash or a full disk) is left out with a warning; a bad line before it is a ValueError."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    parsed = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            parsed.append((line, json.loads(line)))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}:{number}: not a JSON line: {err}") from None
+            logger.warning(
+                "%s:%d: a torn last line (half-written record, %d bytes) is left out", path, number, len(line)
+            )
+    return parsed
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of RUN_DIR/metrics.jsonl, in file order (NaN/inf strings back as floats)."""
+    """The records of RUN_DIR/metrics.jsonl, in file order (NaN/inf strings back as floats; a torn
+    last line left out with a warning)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run folder?)")
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from None
-        records.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in record.items()})
-    return records
+    return [
+        {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in record.items()}
+        for _, record in _parsed_lines(path)
+    ]
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
-    """Drop the records of steps after `last_step` (written before a run was killed); returns how many."""
+    """Drop the records of steps after `last_step` (written before a run was killed) and a torn last
+    line; returns how many lines were dropped."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return 0
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    total = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    kept = [line for line, record in _parsed_lines(path) if record.get("step", 0) <= last_step]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    return len(lines) - len(kept)
+    return total - len(kept)
 
 
 class MetricsLogger:

@@ -85,8 +85,9 @@ def write_checkpoint(
     weights_only: bool,
     extra: dict[str, Any] | None = None,
     fsync: bool = True,
-) -> None:
-    """Write a checkpoint folder `path` (created if missing); collective over all ranks.
+) -> dict[str, str]:
+    """Write a checkpoint folder `path` (created if missing); collective over all ranks. Returns the
+    SHA-256 of each shard file this rank wrote (name in `path` -> hex), computed while writing.
 
     `model`: a `model_sharded_state_dict`; `extra`: more top-level entries, sharded (optimizer, RNG)
     or plain values that go to the common state (scheduler, the source of a conversion);
@@ -102,6 +103,7 @@ def write_checkpoint(
     strategy = DirectSaveStrategy(fsync=fsync)
     dist_checkpointing.save(sharded, str(path), sharded_strategy=strategy, content_metadata=sharding_metadata())
     dist.barrier()
+    return strategy.written_digests()
 
 
 def save_model_weights(

@@ -25,16 +25,22 @@ def write_chunked(file: Any, data: Any) -> int:
 
 class ChunkedWrites(io.RawIOBase):
     """A write-only view of an open binary file that passes each write on through `write_chunked`
-    (for writers such as `torch.save` that write a whole tensor at once). Closing it leaves the file open."""
+    (for writers such as `torch.save` that write a whole tensor at once). Closing it leaves the file open.
 
-    def __init__(self, file: io.BufferedIOBase) -> None:
+    `digest` (a hashlib object) is updated with every byte written, in file order: the file's checksum
+    without a second read. The writer must write the file from start to end (no seek back)."""
+
+    def __init__(self, file: io.BufferedIOBase, digest: Any = None) -> None:
         super().__init__()
         self._file = file
+        self._digest = digest
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        if self._digest is not None:
+            self._digest.update(data)
         return write_chunked(self._file, data)
 
     def tell(self) -> int:

@@ -9,7 +9,8 @@ differs, so a checkpoint of either kind loads with the other and under any layou
   copies each view (e.g. the gate and up halves of a SwiGLU `linear_fc1`) to a tensor of its own,
   computes a zip CRC32 over every byte and syncs every file to disk. Here a view is written from
   where it is (a tensor on the bytes it covers), in 1 MiB writes (`chunked_io`), without CRC32
-  (`torch.load` does not check it), and syncing is optional.
+  (`torch.load` does not check it), and syncing is optional. The file's SHA-256 is computed from the
+  bytes as they are written (`written_digests`), for the checkpoint manifest: no second read.
 - `DirectLoadStrategy` reads each tensor's bytes straight into the tensor it is loaded into, and
   unpickles a record's tensor header once per distinct header: Megatron's reader unpickles each
   record into a new tensor and copies that into the target. Vocabulary tensors (`allow_shape_mismatch`)
@@ -18,6 +19,7 @@ differs, so a checkpoint of either kind loads with the other and under any layou
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import sys
@@ -89,6 +91,7 @@ class _DirectWriter(FileSystemWriterAsync):
     def __init__(self, path: str | os.PathLike, fsync: bool) -> None:
         super().__init__(path, thread_count=1, sync_files=fsync)
         self._results: Any = None
+        self.digests: dict[str, str] = {}  # file name -> SHA-256 of the bytes written
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """One bucket (file) with every item, tensors as they are (Megatron's copies views here)."""
@@ -109,8 +112,9 @@ class _DirectWriter(FileSystemWriterAsync):
         try:
             # No zip CRC32 per record (a pass over every byte): `torch.load`, Megatron's reader,
             # never checks it (torch.serialization.set_crc32_options documents that it loads such files).
+            digest = hashlib.sha256()
             with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as file:
-                stream = ChunkedWrites(file)
+                stream = ChunkedWrites(file, digest)
                 for item, data in byte_items:
                     results.append(
                         _write_item(self.transforms, stream, data, item, key, SerializationFormat.TORCH_SAVE)
@@ -122,6 +126,7 @@ class _DirectWriter(FileSystemWriterAsync):
                     )
                 if self.sync_files:
                     os.fsync(stream.fileno())
+            self.digests[key] = digest.hexdigest()
             self._results = results
         except Exception as err:  # reported to the coordinator, which fails the save on every rank
             self._results = _wrap_exception(err)
@@ -136,10 +141,16 @@ class DirectSaveStrategy(TorchDistSaveShardedStrategy):
     def __init__(self, fsync: bool = False) -> None:
         super().__init__(BACKEND, VERSION, thread_count=1)
         self.fsync = fsync
+        self._writers: list[_DirectWriter] = []
+
+    def written_digests(self) -> dict[str, str]:
+        """The SHA-256 of each shard file this process wrote (name in the checkpoint folder -> hex)."""
+        return {name: sha for writer in self._writers for name, sha in writer.digests.items()}
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         writer = _DirectWriter(checkpoint_dir, self.fsync)
+        self._writers.append(writer)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
         plan = save_state_dict_async_plan(mcore_to_pyt_state_dict(sharded, False), writer, None, 0, planner=planner)
         return self._get_save_and_finalize_callbacks(writer, plan[0])

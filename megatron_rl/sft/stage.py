@@ -38,6 +38,7 @@ from megatron_rl.parallel.signals import StoppedBySignal, exit_code, stop_at_ste
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
+    from megatron_rl.checkpoints import ResumeMode
     from megatron_rl.rollout.engine import RolloutEngine
 
 
@@ -70,10 +71,11 @@ class _Evaluator:
             self.engine = None
 
 
-def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[str, Any]:
+def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
-    With `resume`, continue from the newest complete checkpoint (from scratch without one); with
-    `force`, a run folder that holds a run is moved aside (`checkpoints.RunFolder`).
+    With `resume`, continue from the newest complete checkpoint (refused without one; with
+    `checkpoints.RESUME_IF_ANY` a folder that holds no run starts from scratch); with `force`, a run
+    folder that holds a run is moved aside (`checkpoints.RunFolder`).
 
     Returns the last step's metrics and the paths written (every rank), and the last evaluation
     (rank 0, when `data.eval_path` is set)."""
@@ -88,14 +90,19 @@ def run_sft(cfg: Config, *, resume: bool = False, force: bool = False) -> dict[s
     cfg = validate_run(cfg, "sft")
     rank = read_launch_env().rank
     run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)  # a run it would overwrite: refused first
-    tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
-    examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
-    sampler = PromptSampler.from_config(examples, cfg.data)
+    try:
+        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
+        examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
+        sampler = PromptSampler.from_config(examples, cfg.data)
+    except BaseException:
+        run_folder.close()
+        raise
     hf_dir = run_folder.run_dir / "hf"
     result: dict[str, Any] = {"run_dir": str(run_folder.run_dir), "hf_dir": str(hf_dir)}
     start = time.perf_counter()
     stopped_by = 0
     with contextlib.ExitStack() as stack:
+        stack.callback(run_folder.close)  # its lock, released last
         stop_request = stack.enter_context(stop_at_step_boundary())
         actor = run_folder.start_actor(
             dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=1.0))

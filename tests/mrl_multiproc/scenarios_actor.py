@@ -11,6 +11,13 @@ micro-batches of different shapes per rank.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -20,7 +27,19 @@ import torch.nn.functional as F
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.forward import LogProbHead, padded_shapes, plan_for_rank, prepare_inputs, run_schedule
-from megatron_rl.config import Config, ConfigError, ParallelConfig, RolloutConfig, TrainConfig, preset, validate
+from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, RunFolder, checkpoint_dir
+from megatron_rl.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    LoggingConfig,
+    ParallelConfig,
+    RolloutConfig,
+    TrainConfig,
+    preset,
+    validate,
+)
+from megatron_rl.data import PromptSampler
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
 
@@ -744,4 +763,134 @@ def w1_kl_gradient_by_hand(ctx) -> None:  # noqa: ANN001
             raise AssertionError(f"{key}: actor {got!r}, by hand {want!r}")
     assert hand_norm > 1e-3, hand_norm
     reference.close()
+    actor.close()
+
+
+# --- checkpoints: the real save path into a RunFolder (tests/test_checkpoint_integrity.py's subject) ---
+
+
+def _run_config(run_dir: Path, parallel_cfg: Config) -> Config:
+    return dataclasses.replace(
+        parallel_cfg, logging=LoggingConfig(run_dir=str(run_dir)), checkpoint=CheckpointConfig(keep_last=0)
+    )
+
+
+def _save_steps(ctx, cfg: Config, steps: tuple[int, ...]) -> tuple[MegatronActor, Path]:  # noqa: ANN001
+    """`steps` saved by the real actor through `RunFolder.save_checkpoint`; the checkpoint root."""
+    actor = MegatronActor(cfg)
+    folder = RunFolder(cfg, rank=ctx.rank, resume=False)
+    sampler = PromptSampler(list(range(16)), seed=3)
+    for step in steps:
+        sampler.next(4)
+        folder.save_checkpoint(actor, step, sampler)
+    folder.close()
+    return actor, folder.ckpt_root
+
+
+def _check_manifest_against_the_bytes(step_dir: Path) -> dict:
+    manifest = json.loads((step_dir / MANIFEST_FILE).read_text())
+    on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    assert set(manifest["files"]) == on_disk, (sorted(manifest["files"]), sorted(on_disk))
+    for name, entry in manifest["files"].items():
+        data = (step_dir / name).read_bytes()
+        assert entry["size"] == len(data), name
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), f"{name}: the digest computed while writing"
+    return manifest
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _flip_a_bit(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _damage(step_dir: Path, how: str) -> Path:
+    """Damage that keeps the file's size (the last one a size check would see, had it a manifest)."""
+    shard = sorted((step_dir / ACTOR_DIR).glob("*.distcp"))[0]
+    if how == "bit flip in a shard":
+        _flip_a_bit(shard, shard.stat().st_size // 2)
+        return shard
+    if how == "one byte of .metadata":
+        _flip_a_bit(step_dir / ACTOR_DIR / ".metadata", 40)
+        return step_dir / ACTOR_DIR / ".metadata"
+    if how == "4 KiB of garbage in a shard":
+        with shard.open("r+b") as f:
+            f.seek(shard.stat().st_size // 3)
+            f.write(os.urandom(4096))
+        return shard
+    # no manifest (older code, or removed) and a truncated shard
+    (step_dir / MANIFEST_FILE).unlink()
+    os.truncate(shard, shard.stat().st_size // 2)
+    return shard
+
+
+def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: ANN001
+    """Every file's SHA-256 in the manifest is that of its bytes on disk; each damage that keeps the
+    size is one warning naming the file, and resume takes step 1, which loads."""
+    cfg = _run_config(ctx.shared_dir / "integrity" / "run", actor_config(layout()))
+    actor, root = _save_steps(ctx, cfg, (1, 2))
+    manifest = _check_manifest_against_the_bytes(checkpoint_dir(root, 2))
+    shards = [name for name in manifest["files"] if name.endswith(".distcp")]
+    assert shards == [f"{ACTOR_DIR}/__0_0.distcp"], shards
+    handler = _Warnings()
+    logging.getLogger("megatron_rl.checkpoints").addHandler(handler)
+    try:
+        for how in ("bit flip in a shard", "one byte of .metadata", "4 KiB of garbage in a shard", "no manifest"):
+            run_dir = ctx.shared_dir / "integrity" / how.replace(" ", "_")
+            shutil.copytree(ctx.shared_dir / "integrity" / "run", run_dir)
+            victim = _damage(checkpoint_dir(run_dir / "checkpoints", 2), how)
+            handler.messages.clear()
+            folder = RunFolder(_run_config(run_dir, cfg), rank=0, resume=True)
+            folder.close()
+            assert folder.resume_from == checkpoint_dir(run_dir / "checkpoints", 1), (how, folder.resume_from)
+            assert len(handler.messages) == 1 and str(victim) in handler.messages[0], (how, handler.messages)
+    finally:
+        logging.getLogger("megatron_rl.checkpoints").removeHandler(handler)
+    info = actor.load(folder.resume_from / ACTOR_DIR)
+    assert info["step"] == actor.step and info["optimizer_loaded"], info
+    check_a_failed_write_is_one_line(ctx, actor, cfg)
+    actor.close()
+
+
+def check_a_failed_write_is_one_line(ctx, actor: MegatronActor, cfg: Config) -> None:  # noqa: ANN001
+    """A write that fails in the shard writer (over the file size limit: EFBIG, where a full disk gives
+    ENOSPC) is one `CheckpointWriteError` line naming the staging folder."""
+    folder = RunFolder(_run_config(ctx.shared_dir / "integrity" / "full", cfg), rank=0, resume=False)
+    staging = checkpoint_dir(folder.ckpt_root, 1).with_name("step_000001.tmp")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        folder.save_checkpoint(actor, 1, PromptSampler(list(range(16)), seed=3))
+    except CheckpointWriteError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a save over the file size limit did not fail")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+        folder.close()
+    assert message.startswith(f"{staging}: the checkpoint could not be written (") and "\n" not in message, message
+    assert "File too large" in message and "bytes free there" in message, message
+
+
+def w2_every_ranks_shard_is_in_the_manifest(ctx) -> None:  # noqa: ANN001
+    """Under EP = 2 each rank hashes the shard it writes; rank 0's manifest holds both ranks' digests."""
+    cfg = _run_config(ctx.shared_dir / "integrity" / "run", actor_config(layout(ep=2)))
+    actor, root = _save_steps(ctx, cfg, (1,))
+    dist.barrier()
+    manifest = _check_manifest_against_the_bytes(checkpoint_dir(root, 1))
+    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert shards == [f"{ACTOR_DIR}/__0_0.distcp", f"{ACTOR_DIR}/__1_0.distcp"], shards
     actor.close()
