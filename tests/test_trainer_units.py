@@ -472,9 +472,10 @@ class LabelRecordingSync:
 
 
 class FileActor:
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> dict[str, str]:
         path.mkdir(parents=True)
         (path / "common.pt").write_bytes(b"weights")
+        return {}  # no shard hashed while written: the run folder hashes common.pt itself
 
 
 def _run_trainer(cfg: Config, trained: set[int], *, resume: bool) -> tuple[Any, VersionRecordingDriver, Any]:
