@@ -70,8 +70,10 @@ def authorized(request: web.Request, api_key: str | None) -> bool:
 def app_runner(app: web.Application, read_timeout_s: float, **kwargs: Any) -> web.AppRunner:
     """The runner of `app` whose connections close when no complete request head arrives within
     `read_timeout_s` (aiohttp's keep-alive timer runs from the connection's start and from each
-    answer; its default keeps an idle or half-sent connection an hour)."""
-    return web.AppRunner(app, keepalive_timeout=read_timeout_s, **kwargs)
+    answer; its default keeps an idle or half-sent connection an hour). After an answer to a request
+    whose body did not all come (413, 408), the rest is awaited at most as long (aiohttp: 10 s)."""
+    lingering_s = min(10.0, read_timeout_s)
+    return web.AppRunner(app, keepalive_timeout=read_timeout_s, lingering_time=lingering_s, **kwargs)
 
 
 async def read_body(request: web.Request, limit: int, what: str = "", timeout_s: float = READ_TIMEOUT_S) -> bytes:
