@@ -185,12 +185,9 @@ def _first_problem(value: Any) -> str | None:
     return None
 
 
-def parse_json(raw: bytes) -> Any:
-    """`raw` as JSON (None when empty); `BodyError` 400 when it is not JSON or holds a value JSON or
-    the servers cannot take (see the module's docstring), naming the field."""
-    if not raw.strip():
-        return None
-    refused: list[_Refused] = []
+def _loads(raw: bytes, refused: list[_Refused]) -> Any:
+    """`json.loads`, every refused value appended to `refused`. Integers are parsed by json's own C
+    code unless one is over `MAX_INT_DIGITS` (json raises ValueError): then again, keeping it aside."""
 
     def kept(value: Any) -> Any:
         if isinstance(value, _Refused):
@@ -199,12 +196,21 @@ def parse_json(raw: bytes) -> Any:
 
     hooks: dict[str, Any] = {"parse_constant": lambda t: kept(_constant(t)), "parse_float": lambda t: kept(_number(t))}
     try:
-        try:
-            value = json.loads(raw, **hooks)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise
-        except ValueError:  # an integer over MAX_INT_DIGITS: again, keeping it aside to name its field
-            value = json.loads(raw, parse_int=lambda t: kept(_integer(t)), **hooks)
+        return json.loads(raw, **hooks)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except ValueError:
+        return json.loads(raw, parse_int=lambda t: kept(_integer(t)), **hooks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """`raw` as JSON (None when empty); `BodyError` 400 when it is not JSON or holds a value JSON or
+    the servers cannot take (see the module's docstring), naming the field."""
+    if not raw.strip():
+        return None
+    refused: list[_Refused] = []
+    try:
+        value = _loads(raw, refused)
     except RecursionError:  # json's C scanner recurses per level: deeper than the interpreter's stack
         raise BodyError(400, f"body: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
