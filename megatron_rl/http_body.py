@@ -1,20 +1,37 @@
-"""Request bodies of the package's HTTP servers (`megatron-rl serve`, `megatron-rl reward-server`).
+"""What the package's HTTP servers (`megatron-rl serve`, `megatron-rl reward-server`) share.
 
+- `server_api_key` and `authorized`: both require a key unless started with `--no-auth`, compared in
+  constant time.
+- `app_runner` and `read_body`'s timeout: a client that sends no complete request head within the
+  read timeout of connecting (or of its previous answer) is disconnected, and a body that has not
+  arrived within it of the head answers 408, so half-sent requests never hold a connection open.
 - `read_body`: the body within a byte limit the caller derives from what the endpoint can
   legitimately carry; beyond it `BodyError` with status 413, before anything is read when the
   Content-Length header already says so, else as soon as the limit is passed (never buffering more).
 - `parse_json`: strict JSON. Python's `json` accepts `NaN`, `Infinity`, `-Infinity` and numbers that
   overflow to infinity (`1e999`); none of them is JSON, and as a temperature or a reward they
-  produce garbage. They are refused with status 400, naming the field (`sampling_params.temperature`).
+  produce garbage. They are refused with status 400, naming the field (`sampling_params.temperature`),
+  as are integers over 4300 digits (Python refuses to convert them), strings holding a lone UTF-16
+  surrogate (not Unicode: no tokenizer or encoder takes them) and nesting deeper than `MAX_DEPTH`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import math
+import os
+import re
+import sys
 from typing import Any
 
 from aiohttp import web
+
+READ_TIMEOUT_S = 60.0  # both servers' --read-timeout-s default
+MAX_DEPTH = 64  # nesting of JSON objects and arrays: far beyond any body the servers take
+MAX_INT_DIGITS = sys.int_info.default_max_str_digits  # 4300: Python's own limit for int(str)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class BodyError(ValueError):
@@ -25,57 +42,181 @@ class BodyError(ValueError):
         self.status = status
 
 
-async def read_body(request: web.Request, limit: int, what: str = "") -> bytes:
-    """The whole body of `request`, at most `limit` bytes (else `BodyError` 413)."""
+def server_api_key(given: str | None, env_name: str, no_auth: bool) -> str | None:
+    """The key a server requires: `given` (--api-key), else $`env_name`; None only with `no_auth`.
+    ValueError (the line to print) when there is no key without `no_auth`, or a key with it."""
+    key = given or os.environ.get(env_name) or None
+    if key is None and not no_auth:
+        raise ValueError(f"no API key: pass --api-key KEY, set ${env_name}, or serve without one with --no-auth")
+    if key is not None and no_auth:
+        raise ValueError(f"--no-auth and an API key (--api-key or ${env_name}) contradict each other")
+    return key
+
+
+def exposed_without_key(host: str, api_key: str | None) -> bool:
+    """A server bound beyond this machine without a key: worth a warning at start."""
+    return api_key is None and host not in _LOOPBACK
+
+
+def authorized(request: web.Request, api_key: str | None) -> bool:
+    """`request` carries `Authorization: Bearer api_key` (always true without a key); compared in
+    constant time, so the answer's timing does not leak how much of a guess was right."""
+    if api_key is None:
+        return True
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # non-UTF-8 bytes too
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
+def app_runner(app: web.Application, read_timeout_s: float, **kwargs: Any) -> web.AppRunner:
+    """The runner of `app` whose connections close when no complete request head arrives within
+    `read_timeout_s` (aiohttp's keep-alive timer runs from the connection's start and from each
+    answer; its default keeps an idle or half-sent connection an hour). After an answer to a request
+    whose body did not all come (413, 408), the rest is awaited at most as long (aiohttp: 10 s)."""
+    lingering_s = min(10.0, read_timeout_s)
+    return web.AppRunner(app, keepalive_timeout=read_timeout_s, lingering_time=lingering_s, **kwargs)
+
+
+async def read_body(request: web.Request, limit: int, what: str = "", timeout_s: float = READ_TIMEOUT_S) -> bytes:
+    """The whole body of `request`, at most `limit` bytes (else `BodyError` 413), within `timeout_s`
+    (else `BodyError` 408)."""
     where = what or f"{request.method} {request.path}"
     length = request.content_length
     if length is not None and length > limit:
         raise BodyError(413, f"{where}: a body of {length} bytes is over this endpoint's limit of {limit} bytes")
     chunks, total = [], 0
-    async for chunk in request.content.iter_any():
-        total += len(chunk)
-        if total > limit:
-            raise BodyError(413, f"{where}: the body passed this endpoint's limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                total += len(chunk)
+                if total > limit:
+                    raise BodyError(413, f"{where}: the body passed this endpoint's limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyError(
+            408, f"{where}: the body did not arrive within the read timeout of {timeout_s:g} s ({total} bytes came)"
+        ) from None
     return b"".join(chunks)
 
 
-class _NonFinite:
-    def __init__(self, text: str) -> None:
-        self.text = text
+class _Refused:
+    """A JSON value the parser keeps aside, to be reported with its field's path."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _constant(text: str) -> _Refused:
+    return _Refused(f"{text} is not a finite number (not valid JSON)")
 
 
 def _number(text: str) -> Any:
     value = float(text)
-    return value if math.isfinite(value) else _NonFinite(text)
+    return value if math.isfinite(value) else _constant(text)
 
 
-def _first_non_finite(value: Any, path: str) -> tuple[str, str] | None:
-    if isinstance(value, _NonFinite):
-        return path or "body", value.text
-    if isinstance(value, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, list):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
+def _integer(text: str) -> Any:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Refused(f"an integer of {digits} digits is over the limit of {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+# a surrogate in a JSON escape or as UTF-8 bytes (json decodes bytes with "surrogatepass"); valid
+# pairs match too, and the walk that follows finds nothing in them
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _text_problem(text: str) -> str | None:
+    if text.isascii():
         return None
-    for where, item in items:
-        found = _first_non_finite(item, where)
-        if found is not None:
-            return found
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"a lone surrogate {text[err.start]!r} at character {err.start} (not valid Unicode)"
     return None
 
 
+def _problem(value: Any) -> str | None:
+    if isinstance(value, _Refused):
+        return value.problem
+    if isinstance(value, str):
+        return _text_problem(value)
+    return None
+
+
+def _too_deep(value: Any) -> bool:
+    """Nesting beyond `MAX_DEPTH`, level by level (comprehensions: fast on large flat bodies)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(MAX_DEPTH):
+        if not level:
+            return False
+        children = (c for node in level for c in (node.values() if isinstance(node, dict) else node))
+        level = [c for c in children if isinstance(c, (dict, list))]
+    return bool(level)
+
+
+def _path(trail: tuple | None) -> str:
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    parts = [f"[{key}]" if isinstance(key, int) else f".{key}" for key in reversed(keys)]
+    return "".join(parts).removeprefix(".") or "body"
+
+
+def _first_problem(value: Any) -> str | None:
+    """`path: problem` for a refused value, a bad string (or key) or nesting beyond `MAX_DEPTH`; None
+    when there is none. Iterative: a deep body cannot exhaust the stack here."""
+    problem = _problem(value)
+    if problem is not None:
+        return f"body: {problem}"
+    pending: list[tuple[Any, tuple | None, int]] = [(value, None, 1)] if isinstance(value, (dict, list)) else []
+    while pending:
+        node, trail, depth = pending.pop()
+        for key, child in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(key, str) and (problem := _text_problem(key)) is not None:
+                return f"{_path(trail)}: the key {key!r} holds {problem}"
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_DEPTH:
+                    return f"{_path((trail, key))}: nested deeper than {MAX_DEPTH} levels"
+                pending.append((child, (trail, key), depth + 1))
+            elif (problem := _problem(child)) is not None:
+                return f"{_path((trail, key))}: {problem}"
+    return None
+
+
+def _loads(raw: bytes, refused: list[_Refused]) -> Any:
+    """`json.loads`, every refused value appended to `refused`. Integers are parsed by json's own C
+    code unless one is over `MAX_INT_DIGITS` (json raises ValueError): then again, keeping it aside."""
+
+    def kept(value: Any) -> Any:
+        if isinstance(value, _Refused):
+            refused.append(value)
+        return value
+
+    hooks: dict[str, Any] = {"parse_constant": lambda t: kept(_constant(t)), "parse_float": lambda t: kept(_number(t))}
+    try:
+        return json.loads(raw, **hooks)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except ValueError:
+        return json.loads(raw, parse_int=lambda t: kept(_integer(t)), **hooks)
+
+
 def parse_json(raw: bytes) -> Any:
-    """`raw` as JSON (None when empty); `BodyError` 400 when it is not JSON or holds a non-finite number."""
+    """`raw` as JSON (None when empty); `BodyError` 400 when it is not JSON or holds a value JSON or
+    the servers cannot take (see the module's docstring), naming the field."""
     if not raw.strip():
         return None
+    refused: list[_Refused] = []
     try:
-        value = json.loads(raw, parse_constant=_NonFinite, parse_float=_number)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        value = _loads(raw, refused)
+    except RecursionError:  # json's C scanner recurses per level: deeper than the interpreter's stack
+        raise BodyError(400, f"body: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise BodyError(400, f"body: not valid JSON ({err})") from None
-    found = _first_non_finite(value, "")
-    if found is not None:
-        field, text = found
-        raise BodyError(400, f"{field}: {text} is not a finite number (not valid JSON)")
+    if refused or _MAY_HOLD_SURROGATE.search(raw) or _too_deep(value):
+        problem = _first_problem(value)
+        if problem is not None:
+            raise BodyError(400, problem)
     return value

@@ -65,7 +65,7 @@ import tiny_model
 __all__ = ["assets", "big", "slurm_cluster", "work"]  # and tests/test_sft.py's SFT data, the local cluster
 ROOT = Path(__file__).resolve().parents[1]
 
-ENGINE_ARGS = {"extra_args": ["--threads", "1"], "env": {"OMP_NUM_THREADS": "1"}}
+ENGINE_ARGS = {"extra_args": ["--threads", "1", "--no-auth"], "env": {"OMP_NUM_THREADS": "1"}}
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8], [10, 11, 12, 13, 14], [2, 2, 2]]
 
 

@@ -77,7 +77,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(models: dict[str, str]) -> Iterator[list[LocalEngineProcess]]:
-    procs = [start_local_engine(models["A"], extra_args=["--threads", "1"], env=ENV) for _ in range(2)]
+    procs = [start_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV) for _ in range(2)]
     try:
         yield procs
     finally:

@@ -320,7 +320,7 @@ def test_an_engine_outlives_no_killed_parent(work: Path) -> None:
     script = (
         "import sys, time\n"
         "from megatron_rl.rollout.local.launcher import start_local_engine\n"
-        "print(start_local_engine(sys.argv[1]).process.pid, flush=True)\n"
+        "print(start_local_engine(sys.argv[1], extra_args=['--no-auth']).process.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen(

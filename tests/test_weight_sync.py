@@ -45,7 +45,7 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(policy: str) -> Iterator[LocalEngineProcess]:
-    proc = start_local_engine(policy, extra_args=["--threads", "1"], env={"OMP_NUM_THREADS": "1"})
+    proc = start_local_engine(policy, extra_args=["--threads", "1", "--no-auth"], env={"OMP_NUM_THREADS": "1"})
     try:
         yield proc
     finally:

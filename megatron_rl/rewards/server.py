@@ -5,8 +5,9 @@
 function and the request counts (`in_flight`, `max_in_flight`, `requests`, `items`). The function runs
 in `--workers` processes; each request is split over them. Binds 127.0.0.1 and requires an API key
 (`--api-key` or $MEGATRON_RL_REWARD_API_KEY) unless `--no-auth` is given; bodies larger than
-`--max-request-mb` get HTTP 413 and `NaN`/`Infinity` in a body HTTP 400 (`megatron_rl.http_body`, the
-helper the engine server uses). A call of the function that runs past `--item-timeout-s` fails its
+`--max-request-mb` get HTTP 413, bodies not received within `--read-timeout-s` HTTP 408, and values
+strict JSON refuses (`NaN`, deep nesting, ...) HTTP 400 (`megatron_rl.http_body`, the helpers the
+engine server uses). A call of the function that runs past `--item-timeout-s` fails its
 item (and the worker goes on with the next).
 """
 
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import math
 import multiprocessing
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -28,7 +27,16 @@ from typing import Any
 
 from aiohttp import web
 
-from megatron_rl.http_body import BodyError, parse_json, read_body
+from megatron_rl.http_body import (
+    READ_TIMEOUT_S,
+    BodyError,
+    app_runner,
+    authorized,
+    exposed_without_key,
+    parse_json,
+    read_body,
+    server_api_key,
+)
 from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, RuleOutput, decode_request
 from megatron_rl.rewards.registry import RewardConfigError, RuleCall, load_reward_function, rule_caller
 
@@ -77,9 +85,16 @@ class RewardServer:
     """The HTTP front of a pool of worker processes running one reward function."""
 
     def __init__(
-        self, spec: str, workers: int, api_key: str | None, max_request_mb: float, item_timeout_s: float = 0.0
+        self,
+        spec: str,
+        workers: int,
+        api_key: str | None,
+        max_request_mb: float,
+        item_timeout_s: float = 0.0,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         self.spec, self.workers, self.api_key, self.item_timeout_s = spec, workers, api_key, item_timeout_s
+        self.read_timeout_s = read_timeout_s
         self.max_request_bytes = int(max_request_mb * (1 << 20))
         self.pool = self._new_pool()
         self.requests = self.items = self.in_flight = self.max_in_flight = 0
@@ -98,10 +113,8 @@ class RewardServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if self.api_key is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return web.json_response({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status=401)
+        if not authorized(request, self.api_key):
+            return web.json_response({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status=401)
         return await handler(request)
 
     async def score(self, request: web.Request) -> web.Response:
@@ -110,7 +123,8 @@ class RewardServer:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             try:
-                body = parse_json(await read_body(request, self.max_request_bytes, "--max-request-mb"))
+                raw = await read_body(request, self.max_request_bytes, "--max-request-mb", self.read_timeout_s)
+                body = parse_json(raw)
                 items = decode_request(body)
             except BodyError as err:
                 return web.json_response({"error": f"bad request: {err}"}, status=err.status)
@@ -173,35 +187,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="a call of the function running longer fails that item (0 = no limit; default 60)",
     )
+    parser.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=READ_TIMEOUT_S,
+        help="a connection without a complete request head, or a body not received, within this many seconds is "
+        "closed (408 for the body)",
+    )
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What makes these arguments unusable, checked before anything starts."""
+    if args.workers < 1:
+        return f"--workers {args.workers}: must be >= 1"
+    if args.max_request_mb <= 0:
+        return f"--max-request-mb {args.max_request_mb}: must be > 0"
+    if args.item_timeout_s < 0:
+        return f"--item-timeout-s {args.item_timeout_s}: must be >= 0 (0 = no limit)"
+    if not args.read_timeout_s > 0:
+        return f"--read-timeout-s {args.read_timeout_s}: must be > 0"
+    try:
+        load_reward_function(args.function, f"--function {args.function!r}")  # fail here, not in a worker
+    except RewardConfigError as err:
+        return str(err)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    problem = None
-    if api_key is None and not args.no_auth:
-        problem = f"no API key: pass --api-key KEY, set ${API_KEY_ENV}, or serve without one with --no-auth"
-    elif api_key is not None and args.no_auth:
-        problem = "--no-auth and an API key (--api-key or $MEGATRON_RL_REWARD_API_KEY) contradict each other"
-    elif args.workers < 1:
-        problem = f"--workers {args.workers}: must be >= 1"
-    elif args.max_request_mb <= 0:
-        problem = f"--max-request-mb {args.max_request_mb}: must be > 0"
-    elif args.item_timeout_s < 0:
-        problem = f"--item-timeout-s {args.item_timeout_s}: must be >= 0 (0 = no limit)"
-    if problem is None:
-        try:
-            load_reward_function(args.function, f"--function {args.function!r}")  # fail here, not in a worker
-        except RewardConfigError as err:
-            problem = str(err)
+    try:
+        api_key = server_api_key(args.api_key, API_KEY_ENV, args.no_auth)
+        problem = _argument_problem(args)
+    except ValueError as err:
+        api_key, problem = None, str(err)
     if problem is not None:
         print(f"megatron-rl reward-server: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.no_auth and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if exposed_without_key(args.host, api_key):
         log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
-    server = RewardServer(args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s)
+    server = RewardServer(
+        args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s, args.read_timeout_s
+    )
     try:
         asyncio.run(_serve(server, args.host, args.port, args.port_file))
     except KeyboardInterrupt:
@@ -212,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(server: RewardServer, host: str, port: int, port_file: str | None) -> None:
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = app_runner(server.app(), server.read_timeout_s, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -167,7 +167,8 @@ def main() -> None:
         ),
         ("groups", 8, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids)),
     ]
-    server = start_local_engine(folder, extra_args=["--threads", str(args.threads), "--log-level", "warning"])
+    engine_args = ["--threads", str(args.threads), "--log-level", "warning", "--no-auth"]
+    server = start_local_engine(folder, extra_args=engine_args)
     try:
         for name, group, params in scenarios:
             prompts = make_prompts(args.requests, group, args.seed)

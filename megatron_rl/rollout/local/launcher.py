@@ -95,7 +95,8 @@ def start_local_engine(
     prefix: list[str] | None = None,
 ) -> LocalEngineProcess:
     """Launch the engine on `port` (None = a free one) and return once /health answers 200; `prefix`
-    runs it under a wrapper (`["taskset", "-c", "1"]`)."""
+    runs it under a wrapper (`["taskset", "-c", "1"]`). `api_key` reaches it in its environment;
+    without one, `extra_args` must say `--no-auth` (the engine refuses to start otherwise)."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
     try:
         return _start(model_path, host, port, api_key, device, extra_args, env, log_path, timeout_s, workdir, prefix)

@@ -109,6 +109,14 @@ def _per_item(body: dict, key: str, n: int, is_batch: bool) -> list[Any]:
     return [value] * n
 
 
+def _float_field(body: dict, key: str, default: float, where: str) -> float:
+    value = get_field(body, key, "number", default, where=where)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a float's range (a 400-digit temperature)
+        raise FieldError(f"{where}{key}: an integer of {len(str(abs(value)))} digits is out of range") from None
+
+
 def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
     if raw is None:
         raw = {}
@@ -125,10 +133,10 @@ def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
     req.max_new_tokens = get_field(raw, "max_new_tokens", "int", 128, where=w)
     if req.max_new_tokens < 1:
         raise FieldError(f"{w}max_new_tokens: must be >= 1 in the local engine, got {req.max_new_tokens}")
-    req.temperature = float(get_field(raw, "temperature", "number", 1.0, where=w))
+    req.temperature = _float_field(raw, "temperature", 1.0, w)
     if req.temperature < 0:
         raise FieldError(f"{w}temperature: must be >= 0, got {req.temperature}")
-    req.top_p = float(get_field(raw, "top_p", "number", 1.0, where=w))
+    req.top_p = _float_field(raw, "top_p", 1.0, w)
     if not 0 < req.top_p <= 1:
         raise FieldError(f"{w}top_p: must be in (0, 1], got {req.top_p}")
     req.top_k = get_field(raw, "top_k", "int", -1, where=w)
@@ -145,8 +153,9 @@ def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
     req.stop_token_ids = frozenset(stops)
 
 
-def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None) -> GenerateBatch:
-    """The requests of a /generate body (single or batch)."""
+def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompts: int | None = None) -> GenerateBatch:
+    """The requests of a /generate body (single or batch of at most `max_prompts`: the engine's
+    --max-running-requests, so one request never queues more than the engine decodes at once)."""
     if not isinstance(body, dict):
         raise FieldError(f"body: expected a JSON object, got {type(body).__name__}")
     if body.get("stream"):
@@ -156,9 +165,7 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None) -> Generat
         raise FieldError("top_logprobs_num: not supported by the local engine (only 0)")
     if body.get("token_ids_logprob") is not None:
         raise FieldError("token_ids_logprob: not supported by the local engine")
-    prompts = _prompts(body, info, tokenizer)
-    is_batch = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], list)
-    batch = prompts if is_batch else [prompts]
+    batch, is_batch = _prompts(body, info, tokenizer, max_prompts)
     n = len(batch)
     rid = body.get("rid")
     if rid is None:
@@ -198,7 +205,9 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None) -> Generat
     return GenerateBatch(requests, is_batch, text_lp)
 
 
-def _prompts(body: dict, info: ModelInfo, tokenizer: Any) -> Any:
+def _prompts(body: dict, info: ModelInfo, tokenizer: Any, max_prompts: int | None) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids and whether the body is a batch. Every prompt holds at least one token
+    in the vocabulary: an empty one would fail the forward of every request prefilled with it."""
     ids = body.get("input_ids")
     if ids is None:
         text = body.get("text")
@@ -206,21 +215,40 @@ def _prompts(body: dict, info: ModelInfo, tokenizer: Any) -> Any:
             raise FieldError("input_ids: required (or text, when the engine has a tokenizer)")
         if tokenizer is None:
             raise FieldError("text: this engine has no tokenizer; send input_ids")
-        if isinstance(text, str):
-            return tokenizer.encode(text)
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [tokenizer.encode(t) for t in text]
-        raise FieldError("text: expected a string or a non-empty list of strings")
-    nested = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    rows = ids if nested else [ids]
-    for i, row in enumerate(rows):
-        where = f"input_ids[{i}]" if nested else "input_ids"
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise FieldError("text: expected a string or a non-empty list of strings")
+        _check_count("text", len(texts), max_prompts)
+        rows = []
+        for i, prompt in enumerate(texts):
+            where = f"text[{i}]" if is_batch else "text"
+            if not prompt:
+                raise FieldError(f"{where}: an empty prompt")
+            encoded = tokenizer.encode(prompt)
+            if not encoded:
+                raise FieldError(f"{where}: {prompt[:40]!r} encodes to no tokens")
+            rows.append((where, encoded))
+    else:
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        batch = ids if is_batch else [ids]
+        _check_count("input_ids", len(batch), max_prompts)
+        rows = [(f"input_ids[{i}]" if is_batch else "input_ids", row) for i, row in enumerate(batch)]
+    for where, row in rows:
         if not isinstance(row, list) or not row:
             raise FieldError(f"{where}: expected a non-empty list of token ids")
         bad = next((t for t in row if not _is_int(t) or not 0 <= t < info.vocab_size), None)
         if bad is not None or any(isinstance(t, bool) for t in row):
             raise FieldError(f"{where}: token {bad!r} is not an integer in [0, {info.vocab_size})")
-    return ids
+    return [row for _, row in rows], is_batch
+
+
+def _check_count(field: str, n: int, max_prompts: int | None) -> None:
+    if max_prompts is not None and n > max_prompts:
+        raise FieldError(
+            f"{field}: a batch of {n} prompts is over this engine's limit of {max_prompts} per request "
+            "(--max-running-requests)"
+        )
 
 
 # ---- weight updates ----

@@ -7,8 +7,11 @@ updates (/update_weights_from_disk, /init_weights_update_group + /update_weights
 session as SGLang 0.5.21+ requires), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 
-Request bodies are bounded per endpoint by what it can carry (`body_limits`, HTTP 413 beyond) and
-parsed as strict JSON (`megatron_rl.http_body`: NaN/Infinity answer 400 naming the field).
+Every endpoint requires the API key (`--api-key` or $MEGATRON_RL_ENGINE_API_KEY) unless the engine
+is started with `--no-auth`. Request bodies are bounded per endpoint by what it can carry
+(`body_limits`, HTTP 413 beyond; /generate also by its number of prompts), must arrive within
+`--read-timeout-s` (HTTP 408), and are parsed as strict JSON (`megatron_rl.http_body`: NaN/Infinity,
+integers over 4300 digits, lone surrogates and deep nesting answer 400 naming the field).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import asyncio
 import base64
 import functools
 import logging
-import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,16 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megatron_rl.http_body import BodyError, parse_json, read_body
+from megatron_rl.http_body import (
+    READ_TIMEOUT_S,
+    BodyError,
+    app_runner,
+    authorized,
+    exposed_without_key,
+    parse_json,
+    read_body,
+    server_api_key,
+)
 from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.engine_thread import PAUSE_MODES, EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
@@ -92,6 +104,7 @@ class LocalServer:
         self.groups: dict[str, Any] = {}
         self.session_open = False  # SGLang >= 0.5.21's weight-update session
         self.group_init_timeout_s = GROUP_INIT_TIMEOUT_S
+        self.read_timeout_s = READ_TIMEOUT_S
         # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
         # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
         self._last_host_bucket: torch.Tensor | None = None
@@ -134,7 +147,7 @@ class LocalServer:
     # ---- middlewares ----
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        if not authorized(request, self.api_key):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -151,13 +164,14 @@ class LocalServer:
     async def _body(self, request: web.Request, handler):
         """Reads the body within the endpoint's limit (after the key is checked: an unauthenticated
         client's body is never read)."""
-        request[_RAW_BODY] = await read_body(request, self.body_limits.get(request.path, CONTROL_BODY_BYTES))
+        limit = self.body_limits.get(request.path, CONTROL_BODY_BYTES)
+        request[_RAW_BODY] = await read_body(request, limit, timeout_s=self.read_timeout_s)
         return await handler(request)
 
     # ---- generation ----
     async def generate(self, request: web.Request) -> web.Response:
         started = time.monotonic()
-        batch = parse_generate(await _json_body(request), self.info, self.tokenizer)
+        batch = parse_generate(await _json_body(request), self.info, self.tokenizer, self.engine.generator.max_running)
         futures = [asyncio.wrap_future(f) for f in self.engine.submit(batch.requests)]
         try:
             done = await asyncio.gather(*futures)
@@ -507,7 +521,11 @@ class LocalServer:
         if request.method == "GET":
             body = dict(request.query)
             if "truncate_size" in body:
-                body["truncate_size"] = int(body["truncate_size"])
+                text = body["truncate_size"]
+                try:
+                    body["truncate_size"] = int(text)
+                except ValueError:
+                    raise FieldError(f"truncate_size: expected an integer, got {text[:80]!r}") from None
         name = get_field(body, "name", "str", required=True)
         size = get_field(body, "truncate_size", "int", 100)
 
@@ -577,6 +595,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, kept off the command line)",
     )
+    parser.add_argument(
+        "--no-auth", action="store_true", help="serve without an API key: anyone who reaches the port may use it"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (one GPU)")
     parser.add_argument(
         "--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's on GPU), float32, bfloat16, float16"
@@ -594,7 +615,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=GROUP_INIT_TIMEOUT_S,
         help="an /init_weights_update_group whose rendezvous store cannot be reached fails after this many seconds",
     )
+    parser.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=READ_TIMEOUT_S,
+        help="a connection without a complete request head, or a body not received, within this many seconds is "
+        "closed (408 for the body)",
+    )
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
+
+
+def _start_problem(args: argparse.Namespace) -> str | None:
+    """What makes these arguments unusable, checked before the model is loaded."""
+    for flag, value in [
+        ("--max-running-requests", args.max_running_requests),
+        ("--max-prefill-tokens", args.max_prefill_tokens),
+    ]:
+        if value < 1:
+            return f"{flag} {value}: must be >= 1"
+    for flag, seconds in [
+        ("--read-timeout-s", args.read_timeout_s),
+        ("--group-init-timeout-s", args.group_init_timeout_s),
+    ]:
+        if not seconds > 0:
+            return f"{flag} {seconds}: must be > 0"
+    return None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -614,7 +659,17 @@ def _tokenizer(path: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        api_key = server_api_key(args.api_key, API_KEY_ENV, args.no_auth)
+        problem = _start_problem(args)
+    except ValueError as err:
+        problem = str(err)
+    if problem is not None:
+        print(f"megatron-rl serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if exposed_without_key(args.host, api_key):
+        log.warning("serving on %s without an API key: anyone who reaches the port may update the weights", args.host)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
@@ -636,8 +691,9 @@ def run(args: argparse.Namespace) -> int:
     generator.set_weight_version(args.weight_version)
     engine = EngineThread(model, info, generator)
     engine.start()
-    server = LocalServer(engine, info, args.api_key or os.environ.get(API_KEY_ENV) or None, tokenizer)
+    server = LocalServer(engine, info, api_key, tokenizer)
     server.group_init_timeout_s = args.group_init_timeout_s
+    server.read_timeout_s = args.read_timeout_s
     try:
         asyncio.run(_serve(server, args.host, args.port, args.port_file))
     except KeyboardInterrupt:
@@ -649,7 +705,9 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(server: LocalServer, host: str, port: int, port_file: str | None) -> None:
     # on SIGTERM, requests still running (a pending group init, a long generate) get a few seconds
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = app_runner(
+        server.app(), server.read_timeout_s, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
