@@ -405,3 +405,49 @@ def test_a_round_after_kept_groups_takes_the_slots_they_leave(tiny_data: Path) -
     finally:
         producer.close()
     assert [len(first[0][1]), len(second[0][1])] == [6, 5]
+
+
+def test_a_round_that_no_group_can_reach_fails_naming_the_bound_and_one_in_flight_is_waited_for(
+    tiny_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_rl.loop import async_rollout
+    from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter
+
+    monkeypatch.setattr(async_rollout, "STARVATION_CHECK_S", 0.01)
+    cfg = in_process_config(tiny_data)
+    data = RolloutData.load(cfg)
+    answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
+    release, checked = threading.Event(), threading.Event()
+
+    def slow_group(job: object) -> list[Sample]:
+        assert release.wait(60)
+        return list(answer)
+
+    producer = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
+    starved = producer._starved
+    checks = []
+
+    def counted() -> bool:
+        checks.append(starved())
+        if len(checks) >= 3:
+            checked.set()
+        return checks[-1]
+
+    monkeypatch.setattr(producer, "_starved", counted)
+    try:
+        took = []
+        worker = threading.Thread(target=lambda: took.append(producer.take(1, 0)), daemon=True)
+        worker.start()
+        assert checked.wait(60)  # three checks while the group is in flight: none ends the wait
+        release.set()
+        worker.join(60)
+        assert not worker.is_alive() and len(took[0][1]) == 1 and not any(checks)
+    finally:
+        producer.close()
+    held = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
+    held.held = True  # nothing in flight and nothing may be submitted: the wait ends with an error
+    try:
+        with pytest.raises(RuntimeError, match=r"can never arrive .*staleness bound \d+, consumed 0, taken 0"):
+            held.take(1, 0)
+    finally:
+        held.close()

@@ -37,6 +37,9 @@ from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.rollout.types import Sample
 
+# how often a round waiting for groups checks that some can still arrive (requests have their own timeouts)
+STARVATION_CHECK_S = 5.0
+
 START_VERSIONS = ("default", "")  # what an engine reports before its first weight sync
 
 
@@ -322,7 +325,12 @@ class AsyncProducer:
             self.cond.notify_all()
             while len(grouped) < n:
                 while not self.buffer and self.error is None:
-                    self.cond.wait()
+                    if not self.cond.wait(STARVATION_CHECK_S) and self._starved():
+                        raise RuntimeError(
+                            f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
+                            f"arrive (none buffered or in flight, none may be submitted: staleness bound "
+                            f"{self.bound()}, consumed {self.consumed}, taken {self.taken})"
+                        )
                 if self.error is not None:
                     raise RuntimeError(f"rollout producer: {self.error}") from self.error
                 done = self.buffer.popleft()
@@ -335,6 +343,11 @@ class AsyncProducer:
                     self.taken += 1
                 self.cond.notify_all()
         return prompts, grouped
+
+    def _starved(self) -> bool:
+        """Nothing buffered, nothing in flight and nothing the producer may submit (caller holds the lock)."""
+        producing = self._thread is not None and self._thread.is_alive() and self._can_submit()
+        return not self.buffer and not self.in_flight and not producing
 
     def settle(self, used: int) -> dict[str, float]:
         """The step's batch holds `used` groups: they count as consumed; the step's producer counts."""
