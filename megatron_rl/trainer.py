@@ -62,8 +62,9 @@ from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
 from megatron_rl.parallel.device import local_device
-from megatron_rl.parallel.rank0 import on_rank0
+from megatron_rl.parallel.rank0 import RankZeroError, on_rank0
 from megatron_rl.parallel.signals import StoppedBySignal, StopRequest, exit_code, stop_at_step_boundary
+from megatron_rl.rewards import RewardFailureError
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
@@ -77,6 +78,11 @@ V = TypeVar("V")
 
 class LogprobGapError(RuntimeError):
     """The engine's log-probs are too far from the trainer's: it serves other weights (`rollout.max_logprob_gap`)."""
+
+
+# the run's own stops, raised on every rank (rank 0's reason reaches the others as RankZeroError): `train`
+# ends them with one line from rank 0; any other error keeps its traceback
+RUN_ERRORS: tuple[type[Exception], ...] = (LogprobGapError, RewardFailureError, RankZeroError)
 
 
 def agreed_stop(request: StopRequest | None) -> int:

@@ -14,6 +14,8 @@ from megatron_rl.commands import sft as sft_command
 from megatron_rl.commands import train as train_command
 from megatron_rl.config import ModelConfig
 from megatron_rl.models.hf_config import hf_config_from_model
+from megatron_rl.parallel.rank0 import RankZeroError
+from megatron_rl.rewards import RewardFailureError
 from megatron_rl.trainer import LogprobGapError
 
 GAP = "the engine's log-probs differ from the trainer's by 0.3 per token on average"
@@ -55,13 +57,21 @@ def _run(command, run_config: Path) -> int:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_logprob_gap_ends_train_with_one_error_line_from_rank_0(
-    rank: int, run_config: Path, launched_as, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+# (rank 0's error, the other ranks'): the gap is found by every rank; a reward failure reaches the
+# others through on_rank0 as RankZeroError
+@pytest.mark.parametrize("errors", [(LogprobGapError, LogprobGapError), (RewardFailureError, RankZeroError)])
+def test_a_run_stop_ends_train_with_one_error_line_from_rank_0(
+    rank: int,
+    errors: tuple[type[Exception], type[Exception]],
+    run_config: Path,
+    launched_as,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    def gap(cfg, *, resume: bool, force: bool) -> None:
-        raise LogprobGapError(GAP)
+    def stop(cfg, *, resume: bool, force: bool) -> None:
+        raise errors[0](GAP) if rank == 0 else errors[1](GAP)
 
-    monkeypatch.setattr("megatron_rl.trainer.run_training", gap)
+    monkeypatch.setattr("megatron_rl.trainer.run_training", stop)
     launched_as(rank)
     assert _run(train_command, run_config) == 1
     err = capsys.readouterr().err

@@ -17,11 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.trainer import LogprobGapError, run_training
+    from megatron_rl.trainer import RUN_ERRORS, run_training
 
     return run_stage(
         args,
         "train",
         lambda cfg, resume, force: run_training(cfg, resume=resume, force=force),
-        run_errors=(LogprobGapError,),
+        run_errors=RUN_ERRORS,
     )
