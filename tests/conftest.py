@@ -31,8 +31,10 @@ def launch_in(args: object) -> str | None:
     names = {Path(w).name for w in words}
     if names & LAUNCHERS or "slurm_cluster.sh" in names:
         return " ".join(argv)[:200]
-    if "megatron_rl.cli" in words and CLI_LAUNCHES & set(words[words.index("megatron_rl.cli") + 1 :][:1]):
-        return " ".join(argv)[:200]
+    if "megatron_rl.cli" in words:  # its subcommand: the first word after it that is not an option
+        subcommand = next((w for w in words[words.index("megatron_rl.cli") + 1 :] if not w.startswith("-")), None)
+        if subcommand in CLI_LAUNCHES:
+            return " ".join(argv)[:200]
     return None
 
 

@@ -18,6 +18,7 @@ PY = sys.executable
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megatron_rl.cli", "train"],
         [PY, "-m", "megatron_rl.cli", "train", "rl.yaml"],
         [PY, "-m", "megatron_rl.cli", "sft", "sft.yaml"],
+        [PY, "-m", "megatron_rl.cli", "--verbose", "sft", "sft.yaml"],
         [PY, "-m", "megatron_rl.cli", "serve", "--model", "m"],
         [PY, "-m", "mrl_multiproc.launcher", "--out", "o", "model_scenarios:x"],
         ["sbatch", "--parsable", "slurm/train.sbatch"],
