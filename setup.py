@@ -30,8 +30,9 @@ setup(
         # sglang: the weight-update protocol of 0.5.9 to 0.5.x (the session of 0.5.21+ is feature-detected);
         # README "Tested versions"
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9,<0.6", "sglang-router"],
-        # sglang-router: tests/test_router.py runs the real router (a Rust binary wheel) in front of local engines
-        "test": ["pytest>=8", "ruff", "msgspec", "math-verify>=0.9", "sglang-router"],
+        # sglang-router: tests/test_router.py runs the real router (a Rust binary wheel) in front of local engines;
+        # pytest-randomly: the fast tier runs in a shuffled order (the seed is in the header; --randomly-seed=N repeats one)
+        "test": ["pytest>=8", "pytest-randomly>=3.15", "ruff", "msgspec", "math-verify>=0.9", "sglang-router"],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
     },

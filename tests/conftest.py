@@ -1,11 +1,92 @@
+"""Shared fixtures (built once per session) and the two tiers of the suite.
+
+The `e2e` marker goes on every test that launches a training, SFT, engine, torchrun, multi-process
+scenario or Slurm process; the fast tier is `pytest -m "not e2e"`. The marker is kept honest here: a
+test without it that starts such a process (through `subprocess`, in the test or in a fixture it
+sets up) fails, naming the command. The fast tier runs every unmarked test with nothing launched
+beforehand, so any launch an unmarked test needs is seen there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
+import mrl_runs
 
+# What an unmarked test may not launch: a command naming one of these (argv items, or words of a
+# shell string); for megatron_rl.cli, only the subcommands that start a training or an engine.
+LAUNCHERS = {"torch.distributed.run", "torchrun", "mrl_multiproc.launcher", "sbatch", "srun", "sglang_router"}
+CLI_LAUNCHES = {"train", "sft", "serve"}
+
+
+def launch_in(args: object) -> str | None:
+    """The launch `args` (Popen's first argument) starts, or None when it is not one of the e2e kind."""
+    argv = args.split() if isinstance(args, str) else [str(a) for a in args]  # type: ignore[union-attr]
+    words = [w for a in argv for w in a.split()]  # `bash -c "sbatch ..."` names its command in one item
+    names = {Path(w).name for w in words}
+    if names & LAUNCHERS or "slurm_cluster.sh" in names:
+        return " ".join(argv)[:200]
+    if "megatron_rl.cli" in words:  # its subcommand: the first word after it that is not an option
+        subcommand = next((w for w in words[words.index("megatron_rl.cli") + 1 :] if not w.startswith("-")), None)
+        if subcommand in CLI_LAUNCHES:
+            return " ".join(argv)[:200]
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if "e2e" in item.keywords:
+        return (yield)
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+        launched = launch_in(args)
+        if launched is not None:
+            pytest.fail(f"{item.nodeid} launches `{launched}` but is not marked e2e (@pytest.mark.e2e)")
+        original(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded  # type: ignore[method-assign]
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen.__init__ = original  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if "slurm" in item.keywords:  # every Slurm test submits jobs
+            item.add_marker(pytest.mark.e2e)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+# ---- session-scoped assets ----
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny_math model, data, reward and rl.yaml of the end-to-end runs (tests/mrl_runs.py)."""
+    return mrl_runs.build_work(tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="session")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> mrl_runs.RunCache:
+    """Uninterrupted runs of `work`, one launch per (overrides, ranks) in the session."""
+    return mrl_runs.RunCache(tmp_path_factory.mktemp("straight_runs"))
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny_math task data (512 SFT rows) and model."""
+    import prepare
+
+    assets = tmp_path_factory.mktemp("sft") / "assets"
+    assert prepare.main(["--out", str(assets), "--sft-rows", "512"]) == 0
+    return assets

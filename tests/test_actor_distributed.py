@@ -19,6 +19,8 @@ import pytest
 
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 WORLDS = {
     1: [
         "w1_reference",

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_trainer import command, comparable, leftovers, start, steps_logged, train, wait_for, work  # noqa: F401
 
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.loop.async_rollout import (
@@ -39,6 +36,8 @@ from megatron_rl.loop.async_rollout import (
 )
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
 from megatron_rl.rollout.types import Sample
+
+from mrl_runs import RunCache, assert_resume_matches, kill_after_checkpoint, leftovers, steps_logged, train
 
 G = 2  # responses per prompt in the in-process tests
 
@@ -302,25 +301,22 @@ def test_fully_async_resume_after_a_crash_neither_loses_nor_repeats_a_prompt(tin
 
 
 # ---- end to end ----
-def test_one_step_off_resume_after_kill_equals_an_uninterrupted_seeded_run(work: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.e2e
+def test_one_step_off_resume_after_kill_equals_an_uninterrupted_seeded_run(
+    work: Path, straight_runs: RunCache, tmp_path: Path
+) -> None:
     overrides = (
         "rollout.async_mode=one_step_off",
         "train.steps=3",
         "eval.every=0",
         "checkpoint.every=2",
     )
-    reference = train(work, tmp_path / "straight", *overrides, ranks=1)
     run_dir = tmp_path / "killed"
-    log = tmp_path / "killed.log"
-    process = start(command(work, run_dir, *overrides, ranks=1), log)
-    saved = run_dir / "checkpoints" / "step_000002" / "loop_state.pt"
-    wait_for(saved.is_file, process, log)
-    os.killpg(process.pid, signal.SIGKILL)  # kill -9 in step 3 (batch 3 was generated before the checkpoint)
-    process.wait()
+    # kill -9 in step 3 (batch 3 was generated before the checkpoint)
+    kill_after_checkpoint(work, run_dir, *overrides, step=2, ranks=1)
     assert [r["step"] for r in steps_logged(run_dir)] == [1, 2]
-    resumed = train(work, run_dir, *overrides, resume=True, ranks=1)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    assert comparable(resumed) == comparable(reference)  # steps 1-2: a second seeded run; 3: resumed
+    # steps 1-2: a second seeded run; 3: resumed
+    reference, _ = assert_resume_matches(straight_runs, work, run_dir, *overrides, ranks=1)
     # batches 1 and 2 both come from the start weights; batch 3 from step 1's
     assert [r["async/staleness_max"] for r in reference] == [0.0, 1.0, 1.0]
     # batch 1 comes from the weights it trains (engine and trainer agree); batches 2 and 3 from one update
@@ -331,7 +327,8 @@ def test_one_step_off_resume_after_kill_equals_an_uninterrupted_seeded_run(work:
     assert leftovers(work) == []
 
 
-def test_fully_async_trains_within_the_staleness_bound(work: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.e2e
+def test_fully_async_trains_within_the_staleness_bound(work: Path, tmp_path: Path) -> None:
     records = train(
         work,
         tmp_path / "fully_async",

@@ -108,6 +108,7 @@ def test_force_refuses_to_move_the_folder_the_run_reads_its_model_from(tmp_path:
         RunFolder(config(run_dir), rank=0, resume=True, force=True)
 
 
+@pytest.mark.e2e
 def test_the_cli_refuses_before_the_slow_start_and_names_both_flags(tmp_path: Path) -> None:
     """Exit code 2 and one line: before the data (missing here) and the model (no weights) are read."""
     mrl_configs.hf_config(architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path / "model")
@@ -276,6 +277,7 @@ def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path
 # ---- the real save path: a Megatron shard truncated ----
 
 
+@pytest.mark.e2e
 def test_sft_resume_skips_a_checkpoint_with_a_truncated_megatron_shard(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
     assert prepare.main(["--out", str(assets), "--sft-rows", "64"]) == 0

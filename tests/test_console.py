@@ -20,12 +20,16 @@ RERUN_LOGGER = "megatron.core.rerun_state_machine"
 
 @pytest.fixture
 def console(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Undo what configure_console changes: the variable, the package's log level, the log filters."""
-    monkeypatch.delenv(LOG_LEVEL_VARIABLE, raising=False)
+    """Start as a fresh process does (another test's `megatron-rl` call may have configured the console)
+    and undo what configure_console changes: the variable, the package's log level, the log filters."""
+    monkeypatch.setenv(LOG_LEVEL_VARIABLE, "")  # recorded, so that it is unset again after the test
+    monkeypatch.delenv(LOG_LEVEL_VARIABLE)
     package = logging.getLogger("megatron_rl")
     level = package.level
     loggers = {record.logger: logging.getLogger(record.logger) for record in HARMLESS_LOG_RECORDS}
     filters = {name: list(logger.filters) for name, logger in loggers.items()}
+    for logger in loggers.values():
+        logger.filters[:] = [f for f in logger.filters if f not in HARMLESS_LOG_RECORDS]
     with warnings.catch_warnings():
         yield
     package.setLevel(level)

@@ -12,6 +12,8 @@ import pytest
 
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 WORLDS = {
     1: ["w1_families", "w1_bf16", "w1_output_folder_and_config"],
     2: ["w2_tp2", "w2_ep2", "w2_pp2", "w2_across_layouts", "w2_actor_loads_converted"],

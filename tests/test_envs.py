@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -228,10 +227,13 @@ def test_first_messages_go_through_the_chat_template_and_token_observations_are_
 
 
 # ---- failures: each ends the turn or the episode with a counted reason ----
+HANG = threading.Event()  # the "hang" tool blocks until the test sets it
+
+
 class Raising(ToolEnvironment):
     def call_tool(self, name, arguments):
         if name == "hang":
-            time.sleep(30)
+            HANG.wait(120)
         raise RuntimeError("tool exploded")
 
 
@@ -248,9 +250,10 @@ def test_malformed_call_raising_tool_and_hanging_tool_become_counted_error_obser
     assert (traj.end_reason, dict(traj.events)) == ("done", {"tool_error": 1})
 
     hang = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
-    began = time.perf_counter()
-    traj, engine = run(Raising(EnvConfig()), [hang, "done"], tool_timeout_s=0.2)
-    assert time.perf_counter() - began < 10  # the 30 s tool was abandoned, not waited for
+    try:  # the tool cannot return before HANG is set: the episode went on without it
+        traj, engine = run(Raising(EnvConfig()), [hang, "done"], tool_timeout_s=0.2)
+    finally:
+        HANG.set()
     assert "timed out after 0.2s" in TOK.decode(engine.requests[1][0])
     assert (traj.end_reason, dict(traj.events)) == ("done", {"tool_timeout": 1})
 
@@ -305,7 +308,7 @@ def test_http_tool_forwards_calls_and_times_out() -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((body, self.headers.get("Authorization")))
             if body["name"] == "slow":
-                time.sleep(2)
+                answer_slow.wait(120)  # past the client's timeout: set once the test has seen it
             reply = {"result": {"sum": sum(body["arguments"]["xs"])}} if body["name"] == "add" else {"error": "no"}
             data = json.dumps(reply).encode()
             self.send_response(200)
@@ -320,20 +323,24 @@ def test_http_tool_forwards_calls_and_times_out() -> None:
         def handle_error(self, request, client_address):
             pass  # the slow call's client has gone (timed out) by the time the reply is written
 
+    answer_slow = threading.Event()
     server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/tool"
-        env = HttpToolEnv(EnvConfig(type="http_tool", tool_url=url, tool_api_key="K", tool_timeout_s=0.5))
+        # a generous timeout for the calls that answer (no round-trip bound); the slow one never answers in time
+        env = HttpToolEnv(EnvConfig(type="http_tool", tool_url=url, tool_api_key="K", tool_timeout_s=60))
         turn = '<tool_call>{"name": "add", "arguments": {"xs": [1, 2, 39]}}</tool_call>'
         obs = env.step(_turn(turn))
         assert obs.text == '{"sum": 42}' and obs.events == ["tool_call"]
         assert seen[0] == ({"name": "add", "arguments": {"xs": [1, 2, 39]}}, "Bearer K")
         obs = env.step(_turn('<tool_call>{"name": "other", "arguments": {}}</tool_call>'))
         assert obs.events == ["tool_error"] and "ToolServerError: no" in obs.text
-        obs = env.step(_turn('<tool_call>{"name": "slow", "arguments": {}}</tool_call>'))
+        impatient = HttpToolEnv(EnvConfig(type="http_tool", tool_url=url, tool_api_key="K", tool_timeout_s=0.5))
+        obs = impatient.step(_turn('<tool_call>{"name": "slow", "arguments": {}}</tool_call>'))
         assert obs.events == ["tool_timeout"]
     finally:
+        answer_slow.set()
         server.shutdown()
 
 

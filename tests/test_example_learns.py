@@ -20,6 +20,8 @@ from megatron_rl.metrics import read_metrics
 
 import prepare
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_math"
 

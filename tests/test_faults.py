@@ -30,20 +30,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_sft import assets, one_process_sft_command
+from test_sft import one_process_sft_command
 from test_slurm import big, job_env, metrics, plan, slurm_cluster, submit, train_args, wait_job
-from test_trainer import (
-    _tree,
-    command,
-    comparable,
-    finish,
-    leftovers,
-    start,
-    steps_logged,
-    train,
-    wait_for,
-    work,
-)
+from test_trainer import _tree
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.metrics import read_metrics
@@ -60,9 +49,23 @@ from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient, SGLangErro
 from megatron_rl.rollout.types import SamplingParams
 
 import tiny_model
+from mrl_runs import (
+    RESUME_RUN,
+    RunCache,
+    assert_resume_matches,
+    command,
+    finish,
+    leftovers,
+    no_leftovers,
+    start,
+    steps_logged,
+    wait_for,
+    wait_until,
+)
 
-# module-scoped fixtures: tests/test_trainer.py's model, data and config; tests/test_slurm.py's 30B plan config
-__all__ = ["assets", "big", "slurm_cluster", "work"]  # and tests/test_sft.py's SFT data, the local cluster
+# tests/test_slurm.py's 30B plan config and the local cluster (the run's model, data and config, and the
+# SFT data, are tests/conftest.py's `work` and `assets`)
+__all__ = ["big", "slurm_cluster"]
 ROOT = Path(__file__).resolve().parents[1]
 
 ENGINE_ARGS = {"extra_args": ["--threads", "1", "--no-auth"], "env": {"OMP_NUM_THREADS": "1"}}
@@ -97,8 +100,7 @@ def test_a_stop_signal_during_the_start_up_is_kept_for_the_loop() -> None:
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         remember_stop_signals()  # what `megatron-rl train`/`sft` do first
-        os.kill(os.getpid(), signal.SIGUSR1)  # its default action would end this process
-        time.sleep(0.1)
+        signal.raise_signal(signal.SIGUSR1)  # its default action would end this process
         with stop_at_step_boundary() as request:
             assert request.signum == signal.SIGUSR1
         with stop_at_step_boundary() as later:  # taken once
@@ -191,6 +193,7 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
+@pytest.mark.e2e
 def test_an_unreachable_server_is_dropped_while_another_serves(work: Path, caplog: pytest.LogCaptureFixture) -> None:
     from megatron_rl.rollout.local.launcher import start_local_engine
 
@@ -219,6 +222,7 @@ def test_an_unreachable_server_is_dropped_while_another_serves(work: Path, caplo
         asyncio.run(none_left())
 
 
+@pytest.mark.e2e
 def test_a_killed_engine_restarts_with_the_same_samples_then_stops_past_the_limit(
     work: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -245,6 +249,11 @@ def test_a_killed_engine_restarts_with_the_same_samples_then_stops_past_the_limi
         engine.close()
 
 
+def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no reply from the rollout engine" in r.getMessage()]
+
+
+@pytest.mark.e2e
 def test_a_stopped_engine_is_reported_with_the_requests_in_flight(work: Path, caplog: pytest.LogCaptureFixture) -> None:
     rollout = RolloutConfig(max_concurrency=1, stall_warning_s=1.0)
     engine = RolloutEngine.from_config(rollout, str(work / "model"), **ENGINE_ARGS)
@@ -255,10 +264,10 @@ def test_a_stopped_engine_is_reported_with_the_requests_in_flight(work: Path, ca
             os.kill(pid, signal.SIGSTOP)
             worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS, seeded(4))))
             worker.start()
-            time.sleep(3.5)
+            wait_until(lambda: len(stall_warnings(caplog)) >= 2, 120, "two stall warnings")
             os.kill(pid, signal.SIGCONT)
             worker.join(120)
-        stalls = [r.getMessage() for r in caplog.records if "no reply from the rollout engine" in r.getMessage()]
+        stalls = stall_warnings(caplog)
         assert len(stalls) >= 2, stalls  # every stall_warning_s, not once
         assert f"1 request(s) in flight ({engine.local_process.url}: 1)" in stalls[0]  # max_concurrency 1
         assert f"process {pid} is stopped" in stalls[0]
@@ -280,10 +289,12 @@ def rank0_worker(torchrun: subprocess.Popen) -> psutil.Process:
     raise AssertionError("no rank-0 worker under torchrun")
 
 
-def stop_after_first_step(work: Path, run_dir: Path, sig: signal.Signals, ranks: int) -> tuple[int, str]:
-    """Start the signal run, send `sig` (to rank 0 alone) once step 1 is logged; (exit code, log)."""
+def stop_after_first_step(
+    work: Path, run_dir: Path, sig: signal.Signals, ranks: int, run: tuple[str, ...] = SIGNAL_RUN
+) -> tuple[int, str]:
+    """Start the run (`run`'s overrides), send `sig` (to rank 0 alone) once step 1 is logged; (exit code, log)."""
     log = run_dir.with_suffix(".log")
-    process = start(command(work, run_dir, *SIGNAL_RUN, ranks=ranks), log)
+    process = start(command(work, run_dir, *run, ranks=ranks), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     target = rank0_worker(process).pid if ranks > 1 else process.pid
     os.kill(target, sig)
@@ -295,26 +306,28 @@ def stop_after_first_step(work: Path, run_dir: Path, sig: signal.Signals, ranks:
     return process.returncode, log.read_text()
 
 
-def test_sigusr1_to_rank0_stops_every_rank_at_a_checkpoint_and_resume_matches(work: Path, tmp_path: Path) -> None:
-    reference = train(work, tmp_path / "straight", *SIGNAL_RUN)
+@pytest.mark.e2e
+def test_sigusr1_to_rank0_stops_every_rank_at_a_checkpoint_and_resume_matches(
+    work: Path, straight_runs: RunCache, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "stopped"
-    code, text = stop_after_first_step(work, run_dir, signal.SIGUSR1, ranks=2)
+    code, text = stop_after_first_step(work, run_dir, signal.SIGUSR1, ranks=2, run=RESUME_RUN)
     assert code == 0, text[-3000:]
     stopped_at = [r["step"] for r in steps_logged(run_dir)]
     k = stopped_at[-1]
     assert stopped_at == list(range(1, k + 1)) and k < 3, stopped_at  # stopped before the end
     assert f"SIGUSR1: stopped after step {k} of 3" in text
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert saved == [f"step_{k:06d}"]  # checkpoint.every=0: only the stop's
+    assert saved == [f"step_{k:06d}"]  # checkpoint.every=2 and k < 3: the stop's (and step 2's if k = 2)
     assert (run_dir / "checkpoints" / saved[0] / "loop_state.pt").is_file()
     assert not (run_dir / "hf").exists()  # no final export for an unfinished run
     assert "Task was destroyed" not in text
-    resumed = train(work, run_dir, *SIGNAL_RUN, resume=True)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    assert comparable(resumed) == comparable(reference)
+    # against the straight run test_trainer.py's kill -9 test compares with (one launch for both)
+    assert_resume_matches(straight_runs, work, run_dir, *RESUME_RUN)
     assert leftovers(work) == []
 
 
+@pytest.mark.e2e
 def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "terminated"
     code, text = stop_after_first_step(work, run_dir, signal.SIGTERM, ranks=1)
@@ -324,12 +337,10 @@ def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -
     assert "received SIGTERM: stopping after the current step" in text
     after = text.split("received SIGTERM")[1]  # (the custom reward's failure traceback comes before)
     assert "Task was destroyed" not in text and "Traceback" not in after and "Error" not in after, after
-    deadline = time.monotonic() + 30
-    while leftovers(work) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert leftovers(work) == []
+    no_leftovers(work)
 
 
+@pytest.mark.e2e
 def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(work: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "engine_killed"
     log = run_dir.with_suffix(".log")
@@ -350,6 +361,7 @@ def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(work:
     assert leftovers(work) == []
 
 
+@pytest.mark.e2e
 def test_an_engine_serving_other_weights_stops_the_run_before_training(
     work: Path, other_model: Path, tmp_path: Path
 ) -> None:
@@ -373,6 +385,7 @@ def test_an_engine_serving_other_weights_stops_the_run_before_training(
     assert text.strip().splitlines()[-1].startswith("train: error: the engine's log-probs differ"), text[-3000:]
 
 
+@pytest.mark.e2e
 def test_sft_stops_on_sigterm_with_a_checkpoint(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "sft"
     log = tmp_path / "sft.log"

@@ -10,6 +10,8 @@ import pytest
 
 from mrl_multiproc.launcher import ScenarioLaunches, run_module_scenarios, scenario_test
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 WORLDS = {
     1: [
         "cpu_compat_semantics",

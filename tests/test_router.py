@@ -25,6 +25,8 @@ from megatron_rl.rollout.types import SamplingParams
 
 from mrl_configs import make_tiny_model
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 pytest.importorskip("sglang_router.sglang_router_rs", reason="the sglang-router binary is not installed")
 
 ENV = {"OMP_NUM_THREADS": "1"}

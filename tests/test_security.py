@@ -72,6 +72,7 @@ def checkpoint_tensors(model: str) -> int:
         return len(list(f.keys()))
 
 
+@pytest.mark.e2e
 def test_body_limits_by_endpoint(engine, model: str) -> None:
     generate = MAX_RUNNING * (POSITIONS * GENERATE_BYTES_PER_POSITION + GENERATE_BYTES_PER_PROMPT)
     weights = CONTROL_BODY_BYTES + checkpoint_tensors(model) * UPDATE_BYTES_PER_TENSOR
@@ -107,6 +108,7 @@ def test_body_limits_by_endpoint(engine, model: str) -> None:
     assert post(engine.url, "/generate", b" " * (generate + 1), {"Authorization": "Bearer wrong"})[0] == 401
 
 
+@pytest.mark.e2e
 def test_non_finite_numbers_are_refused_naming_the_field(engine) -> None:
     ok = {"input_ids": [1, 2], "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}
     assert post(engine.url, "/generate", ok)[0] == 200
@@ -141,6 +143,7 @@ def _weights(url: str, name: str) -> list:
     return asyncio.run(go())
 
 
+@pytest.mark.e2e
 def test_a_broken_safetensors_update_answers_400_naming_the_file_and_the_old_weights_serve(
     engine, model: str, tmp_path: Path
 ) -> None:
@@ -190,6 +193,7 @@ def _group_init(url: str, port: int, timeout_s: float) -> tuple[int, str]:
     return asyncio.run(go())
 
 
+@pytest.mark.e2e
 def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,6 +240,7 @@ def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
     assert list(tmp_path.glob("megatron-rl-serve-*")) == []
 
 
+@pytest.mark.e2e
 def test_a_tensor_update_maps_only_the_shared_memory_it_announced(engine, model: str) -> None:
     """The payload's segments must be the ones the request names in shm_names: a payload that names
     another segment (here: one of a second serialisation, as a foreign process's would be) is
@@ -284,6 +289,7 @@ def test_config_yaml_redacts_every_key_and_a_redacted_key_is_refused(tmp_path: P
     assert REDACTED not in to_yaml(load_config())  # unset keys stay null
 
 
+@pytest.mark.e2e
 def test_the_local_engine_gets_a_per_run_key_off_the_command_line(model: str) -> None:
     import psutil
 

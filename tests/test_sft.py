@@ -24,7 +24,6 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.losses import Normalizer
 from megatron_rl.sft import cross_entropy_loss, load_sft_examples, sft_batch
 
-import prepare
 import tiny_model
 import tiny_tokenizer
 
@@ -109,14 +108,6 @@ def test_model_section_is_checked_against_the_hf_folder(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny_math task data (512 SFT rows) and model."""
-    assets = tmp_path_factory.mktemp("sft") / "assets"
-    assert prepare.main(["--out", str(assets), "--sft-rows", "512"]) == 0
-    return assets
-
-
-@pytest.fixture(scope="module")
 def sft_run(assets: Path) -> tuple[Path, Path, list[str]]:
     """`megatron-rl sft` on 2 ranks (EP=2): STEPS steps of ROWS rows, evaluation on 16 held-out prompts."""
     tmp = assets.parent
@@ -161,6 +152,7 @@ def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) 
     return total / count
 
 
+@pytest.mark.e2e
 def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
     from megatron_rl.metrics import read_metrics
 
@@ -180,6 +172,7 @@ def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
     assert records[0]["sft/loss"] == pytest.approx(_nll_of_first_step(assets / "model", assets, overrides), abs=1e-5)
 
 
+@pytest.mark.e2e
 def test_sft_exports_a_loadable_trained_folder(sft_run: tuple[Path, Path, list[str]]) -> None:
     from safetensors.torch import load_file
 
@@ -223,6 +216,7 @@ def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.e2e
 def test_sft_resume_matches_an_uninterrupted_run(assets: Path, tmp_path: Path) -> None:
     from megatron_rl.metrics import read_metrics
 

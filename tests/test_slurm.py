@@ -445,6 +445,10 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
         time.sleep(0.5)
     state, code, out = wait_job(first, out_dir)
     print(f"\ntrain.sbatch: submission to first step {first_step_s or float('nan'):.1f} s")
+    # every job is seen through to its end here, so that no test depends on running before another
+    # (scontrol forgets an ended job after MinJobAge; the chained job holds a node until cancelled)
+    stopped = cancel_mid_run(colocated, run_dir, out_dir)
+    converted = wait_job(convert, out_dir)
     yield dict(
         first=first,
         colocated=colocated,
@@ -454,6 +458,8 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
         out=out,
         run_dir=run_dir,
         out_dir=out_dir,
+        stopped=stopped,
+        converted=converted,
     )
     subprocess.run(["scancel", str(first), str(colocated), str(convert)], capture_output=True)  # after a failure
 
@@ -479,20 +485,27 @@ def test_disaggregated_job_trains_and_syncs_the_engine(jobs: dict) -> None:
     assert not wait_no_leftovers(jobs["first"], str(logs))
 
 
+def cancel_mid_run(job: int, run_dir: Path, out_dir: Path) -> dict:
+    """Once the chained job has logged step 3 (resumed at step 2, one step done: mid-run), scancel it and
+    wait until it has ended: {"error"} when it ended or hung before, else the scancel's exit code, the
+    job's end state and output, and the processes left after it."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(r["step"] == 3 for r in metrics(run_dir)):
+        state = job_fields(job).get("JobState")
+        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
+            return {"error": f"{state} before step 3:\n{job_output(job, out_dir)[-4000:]}"}
+        time.sleep(0.5)
+    cancelled = subprocess.run(["scancel", str(job)]).returncode
+    state, _, out = wait_job(job, out_dir, timeout=120)
+    return {"scancel": cancelled, "state": state, "out": out, "left": wait_no_leftovers(job, str(run_dir))}
+
+
 @pytest.mark.slurm
 def test_chained_colocated_job_resumes_and_cancel_leaves_no_process(jobs: dict) -> None:
-    job, run_dir, out_dir = jobs["colocated"], jobs["run_dir"], jobs["out_dir"]
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not any(r["step"] == 3 for r in metrics(run_dir)):  # resumed at step 2, one step done: mid-run
-        state = job_fields(job).get("JobState")
-        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{state}:\n{job_output(job, out_dir)[-4000:]}"
-        assert time.monotonic() < deadline, job_output(job, out_dir)[-4000:]
-        time.sleep(0.5)
-    assert subprocess.run(["scancel", str(job)]).returncode == 0
-    state, _, out = wait_job(job, out_dir, timeout=120)
-    assert state == "CANCELLED", out
-    left = wait_no_leftovers(job, str(run_dir))
-    assert not left, "\n".join(left)
+    job, run_dir, stopped = jobs["colocated"], jobs["run_dir"], jobs["stopped"]
+    assert "error" not in stopped, stopped.get("error")
+    assert stopped["scancel"] == 0 and stopped["state"] == "CANCELLED", stopped["out"]
+    assert not stopped["left"], "\n".join(stopped["left"])
 
     records = metrics(run_dir)
     assert [r["step"] for r in records][:3] == [1, 2, 3]
@@ -512,7 +525,7 @@ def test_chained_colocated_job_resumes_and_cancel_leaves_no_process(jobs: dict) 
 def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
     from megatron_rl.models.checkpoint_io import read_common_state
 
-    state, code, out = wait_job(jobs["convert"], jobs["out_dir"])
+    state, code, out = jobs["converted"]
     assert (state, code) == ("COMPLETED", 0), out[-4000:]
     layout = read_common_state(jobs["out_dir"] / "ckpt")["layout"]
     assert layout["world_size"] == 2 and layout["expert_model_parallel_size"] == 2
@@ -523,8 +536,7 @@ def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
 @pytest.mark.slurm
 def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
     """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
-    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort".
-    Last in the file: the chained job of `jobs` must still be running when its test looks at it."""
+    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort"."""
     run_dir = tmp_path / "run"
     overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
     job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)

@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -34,119 +33,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.metrics import TIMING_PREFIXES, read_metrics
-
-import tiny_model
-import tiny_task
+from mrl_runs import (
+    BAD_ROWS,
+    GOOD_ROWS,
+    RESUME_RUN,
+    STEP_TIMEOUT_S,
+    RunCache,
+    assert_resume_matches,
+    command,
+    kill_after_checkpoint,
+    leftovers,
+    no_leftovers,
+    start,
+    steps_logged,
+    train,
+    wait_for,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-STEP_TIMEOUT_S = 240
-GOOD_ROWS = 8  # train.prompts_per_step 4 x 2 steps: one epoch, every row once
-BAD_ROWS = {"invalid_json": 1, "missing_key": 1, "empty_prompt": 1, "too_long": 1}
-REWARD = """
-def digits(response: str, answer: str) -> float:
-    if int(answer) % 2:
-        raise ValueError("odd answers are not scored")
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-"""
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("trainer")
-    tiny_model.build_model(root / "model", seed=0)
-    train, heldout = tiny_task.split_problems(seed=0)
-    rows = [json.dumps(tiny_task.task_row(p, i, "train")) for i, p in enumerate(train[:GOOD_ROWS])]
-    rows.insert(2, "{not json")
-    rows.insert(4, json.dumps({"prompt": "1+2*3="}))  # no reward_model.ground_truth
-    rows.insert(6, json.dumps({"prompt": "", "reward_model": {"ground_truth": "7"}}))
-    rows.append(json.dumps({"prompt": "1+2*3=" * 20, "reward_model": {"ground_truth": "7"}}))  # > 64 tokens
-    (root / "train.jsonl").write_text("\n".join(rows) + "\n")
-    (root / "heldout.jsonl").write_text(
-        "".join(json.dumps(tiny_task.task_row(p, i, "heldout")) + "\n" for i, p in enumerate(heldout[:4]))
-    )
-    (root / "rewards.py").write_text(REWARD)
-    (root / "odd_answers").write_text(str(sum(p.answer % 2 for p in train[:GOOD_ROWS])))
-    config = {
-        "model": {"hf_path": str(root / "model")},
-        "parallel": {"expert_model_parallel_size": 2},
-        "data": {
-            "train_path": str(root / "train.jsonl"),
-            "eval_path": str(root / "heldout.jsonl"),
-            "max_prompt_tokens": 64,
-        },
-        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 12, "max_concurrency": 1},
-        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits", "max_failure_frac": 1.0},
-        "algorithm": {"name": "grpo"},
-        "train": {"steps": 2, "prompts_per_step": 4, "lr": 1e-3, "seed": 7},
-        "eval": {"every": 2, "max_prompts": 4},
-        "checkpoint": {"every": 1},
-        "logging": {"progress": False, "tensorboard": False},
-    }
-    (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
-    return root
-
-
-def command(work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    if ranks == 1:
-        launcher = [sys.executable]
-        overrides = ("parallel.expert_model_parallel_size=1", *overrides)
-    cmd = [*launcher, "-m", "megatron_rl.cli", "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
-    return cmd + list(overrides) + (["--resume"] if resume else [])
-
-
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    handle = log.open("w")
-    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        pytest.fail(f"the run did not end within {timeout} s:\n{log.read_text()[-3000:]}")
-    text = log.read_text()
-    assert process.returncode == 0, text[-5000:]
-    return text
-
-
-def train(work: Path, run_dir: Path, *overrides: str, **kwargs) -> list[dict]:
-    log = run_dir.with_suffix(".log")
-    finish(start(command(work, run_dir, *overrides, **kwargs), log), log)
-    return read_metrics(run_dir)
-
-
-def leftovers(work: Path) -> list[str]:
-    """Processes whose command line names a file of this test (trainers, torchrun, the engine)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if str(work) in cmdline:
-            found.append(f"{proc.pid}: {cmdline[:200]}")
-    return found
-
-
-def wait_for(predicate, process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if process.poll() is not None:
-            pytest.fail(f"the run ended early ({process.returncode}):\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"timed out:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-
-
-def steps_logged(run_dir: Path) -> list[dict]:
-    try:
-        return [r for r in read_metrics(run_dir) if r["step"] > 0]
-    except (FileNotFoundError, ValueError):
-        return []
+pytestmark = pytest.mark.e2e
 
 
 def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, tmp_path: Path) -> None:
@@ -196,34 +103,15 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
     assert (run_dir / "plots" / "overview.png") in plot_run(run_dir)
 
 
-def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
-
-
-def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(work: Path, tmp_path: Path) -> None:
+def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(
+    work: Path, straight_runs: RunCache, tmp_path: Path
+) -> None:
     """With a KL penalty in the reward: the resumed run's reference is the start policy, as the
     uninterrupted run's (a reference taken from the checkpoint would read KL 0 at step 3)."""
-    overrides = (
-        "train.steps=3",
-        "train.updates_per_step=2",
-        "eval.every=0",
-        "checkpoint.every=2",
-        "algorithm.kl_coef=0.5",
-        "algorithm.kl_in_reward=true",
-    )
-    reference = train(work, tmp_path / "straight", *overrides)
     run_dir = tmp_path / "killed"
-    log = tmp_path / "killed.log"
-    process = start(command(work, run_dir, *overrides), log)
-    saved = run_dir / "checkpoints" / "step_000002" / "loop_state.pt"
-    wait_for(saved.is_file, process, log)
-    os.killpg(process.pid, signal.SIGKILL)  # kill -9 every process of the run, in step 3
-    process.wait()
+    kill_after_checkpoint(work, run_dir, *RESUME_RUN, step=2)  # kill -9 every process of the run, in step 3
     assert len(steps_logged(run_dir)) == 2
-    resumed = train(work, run_dir, *overrides, resume=True)
-    assert "resuming from" in (run_dir.with_suffix(".log")).read_text()
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    assert comparable(resumed) == comparable(reference)
+    reference, _ = assert_resume_matches(straight_runs, work, run_dir, *RESUME_RUN)
     assert reference[-1]["actor/approx_kl_mean"] > 0.0  # the second update moved the policy: not vacuous
     kl_ref = [r["actor/kl_ref_mean"] for r in reference]
     assert kl_ref[0] == 0.0 < kl_ref[1] < kl_ref[2], kl_ref  # pi_old moves away from the reference
@@ -257,8 +145,8 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
     assert any("serve" in p.cmdline() for p in _tree(process.pid))  # the engine runs
     _engine_refuses_strangers(work, process, run_dir)
     os.kill(process.pid, sig)
-    try:
-        process.wait(90)
+    try:  # SIGTERM finishes the step and saves it; the engine handle's close alone may take 80 s (its timeouts)
+        process.wait(STEP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
@@ -268,10 +156,7 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
         assert process.returncode == 130, log.read_text()[-3000:]
         assert "train: interrupted (SIGINT): stopped at once, nothing saved" in log.read_text()
         assert "Traceback" not in log.read_text() and "KeyboardInterrupt" not in log.read_text()
-    deadline = time.monotonic() + 30
-    while leftovers(work) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert leftovers(work) == []
+    no_leftovers(work)
 
 
 def _engine_refuses_strangers(work: Path, process: subprocess.Popen, run_dir: Path) -> None:
@@ -331,10 +216,7 @@ def test_an_engine_outlives_no_killed_parent(work: Path) -> None:
         assert _alive(engine)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 30
-        while _alive(engine) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(engine)
+        wait_until(lambda: not _alive(engine), 60, f"the engine {engine} to exit after its parent's kill -9")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)

@@ -314,6 +314,7 @@ def test_characters_outside_the_vocabulary_are_counted_per_file(
     assert "<unk> tokens: 3 in 2 rows" in ds.report.summary()
 
 
+@pytest.mark.e2e  # `megatron-rl sft`, stopped at its data
 @pytest.mark.parametrize("verbose", [False, True])
 def test_an_unusable_data_file_is_one_error_line_and_the_traceback_with_verbose(tmp_path: Path, verbose: bool) -> None:
     model = tmp_path / "model"

@@ -20,6 +20,8 @@ from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_e
 from mrl_configs import hf_config, save_random_hf_model
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
+pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
+
 WORLDS = {1: ["w1_three_modes", "w1_refused_updates", "w1_partial_rollout"], 2: ["w2_tp2", "w2_ep2", "w2_pp2"]}
 
 

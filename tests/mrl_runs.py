@@ -1,0 +1,204 @@
+"""End-to-end `megatron-rl train` runs on the tiny_math model: the run folder the tests share (built
+once per session by tests/conftest.py's `work`), the launch helpers, a cache of straight runs keyed by
+their overrides (`RunCache`), and the one resume check (`assert_resume_matches`).
+
+A straight run is deterministic given its overrides and rank count (seeded sampling, seeded model),
+so tests that compare against the same uninterrupted run share one launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_rl.metrics import TIMING_PREFIXES, read_metrics
+
+STEP_TIMEOUT_S = 240
+GOOD_ROWS = 8  # train.prompts_per_step 4 x 2 steps: one epoch, every row once
+BAD_ROWS = {"invalid_json": 1, "missing_key": 1, "empty_prompt": 1, "too_long": 1}
+REWARD = """
+def digits(response: str, answer: str) -> float:
+    if int(answer) % 2:
+        raise ValueError("odd answers are not scored")
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+"""
+
+
+def build_work(root: Path) -> Path:
+    """The tiny_math model (seed 0), GOOD_ROWS training rows with BAD_ROWS among them, 4 held-out rows,
+    a custom reward (the share of digits, failing on odd answers) and `rl.yaml` (EP=2) under `root`."""
+    import tiny_model
+    import tiny_task
+
+    tiny_model.build_model(root / "model", seed=0)
+    train, heldout = tiny_task.split_problems(seed=0)
+    rows = [json.dumps(tiny_task.task_row(p, i, "train")) for i, p in enumerate(train[:GOOD_ROWS])]
+    rows.insert(2, "{not json")
+    rows.insert(4, json.dumps({"prompt": "1+2*3="}))  # no reward_model.ground_truth
+    rows.insert(6, json.dumps({"prompt": "", "reward_model": {"ground_truth": "7"}}))
+    rows.append(json.dumps({"prompt": "1+2*3=" * 20, "reward_model": {"ground_truth": "7"}}))  # > 64 tokens
+    (root / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "heldout.jsonl").write_text(
+        "".join(json.dumps(tiny_task.task_row(p, i, "heldout")) + "\n" for i, p in enumerate(heldout[:4]))
+    )
+    (root / "rewards.py").write_text(REWARD)
+    (root / "odd_answers").write_text(str(sum(p.answer % 2 for p in train[:GOOD_ROWS])))
+    config = {
+        "model": {"hf_path": str(root / "model")},
+        "parallel": {"expert_model_parallel_size": 2},
+        "data": {
+            "train_path": str(root / "train.jsonl"),
+            "eval_path": str(root / "heldout.jsonl"),
+            "max_prompt_tokens": 64,
+        },
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 12, "max_concurrency": 1},
+        "reward": {"type": "custom", "custom_function": f"{root / 'rewards.py'}:digits", "max_failure_frac": 1.0},
+        "algorithm": {"name": "grpo"},
+        "train": {"steps": 2, "prompts_per_step": 4, "lr": 1e-3, "seed": 7},
+        "eval": {"every": 2, "max_prompts": 4},
+        "checkpoint": {"every": 1},
+        "logging": {"progress": False, "tensorboard": False},
+    }
+    (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return root
+
+
+def command(work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    if ranks == 1:
+        launcher = [sys.executable]
+        overrides = ("parallel.expert_model_parallel_size=1", *overrides)
+    cmd = [*launcher, "-m", "megatron_rl.cli", "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
+    return cmd + list(overrides) + (["--resume"] if resume else [])
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    handle = log.open("w")
+    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"the run did not end within {timeout} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert process.returncode == 0, text[-5000:]
+    return text
+
+
+def train(work: Path, run_dir: Path, *overrides: str, **kwargs) -> list[dict]:
+    log = run_dir.with_suffix(".log")
+    finish(start(command(work, run_dir, *overrides, **kwargs), log), log)
+    return read_metrics(run_dir)
+
+
+def leftovers(work: Path) -> list[str]:
+    """Processes whose command line names a file of this test (trainers, torchrun, the engine)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(work) in cmdline:
+            found.append(f"{proc.pid}: {cmdline[:200]}")
+    return found
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds (a hang guard, not a
+    claim about speed)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def wait_for(predicate, process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> None:
+    """Poll `predicate` while the run `process` lives; fail with the log's tail when it ends first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended early ({process.returncode}):\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"timed out:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def no_leftovers(work: Path, timeout: float = 60.0) -> None:
+    """Wait until no process names a file of `work` (a stopped run's children exit shortly after it)."""
+    wait_until(lambda: not leftovers(work), timeout, f"the run's processes to exit: {leftovers(work)}")
+
+
+def steps_logged(run_dir: Path) -> list[dict]:
+    try:
+        return [r for r in read_metrics(run_dir) if r["step"] > 0]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+
+class RunCache:
+    """Straight (uninterrupted) runs of `work` by (overrides, ranks): each launched once per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._runs: dict[tuple, list[dict]] = {}
+
+    def records(self, work: Path, *overrides: str, ranks: int = 2) -> list[dict]:
+        key = (str(work), overrides, ranks)
+        if key not in self._runs:
+            run_dir = self.root / f"straight{len(self._runs)}"
+            self._runs[key] = train(work, run_dir, *overrides, ranks=ranks)
+        return self._runs[key]
+
+
+def assert_resume_matches(
+    runs: RunCache, work: Path, run_dir: Path, *overrides: str, ranks: int = 2
+) -> tuple[list[dict], list[dict]]:
+    """`--resume` the interrupted run in `run_dir` to the end: it resumes from a checkpoint, and its
+    metrics (timings aside) equal the straight run's of the same overrides. (reference, resumed)."""
+    reference = runs.records(work, *overrides, ranks=ranks)
+    resumed = train(work, run_dir, *overrides, resume=True, ranks=ranks)
+    assert f"resuming from {run_dir / 'checkpoints'}" in run_dir.with_suffix(".log").read_text()
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference]
+    assert comparable(resumed) == comparable(reference)
+    return reference, resumed
+
+
+# The overrides of the straight run the resume tests share (tests/test_trainer.py's kill -9, tests/
+# test_faults.py's SIGUSR1): 3 steps of 2 updates, a checkpoint after step 2, a KL penalty in the reward.
+RESUME_RUN = (
+    "train.steps=3",
+    "train.updates_per_step=2",
+    "eval.every=0",
+    "checkpoint.every=2",
+    "algorithm.kl_coef=0.5",
+    "algorithm.kl_in_reward=true",
+)
+
+
+def kill_after_checkpoint(work: Path, run_dir: Path, *overrides: str, step: int = 2, ranks: int = 2) -> None:
+    """Start the run and kill -9 every process of it once step `step`'s checkpoint is complete (the run
+    is then in step `step` + 1)."""
+    log = run_dir.with_suffix(".log")
+    process = start(command(work, run_dir, *overrides, ranks=ranks), log)
+    saved = run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt"
+    wait_for(saved.is_file, process, log)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()

@@ -1,0 +1,52 @@
+"""The suite's tiers (tests/conftest.py): which commands make a test end-to-end, and that a test
+without the e2e marker cannot start one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import launch_in
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megatron_rl.cli", "train"],
+        [PY, "-m", "megatron_rl.cli", "train", "rl.yaml"],
+        [PY, "-m", "megatron_rl.cli", "sft", "sft.yaml"],
+        [PY, "-m", "megatron_rl.cli", "--verbose", "sft", "sft.yaml"],
+        [PY, "-m", "megatron_rl.cli", "serve", "--model", "m"],
+        [PY, "-m", "mrl_multiproc.launcher", "--out", "o", "model_scenarios:x"],
+        ["sbatch", "--parsable", "slurm/train.sbatch"],
+        ["bash", "tests/support/slurm_cluster.sh", "start"],
+        ["bash", "-c", "srun --ntasks=2 python x.py"],
+        [PY, "-m", "sglang_router", "launch"],
+        f"{PY} -m megatron_rl.cli serve --model m",
+    ],
+)
+def test_launches_of_a_training_an_engine_or_slurm_are_e2e(args: list[str] | str) -> None:
+    assert launch_in(args) is not None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [PY, "-c", "print(1)"],
+        [PY, "-m", "megatron_rl.cli", "config", "--reference"],
+        [PY, "-m", "megatron_rl.cli", "reward-server", "--function", "dapo"],
+        [PY, "-m", "megatron_rl.cli", "convert", "--help"],
+        ["git", "ls-files"],
+        ["bash", "-c", "source slurm/lib.sh; install_traps"],
+    ],
+)
+def test_other_commands_are_not(args: list[str]) -> None:
+    assert launch_in(args) is None
+
+
+def test_an_unmarked_test_cannot_launch_one() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"launches `.*megatron_rl.cli serve.*` but is not marked e2e"):
+        subprocess.Popen([PY, "-m", "megatron_rl.cli", "serve", "--model", "nowhere"])
