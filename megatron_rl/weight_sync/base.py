@@ -20,7 +20,10 @@ again, after the cache flush, under the new weights; "in_place" would keep the o
 cache) before the transfer (disk: before the load, the folder is written while the engine
 generates) and continues after it, and the updates pass `abort_all_requests=false`;
 each response then reports which version sampled which tokens. Without partial rollouts they are
-aborted: `abort_all_requests=true`, and the tensor mode's pause keeps mode "abort".
+aborted: `abort_all_requests=true`, and the modes with a weight-update session (distributed, tensor)
+pause with mode "abort" for the whole transfer: SGLang's `/begin_weight_update` on a server that is
+not paused waits for every running generation to finish (its writer lock), and between buckets
+queued requests would start on half-updated weights.
 
 Colocated runs can hand the engine's memory back between rollout and training with
 `release_engine_memory()`. The next `sync` then empties every rank's CUDA cache (and, with
@@ -76,12 +79,14 @@ class InFlight:
     abort_all_requests: bool
 
     @classmethod
-    def from_config(cls, rollout: Any, pauses_for_transfer: bool) -> InFlight:
-        """`pauses_for_transfer`: the mode stops generation while it writes (tensor, colocated)."""
+    def from_config(cls, rollout: Any, pauses_for_transfer: bool, in_session: bool) -> InFlight:
+        """`pauses_for_transfer`: the mode stops generation while it writes (tensor, colocated);
+        `in_session`: it runs inside SGLang's weight-update session (distributed, tensor)."""
         if rollout.async_mode == "fully_async" and rollout.partial_rollout:
             return cls(pause="retract", abort_all_requests=False)
         aborts = rollout.async_mode == "fully_async"
-        return cls(pause="abort" if pauses_for_transfer else None, abort_all_requests=aborts)
+        pause = pauses_for_transfer or (aborts and in_session)
+        return cls(pause="abort" if pause else None, abort_all_requests=aborts)
 
 
 class WeightSyncError(RuntimeError):
@@ -133,7 +138,7 @@ class WeightSync(ABC):
         self._released: list[str] = []  # the engine memory released now (the same on every rank)
         self._error: str | None = None
         self._version = ""
-        self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer)
+        self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer, self.needs_session)
         self._paused = False
         self.synced: str | None = None  # the version of the last complete sync
 
