@@ -19,7 +19,10 @@
   address for `GET /workers`, which sglang-router answers with its worker list and a server with
   404. A router then takes every /generate (it balances them), while `urls`, the servers that
   control calls and weight updates reach, become the workers it lists (a router forwards only
-  /generate, /health and /flush_cache: a weight update sent to it fails with an empty 404).
+  /generate, /health and /flush_cache: a weight update sent to it fails with an empty 404). A request
+  for routed experts (R3) goes to the workers directly: sglang-router 0.3.2 rebuilds /generate bodies
+  from its own typed request, which drops `return_routed_experts`. The abort of a request that timed
+  out through the router goes to every worker (the router answers /abort_request with 404).
 """
 
 from __future__ import annotations
@@ -230,8 +233,9 @@ class SGLangClient:
         return dict(zip(urls, results, strict=True))
 
     # ---- transport ----
-    def _pick(self, exclude: set[str]) -> str:
-        targets = [self.router] if self.router is not None else self.urls
+    def _pick(self, exclude: set[str], direct: bool) -> str:
+        """The least busy target (`direct`: a server itself, never the router) not in `exclude`."""
+        targets = [self.router] if self.router is not None and not direct else self.urls
         candidates = [u for u in targets if u not in exclude] or targets
         tick = next(self._order)
         return min(candidates, key=lambda u: (self._in_flight[u], (targets.index(u) - tick) % len(targets)))
@@ -245,8 +249,10 @@ class SGLangClient:
         retry: bool = True,
         what: str = "",
         timeout_s: float | None = None,
+        direct: bool = False,
     ) -> tuple[str, int, str]:
-        """Send one request (to `server`, or the least busy one); returns (server, status, body text)."""
+        """Send one request (to `server`, or the least busy one: a server itself with `direct`, else
+        the router when there is one); returns (server, status, body text)."""
         await self.start()
         assert self._session is not None
         tries = self.max_retries + 1 if retry else 1
@@ -255,7 +261,7 @@ class SGLangClient:
         label = f"{method} {path}" + (f" ({what})" if what else "")
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         for attempt in range(tries):
-            url = server or self._pick(failed)
+            url = server or self._pick(failed, direct)
             self._in_flight[url] = self._in_flight.get(url, 0) + 1
             try:
                 async with self._session.request(method, url + path, json=body, timeout=timeout) as resp:
@@ -375,7 +381,9 @@ class SGLangClient:
         assert self._slots is not None
         async with self._slots:
             try:
-                url, _, text = await self._call("POST", "/generate", body, what=f"rid={rid}")
+                url, _, text = await self._call(
+                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts
+                )
             except SGLangError as err:
                 if "timed out" in str(err) and err.server:
                     await self._quiet_abort(err.server, rid)
@@ -415,10 +423,15 @@ class SGLangClient:
             raise
 
     async def _quiet_abort(self, url: str, rid: str) -> None:
-        try:
-            await self._call("POST", "/abort_request", {"rid": rid}, server=url, retry=False, timeout_s=10)
-        except SGLangError as err:
-            log.warning("could not abort %s on %s: %s", rid, url, err)
+        """Abort `rid` where it runs: on `url`, or on every worker when `url` is the router."""
+
+        async def one(server: str) -> None:
+            try:
+                await self._call("POST", "/abort_request", {"rid": rid}, server=server, retry=False, timeout_s=10)
+            except SGLangError as err:
+                log.warning("could not abort %s on %s: %s", rid, server, err)
+
+        await asyncio.gather(*(one(u) for u in (self.urls if url == self.router else [url])))
 
     def _sample(self, url: str, rid: str, prompt: list[int], text: str, want_lp: bool, want_routed: bool) -> Sample:
         import json
