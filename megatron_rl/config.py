@@ -95,6 +95,11 @@ class RolloutConfig:
         "API key sent to / required by the engines; null = a random key per run for the local engine "
         "(SGLang servers: none); written redacted into config.yaml",
     )
+    admin_api_key: str | None = _f(
+        None,
+        "SGLang servers started with --admin-api-key: the key sent to their control endpoints (weight updates, "
+        "pause, memory, abort), which accept no other; null = api_key; written redacted into config.yaml",
+    )
     n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
     temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -513,7 +518,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
 # REDACTED in their place, and a config that still says REDACTED is refused.
-SECRET_KEYS = ("rollout.api_key", "reward.api_key", "env.tool_api_key")
+SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key")
 REDACTED = "<redacted>"
 
 

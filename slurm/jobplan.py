@@ -462,18 +462,29 @@ def wait_healthy(
 
 
 def weight_versions(urls: Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
-    """Each engine's /get_model_info weight_version (None with the error when it does not answer)."""
+    """Each engine's /model_info weight_version (the deprecated /get_model_info where that is missing:
+    404; None with the error when it does not answer)."""
     out = []
     for url in urls:
-        request = urllib.request.Request(url.rstrip("/") + "/get_model_info")
-        if api_key:
-            request.add_header("Authorization", f"Bearer {api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                out.append({"url": url, "weight_version": json.loads(reply.read()).get("weight_version")})
+            try:
+                info = _get_json(url, "/model_info", api_key)
+            except urllib.error.HTTPError as err:
+                if err.code != 404:
+                    raise
+                info = _get_json(url, "/get_model_info", api_key)
+            out.append({"url": url, "weight_version": info.get("weight_version")})
         except (urllib.error.URLError, OSError, ValueError) as err:
             out.append({"url": url, "weight_version": None, "error": str(err)})
     return out
+
+
+def _get_json(url: str, path: str, api_key: str | None) -> Any:
+    request = urllib.request.Request(url.rstrip("/") + path)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so 
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
 address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
-workers it lists. Any client coroutine can also be run with `run` or started with `submit`
+workers it lists. Partial rollouts need the version of every token: servers that cannot give it
+(SGLang < 0.5.19) are refused here (`SGLangClient.require_token_versions`). Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
 
 Supervision of the local engine child: a request that cannot connect while the child has exited
@@ -118,6 +119,7 @@ class RolloutEngine:
             timeout_s=rollout.request_timeout_s,
             max_retries=rollout.max_retries,
             routed_experts_layout=moe_layout(model_path) if model_path else None,
+            admin_api_key=rollout.admin_api_key,
         )
         engine = cls(
             client,
@@ -126,12 +128,14 @@ class RolloutEngine:
             max_restarts=rollout.max_engine_restarts,
             stall_warning_s=rollout.stall_warning_s,
         )
-        if process is None:
-            try:
+        try:
+            if process is None:
                 engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
-            except BaseException:
-                engine.close()
-                raise
+            if rollout.async_mode == "fully_async" and rollout.partial_rollout:
+                engine.run(client.require_token_versions())
+        except BaseException:
+            engine.close()
+            raise
         return engine
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -254,7 +254,7 @@ class WeightSync(ABC):
             return None
 
     def _check_version(self, version: str) -> None:
-        info = self._call(self.client.get_model_info(), "GET /get_model_info")
+        info = self._call(self.client.get_model_info(), "GET /model_info")
         reported = info.get("weight_version") if isinstance(info, dict) else None
         if reported is not None and str(reported) != version:
             self._fail(f"the engine reports weight_version {reported!r} after the update, expected {version!r}")
