@@ -49,11 +49,13 @@ def configured_api_key(rollout: Any) -> str | None:
 
 
 def moe_layout(model_path: str) -> tuple[int, int] | None:
-    """(num_hidden_layers, num_experts_per_tok) of a Hugging Face MoE folder; None for a dense model."""
+    """(num_hidden_layers, num_experts_per_tok) of a Hugging Face MoE folder; None for a dense model.
+    Read, as SGLang reads them, from the text sub-config of a model that nests one (`text_config`)."""
     import json
     from pathlib import Path
 
     config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config") or config
     if not (config.get("num_experts") or config.get("num_local_experts")):
         return None
     return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])

@@ -29,6 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.parallel.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("tensor", "disk", "distributed")
 
@@ -92,14 +94,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path)
     raise RuntimeError(f"sglang did not answer /health within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON", sys.executable))
@@ -129,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="sglang-sync-check-"))
     model = work / "model"
     _tiny_model(model)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / "sglang.log"
     server_cmd = [
@@ -183,7 +177,7 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     from megatron_rl.weight_sync import make_weight_sync
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     cfg = Config(
         model=model_config_from_hf(read_hf_config(model), hf_path=model),
         rollout=RolloutConfig(
@@ -218,7 +212,7 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     got = engine.run(engine.client.get_weights_by_name("model.norm.weight", truncate_size=want.numel()), timeout=60)
     got = torch.tensor(got, dtype=torch.float32).flatten()
     diff = float((got - want.float().cpu().flatten()[: got.numel()]).abs().max())
-    info = _get(url + "/get_model_info")
+    info = _get(url + "/model_info")
     engine.close()
     actor.close()
     ok = info.get("weight_version") == f"check-{mode}" and diff < 2e-2  # the engine holds bf16
