@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.checkpoints import RunFolder
-from megatron_rl.config import Config, uses_reference
+from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
 from megatron_rl.losses.kl import kl_estimate
@@ -365,7 +365,7 @@ class Trainer:
     def check_logprob_gap(self, gap: dict[str, float]) -> None:
         """Raise `LogprobGapError` on every rank when `logprob_gap/abs_mean` of the samples the current
         weights generated exceeds `rollout.max_logprob_gap`: the engine serves other weights than the actor's."""
-        limit = self.cfg.rollout.max_logprob_gap
+        limit = logprob_gap_limit(self.cfg)
         if limit is None:
             return
         mean = torch.tensor([gap.get("logprob_gap/abs_mean", 0.0)], dtype=torch.float64, device=local_device())

@@ -162,3 +162,19 @@ def test_model_shape_checks_wait_for_the_checkpoints_config():
         load_config(None, overrides)
     cfg = load_config(None, [*overrides, "model.hf_path=/models/qwen3-30b-a3b"])
     assert cfg.parallel.tensor_model_parallel_size == 4
+
+
+def test_the_logprob_gap_bound_follows_the_training_dtype_unless_set():
+    """bf16 engines differ from the trainer by far more than fp32 ones (published 0.005-0.34 per token),
+    so the default bound is the dtype's; a set value wins and 0 turns the check off."""
+    from megatron_rl.config import LOGPROB_GAP_BY_DTYPE, logprob_gap_limit
+
+    def limit(*overrides: str) -> float | None:
+        return logprob_gap_limit(load_config(None, list(overrides)))
+
+    assert limit() == LOGPROB_GAP_BY_DTYPE["fp32"] == 0.05
+    assert limit("model.params_dtype=bf16") == LOGPROB_GAP_BY_DTYPE["bf16"] == 0.5
+    assert limit("model.params_dtype=bf16", "rollout.max_logprob_gap=0.2") == 0.2
+    assert limit("rollout.max_logprob_gap=0") is None
+    with pytest.raises(ConfigError, match=r"rollout\.max_logprob_gap"):
+        load_config(None, ["rollout.max_logprob_gap=-1"])
