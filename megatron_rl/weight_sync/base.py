@@ -93,6 +93,11 @@ class WeightSyncError(RuntimeError):
     """A sync the engine did not complete; raised on every rank with the same message."""
 
 
+class ResyncAtStepBoundary(WeightSyncError):
+    """Rank 0, within a rollout: a restarted engine needs weights only a collective sync sends; the
+    trainer abandons the step's rollout, syncs on every rank and collects it again."""
+
+
 def shared_outcome(value: Any) -> Any:
     """Rank 0's `value`, on every rank (collective)."""
     box = [value]
@@ -221,13 +226,18 @@ class WeightSync(ABC):
     def resync_restarted_engine(self) -> None:
         """Rank 0 alone, within a rollout: an engine restarted from its model folder gets the weights
         of the last sync (nothing to do before the first). Only the disk mode can resend them without
-        the other ranks; the others raise `WeightSyncError` saying so."""
+        the other ranks; the others forget what they held of the dead engine and raise
+        `ResyncAtStepBoundary`, and the trainer syncs on every rank before collecting again."""
         if self.synced is None:
             return
-        raise WeightSyncError(
+        self._forget_engine()
+        raise ResyncAtStepBoundary(
             f"the restarted engine needs the weights of version {self.synced!r}, which rollout.weight_sync = "
-            f"{self.mode} sends only with every rank taking part; rollout.weight_sync=disk resends them from rank 0"
+            f"{self.mode} sends only with every rank taking part"
         )
+
+    def _forget_engine(self) -> None:  # noqa: B027 - only the distributed mode holds something of it
+        """Rank 0: drop what refers to a dead engine (its weight-update group) before the next sync."""
 
     def close(self) -> None:  # noqa: B027 - most modes hold nothing
         """Release what the mode holds (groups, buffers); call on every rank."""
