@@ -96,6 +96,11 @@ class RolloutConfig:
         "API key sent to / required by the engines; null = a random key per run for the local engine "
         "(SGLang servers: none); written redacted into config.yaml",
     )
+    admin_api_key: str | None = _f(
+        None,
+        "SGLang servers started with --admin-api-key: the key sent to their control endpoints (weight updates, "
+        "pause, memory, abort), which accept no other; null = api_key; written redacted into config.yaml",
+    )
     n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
     temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -114,11 +119,12 @@ class RolloutConfig:
         60.0, "warn, with the requests in flight, after each this many seconds without a reply; 0 = never", ge=0
     )
     max_logprob_gap: float | None = _f(
-        0.05,
+        None,
         "stop the run before its update when the mean absolute difference of the engine's and the trainer's "
         "log-probs (logprob_gap/abs_mean of the recompute right after a sync) exceeds this: the engine serves "
-        "other weights (fp32 CPU runs measure <= 2e-7); null = off",
-        gt=0,
+        "other weights; null = by model.params_dtype (fp32 0.05: CPU runs measure <= 2e-7; bf16 and fp16 0.5: "
+        "bf16 engines are published at 0.005-0.34 against Megatron, MoE the highest); 0 = off",
+        ge=0,
     )
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
@@ -561,7 +567,22 @@ def _check_bool_values(values: Any, cls: Any, prefix: str, source: str) -> None:
 
 # Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
 # REDACTED in their place, and a config that still says REDACTED is refused.
-SECRET_KEYS = ("rollout.api_key", "reward.api_key", "env.tool_api_key")
+# rollout.max_logprob_gap's default by model.params_dtype. fp32: measured on CPU (<= 2e-7, the local
+# engine against the actor). bf16: published mean |engine - trainer| log-prob gaps of bf16 SGLang
+# against bf16 Megatron/FSDP on one checkpoint: 0.005-0.006 for Qwen3-32B, 0.14-0.34 for Qwen3-30B-A3B
+# (routing flips); fp16 keeps bf16's bound until measured. tools/gpu/sglang_sync_check.py reports the gap.
+LOGPROB_GAP_BY_DTYPE = {"fp32": 0.05, "bf16": 0.5, "fp16": 0.5}
+
+
+def logprob_gap_limit(cfg: Config) -> float | None:
+    """The `rollout.max_logprob_gap` in force: the configured one (0 = off: None), else the dtype's."""
+    gap = cfg.rollout.max_logprob_gap
+    if gap is None:
+        return LOGPROB_GAP_BY_DTYPE[cfg.model.params_dtype]
+    return gap or None
+
+
+SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key")
 REDACTED = "<redacted>"
 
 

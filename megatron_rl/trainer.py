@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.checkpoints import ResumeMode, RunFolder
-from megatron_rl.config import Config, uses_reference
+from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import RolloutData, RolloutDriver
 from megatron_rl.losses.kl import kl_estimate
@@ -307,7 +307,7 @@ class Trainer:
     def _step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
         version = self.version
-        plan = on_rank0_with(self.rank0, lambda rank0: rank0.collect(step, version))
+        plan = self._collect(step, version)
         metrics: dict[str, Any] = {"step": step, **plan.metrics}
         if metrics.get("groups/target_missed"):
             self.log.message(
@@ -331,6 +331,32 @@ class Trainer:
             self.version = step
         metrics["time/step"] = time.perf_counter() - began
         return metrics
+
+    def _collect(self, step: int, version: int) -> StepBatch:
+        """Rank 0's batch of `step`, on every rank. A local engine restarted during a `sync`-mode rollout
+        that only a collective sync can give the current weights (distributed, tensor:
+        `ResyncAtStepBoundary`) gets them here, from every rank at the step boundary, and the rollout
+        is collected again (rollout.max_engine_restarts bounds the retries; the abandoned rollout's
+        prompts are not drawn again). The asynchronous modes, whose generation runs on, stop instead."""
+        from megatron_rl.weight_sync import ResyncAtStepBoundary, WeightSyncError
+
+        mode = self.cfg.rollout.async_mode
+
+        def collect(rank0: RolloutDriver) -> StepBatch | None:
+            try:
+                return rank0.collect(step, version)
+            except ResyncAtStepBoundary as err:
+                if mode != "sync":
+                    raise WeightSyncError(
+                        f"{err}, and rollout.async_mode = {mode} generates on while the step would wait for it: "
+                        "stopping (rollout.weight_sync=disk resends them from rank 0)"
+                    ) from None
+                self.log.message(f"step {step}: {err}: syncing from every rank, then collecting the step again")
+                return None
+
+        while (plan := on_rank0_with(self.rank0, collect)) is None:
+            self._sync(version)
+        return plan
 
     def _update(self, plan: StepBatch) -> dict[str, float]:
         """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
@@ -386,7 +412,7 @@ class Trainer:
     def check_logprob_gap(self, gap: dict[str, float]) -> None:
         """Raise `LogprobGapError` on every rank when `logprob_gap/abs_mean` of the samples the current
         weights generated exceeds `rollout.max_logprob_gap`: the engine serves other weights than the actor's."""
-        limit = self.cfg.rollout.max_logprob_gap
+        limit = logprob_gap_limit(self.cfg)
         if limit is None:
             return
         mean = torch.tensor([gap.get("logprob_gap/abs_mean", 0.0)], dtype=torch.float64, device=local_device())

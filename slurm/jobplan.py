@@ -20,7 +20,9 @@ prints one error naming the problem (exit 2) or shell assignments for `eval`. It
   one GPU twice, which NCCL refuses) and over a gloo group on CPU.
 
 GPU jobs export NCCL_CUMEM_ENABLE and NCCL_NVLS_ENABLE to every step (SGLang's defaults unless set
-at submission), so trainer and engines agree in the weight-update group. SGLang may run from an
+at submission), so trainer and engines agree in the weight-update group. Colocated GPU jobs also export
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (a /health without a generation on released memory) and
+start no sglang-router (its periodic health checks). SGLang may run from an
 environment of its own (`--sglang-python`, SGLANG_PYTHON in the scripts).
 
 Jobs checkpoint every `CHECKPOINT_EVERY` (10) steps unless the config sets `checkpoint.every`: a
@@ -154,6 +156,9 @@ def _engine_layout(
 # 0.5.23: both 0 without symmetric memory); the trainer must use the same values in the weight-update
 # group, so the job exports them to every step. A value set at submission wins, on both sides.
 NCCL_ENV_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+# SGLang's /health runs a one-token generation by default (0.5.23), also while a colocated engine has
+# released its weights and KV cache for the trainer: a prefill on freed memory. Off for those engines.
+RELEASED_ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 # A colocated engine's static share (weights + KV cache) of each GPU; the trainer keeps the rest
 # while the engine generates (its model, gradients and, without rollout.colocate_offload, optimizer state).
 COLOCATED_MEM_FRACTION = {False: "0.5", True: "0.7"}  # by rollout.colocate_offload
@@ -284,6 +289,12 @@ def make_plan(
 
     if mode not in ("disaggregated", "colocated"):
         raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
+    if router and mode == "colocated":
+        raise PlanError(
+            "ROUTER=1 with train_colocated.sbatch: the engines release their weights and KV cache while the "
+            "trainer updates, and sglang-router's health check (every 60 s) would make them generate on freed "
+            "memory; unset ROUTER (the trainer talks to every server itself)"
+        )
     if not nodes or len(nodes) != len(addrs):
         raise PlanError(f"{len(nodes)} node names but {len(addrs)} addresses")
     if gpus_per_node < 0:
@@ -346,8 +357,16 @@ def make_plan(
         trainer_overrides=forced,
         router=router,
         api_key=cfg.rollout.api_key,
-        env=nccl_env(dict(os.environ if environ is None else environ)) if gpus_per_node else {},
+        env=_job_env(mode, gpus_per_node, dict(os.environ if environ is None else environ)),
     )
+
+
+def _job_env(mode: str, gpus_per_node: int, environ: dict[str, str]) -> dict[str, str]:
+    """What a job exports to every step: on GPUs the NCCL settings, and in a colocated job (its SGLang
+    servers release their memory) the health check without a generation."""
+    if not gpus_per_node:
+        return {}
+    return {**nccl_env(environ), **(RELEASED_ENGINE_ENV if mode == "colocated" else {})}
 
 
 def to_shell(plan: JobPlan) -> str:
@@ -443,18 +462,29 @@ def wait_healthy(
 
 
 def weight_versions(urls: Sequence[str], api_key: str | None = None) -> list[dict[str, Any]]:
-    """Each engine's /get_model_info weight_version (None with the error when it does not answer)."""
+    """Each engine's /model_info weight_version (the deprecated /get_model_info where that is missing:
+    404; None with the error when it does not answer)."""
     out = []
     for url in urls:
-        request = urllib.request.Request(url.rstrip("/") + "/get_model_info")
-        if api_key:
-            request.add_header("Authorization", f"Bearer {api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                out.append({"url": url, "weight_version": json.loads(reply.read()).get("weight_version")})
+            try:
+                info = _get_json(url, "/model_info", api_key)
+            except urllib.error.HTTPError as err:
+                if err.code != 404:
+                    raise
+                info = _get_json(url, "/get_model_info", api_key)
+            out.append({"url": url, "weight_version": info.get("weight_version")})
         except (urllib.error.URLError, OSError, ValueError) as err:
             out.append({"url": url, "weight_version": None, "error": str(err)})
     return out
+
+
+def _get_json(url: str, path: str, api_key: str | None) -> Any:
+    request = urllib.request.Request(url.rstrip("/") + path)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
 
 
 def _main(argv: list[str] | None = None) -> int:

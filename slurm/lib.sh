@@ -24,7 +24,8 @@
 #   GPUS_PER_NODE      GPUs per node (default: Slurm's count, else nvidia-smi's; 0 = CPU run)
 #   RESUME             1 (default): --resume-if-any (the newest checkpoint, or a fresh start in a run folder
 #                      that holds no run; a run without a usable checkpoint is refused); 0: start over
-#   ROUTER             1/0: sglang-router in front of the engines (default: 1 on GPUs when sglang_router imports)
+#   ROUTER             1/0: sglang-router in front of the engines (default: 1 in a disaggregated GPU job when
+#                      sglang_router imports; colocated jobs refuse it: its health checks reach released engines)
 #   ROUTER_POLICY      the router's --policy (default cache_aware)
 #   SGLANG_ARGS        extra sglang.launch_server arguments (e.g. "--mem-fraction-static 0.7 --ep-size 8")
 #   LOCAL_ENGINE_ARGS  extra `megatron-rl serve` arguments (CPU runs)
@@ -285,6 +286,16 @@ write_job_key() {
   export MEGATRON_RL_ENGINE_API_KEY
 }
 
+# default_router MODE GPUS: 1 when a disaggregated GPU job can start an sglang-router, else 0 (the
+# engines of a colocated job release their memory: the router's health checks must not reach them)
+default_router() {
+  if [[ $1 == disaggregated ]] && (($2 > 0)) && "$SGLANG_PYTHON" -c "import sglang_router" 2>/dev/null; then
+    echo 1
+  else
+    echo 0
+  fi
+}
+
 # ---- the training job ----
 run_job() {
   local mode=$1
@@ -300,11 +311,7 @@ run_job() {
   mapfile -t nodes < <(job_nodes)
   for n in "${nodes[@]}"; do addrs+=("$(node_addr "$n")"); done
   gpus=$(detect_gpus)
-  router=${ROUTER:-}
-  if [[ -z $router ]]; then
-    router=0
-    ((gpus > 0)) && "$SGLANG_PYTHON" -c "import sglang_router" 2>/dev/null && router=1
-  fi
+  router=${ROUTER:-$(default_router "$mode" "$gpus")}
   engine_args=${LOCAL_ENGINE_ARGS:-}
   ((gpus > 0)) && engine_args=${SGLANG_ARGS:-}
   local -a plan_args=(--mode "$mode" --job-id "$SLURM_JOB_ID" --gpus-per-node "$gpus"

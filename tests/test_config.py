@@ -201,3 +201,19 @@ def test_an_sglang_url_that_is_not_http_is_refused_naming_its_index(url: str) ->
     with pytest.raises(ConfigError, match=r"^rollout\.sglang_urls\[1\] = .* is not an http:// or https:// address"):
         load_config(None, [f"rollout.sglang_urls=[http://a:1,{url}]", "rollout.engine=sglang"])
     assert load_config(None, ["rollout.sglang_urls=[https://b]"]).rollout.sglang_urls == ["https://b"]
+
+
+def test_the_logprob_gap_bound_follows_the_training_dtype_unless_set():
+    """bf16 engines differ from the trainer by far more than fp32 ones (published 0.005-0.34 per token),
+    so the default bound is the dtype's; a set value wins and 0 turns the check off."""
+    from megatron_rl.config import LOGPROB_GAP_BY_DTYPE, logprob_gap_limit
+
+    def limit(*overrides: str) -> float | None:
+        return logprob_gap_limit(load_config(None, list(overrides)))
+
+    assert limit() == LOGPROB_GAP_BY_DTYPE["fp32"] == 0.05
+    assert limit("model.params_dtype=bf16") == LOGPROB_GAP_BY_DTYPE["bf16"] == 0.5
+    assert limit("model.params_dtype=bf16", "rollout.max_logprob_gap=0.2") == 0.2
+    assert limit("rollout.max_logprob_gap=0") is None
+    with pytest.raises(ConfigError, match=r"rollout\.max_logprob_gap"):
+        load_config(None, ["rollout.max_logprob_gap=-1"])

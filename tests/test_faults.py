@@ -341,10 +341,15 @@ def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -
 
 
 @pytest.mark.e2e
-def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(work: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(
+    work: Path, tmp_path: Path, sync: str
+) -> None:
+    """disk: rank 0 reloads the folder the engine served; distributed (only every rank can send the
+    weights): the step's rollout is collected again after a sync from every rank at the step boundary."""
     run_dir = tmp_path / "engine_killed"
     log = run_dir.with_suffix(".log")
-    process = start(command(work, run_dir, *SIGNAL_RUN, ranks=1), log)
+    process = start(command(work, run_dir, *SIGNAL_RUN, f"rollout.weight_sync={sync}", ranks=1), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)  # the engine serves step 1's weights now
     engine = next(p for p in _tree(process.pid) if "serve" in p.cmdline())
     engine.kill()
@@ -354,6 +359,7 @@ def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(work:
     assert records[1]["rollout/engine_restarts"] == 0.0 and records[3]["rollout/engine_restarts"] == 1.0
     assert "exited with code -9" in text and "restarting it (1 of rollout.max_engine_restarts = 3)" in text
     assert "try 2 of" not in text  # noticed at once, not retried
+    assert ("syncing from every rank, then collecting the step again" in text) == (sync == "distributed")
     # the restarted engine got the synced weights back: its log-probs are the trainer's, as before the kill
     assert all(records[s]["logprob_gap/abs_max"] <= 1e-4 for s in (1, 2, 3)), [
         records[s]["logprob_gap/abs_max"] for s in (1, 2, 3)

@@ -89,3 +89,13 @@ def test_script_without_a_gpu_skips_every_step_and_says_why() -> None:
         [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--only", "nope"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown step(s) ['nope']" in bad.stderr
+
+
+def test_sglang_sync_check_takes_its_free_ports_from_the_package() -> None:
+    """tools/gpu/sglang_sync_check.py (run on a GPU only) has no port helper of its own."""
+    from megatron_rl.parallel.launch import free_port
+
+    spec = importlib.util.spec_from_file_location("sglang_sync_check", REPO / "tools" / "gpu" / "sglang_sync_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.free_port is free_port and not hasattr(module, "_free_port")

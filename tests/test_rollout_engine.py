@@ -549,3 +549,36 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
     assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 400
     assert _spans(aborted) == [("3", 0, len(aborted.output_ids))]
     check_sample(aborted, models["A"], 1.0, routed=False)
+
+
+def test_begin_weight_update_waits_for_running_generations_unless_paused(engine):
+    """As SGLang's /begin_weight_update (its writer lock): on a server that is not paused it answers only
+    once every generation in flight has ended; on a paused one at once."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=60, ignore_eos=True)
+
+    async def running(client) -> None:
+        while (await client._json("GET", "/get_server_info", server=engine.url))["internal_states"][0]["running"] < 1:
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with client_for(engine.url) as client:
+            job = asyncio.ensure_future(client.generate([4, 5, 6], params))
+            await running(client)
+            begin = asyncio.ensure_future(client.begin_weight_update())
+            first, _ = await asyncio.wait({job, begin}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            ended_first = first == {job}
+            opened = await asyncio.wait_for(begin, 120)
+            await client.end_weight_update()
+            job = asyncio.ensure_future(client.generate([4, 5, 6], params))
+            await running(client)
+            await client.pause_generation("retract")
+            opened_paused = await asyncio.wait_for(client.begin_weight_update(), 120)
+            still_running = not job.done()  # retracted: waiting in the queue, its reply not sent
+            await client.end_weight_update()
+            await client.continue_generation()
+            return ended_first, opened, (await job).finish_reason, opened_paused, still_running
+
+    ended_first, opened, finish, opened_paused, still_running = asyncio.run(go())
+    assert ended_first, "begin_weight_update answered while a generation was running on a server not paused"
+    assert opened == [True] and finish == "length"
+    assert opened_paused == [True] and still_running

@@ -303,3 +303,25 @@ def test_token_versions_expand_sglang_spans_and_refuse_gaps():
             SGLangError, match=r"/generate rid=r on http://s: meta_info.weight_versions .* the 5 output"
         ):
             token_versions(spans, "3", 5, "/generate rid=r on http://s", "http://s")
+
+
+def test_moe_layout_reads_the_text_sub_config_as_sglang_does(tmp_path):
+    """A multimodal MoE nests its language model's config in `text_config`; SGLang shapes routed experts
+    by that sub-config, so the client does too (and a dense model has no layout)."""
+    import json
+
+    from megatron_rl.rollout.engine import moe_layout
+
+    nested = {
+        "model_type": "qwen3_vl_moe",
+        "vision_config": {"depth": 27, "num_hidden_layers": 27},
+        "text_config": {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert moe_layout(str(tmp_path)) == (48, 8)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2})
+    )
+    assert moe_layout(str(tmp_path)) == (4, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    assert moe_layout(str(tmp_path)) is None

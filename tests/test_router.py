@@ -154,3 +154,35 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
             RolloutEngine.from_config(mixed, models["A"])
     finally:
         router.stop()
+
+
+def test_routed_experts_and_aborts_go_to_the_workers_not_the_router(
+    workers: list[LocalEngineProcess], models: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """sglang-router 0.3.2 rebuilds /generate bodies without `return_routed_experts` and answers
+    /abort_request with 404: an R3 request goes to a worker directly, and the abort of a request that
+    timed out through the router goes to the worker (where it was waiting), not to the router."""
+    worker = workers[0]  # alive in every test of the module
+    router = Router([worker.url])
+    try:
+        engine = RolloutEngine.from_config(_rollout(router.url), models["A"])
+        try:
+            client = engine.client
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            (sample,) = engine.generate([[5, 6, 7]], greedy, return_routed_experts=True)
+            assert sample.server == worker.url and sample.routed_experts is not None
+            assert sample.routed_experts.shape[0] == 3 + 4 - 1
+            # a request that cannot finish (the worker is paused) times out through the router
+            engine.run(client.pause_generation("in_place"))
+            client.timeout_s = 2.0
+            with caplog.at_level("WARNING", logger="megatron_rl.rollout.sglang"):
+                with pytest.raises(SGLangError, match=rf"POST /generate .* to {router.url} timed out"):
+                    engine.generate([[5, 6, 7]], greedy)
+            assert not [r.message for r in caplog.records if "could not abort" in r.message]  # no 404
+            state = _get(worker.url + "/get_server_info")["internal_states"][0]
+            assert state["waiting"] == 0 and state["running"] == 0, state
+            engine.run(client.continue_generation())
+        finally:
+            engine.close()
+    finally:
+        router.stop()

@@ -5,8 +5,10 @@ without SGLang's dependencies): its `SafeUnpickler` on our tensor payloads, its
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import pickle
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -151,3 +153,24 @@ def test_weight_update_session_is_feature_detected() -> None:
                 await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_admin_paths_are_the_endpoints_sglang_guards_with_the_admin_key() -> None:
+    """Every endpoint the client calls that SGLang 0.5.23's http_server guards with
+    AuthLevel.ADMIN_OPTIONAL (only --admin-api-key opens it when set) gets `admin_api_key`, and no other."""
+    import ast
+
+    from megatron_rl.rollout import sglang
+
+    tree = ast.parse(sglang_wheel.source("srt/entrypoints/http_server.py").read_text())
+    admin: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        decorators = [ast.unparse(d) for d in node.decorator_list]
+        if "auth_level(AuthLevel.ADMIN_OPTIONAL)" in decorators:
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant):
+                    admin.add(d.args[0].value)
+    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(sglang)))
+    assert sglang.ADMIN_PATHS == called & admin, (sorted(sglang.ADMIN_PATHS ^ (called & admin)), sorted(admin))

@@ -549,3 +549,29 @@ def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: Non
     assert "mode abort" not in text
     assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
     assert not wait_no_leftovers(job, str(logs))
+
+
+def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_generate(big: Path, tmp_path: Path) -> None:
+    """A colocated job's SGLang servers release their weights and KV cache while the trainer updates:
+    SGLang's default /health generates a token, and sglang-router calls it every 60 s. The plan exports
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 to those jobs and refuses a router; lib.sh starts none
+    by default."""
+    one = plan(big, "colocated", nodes=1)
+    assert one.env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert "export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0\n" in jobplan.to_shell(one)
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in plan(big, "disaggregated").env  # memory stays
+    with pytest.raises(jobplan.PlanError, match=r"ROUTER=1 with train_colocated.sbatch: .* unset ROUTER"):
+        plan(big, "colocated", nodes=1, router=True)
+    assert plan(big, "disaggregated", router=True).router
+    # lib.sh's default: a router only in a disaggregated GPU job (here sglang_router imports when installed)
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")  # an interpreter whose `import sglang_router` succeeds
+    fake.chmod(0o755)
+
+    def default(mode: str, gpus: int) -> str:
+        script = f"source {ROOT / 'slurm' / 'lib.sh'}; SGLANG_PYTHON={fake}; default_router {mode} {gpus}"
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert [default("disaggregated", 8), default("colocated", 8), default("disaggregated", 0)] == ["1", "0", "0"]

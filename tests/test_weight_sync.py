@@ -2,7 +2,8 @@
 (tests/mrl_multiproc/scenarios_weight_sync.py): after every sync the engine's log-probs of its own samples
 equal the actor's (<= 1e-4), routing agrees off near-ties, R3 replay dispatches exactly the engine's
 experts; refused updates name the tensor and leave the old weights serving; with fully_async partial
-rollouts a sync under running requests retracts and continues them, each token's version and log-prob right.
+rollouts a sync under running requests retracts and continues them, each token's version and log-prob right;
+without partial rollouts a distributed sync pauses them with mode "abort" for the whole transfer.
 
 One engine subprocess serves both launches (world size 1: every mode and the refusals; world size 2:
 TP=2, EP=2 and PP=2).

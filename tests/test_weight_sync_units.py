@@ -187,8 +187,8 @@ def test_in_flight_policy_by_loop_mode() -> None:
     from megatron_rl.config import RolloutConfig
     from megatron_rl.weight_sync.base import InFlight
 
-    def policy(pauses: bool, **keys: object) -> InFlight:
-        return InFlight.from_config(RolloutConfig(**keys), pauses_for_transfer=pauses)
+    def policy(pauses: bool, session: bool = False, **keys: object) -> InFlight:
+        return InFlight.from_config(RolloutConfig(**keys), pauses_for_transfer=pauses, in_session=session)
 
     for mode in ("sync", "one_step_off"):  # nothing in flight: today's behaviour, whatever partial_rollout says
         for partial in (True, False):
@@ -196,5 +196,8 @@ def test_in_flight_policy_by_loop_mode() -> None:
             assert policy(True, async_mode=mode, partial_rollout=partial) == InFlight("abort", False)
     for pauses in (False, True):
         assert policy(pauses, async_mode="fully_async", partial_rollout=True) == InFlight("retract", False)
-    assert policy(False, async_mode="fully_async", partial_rollout=False) == InFlight(None, True)
+    assert policy(False, async_mode="fully_async", partial_rollout=False) == InFlight(None, True)  # disk
     assert policy(True, async_mode="fully_async", partial_rollout=False) == InFlight("abort", True)
+    # distributed: a session's begin on a server that is not paused waits for every running generation
+    assert policy(False, True, async_mode="fully_async", partial_rollout=False) == InFlight("abort", True)
+    assert policy(False, True, async_mode="one_step_off") == InFlight(None, False)

@@ -13,7 +13,9 @@ failed, the tail of its output:
   naive full-vocabulary path (tools/bench/logprobs.py --device cuda).
 - weight_sync: tensor-mode (CUDA IPC) weight sync into the local engine on the same GPU, GB/s and
   the ratio to a device memcpy (tools/bench/weight_sync.py).
-- sglang_sync: tools/gpu/sglang_sync_check.py when it exists (skipped, saying so, when it does not).
+- sglang_sync: tools/gpu/sglang_sync_check.py when it exists (skipped, saying so, when it does not);
+  its tensor mode also reports the bf16 engine's log-prob gap to the bf16 actor right after the sync
+  (`logprob_gap_abs_mean`, against `rollout.max_logprob_gap`'s bf16 default).
 
 Without CUDA every step that needs it is skipped with that reason, so the script runs anywhere and
 its summary is the same shape; --dry-run skips every step (the plan only).

@@ -5,7 +5,8 @@ the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so 
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
 address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
-workers it lists. Any client coroutine can also be run with `run` or started with `submit`
+workers it lists. Partial rollouts need the version of every token: servers that cannot give it
+(SGLang < 0.5.19) are refused here (`SGLangClient.require_token_versions`). Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
 
 Supervision of the local engine child: a request that cannot connect while the child has exited
@@ -48,11 +49,13 @@ def configured_api_key(rollout: Any) -> str | None:
 
 
 def moe_layout(model_path: str) -> tuple[int, int] | None:
-    """(num_hidden_layers, num_experts_per_tok) of a Hugging Face MoE folder; None for a dense model."""
+    """(num_hidden_layers, num_experts_per_tok) of a Hugging Face MoE folder; None for a dense model.
+    Read, as SGLang reads them, from the text sub-config of a model that nests one (`text_config`)."""
     import json
     from pathlib import Path
 
     config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config") or config
     if not (config.get("num_experts") or config.get("num_local_experts")):
         return None
     return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
@@ -118,6 +121,7 @@ class RolloutEngine:
             timeout_s=rollout.request_timeout_s,
             max_retries=rollout.max_retries,
             routed_experts_layout=moe_layout(model_path) if model_path else None,
+            admin_api_key=rollout.admin_api_key,
         )
         engine = cls(
             client,
@@ -126,12 +130,14 @@ class RolloutEngine:
             max_restarts=rollout.max_engine_restarts,
             stall_warning_s=rollout.stall_warning_s,
         )
-        if process is None:
-            try:
+        try:
+            if process is None:
                 engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
-            except BaseException:
-                engine.close()
-                raise
+            if rollout.async_mode == "fully_async" and rollout.partial_rollout:
+                engine.run(client.require_token_versions())
+        except BaseException:
+            engine.close()
+            raise
         return engine
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -14,12 +14,21 @@
   none remains. `dead_reason(url)` (set by the owner of a local engine child) turns a connection
   error into `EngineDiedError` at once, without retries, when the server's process has exited.
 - Control endpoints (pause, continue, abort, flush, memory, weight updates and the weight-update
-  session of SGLang >= 0.5.21, feature-detected) go to every server.
+  session of SGLang >= 0.5.21, feature-detected) go to every server, with `admin_api_key` when set
+  (a server started with `--admin-api-key` accepts only that key there: `ADMIN_PATHS`).
+- `/model_info` and `/server_info`, falling back to the deprecated `/get_model_info` and
+  `/get_server_info` (which SGLang 0.5.23 answers with a warning in its log every time) on a 404.
+- `require_token_versions()` (partial rollouts): per-token versions arrived in SGLang 0.5.19; a
+  server that reports an older version is refused at once, and a reply without
+  `meta_info.weight_versions` is an error instead of every token taking the reply's one version.
 - An sglang-router address: `use_router` (the trainer's engine calls it at start-up) asks each
   address for `GET /workers`, which sglang-router answers with its worker list and a server with
   404. A router then takes every /generate (it balances them), while `urls`, the servers that
   control calls and weight updates reach, become the workers it lists (a router forwards only
-  /generate, /health and /flush_cache: a weight update sent to it fails with an empty 404).
+  /generate, /health and /flush_cache: a weight update sent to it fails with an empty 404). A request
+  for routed experts (R3) goes to the workers directly: sglang-router 0.3.2 rebuilds /generate bodies
+  from its own typed request, which drops `return_routed_experts`. The abort of a request that timed
+  out through the router goes to every worker (the router answers /abort_request with 404).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import asyncio
 import base64
 import itertools
 import logging
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +50,27 @@ from megatron_rl.rollout.types import Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = (502, 503, 504)
+# The endpoints this client calls that SGLang 0.5.23 guards with AuthLevel.ADMIN_OPTIONAL: with
+# --admin-api-key set, only that key opens them (checked against the wheel by tests/test_sglang_compat.py).
+ADMIN_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/get_weights_by_name",
+    }
+)
+TOKEN_VERSIONS_SINCE = (0, 5, 19)  # SGLang's meta_info.weight_versions: the version of every output token
 
 
 class SGLangError(RuntimeError):
@@ -111,6 +142,10 @@ def token_versions(spans: Any, version: str | None, n_tokens: int, where: str, u
     )
 
 
+def _dotted(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
 class SGLangClient:
     """Talks to one or more SGLang-compatible servers; create and close it inside one event loop."""
 
@@ -124,6 +159,7 @@ class SGLangClient:
         backoff_s: float = 0.5,
         connect_timeout_s: float = 10.0,
         routed_experts_layout: tuple[int, int] | None = None,
+        admin_api_key: str | None = None,
     ):
         if not urls:
             raise ValueError("SGLangClient needs at least one server address")
@@ -131,7 +167,7 @@ class SGLangClient:
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"server address {url!r} must start with http:// or https://")
-        self.api_key = api_key
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s, self.connect_timeout_s = max_retries, backoff_s, connect_timeout_s
         self.routed_experts_layout = routed_experts_layout
@@ -145,6 +181,9 @@ class SGLangClient:
         self.replies = 0  # HTTP replies received (any status): the stall watch sees progress by it
         self._unreachable: dict[str, tuple[int, float]] = {}  # connection errors in a row, since when
         self.dropped: list[str] = []  # servers dropped from the pool as unreachable
+        self.server_versions: dict[str, str] = {}  # what each server reports (`require_token_versions`)
+        self.token_versions_required = False  # a reply without meta_info.weight_versions is an error
+        self._old_info_paths: set[str] = set()  # servers without /model_info and /server_info (404)
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -230,8 +269,9 @@ class SGLangClient:
         return dict(zip(urls, results, strict=True))
 
     # ---- transport ----
-    def _pick(self, exclude: set[str]) -> str:
-        targets = [self.router] if self.router is not None else self.urls
+    def _pick(self, exclude: set[str], direct: bool) -> str:
+        """The least busy target (`direct`: a server itself, never the router) not in `exclude`."""
+        targets = [self.router] if self.router is not None and not direct else self.urls
         candidates = [u for u in targets if u not in exclude] or targets
         tick = next(self._order)
         return min(candidates, key=lambda u: (self._in_flight[u], (targets.index(u) - tick) % len(targets)))
@@ -245,8 +285,10 @@ class SGLangClient:
         retry: bool = True,
         what: str = "",
         timeout_s: float | None = None,
+        direct: bool = False,
     ) -> tuple[str, int, str]:
-        """Send one request (to `server`, or the least busy one); returns (server, status, body text)."""
+        """Send one request (to `server`, or the least busy one: a server itself with `direct`, else
+        the router when there is one); returns (server, status, body text)."""
         await self.start()
         assert self._session is not None
         tries = self.max_retries + 1 if retry else 1
@@ -254,11 +296,15 @@ class SGLangClient:
         last = ""
         label = f"{method} {path}" + (f" ({what})" if what else "")
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
+        admin = self.admin_api_key is not None and path in ADMIN_PATHS
+        headers = {"Authorization": f"Bearer {self.admin_api_key}"} if admin else None
         for attempt in range(tries):
-            url = server or self._pick(failed)
+            url = server or self._pick(failed, direct)
             self._in_flight[url] = self._in_flight.get(url, 0) + 1
             try:
-                async with self._session.request(method, url + path, json=body, timeout=timeout) as resp:
+                async with self._session.request(
+                    method, url + path, json=body, timeout=timeout, headers=headers
+                ) as resp:
                     text = await resp.text()
                     status = resp.status
             except asyncio.TimeoutError:
@@ -282,7 +328,10 @@ class SGLangClient:
                 if status == 400:
                     raise BadRequestError(f"{label} rejected by {url} (HTTP 400): {message}", url, status)
                 if status == 401:
-                    raise UnauthorizedError(f"{label} to {url}: HTTP 401 (missing or wrong API key)", url, status)
+                    hint = ""
+                    if path in ADMIN_PATHS and not admin:
+                        hint = "; a server started with --admin-api-key takes only that key here: set rollout.admin_api_key"
+                    raise UnauthorizedError(f"{label} to {url}: HTTP 401 (missing or wrong API key){hint}", url, status)
                 if status not in RETRY_STATUSES:
                     raise SGLangError(f"{label} to {url} failed with HTTP {status}: {message}", url, status)
                 last = f"HTTP {status}: {message}"
@@ -375,7 +424,9 @@ class SGLangClient:
         assert self._slots is not None
         async with self._slots:
             try:
-                url, _, text = await self._call("POST", "/generate", body, what=f"rid={rid}")
+                url, _, text = await self._call(
+                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts
+                )
             except SGLangError as err:
                 if "timed out" in str(err) and err.server:
                     await self._quiet_abort(err.server, rid)
@@ -415,10 +466,15 @@ class SGLangClient:
             raise
 
     async def _quiet_abort(self, url: str, rid: str) -> None:
-        try:
-            await self._call("POST", "/abort_request", {"rid": rid}, server=url, retry=False, timeout_s=10)
-        except SGLangError as err:
-            log.warning("could not abort %s on %s: %s", rid, url, err)
+        """Abort `rid` where it runs: on `url`, or on every worker when `url` is the router."""
+
+        async def one(server: str) -> None:
+            try:
+                await self._call("POST", "/abort_request", {"rid": rid}, server=server, retry=False, timeout_s=10)
+            except SGLangError as err:
+                log.warning("could not abort %s on %s: %s", rid, server, err)
+
+        await asyncio.gather(*(one(u) for u in (self.urls if url == self.router else [url])))
 
     def _sample(self, url: str, rid: str, prompt: list[int], text: str, want_lp: bool, want_routed: bool) -> Sample:
         import json
@@ -448,6 +504,14 @@ class SGLangClient:
             routed = self._decode_routed(meta["routed_experts"], len(prompt) + len(output_ids) - 1, where, url)
         version = meta.get("weight_version")
         version = None if version is None else str(version)
+        if self.token_versions_required and meta.get("weight_versions") is None:
+            runs = ", ".join(f"{u}: {v}" for u, v in self.server_versions.items()) or "unknown versions"
+            raise SGLangError(
+                f"{where}: no meta_info.weight_versions in the reply, and rollout.partial_rollout = true needs "
+                f"the weight version of every token (SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}; the servers "
+                f"report {runs}); upgrade them or set rollout.partial_rollout=false",
+                server=url,
+            )
         return Sample(
             prompt_ids=prompt,
             output_ids=output_ids,
@@ -479,7 +543,7 @@ class SGLangClient:
         return flat.reshape(tokens, layers, top_k)
 
     async def load_model_layout(self) -> tuple[int, int] | None:
-        """Read (num_hidden_layers, num_experts_per_tok) from /get_model_info when the server reports it."""
+        """Read (num_hidden_layers, num_experts_per_tok) from /model_info when the server reports it."""
         info = await self.get_model_info()
         if "num_hidden_layers" in info and info.get("num_experts_per_tok"):
             self.routed_experts_layout = (int(info["num_hidden_layers"]), int(info["num_experts_per_tok"]))
@@ -524,7 +588,40 @@ class SGLangClient:
             await asyncio.sleep(interval_s)
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._json("GET", "/get_model_info", server=self.urls[0])
+        """The first server's /model_info (`weight_version`, `model_path`, ...)."""
+        return await self._info("model_info", self.urls[0])
+
+    async def get_server_info(self, url: str) -> dict[str, Any]:
+        """`url`'s /server_info (`version`, `internal_states`, ...)."""
+        return await self._info("server_info", url)
+
+    async def _info(self, name: str, url: str) -> Any:
+        """GET /`name` on `url`, or the deprecated /get_`name` where it is missing (404: older SGLang)."""
+        if url not in self._old_info_paths:
+            try:
+                return await self._json("GET", f"/{name}", server=url)
+            except SGLangError as err:
+                if err.status != 404:
+                    raise
+                self._old_info_paths.add(url)
+        return await self._json("GET", f"/get_{name}", server=url)
+
+    async def require_token_versions(self) -> None:
+        """Partial rollouts: every reply must give each token's version (`meta_info.weight_versions`).
+        Raises SGLangError naming a server that reports an SGLang version without them (< 0.5.19)."""
+        for url in self.urls:
+            info = await self.get_server_info(url)
+            version = str(info.get("version")) if isinstance(info, dict) else "unknown"
+            self.server_versions[url] = version
+            release = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+            if release and tuple(int(n) for n in release.groups()) < TOKEN_VERSIONS_SINCE:
+                raise SGLangError(
+                    f"{url} runs SGLang {version}, whose replies give one weight version for the whole response: "
+                    f"rollout.partial_rollout = true needs the version of every token (meta_info.weight_versions, "
+                    f"SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}); upgrade the servers or set rollout.partial_rollout=false",
+                    server=url,
+                )
+        self.token_versions_required = True
 
     # ---- weight updates (every server; each reply must say success) ----
     async def _update(self, path: str, body: dict, retry: bool, per_server: list[dict] | None = None) -> list[dict]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_rl.weight_sync.base import SyncReport, WeightSync, WeightSyncError
+from megatron_rl.weight_sync.base import ResyncAtStepBoundary, SyncReport, WeightSync, WeightSyncError
 from megatron_rl.weight_sync.disk import DiskSync
 from megatron_rl.weight_sync.distributed import DistributedSync
 from megatron_rl.weight_sync.tensor import TensorSync
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 MODES: dict[str, type[WeightSync]] = {"disk": DiskSync, "distributed": DistributedSync, "tensor": TensorSync}
 
-__all__ = ["MODES", "SyncReport", "WeightSync", "WeightSyncError", "make_weight_sync"]
+__all__ = ["MODES", "ResyncAtStepBoundary", "SyncReport", "WeightSync", "WeightSyncError", "make_weight_sync"]
 
 
 def make_weight_sync(

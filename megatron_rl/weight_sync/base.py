@@ -20,7 +20,10 @@ again, after the cache flush, under the new weights; "in_place" would keep the o
 cache) before the transfer (disk: before the load, the folder is written while the engine
 generates) and continues after it, and the updates pass `abort_all_requests=false`;
 each response then reports which version sampled which tokens. Without partial rollouts they are
-aborted: `abort_all_requests=true`, and the tensor mode's pause keeps mode "abort".
+aborted: `abort_all_requests=true`, and the modes with a weight-update session (distributed, tensor)
+pause with mode "abort" for the whole transfer: SGLang's `/begin_weight_update` on a server that is
+not paused waits for every running generation to finish (its writer lock), and between buckets
+queued requests would start on half-updated weights.
 
 Colocated runs can hand the engine's memory back between rollout and training with
 `release_engine_memory()`. The next `sync` then empties every rank's CUDA cache (and, with
@@ -76,16 +79,23 @@ class InFlight:
     abort_all_requests: bool
 
     @classmethod
-    def from_config(cls, rollout: Any, pauses_for_transfer: bool) -> InFlight:
-        """`pauses_for_transfer`: the mode stops generation while it writes (tensor, colocated)."""
+    def from_config(cls, rollout: Any, pauses_for_transfer: bool, in_session: bool) -> InFlight:
+        """`pauses_for_transfer`: the mode stops generation while it writes (tensor, colocated);
+        `in_session`: it runs inside SGLang's weight-update session (distributed, tensor)."""
         if rollout.async_mode == "fully_async" and rollout.partial_rollout:
             return cls(pause="retract", abort_all_requests=False)
         aborts = rollout.async_mode == "fully_async"
-        return cls(pause="abort" if pauses_for_transfer else None, abort_all_requests=aborts)
+        pause = pauses_for_transfer or (aborts and in_session)
+        return cls(pause="abort" if pause else None, abort_all_requests=aborts)
 
 
 class WeightSyncError(RuntimeError):
     """A sync the engine did not complete; raised on every rank with the same message."""
+
+
+class ResyncAtStepBoundary(WeightSyncError):
+    """Rank 0, within a rollout: a restarted engine needs weights only a collective sync sends; the
+    trainer abandons the step's rollout, syncs on every rank and collects it again."""
 
 
 def shared_outcome(value: Any) -> Any:
@@ -133,7 +143,7 @@ class WeightSync(ABC):
         self._released: list[str] = []  # the engine memory released now (the same on every rank)
         self._error: str | None = None
         self._version = ""
-        self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer)
+        self.in_flight = InFlight.from_config(cfg.rollout, self.pauses_for_transfer, self.needs_session)
         self._paused = False
         self.synced: str | None = None  # the version of the last complete sync
 
@@ -216,13 +226,18 @@ class WeightSync(ABC):
     def resync_restarted_engine(self) -> None:
         """Rank 0 alone, within a rollout: an engine restarted from its model folder gets the weights
         of the last sync (nothing to do before the first). Only the disk mode can resend them without
-        the other ranks; the others raise `WeightSyncError` saying so."""
+        the other ranks; the others forget what they held of the dead engine and raise
+        `ResyncAtStepBoundary`, and the trainer syncs on every rank before collecting again."""
         if self.synced is None:
             return
-        raise WeightSyncError(
+        self._forget_engine()
+        raise ResyncAtStepBoundary(
             f"the restarted engine needs the weights of version {self.synced!r}, which rollout.weight_sync = "
-            f"{self.mode} sends only with every rank taking part; rollout.weight_sync=disk resends them from rank 0"
+            f"{self.mode} sends only with every rank taking part"
         )
+
+    def _forget_engine(self) -> None:  # noqa: B027 - only the distributed mode holds something of it
+        """Rank 0: drop what refers to a dead engine (its weight-update group) before the next sync."""
 
     def close(self) -> None:  # noqa: B027 - most modes hold nothing
         """Release what the mode holds (groups, buffers); call on every rank."""
@@ -249,7 +264,7 @@ class WeightSync(ABC):
             return None
 
     def _check_version(self, version: str) -> None:
-        info = self._call(self.client.get_model_info(), "GET /get_model_info")
+        info = self._call(self.client.get_model_info(), "GET /model_info")
         reported = info.get("weight_version") if isinstance(info, dict) else None
         if reported is not None and str(reported) != version:
             self._fail(f"the engine reports weight_version {reported!r} after the update, expected {version!r}")

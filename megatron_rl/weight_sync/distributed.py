@@ -160,6 +160,9 @@ class DistributedSync(WeightSync):
         else:
             destroy_weights_update_group(group)
 
+    def _forget_engine(self) -> None:
+        self._drop_group(pending=True)  # the dead peer would never answer a destroy; the next sync joins anew
+
     def close(self) -> None:
         if self.is_controller:
             self._drop_group(pending=False)

@@ -89,7 +89,10 @@ def release_colocated_engines(cfg: Config) -> bool:
 
     async def release() -> None:
         async with SGLangClient(
-            list(ro.sglang_urls), api_key=configured_api_key(ro), timeout_s=ro.request_timeout_s
+            list(ro.sglang_urls),
+            api_key=configured_api_key(ro),
+            timeout_s=ro.request_timeout_s,
+            admin_api_key=ro.admin_api_key,
         ) as client:
             await client.wait_healthy(timeout_s=ro.request_timeout_s)
             await client.release_memory_occupation(list(MEMORY_TAGS))

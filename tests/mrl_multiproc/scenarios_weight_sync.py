@@ -536,5 +536,37 @@ def w1_partial_rollout(ctx) -> None:  # noqa: ANN001
         if k < len(s["output"]):
             d1 = float((engine_lp[k:] - lp[k:]).abs().max())
             assert d1 <= LOGPROB_TOL, f"version-1 tokens: engine vs the updated actor differ by {d1:.3e}"
+    aborted_by_the_sync(cfg, actor, engine)
     if engine is not None:
         engine.close()
+
+
+def aborted_by_the_sync(cfg: Config, actor, engine) -> None:  # noqa: ANN001
+    """fully_async without partial rollouts: a distributed sync under long requests pauses with mode
+    "abort" for the whole transfer, so the requests come back aborted with their version-1 tokens. A
+    session opened on a server that is not paused would wait for them to run to their length instead."""
+    import time
+
+    from megatron_rl.rollout.types import SamplingParams
+    from megatron_rl.weight_sync import make_weight_sync
+
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, partial_rollout=False))
+    with make_weight_sync(cfg, engine, actor, bucket_mb=BUCKET_MB) as sync:
+        assert (sync.in_flight.pause, sync.in_flight.abort_all_requests) == ("abort", True)
+        got = None
+        longest = cfg.model.max_position_embeddings - max(PROMPT_LENGTHS) - 1
+        if engine is not None:
+            client = engine.client
+            params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=longest, ignore_eos=True)
+            prompts = [[2 + n] * n for n in PROMPT_LENGTHS]
+            pending = engine.submit(client.generate_batch(prompts, params))
+            while True:  # every request prefilled
+                info = engine.run(client._json("GET", "/get_server_info", server=client.urls[0]))
+                if info["internal_states"][0]["running"] == len(prompts):
+                    break
+                time.sleep(0.005)
+        sync.sync("2")
+        if engine is not None:
+            got = [(s.finish_reason, len(s.output_ids), set(s.weight_versions)) for s in pending.result(timeout=120)]
+    for finish, n, versions in on_every_rank(got):
+        assert finish == "abort" and 0 < n < longest and versions == {"1"}, (finish, n, versions)

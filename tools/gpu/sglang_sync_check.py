@@ -10,6 +10,9 @@ memory release), `disk`, and `distributed` (a trainer on one GPU cannot share a 
 engine on the same GPU, so this trainer runs on the CPU and the group uses gloo: SGLang's session,
 announcement and flattened-bucket receive are the same). After each sync it compares the engine's
 `model.norm.weight` (`/get_weights_by_name`) and weight version with the actor's.
+The tensor mode trains in bf16 (the GPU dtype) and also reports the log-prob gap of the engine's own
+samples to the actor's right after the sync (`logprob_gap_abs_mean`, what `rollout.max_logprob_gap`
+bounds) beside the bf16 default bound.
 
 When SGLang or a GPU is not there it says so in the JSON line (`"skipped"`) and exits 0; a failed
 mode exits 1. Nothing here is a test stand-in: the server is SGLang's.
@@ -18,6 +21,7 @@ mode exits 1. Nothing here is a test stand-in: the server is SGLang's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -28,6 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from megatron_rl.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("tensor", "disk", "distributed")
@@ -92,14 +98,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path)
     raise RuntimeError(f"sglang did not answer /health within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON", sys.executable))
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="sglang-sync-check-"))
     model = work / "model"
     _tiny_model(model)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / "sglang.log"
     server_cmd = [
@@ -183,9 +181,12 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     from megatron_rl.weight_sync import make_weight_sync
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
+    model_cfg = model_config_from_hf(read_hf_config(model), hf_path=model)
+    if mode == "tensor" and torch.cuda.is_available():  # the GPU training dtype: the gap below is bf16's
+        model_cfg = dataclasses.replace(model_cfg, params_dtype="bf16")
     cfg = Config(
-        model=model_config_from_hf(read_hf_config(model), hf_path=model),
+        model=model_cfg,
         rollout=RolloutConfig(
             engine="sglang",
             sglang_urls=[url],
@@ -218,11 +219,13 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     got = engine.run(engine.client.get_weights_by_name("model.norm.weight", truncate_size=want.numel()), timeout=60)
     got = torch.tensor(got, dtype=torch.float32).flatten()
     diff = float((got - want.float().cpu().flatten()[: got.numel()]).abs().max())
-    info = _get(url + "/get_model_info")
+    info = _get(url + "/model_info")
+    gap = _logprob_gap(engine, actor, cfg) if mode == "tensor" else {}
     engine.close()
     actor.close()
     ok = info.get("weight_version") == f"check-{mode}" and diff < 2e-2  # the engine holds bf16
     return {
+        **gap,
         "ok": ok,
         "mode": mode,
         "bytes": report.bytes,
@@ -231,6 +234,34 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
         "weight_version": info.get("weight_version"),
         "norm_max_abs_diff": diff,
         "trainer_device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+
+
+def _logprob_gap(engine: Any, actor: Any, cfg: Any) -> dict[str, Any]:
+    """The engine's log-probs of its own samples against the actor's right after a sync (what
+    `rollout.max_logprob_gap` bounds), with the default bound of the actor's dtype."""
+    import torch
+
+    from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.config import logprob_gap_limit
+    from megatron_rl.rollout.types import SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, cfg.model.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 13, 17)]
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True))
+    batch = ActorBatch(
+        tokens=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
+        prompt_lengths=[len(s.prompt_ids) for s in samples],
+    )
+    ours = actor.compute_log_probs(batch).log_probs
+    gaps = torch.cat([(lp.float().cpu() - torch.tensor(s.logprobs)).abs() for lp, s in zip(ours, samples, strict=True)])
+    limit = logprob_gap_limit(cfg)
+    return {
+        "logprob_gap_abs_mean": float(gaps.mean()),
+        "logprob_gap_abs_max": float(gaps.max()),
+        "logprob_gap_dtype": cfg.model.params_dtype,
+        "max_logprob_gap_default": limit,
+        "logprob_gap_within_default": limit is None or float(gaps.mean()) <= limit,
     }
 
 

@@ -4,7 +4,8 @@ Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's 
 response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
 updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
 /update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
-session as SGLang 0.5.21+ requires), /pause_generation, /continue_generation, /abort_request,
+session as SGLang 0.5.21+ requires; begin, on a server that is not paused, waits for the generations
+in flight to end, as SGLang's writer lock does), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 
 Every endpoint requires the API key (`--api-key` or $MEGATRON_RL_ENGINE_API_KEY) unless the engine
@@ -103,6 +104,9 @@ class LocalServer:
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
         self.groups: dict[str, Any] = {}
         self.session_open = False  # SGLang >= 0.5.21's weight-update session
+        # /generate requests being answered, and their end: SGLang's begin waits for them (its writer lock)
+        self._generating = 0
+        self._generation_ended = asyncio.Condition()
         self.group_init_timeout_s = GROUP_INIT_TIMEOUT_S
         self.read_timeout_s = READ_TIMEOUT_S
         # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
@@ -173,12 +177,17 @@ class LocalServer:
         started = time.monotonic()
         batch = parse_generate(await _json_body(request), self.info, self.tokenizer, self.engine.generator.max_running)
         futures = [asyncio.wrap_future(f) for f in self.engine.submit(batch.requests)]
+        self._generating += 1
         try:
             done = await asyncio.gather(*futures)
         except asyncio.CancelledError:  # the client went away: stop generating for it
             ids = {r.rid for r in batch.requests}
             self.engine.call(lambda e: e.abort(lambda r: r.rid in ids, "client disconnected"))
             raise
+        finally:
+            self._generating -= 1
+            async with self._generation_ended:
+                self._generation_ended.notify_all()
         latency = time.monotonic() - started
         items = [self._generate_item(r, latency, batch.return_text_in_logprobs) for r in done]
         return web.json_response(items if batch.is_batch else items[0])
@@ -380,6 +389,11 @@ class LocalServer:
         selector = get_field(body, "selector", "str", "all")
         if selector not in ("target", "draft", "all"):
             raise FieldError(f"selector: {selector!r}; allowed: target, draft, all")
+        if not self.engine.paused:
+            # As SGLang's begin (its writer lock): on a server that is not paused, wait until every
+            # generation in flight has ended; the client's request timeout bounds the wait.
+            async with self._generation_ended:
+                await self._generation_ended.wait_for(lambda: self._generating == 0)
         if self.session_open:
             return _update_reply(False, "a weight-update session is already open; call end_weight_update() first")
         self.session_open = True
