@@ -551,6 +551,7 @@ def test_partial_rollout_across_weight_updates_carries_per_token_versions(engine
     check_sample(aborted, models["A"], 1.0, routed=False)
 
 
+@pytest.mark.e2e
 def test_begin_weight_update_waits_for_running_generations_unless_paused(engine):
     """As SGLang's /begin_weight_update (its writer lock): on a server that is not paused it answers only
     once every generation in flight has ended; on a paused one at once."""
