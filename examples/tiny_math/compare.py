@@ -24,7 +24,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 OBJECTIVES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
-# Deviations from rl.yaml per objective (documented in the README): none beyond the presets.
+# Deviations from rl.yaml per objective (documented in docs/benchmarks.md): none beyond the presets.
 OBJECTIVE_OVERRIDES: dict[str, list[str]] = {name: [] for name in OBJECTIVES}
 GAIN = 0.40  # the accuracy gain (absolute) each objective must reach
 
