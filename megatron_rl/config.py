@@ -381,7 +381,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# The objectives (`algorithm.name`) with their published defaults, as the README's preset table and the
+# The objectives (`algorithm.name`) with their published defaults, as docs/configuration.md's preset table and the
 # loss table of docs/architecture.md list them; anything not named keeps the AlgorithmConfig default.
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(
@@ -837,7 +837,7 @@ def _validate_env(cfg: Config) -> None:
 
 
 def reference_rows() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, help) for every field: the README's config reference."""
+    """(key, type, default, help) for every field: the config reference of docs/configuration.md."""
     rows = []
     for section in dataclasses.fields(Config):
         cls = _hints(Config)[section.name]

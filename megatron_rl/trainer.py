@@ -3,28 +3,9 @@
     torchrun --nproc-per-node 2 -m megatron_rl.cli train examples/tiny_math/rl.yaml parallel.expert_model_parallel_size=2
     megatron-rl train CONFIG                  # a single process runs as a world of one
 
-Who does what. Global rank 0 drives everything outside Megatron through its `RolloutDriver`
-(`megatron_rl.loop.driver`, built on rank 0 only): it reads the prompts, starts the local engine as
-a child process (when no `rollout.sglang_urls` are set) and talks to it, scores the responses and
-builds the step's batch, then broadcasts that batch (or its error) to every trainer rank.
-Generation happens once, so the ranks cannot each compute the batch themselves; the batch is small
-next to the weights. Every rank holds a `Trainer`: the actor, the weight sync, the run folder
-(checkpoints, exports; `megatron_rl.checkpoints`) and the step log. Every rank runs the actor's
-collectives on the whole batch (old log-probs, `train.updates_per_step` updates) and the weight
-sync; evaluation is rank 0's again.
-
-One step (see docs/architecture.md): sample prompts -> generate `rollout.n_samples_per_prompt` per prompt
-(seeded per request) -> reward, overlong shaping -> dynamic sampling (more rounds until the batch
-holds `train.prompts_per_step` informative groups or `algorithm.max_gen_rounds`) -> group advantages
-(`megatron_rl.loop.collect`) -> old log-probs: recomputed by the actor (`recompute`; with R2 the
-routing is recorded and replayed; R3 replays the engine's routing) or the engine's (`rollout`) ->
-the frozen reference's log-probs under the same routing, when a KL term needs them
-(`megatron_rl.actor.policy.FrozenPolicy`, the start policy; `algorithm.kl_in_reward` then
-re-computes the advantages of R - beta * KL) -> updates -> weight sync -> evaluation every
-`eval.every` steps. With `rollout.async_mode` other than sync the batch comes from rank 0's
-background generation (`megatron_rl.loop.async_rollout`): `one_step_off` collects batch t+1 while
-step t trains and the sync of step t waits for it; `fully_async` takes it from the producer's buffer
-while the engine keeps generating through the weight syncs.
+Every rank holds a `Trainer` (the actor, the weight sync, the run folder, the step log); rank 0 also
+holds the `RolloutDriver` (`megatron_rl.loop.driver`). Who runs what, the start-up order
+(`Trainer.start`) and one step are described once, in docs/architecture.md.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
@@ -186,7 +167,7 @@ class Trainer:
     def start(
         cls, cfg: Config, stack: contextlib.ExitStack, *, resume: ResumeMode = False, force: bool = False
     ) -> Trainer:
-        """Data (rank 0), checkpoint to resume from, actor, logs, engine and weight sync (collective).
+        """Start every piece in the order docs/architecture.md gives ("Start-up order"), collectively.
         `stack` closes each piece (the last started first), also when a later one fails to start."""
         from megatron_rl.parallel import read_launch_env
         from megatron_rl.weight_sync import make_weight_sync

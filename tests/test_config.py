@@ -148,14 +148,30 @@ def test_cli_prints_resolved_config_and_errors():
     assert bad.returncode == 2 and "train.steps = -1 is out of range" in bad.stderr
 
 
-def test_readme_reference_is_current():
-    """The README's config reference is `megatron-rl config --reference`; regenerate it when a field changes."""
+def test_docs_reference_is_current():
+    """docs/configuration.md's key table is `megatron-rl config --reference`, row for row (no key missing, none
+    removed, same order); regenerate it when a field changes."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    missing = [key for key, kind, default, help_text in reference_rows()
-               if f"| `{key}` | {kind} | `{default}` | {help_text} |" not in readme]  # fmt: skip
-    assert not missing, f"README.md config reference is stale for {missing}: paste `megatron-rl config --reference`"
+    page = Path(__file__).parents[1] / "docs" / "configuration.md"
+    lines = page.read_text(encoding="utf-8").splitlines()
+    header = "| key | type | default | meaning |"
+    assert header in lines, f"{page}: no config reference table ({header})"
+    table = []
+    for line in lines[lines.index(header) + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    expected = [
+        f"| `{key}` | {kind} | `{default}` | {help_text} |" for key, kind, default, help_text in reference_rows()
+    ]
+    missing = [row for row in expected if row not in table]
+    extra = [row for row in table if row not in expected]
+    assert not missing and not extra, (
+        f"{page.name}'s config reference is stale (missing or changed: {missing}; not a current key: {extra}): "
+        "paste `megatron-rl config --reference`"
+    )
+    assert table == expected, f"{page.name}'s config reference is out of order: paste `megatron-rl config --reference`"
 
 
 def test_model_shape_checks_wait_for_the_checkpoints_config():

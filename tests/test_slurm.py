@@ -174,7 +174,7 @@ ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A config for a 30B-A3B-class policy, laid out as in the README (TP 4, EP 8, ETP 1)."""
+    """A config for a 30B-A3B-class policy, laid out as in docs/slurm.md (TP 4, EP 8, ETP 1)."""
     root = tmp_path_factory.mktemp("plan")
     (root / "qwen3_30b_a3b").mkdir()
     (root / "qwen3_30b_a3b" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))

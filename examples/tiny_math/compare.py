@@ -24,9 +24,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 OBJECTIVES = ("grpo", "dapo", "gspo", "gspo_token", "sapo")
-# Deviations from rl.yaml per objective (documented in the README): none beyond the presets.
+# Deviations from rl.yaml per objective (documented in docs/benchmarks.md): none beyond the presets.
 OBJECTIVE_OVERRIDES: dict[str, list[str]] = {name: [] for name in OBJECTIVES}
 GAIN = 0.40  # the accuracy gain (absolute) each objective must reach
+
+
+def cpu_env(path: Path = HERE / "cpu.env") -> dict[str, str]:
+    """The `export KEY=VALUE` lines of cpu.env (run.sh sources it): the same CPU kernels on every machine."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
 
 
 def train_command(
@@ -125,15 +131,20 @@ def compare_parser(doc: str, out: str, flag: str, names: tuple[str, ...] | list[
 
 
 def compare_runs(
-    names: list[str], out: Path, command: Callable[[str, Path], list[str]], title: str, plot_only: bool = False
+    names: list[str],
+    out: Path,
+    command: Callable[[str, Path], list[str]],
+    title: str,
+    plot_only: bool = False,
+    kernels: dict[str, str] | None = None,
 ) -> int:
-    """Train each run `name` with `command(name, OUT/name)` (unless `plot_only`), then write
-    OUT/compare.png and OUT/summary.json and print the table."""
+    """Train each run `name` with `command(name, OUT/name)` (unless `plot_only`; one thread, and the
+    environment `kernels` when given), then write OUT/compare.png and OUT/summary.json and print the table."""
     sys.path.insert(0, str(REPO))
     from megatron_rl.metrics import read_metrics
 
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(kernels or {})}
     summaries = []
     for name in names:
         run_dir = out / name
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda name, run_dir: train_command(name, run_dir, list(args.overrides), args.nproc),
         "tiny_math: held-out greedy accuracy from one warm start (seed 0, 2 ranks, EP=2)",
         args.plot_only,
+        kernels=cpu_env(),
     )
 
 

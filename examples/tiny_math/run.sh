@@ -7,7 +7,7 @@
 #   bash examples/tiny_math/run.sh [key=value ...]     # RL overrides, e.g. algorithm.name=gspo
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
+source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
 launch=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
 python examples/tiny_math/prepare.py --out runs/tiny_math/assets --sft-rows 76800 --sft-correct-fraction 0.4

@@ -1,23 +1,8 @@
 """One step's training batch from the rollout engine: generate, reward, shape, filter, advantages.
 
-`RolloutCollector.collect(step)` runs on the rank that drives the engine (rank 0):
-
-1. take prompts from the sampler (`train.prompts_per_step`, times `algorithm.oversample_factor`
-   with dynamic sampling) and generate `rollout.n_samples_per_prompt` trajectories for each, one
-   episode of the environment (`env.*`, `megatron_rl.envs`; `single_turn`: one response) each, every
-   request with its own `sampling_seed` derived from (train.seed, step, round, index), so the
-   responses do not depend on the engine's history (a resumed run samples what the uninterrupted
-   one did); the reward rule reads the whole decoded trajectory after the prompt;
-2. reward them (`reward.*`), add DAPO's soft overlong penalty when enabled; a group with a response
-   the reward function or server failed to score is left out, never trained on a made-up reward
-   (`reward/failures` responses, `groups/reward_failed` groups, one warning per step), and more
-   than `reward.max_failure_frac` of the step's responses failed stops the run (`RewardFailureError`);
-3. with `algorithm.dynamic_sampling`, keep only groups whose rule rewards differ and go on
-   generating until `train.prompts_per_step` groups are kept or `algorithm.max_gen_rounds` rounds
-   ran; then the kept groups are used as they are and `groups/target_missed` is 1 (the warning);
-4. group advantages of the shaped rewards (`algorithm.turn_credit`: one per trajectory, or per
-   turn and so per token), and the `ActorBatch` (prompt + trajectory tokens, engine log-probs,
-   routed experts for R3, the loss mask: observation tokens and the overlong filter's out).
+`RolloutCollector.collect(step)` runs on the rank that drives the engine (rank 0): steps 1-4 of the
+step in docs/architecture.md (generate, reward and shape, dynamic sampling, advantages and the
+`ActorBatch`).
 
 Aborted requests (the engine's finish reason "abort": an engine error, a timeout, a paused or
 disconnected request) are not trained on: a group with an aborted response is left out whole, before

@@ -1,8 +1,8 @@
 """The loss spec: what the policy loss computes, built and validated once per run (imports nothing).
 
 The tuples below are the one list of each choice. `megatron_rl.config` types the `algorithm`
-section's fields with them (so OmegaConf, `megatron-rl config --reference` and the README's
-config reference show them) and takes its bounds from `BOUNDS`; the loss modules dispatch on the
+section's fields with them (so OmegaConf, `megatron-rl config --reference` and the
+config reference in docs/configuration.md show them) and takes its bounds from `BOUNDS`; the loss modules dispatch on the
 same names. Adding a choice means adding its name here and its code in the module that computes it.
 This module imports neither torch nor the rest of the package, so the config stays cheap to import.
 """
@@ -60,7 +60,7 @@ _COMPARISONS = {
 @dataclass(frozen=True)
 class LossSpec:
     """Every setting `megatron_rl.losses.policy_loss` reads; the fields are those of the config's
-    `algorithm` section with the same names (see the README's config reference).
+    `algorithm` section with the same names (see docs/configuration.md).
 
     Construction validates the choices (`CHOICES`), the bounds (`BOUNDS`) and the combinations that
     cannot run, raising ValueError that names the key as `algorithm.<field>` and what is allowed.
