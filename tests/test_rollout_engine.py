@@ -44,6 +44,22 @@ def engine(models):
     proc.stop()
 
 
+@pytest.fixture(autouse=True)
+def engine_serves_model_a(request: pytest.FixtureRequest):
+    """Every test finds the module's engine serving model A at its start version ("default"): a test that
+    updated its weights has them put back, so the tests hold in any order."""
+    yield
+    if "engine" not in request.fixturenames:
+        return
+    engine, models = request.getfixturevalue("engine"), request.getfixturevalue("models")
+
+    async def restore() -> None:
+        async with client_for(engine.url) as client:
+            await client.update_weights_from_disk(models["A"], weight_version="default")
+
+    asyncio.run(restore())
+
+
 def client_for(*urls: str, **kwargs) -> SGLangClient:
     kwargs.setdefault("api_key", KEY)
     kwargs.setdefault("routed_experts_layout", (2, 2))

@@ -138,9 +138,8 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
             RolloutEngine.from_config(_rollout(empty.url), models["A"])
     finally:
         empty.stop()
-    # a worker the router still lists but this machine cannot reach (here: it has stopped; the module's
-    # last test, so the other tests keep both workers)
-    lost = workers[1]
+    # a worker the router still lists but this machine cannot reach (here: one of its own that has stopped)
+    lost = start_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV)
     router = Router([lost.url])
     try:
         lost.stop()
@@ -154,6 +153,7 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
             RolloutEngine.from_config(mixed, models["A"])
     finally:
         router.stop()
+        lost.stop()
 
 
 def test_routed_experts_and_aborts_go_to_the_workers_not_the_router(
