@@ -325,3 +325,43 @@ def test_moe_layout_reads_the_text_sub_config_as_sglang_does(tmp_path):
     assert moe_layout(str(tmp_path)) == (4, 2)
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
     assert moe_layout(str(tmp_path)) is None
+
+
+def test_close_stops_the_local_engine_even_when_the_client_thread_is_stuck(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import threading
+
+    from megatron_rl.rollout import engine as engine_module
+
+    release = threading.Event()
+
+    class StuckOnClose:
+        routed_experts_layout = (1, 1)
+        dead_reason = None
+
+        async def start(self) -> None:
+            pass
+
+        async def close(self) -> None:
+            # blocks the loop's thread right after close() has returned (queued behind its result, ahead
+            # of the loop's stop), as a callback that never ends would
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, release.wait, 60)
+
+    class Process:
+        stopped = 0
+
+        def stop(self) -> None:
+            self.stopped += 1
+
+    monkeypatch.setattr(engine_module, "CLIENT_THREAD_JOIN_S", 0.05)
+    process = Process()
+    handle = engine_module.RolloutEngine(StuckOnClose(), process)  # type: ignore[arg-type]
+    try:
+        handle.close()
+        assert process.stopped == 1
+        assert "the rollout client's thread did not stop" in caplog.text
+    finally:
+        release.set()

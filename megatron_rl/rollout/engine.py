@@ -41,6 +41,7 @@ from megatron_rl.rollout.types import Sample, SamplingParams
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+CLIENT_THREAD_JOIN_S = 10.0  # how long close() waits for the client thread to stop
 
 
 def configured_api_key(rollout: Any) -> str | None:
@@ -253,10 +254,13 @@ class RolloutEngine:
             self.run(self.client.close(), timeout=30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
-            if self.local_process is not None:
+            self._thread.join(timeout=CLIENT_THREAD_JOIN_S)
+            if self.local_process is not None:  # first: a stuck client thread must not leave the engine running
                 self.local_process.stop()
+            if self._thread.is_alive():  # a running loop cannot be closed; the daemon thread ends with the process
+                log.warning("the rollout client's thread did not stop within %.0f s", CLIENT_THREAD_JOIN_S)
+            else:
+                self._loop.close()
 
     def __enter__(self) -> RolloutEngine:
         return self
