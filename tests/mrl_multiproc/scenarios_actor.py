@@ -727,8 +727,9 @@ def w1_reference_policy_kl(ctx) -> None:  # noqa: ANN001
 
 def w1_kl_gradient_by_hand(ctx) -> None:  # noqa: ANN001
     """One update with all advantages 0 (the policy-gradient term and its gradient vanish) against a
-    reference with other weights: the loss is beta * sum_i 1/(B n_i) sum_t (e^x - 1 - x), x = log pi_ref
-    - log pi, and the gradient norm equals that of this expression differentiated by autograd through a
+    reference with other weights: the loss is beta * sum_i 1/(B n_i) sum_t min(e^x - 1 - x, 10), x = log
+    pi_ref - log pi (k3 clamped as verl's low_var_kl: some tokens of these two random models pass 10), and
+    the gradient norm equals that of this expression differentiated by autograd through a
     plain full-vocabulary forward of the same model."""
     from megatron_rl.actor.policy import FrozenPolicy
 
@@ -748,7 +749,7 @@ def w1_kl_gradient_by_hand(ctx) -> None:  # noqa: ANN001
         logits = chunk(tok.unsqueeze(0), positions, None)[0, :, : cfg.model.vocab_size].double() / TEMPERATURE
         logp = F.log_softmax(logits, dim=-1)[p - 1 : -1].gather(-1, tok[p:].unsqueeze(-1)).squeeze(-1)
         x = ref_lp.double() - logp
-        hand = hand + (torch.exp(x) - 1 - x).sum() / (len(LENGTHS) * x.numel())
+        hand = hand + (torch.exp(x) - 1 - x).clamp(max=10.0).sum() / (len(LENGTHS) * x.numel())
     hand = BETA * hand
     grads = torch.autograd.grad(hand, [q for q in chunk.parameters() if q.requires_grad], allow_unused=True)
     hand_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
