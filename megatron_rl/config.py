@@ -821,8 +821,12 @@ def _validate_reward(reward: RewardConfig) -> None:
 
 def _validate_env(cfg: Config) -> None:
     env = cfg.env
+    # a budget of the model's positions (the default a training stage fills in) is never too small: what
+    # cannot fit there cannot be served at all
     _require(
-        env.max_total_tokens is None or env.max_total_tokens > cfg.data.max_prompt_tokens,
+        env.max_total_tokens is None
+        or env.max_total_tokens > cfg.data.max_prompt_tokens
+        or env.max_total_tokens >= cfg.model.max_position_embeddings,
         f"env.max_total_tokens ({env.max_total_tokens}) must exceed data.max_prompt_tokens "
         f"({cfg.data.max_prompt_tokens}): a prompt must leave room for the model's first turn",
     )

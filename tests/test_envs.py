@@ -532,6 +532,13 @@ def test_the_trajectory_budget_defaults_to_the_models_positions_and_long_episode
             "train",
             world_size=1,
         )
+    # the default data.max_prompt_tokens (1024) is past these positions: the filled-in budget is not refused,
+    # also when the resolved config is validated again (as run_training does); a smaller one set is
+    default_prompts = [f"model.hf_path={tmp_path}", "data.train_path=unused", "rollout.n_samples_per_prompt=2"]
+    again = validate_run(validate_run(load_config(None, default_prompts), "train", world_size=1), "train", world_size=1)
+    assert again.env.max_total_tokens == 128
+    with pytest.raises(ConfigError, match=r"env.max_total_tokens \(100\) must exceed data.max_prompt_tokens \(1024\)"):
+        validate_run(load_config(None, [*default_prompts, "env.max_total_tokens=100"]), "train", world_size=1)
 
     class Chatty(Environment):
         """Never done: a 40-character observation after every turn."""
