@@ -68,7 +68,9 @@ from mrl_runs import (
 __all__ = ["big", "slurm_cluster"]
 ROOT = Path(__file__).resolve().parents[1]
 
-ENGINE_ARGS = {"extra_args": ["--threads", "1", "--no-auth"], "env": {"OMP_NUM_THREADS": "1"}}
+ENGINE_ARGS = {"extra_args": ["--threads", "1"], "env": {"OMP_NUM_THREADS": "1"}}  # RolloutEngine gives the key
+# an engine a test starts itself, which a run reaches by its address with no key
+UNKEYED_ENGINE_ARGS = {"extra_args": ["--threads", "1", "--no-auth"], "env": {"OMP_NUM_THREADS": "1"}}
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8], [10, 11, 12, 13, 14], [2, 2, 2]]
 
 
@@ -197,7 +199,7 @@ def dead_url() -> str:
 def test_an_unreachable_server_is_dropped_while_another_serves(work: Path, caplog: pytest.LogCaptureFixture) -> None:
     from megatron_rl.rollout.local.launcher import start_local_engine
 
-    engine = start_local_engine(str(work / "model"), **ENGINE_ARGS)
+    engine = start_local_engine(str(work / "model"), **UNKEYED_ENGINE_ARGS)
     gone = dead_url()
 
     async def scenario() -> tuple[list, list[str], list[str]]:
@@ -373,7 +375,7 @@ def test_an_engine_serving_other_weights_stops_the_run_before_training(
 ) -> None:
     from megatron_rl.rollout.local.launcher import start_local_engine
 
-    engine = start_local_engine(str(other_model), **ENGINE_ARGS)
+    engine = start_local_engine(str(other_model), **UNKEYED_ENGINE_ARGS)
     run_dir = tmp_path / "other_weights"
     log = run_dir.with_suffix(".log")
     overrides = (*SIGNAL_RUN, "rollout.engine=sglang", f'rollout.sglang_urls=["{engine.url}"]')
