@@ -337,7 +337,8 @@ def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -
     k = steps_logged(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{k:06d}" / "loop_state.pt").is_file()
     assert "received SIGTERM: stopping after the current step" in text
-    after = text.split("received SIGTERM")[1]  # (the custom reward's failure traceback comes before)
+    # the custom reward's failures are warned about every step (its first one with a traceback): not noise
+    after = "\n".join(line for line in text.split("received SIGTERM")[1].splitlines() if "rewards failed" not in line)
     assert "Task was destroyed" not in text and "Traceback" not in after and "Error" not in after, after
     no_leftovers(work)
 
