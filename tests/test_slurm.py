@@ -444,6 +444,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
             first_step_s = time.monotonic() - submitted
         time.sleep(0.5)
     state, code, out = wait_job(first, out_dir)
+    first_records = metrics(run_dir)  # before the chained job, which starts now, continues the run
     print(f"\ntrain.sbatch: submission to first step {first_step_s or float('nan'):.1f} s")
     # every job is seen through to its end here, so that no test depends on running before another
     # (scontrol forgets an ended job after MinJobAge; the chained job holds a node until cancelled)
@@ -456,6 +457,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
         state=state,
         code=code,
         out=out,
+        first_records=first_records,
         run_dir=run_dir,
         out_dir=out_dir,
         stopped=stopped,
@@ -468,7 +470,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
 def test_disaggregated_job_trains_and_syncs_the_engine(jobs: dict) -> None:
     assert (jobs["state"], jobs["code"]) == ("COMPLETED", 0), jobs["out"][-4000:]
     run_dir: Path = jobs["run_dir"]
-    records = metrics(run_dir)
+    records = jobs["first_records"]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["actor/skipped"] == 0.0 and r["weight_sync/bytes"] > 0 for r in records)
     # step 2 generated with the weights synced after update 1: the engine's log-probs are the trainer's
