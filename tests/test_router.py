@@ -15,13 +15,14 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
 from megatron_rl.rollout.sglang import SGLangError
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams
 
 from mrl_configs import make_tiny_model
 
@@ -87,6 +88,12 @@ def workers(models: dict[str, str]) -> Iterator[list[LocalEngineProcess]]:
             proc.stop()
 
 
+def _spread(samples: list[Sample]) -> float:
+    """The largest difference of the samples' log-probs, token by token."""
+    logprobs = torch.tensor([s.logprobs for s in samples])
+    return float((logprobs.max(0).values - logprobs.min(0).values).max())
+
+
 def _rollout(url: str) -> RolloutConfig:
     return RolloutConfig(engine="sglang", sglang_urls=[url], max_concurrency=4, max_retries=1)
 
@@ -104,15 +111,16 @@ def test_router_generates_and_weight_updates_reach_every_worker(
             greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
             before = engine.generate([[5, 6, 7]] * 4, greedy)
             assert {s.server for s in before} == {router.url}  # every request went through the router
-            assert len({tuple(s.logprobs) for s in before}) == 1  # both workers serve model A
+            # both workers serve model A (equal up to the rounding of each worker's own batch history)
+            assert _spread(before) <= 1e-5, _spread(before)
             # the weight update goes to the workers the router listed (the router itself answers 404)
             replies = engine.run(client.update_weights_from_disk(models["B"], weight_version="7"))
             assert len(replies) == 2 and all(r["success"] for r in replies)
             for url in worker_urls:
                 assert _get(url + "/get_model_info")["weight_version"] == "7"
             after = engine.generate([[5, 6, 7]] * 4, greedy)
-            assert {s.weight_version for s in after} == {"7"} and len({tuple(s.logprobs) for s in after}) == 1
-            assert after[0].logprobs != before[0].logprobs  # model B's weights serve now
+            assert {s.weight_version for s in after} == {"7"} and _spread(after) <= 1e-5, _spread(after)
+            assert _spread([after[0], before[0]]) > 1e-3  # model B's weights serve now
             assert engine.run(client.health()) == dict.fromkeys(client.urls, True)
         finally:
             engine.close()
