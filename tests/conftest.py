@@ -67,6 +67,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone (the run folder's collectives), destroyed afterwards."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- session-scoped assets ----
 
 

@@ -20,12 +20,10 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from test_checkpoints import ShardWritingActor
 
 from megatron_rl import checkpoints
@@ -52,16 +50,6 @@ def config(run_dir: Path, *, keep_last: int = 0, async_mode: str = "sync") -> Co
         checkpoint=CheckpointConfig(keep_last=keep_last),
         rollout=RolloutConfig(async_mode=async_mode),
     )
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def save_steps(run_dir: Path, steps: list[int], *, keep_last: int = 0, **kwargs: object) -> Path:

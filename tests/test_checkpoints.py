@@ -14,12 +14,10 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_rl.checkpoints import (
     ACTOR_DIR,
@@ -151,16 +149,6 @@ class ShardWritingActor:
             (path / f"__{shard}_0.distcp").write_bytes(data)
             digests[f"__{shard}_0.distcp"] = hashlib.sha256(data).hexdigest()
         return digests
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def save_steps(run_dir: Path, steps: list[int], keep_last: int = 0) -> RunFolder:
