@@ -8,9 +8,9 @@ so tests that compare against the same uninterrupted run share one launch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -72,27 +72,50 @@ def build_work(root: Path) -> Path:
     return root
 
 
-def command(work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False) -> list[str]:
+def command(
+    work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False, hold_after: int | None = None
+) -> list[str]:
+    """`megatron-rl train` of `work`'s run on `ranks` ranks; `hold_after`: through tests/mrl_hold.py,
+    every rank stops once that step's checkpoint is saved."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     if ranks == 1:
         launcher = [sys.executable]
         overrides = ("parallel.expert_model_parallel_size=1", *overrides)
-    cmd = [*launcher, "-m", "megatron_rl.cli", "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
+    entry = ["-m", "megatron_rl.cli"] if hold_after is None else ["-m", "mrl_hold", str(hold_after)]
+    cmd = [*launcher, *entry, "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
     return cmd + list(overrides) + (["--resume"] if resume else [])
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    tests = str(Path(__file__).parent)  # mrl_hold (pytest's pythonpath does not reach a child process)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     handle = log.open("w")
     return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_run(process: subprocess.Popen) -> None:
+    """kill -9 the run and every process under it, then reap it. Its own process group is not enough:
+    torchrun starts each rank in a session of its own."""
+    for proc in descendants(process.pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    process.kill()
+    process.wait()
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_run(process)
         pytest.fail(f"the run did not end within {timeout} s:\n{log.read_text()[-3000:]}")
     text = log.read_text()
     assert process.returncode == 0, text[-5000:]
@@ -132,7 +155,7 @@ def wait_for(predicate, process: subprocess.Popen, log: Path, timeout: float = S
         if process.poll() is not None:
             pytest.fail(f"the run ended early ({process.returncode}):\n{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_run(process)
             pytest.fail(f"timed out:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
@@ -195,10 +218,9 @@ RESUME_RUN = (
 
 def kill_after_checkpoint(work: Path, run_dir: Path, *overrides: str, step: int = 2, ranks: int = 2) -> None:
     """Start the run and kill -9 every process of it once step `step`'s checkpoint is complete (the run
-    is then in step `step` + 1)."""
+    holds there: step `step` + 1 is never logged)."""
     log = run_dir.with_suffix(".log")
-    process = start(command(work, run_dir, *overrides, ranks=ranks), log)
+    process = start(command(work, run_dir, *overrides, ranks=ranks, hold_after=step), log)
     saved = run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt"
     wait_for(saved.is_file, process, log)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_run(process)

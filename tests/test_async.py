@@ -196,8 +196,29 @@ def prompt_key(data: RolloutData, row: int) -> tuple[int, ...]:
 Uses = dict[tuple[int, ...], list[int]]
 
 
+def wait_for_producer(driver: RolloutDriver, engine: VersionedEngine) -> None:
+    """Until every group the producer may submit at its version has come back, but a held one: so
+    that every response of version v is buffered before v + 1 (no group of an earlier version is
+    overtaken by a later one and goes stale by thread timing alone)."""
+    producer = driver.producer
+    assert producer is not None
+
+    def idle() -> bool:
+        held = all(
+            job.attempt == 0 and tuple(job.prompt.input_ids) == engine.held_prompt
+            for job in producer.in_flight.values()
+        )
+        return (
+            held and not producer.retry and (producer.allowance() <= 0 or len(producer.in_flight) >= producer.workers)
+        )
+
+    with producer.cond:
+        assert producer.cond.wait_for(idle, timeout=30), (producer.in_flight, producer.allowance())
+
+
 def run_steps(driver: RolloutDriver, engine: VersionedEngine, steps: range, uses: Uses) -> list[dict]:
-    """The trainer's side of `steps`: take the batch, (no update), sync the next version."""
+    """The trainer's side of `steps`: take the batch, (no update), let the producer settle, sync the
+    next version."""
     records = []
     version = steps.start - 1
     for step in steps:
@@ -214,6 +235,7 @@ def run_steps(driver: RolloutDriver, engine: VersionedEngine, steps: range, uses
         assert plan.metrics["async/staleness_max"] == max(staleness)
         records.append(plan.metrics)
         version = step
+        wait_for_producer(driver, engine)
         engine.sync(version)
     return records
 
@@ -312,7 +334,7 @@ def test_one_step_off_resume_after_kill_equals_an_uninterrupted_seeded_run(
         "checkpoint.every=2",
     )
     run_dir = tmp_path / "killed"
-    # kill -9 in step 3 (batch 3 was generated before the checkpoint)
+    # kill -9 after step 2's checkpoint (batch 3 was generated before it)
     kill_after_checkpoint(work, run_dir, *overrides, step=2, ranks=1)
     assert [r["step"] for r in steps_logged(run_dir)] == [1, 2]
     # steps 1-2: a second seeded run; 3: resumed

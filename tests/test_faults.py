@@ -32,7 +32,6 @@ import psutil
 import pytest
 from test_sft import one_process_sft_command
 from test_slurm import big, job_env, metrics, plan, slurm_cluster, submit, train_args, wait_job
-from test_trainer import _tree
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.metrics import read_metrics
@@ -54,7 +53,9 @@ from mrl_runs import (
     RunCache,
     assert_resume_matches,
     command,
+    descendants,
     finish,
+    kill_run,
     leftovers,
     no_leftovers,
     start,
@@ -303,7 +304,7 @@ def stop_after_first_step(
     try:
         process.wait(240)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_run(process)
         pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
     return process.returncode, log.read_text()
 
@@ -354,7 +355,7 @@ def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(
     log = run_dir.with_suffix(".log")
     process = start(command(work, run_dir, *SIGNAL_RUN, f"rollout.weight_sync={sync}", ranks=1), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)  # the engine serves step 1's weights now
-    engine = next(p for p in _tree(process.pid) if "serve" in p.cmdline())
+    engine = next(p for p in descendants(process.pid) if "serve" in p.cmdline())
     engine.kill()
     text = finish(process, log)
     records = {r["step"]: r for r in read_metrics(run_dir)}
@@ -404,7 +405,7 @@ def test_sft_stops_on_sigterm_with_a_checkpoint(assets: Path, tmp_path: Path) ->
     try:
         process.wait(240)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_run(process)
         pytest.fail(f"sft did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
     text = log.read_text()
     assert process.returncode == 143, text[-3000:]

@@ -41,7 +41,9 @@ from mrl_runs import (
     RunCache,
     assert_resume_matches,
     command,
+    descendants,
     kill_after_checkpoint,
+    kill_run,
     leftovers,
     no_leftovers,
     start,
@@ -103,13 +105,14 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
     assert (run_dir / "plots" / "overview.png") in plot_run(run_dir)
 
 
-def test_kill_during_a_step_then_resume_matches_an_uninterrupted_run(
+def test_kill_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(
     work: Path, straight_runs: RunCache, tmp_path: Path
 ) -> None:
     """With a KL penalty in the reward: the resumed run's reference is the start policy, as the
     uninterrupted run's (a reference taken from the checkpoint would read KL 0 at step 3)."""
     run_dir = tmp_path / "killed"
-    kill_after_checkpoint(work, run_dir, *RESUME_RUN, step=2)  # kill -9 every process of the run, in step 3
+    # kill -9 every process of the run after step 2's checkpoint
+    kill_after_checkpoint(work, run_dir, *RESUME_RUN, step=2)
     assert len(steps_logged(run_dir)) == 2
     reference, _ = assert_resume_matches(straight_runs, work, run_dir, *RESUME_RUN)
     assert reference[-1]["actor/approx_kl_mean"] > 0.0  # the second update moved the policy: not vacuous
@@ -142,13 +145,13 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
     first = steps_logged(run_dir)[0]
     assert (first["groups/rounds"], first["groups/target_missed"], first["groups/groups_used"]) == (2.0, 1.0, 0.0)
     assert (first["groups/groups_generated"], first["reward/accuracy"], first["actor/skipped"]) == (8.0, 0.0, 1.0)
-    assert any("serve" in p.cmdline() for p in _tree(process.pid))  # the engine runs
+    assert any("serve" in p.cmdline() for p in descendants(process.pid))  # the engine runs
     _engine_refuses_strangers(work, process, run_dir)
     os.kill(process.pid, sig)
     try:  # SIGTERM finishes the step and saves it; the engine handle's close alone may take 80 s (its timeouts)
         process.wait(STEP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_run(process)
         pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
     assert process.returncode != 0
     assert "dynamic sampling kept 0 informative groups of 4 in 2 rounds" in log.read_text()
@@ -163,7 +166,7 @@ def _engine_refuses_strangers(work: Path, process: subprocess.Popen, run_dir: Pa
     """Mid-run, the engine the run started wants the run's own key: an unauthenticated POST
     /update_weights_from_disk (which once trained the next step on a stranger's weights) gets 401.
     The key is on no command line and not in config.yaml, engine.log or the run's output."""
-    (engine,) = [p for p in _tree(process.pid) if "serve" in p.cmdline()]
+    (engine,) = [p for p in descendants(process.pid) if "serve" in p.cmdline()]
     key = engine.environ()["MEGATRON_RL_ENGINE_API_KEY"]
     port = next(c.laddr.port for c in engine.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
@@ -180,17 +183,10 @@ def _engine_refuses_strangers(work: Path, process: subprocess.Popen, run_dir: Pa
     assert status("/update_weights_from_disk", {"Content-Type": "application/json"}, stranger) == 401
     assert status("/health", {"Authorization": f"Bearer {key}"}) == 200  # the key found is the one it wants
     assert len(key) >= 32
-    assert not [p.pid for p in [psutil.Process(process.pid), *_tree(process.pid)] if key in " ".join(p.cmdline())]
+    assert not [p.pid for p in [psutil.Process(process.pid), *descendants(process.pid)] if key in " ".join(p.cmdline())]
     for name in ("config.yaml", "engine.log"):
         assert key not in (run_dir / name).read_text(), name
     assert key not in run_dir.with_suffix(".log").read_text()
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
 
 def _alive(pid: int) -> bool:
