@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,13 @@ from megatron_rl.rewards.protocol import API_KEY_ENV
 from megatron_rl.rewards.remote import RemoteRewardError
 from megatron_rl.rollout.types import Sample
 
+from mrl_runs import wait_until
+
 KEY = "test-key-123"
 
 FUNCTIONS = """
 import math
+import os
 import time
 
 def reward(response, answer, prompt, row):
@@ -46,8 +50,13 @@ def reward(response, answer, prompt, row):
         return response == answer
     return len(prompt) + row["weight"] + (0.5 if answer in response else 0.0)
 
-def slow(response, answer):
-    time.sleep(0.05)
+def gated(response, answer):
+    # returns once the test creates `release` in the server's working directory
+    deadline = time.monotonic() + 60
+    while not os.path.exists("release"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test never released the gate")
+        time.sleep(0.01)
     return 1.0
 """
 
@@ -209,15 +218,20 @@ def test_the_key_is_required(dapo_server: ServerProcess, monkeypatch: pytest.Mon
 
 
 def test_concurrency_is_bounded(workdir: Path) -> None:
-    server = ServerProcess(workdir, "my_verifiers:slow")
+    server = ServerProcess(workdir, "my_verifiers:gated")
     try:
         scorer = RewardScorer(remote(server.url, batch_size=2, max_concurrency=3))
-        result = scorer.score([str(i) for i in range(24)], ["1"] * 24)
+        with ThreadPoolExecutor(1) as pool:
+            scoring = pool.submit(scorer.score, [str(i) for i in range(24)], ["1"] * 24)
+            # the gate holds every request: the scorer's three reach the server together
+            wait_until(lambda: server.health()["in_flight"] == 3, 60, "3 requests in flight at the reward server")
+            (workdir / "release").touch()
+            result = scoring.result(timeout=120)
         assert result.rewards == [1.0] * 24 and result.stats.failed == 0
         health = server.health()
     finally:
         server.stop()
-    # 12 requests of 2 items (+ the scorer's empty check), never more than 3 at once, and 3 reached
+    # 12 requests of 2 items (+ the scorer's empty check), never more than 3 at once
     assert (health["requests"], health["items"], health["max_in_flight"]) == (13, 24, 3)
 
 
