@@ -57,41 +57,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-# The e2e tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`, the
-# README's test command), in groups that each stay on one worker: a module's tests (its fixtures are
-# built once), the tests of the local Slurm cluster (one cluster, started and stopped by one worker),
-# and the tests that compare with a shared straight run (launched once). Groups start longest first,
-# in this order (from `--durations`; the others follow in collection order).
-E2E_LONGEST_FIRST = ("test_example_learns", "straight_runs", "slurm", "test_faults", "test_actor_distributed")
-
-
-def e2e_group(item: pytest.Item) -> str:
-    fixtures = getattr(item, "fixturenames", ())
-    if "slurm_cluster" in fixtures:
-        return "slurm"
-    if "straight_runs" in fixtures:
-        return "straight_runs"
-    return item.path.stem
-
-
-def _longest_first(group: str) -> int:
-    return E2E_LONGEST_FIRST.index(group) if group in E2E_LONGEST_FIRST else len(E2E_LONGEST_FIRST)
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    groups: dict[pytest.Item, str] = {}
     for item in items:
         if "slurm" in item.keywords:  # every Slurm test submits jobs
             item.add_marker(pytest.mark.e2e)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if "e2e" in item.keywords:
-            groups[item] = e2e_group(item)
-            item.add_marker(pytest.mark.xdist_group(groups[item]))
-    # a stable sort: the fast tier's items keep their order (pytest-randomly shuffles them), e2e groups move
-    items.sort(key=lambda item: _longest_first(groups[item]) if item in groups else len(E2E_LONGEST_FIRST))
 
 
 @pytest.fixture
