@@ -72,6 +72,10 @@ class RolloutData:
         sampler = PromptSampler.from_config(train, cfg.data)
         return cls(tokenizer, sampler, eval_prompts, RewardScorer(cfg.reward), metrics)
 
+    def close(self) -> None:
+        """End the scorer's reward worker processes (if it started any)."""
+        self.scorer.close()
+
 
 class RolloutDriver:
     """Rank 0's rollout side: starts (or connects to) the engine on `model_path` and closes it."""
@@ -194,7 +198,8 @@ class RolloutDriver:
         return scores
 
     def close(self) -> None:
-        """Stop the producer threads, then the engine (the local engine's child process) or disconnect."""
+        """Stop the producer threads, then the engine (the local engine's child process) or disconnect,
+        then the reward worker processes (a collection still scoring gets failures, not new workers)."""
         try:
             self.handoff.close()  # a worker waiting for the main thread ends
             if self.producer is not None:
@@ -202,4 +207,7 @@ class RolloutDriver:
             if self.one_step_off is not None:
                 self.one_step_off.close()
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                self.data.close()
