@@ -281,6 +281,15 @@ class RewardConfig:
         ge=0,
         le=1,
     )
+    workers: int = _f(
+        1, "processes scoring the local rules (dapo, boxed, math_verify, custom); started at the first batch", ge=1
+    )
+    item_timeout_s: float = _f(
+        30.0,
+        "seconds one response's scoring by a local rule may take; past it the response is a failure "
+        "(reward/failures, reward/timeouts)",
+        gt=0,
+    )
     url: str | None = _f(None, "type=remote: the endpoint batches are POSTed to, e.g. http://host:8000/score")
     api_key: str | None = _f(
         None, "type=remote: sent as 'Authorization: Bearer KEY'; null = $MEGATRON_RL_REWARD_API_KEY"

@@ -178,6 +178,8 @@ class Trainer:
         run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
         stack.callback(run_folder.close)  # its lock, released last
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
+        if data is not None:
+            stack.callback(data.close)  # the reward workers, also when a later piece fails to start
         if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
             release_colocated_engines(cfg)
         actor = run_folder.start_actor(cfg)

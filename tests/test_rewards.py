@@ -147,6 +147,7 @@ def test_scorer_rewards_and_stats() -> None:
         "reward/accuracy": 0.5,
         "reward/no_answer_fraction": 0.25,
         "reward/failures": 0.0,
+        "reward/timeouts": 0.0,
         "reward/count": 4.0,
     }
     with pytest.raises(ValueError, match="2 responses but 1 answers"):

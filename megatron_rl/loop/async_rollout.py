@@ -35,6 +35,7 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
+from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.types import Sample
 
 # how often a round waiting for groups checks that some can still arrive (requests have their own timeouts)
@@ -146,8 +147,9 @@ class BusyMeter:
 class OneStepOff:
     """The batch of the next step, collected by one background thread while this step trains."""
 
-    def __init__(self, collect: Callable[[int], Any]) -> None:
+    def __init__(self, collect: Callable[[int], Any], handoff: MainThreadCalls | None = None) -> None:
         self._collect = collect
+        self._handoff = handoff or MainThreadCalls()  # what the collection hands the main thread, run while it waits
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="one-step-off")
         self._future: Future | None = None
         self.ready: Any = None  # the next step's finished batch (a checkpoint holds it)
@@ -168,6 +170,7 @@ class OneStepOff:
         if self._future is not None:
             raise RuntimeError("one_step_off: a background collection is still running")
         self._future = self._pool.submit(self._collect, step)
+        self._future.add_done_callback(lambda _: self._handoff.notify())
         self.ready_step = step
 
     def wait(self) -> float:
@@ -175,6 +178,8 @@ class OneStepOff:
         began = time.perf_counter()
         if self._future is not None:
             future, self._future = self._future, None
+            with self._handoff.cond:
+                self._handoff.wait_for(future.done, None)  # the collection's requests have their timeouts
             self.ready = future.result()
         return time.perf_counter() - began
 
@@ -216,6 +221,7 @@ class AsyncProducer:
         generate: Callable[[Job], list[Sample]],
         next_prompt: Callable[[], Prompt],
         meter: BusyMeter,
+        handoff: MainThreadCalls | None = None,
     ) -> None:
         ro = cfg.rollout
         self.max_staleness = ro.max_staleness
@@ -225,7 +231,10 @@ class AsyncProducer:
         self._generate = generate
         self._next_prompt = next_prompt
         self._meter = meter
-        self.cond = threading.Condition()
+        # the producer's state is guarded by the hand-off's condition: the main thread, waiting for groups,
+        # also runs what the workers hand it (an engine restart)
+        self._handoff = handoff or MainThreadCalls()
+        self.cond = self._handoff.cond
         self.version = 0
         self.consumed = 0  # groups trained on (or used) in earlier steps
         self.taken = 0  # groups of the step being collected that count towards the bound
@@ -324,8 +333,10 @@ class AsyncProducer:
             n = min(n, self.bound() - self.consumed - counted)
             self.cond.notify_all()
             while len(grouped) < n:
-                while not self.buffer and self.error is None:
-                    if not self.cond.wait(STARVATION_CHECK_S) and self._starved():
+                while not self._handoff.wait_for(
+                    lambda: bool(self.buffer) or self.error is not None, STARVATION_CHECK_S
+                ):
+                    if self._starved():
                         raise RuntimeError(
                             f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
                             f"arrive (none buffered or in flight, none may be submitted: staleness bound "

@@ -282,10 +282,11 @@ class RolloutCollector:
         group_metrics["groups/reward_failed"] = float(failed_groups)
         if stats.failed:
             log.warning(
-                "step %d: %d of %d rewards failed from %s, %d group(s) left out; first: %s",
+                "step %d: %d of %d rewards failed%s from %s, %d group(s) left out; first: %s",
                 step,
                 stats.failed,
                 stats.count,
+                f" ({stats.timeouts} timed out)" if stats.timeouts else "",
                 self.scorer.source,
                 failed_groups,
                 stats.errors[0] if stats.errors else "no message",

@@ -30,6 +30,7 @@ from megatron_rl.models.source import tokenizer_source
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
 from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.types import Sample
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class RolloutData:
         sampler = PromptSampler.from_config(train, cfg.data)
         return cls(tokenizer, sampler, eval_prompts, RewardScorer(cfg.reward), metrics)
 
+    def close(self) -> None:
+        """End the scorer's reward worker processes (if it started any)."""
+        self.scorer.close()
+
 
 class RolloutDriver:
     """Rank 0's rollout side: starts (or connects to) the engine on `model_path` and closes it."""
@@ -92,10 +97,15 @@ class RolloutDriver:
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
         self.collector = RolloutCollector(cfg, self.engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
         self.meter = BusyMeter()
+        # rollout threads hand engine restarts (and their weight resync) to this, the main, thread
+        self.handoff = MainThreadCalls()
+        self.engine.handoff = self.handoff
         mode = cfg.rollout.async_mode
-        self.one_step_off = OneStepOff(self._collect) if mode == "one_step_off" else None
+        self.one_step_off = OneStepOff(self._collect, self.handoff) if mode == "one_step_off" else None
         self.producer = (
-            AsyncProducer(cfg, self._generate_job, self._next_prompt, self.meter) if mode == "fully_async" else None
+            AsyncProducer(cfg, self._generate_job, self._next_prompt, self.meter, self.handoff)
+            if mode == "fully_async"
+            else None
         )
 
     # ---- where a round's groups come from ----
@@ -188,11 +198,16 @@ class RolloutDriver:
         return scores
 
     def close(self) -> None:
-        """Stop the producer threads, then the engine (the local engine's child process) or disconnect."""
+        """Stop the producer threads, then the engine (the local engine's child process) or disconnect,
+        then the reward worker processes (a collection still scoring gets failures, not new workers)."""
         try:
+            self.handoff.close()  # a worker waiting for the main thread ends
             if self.producer is not None:
                 self.producer.close()
             if self.one_step_off is not None:
                 self.one_step_off.close()
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                self.data.close()

@@ -1,5 +1,6 @@
 """Answer extraction, normalisation and verification; batched scoring from the `reward` config,
-locally or on a reward server (`remote.py`, `server.py`: imported only when used, for aiohttp)."""
+locally in worker processes (`workers.py`) or on a reward server (`remote.py`, `server.py`: imported
+only when used, for aiohttp)."""
 
 from megatron_rl.rewards.extract import DAPO_WINDOW_CHARS, extract_answer_line, extract_boxed, strip_boxed
 from megatron_rl.rewards.normalize import normalize_answer, parse_number

@@ -6,12 +6,14 @@
 
 answers HTTP 200 with one result per item, in order:
 
-    {"results": [{"score": number, "correct": bool, "extracted": str | null} | {"error": str}, ...]}
+    {"results": [{"score": number, "correct": bool, "extracted": str | null} | {"error": str, "timeout": bool}, ...]}
 
 `score` is required and finite (a bool or a `Verdict` gives 1 or 0); `correct` is present when the
 function gave a verdict (bool or `Verdict`), and the trainer then uses reward.correct_reward /
 reward.incorrect_reward as for a local rule; `extracted` (only from a `Verdict`) is the final answer
-the rule found, null when it found none. `{"error": ...}` reports that the function raised on that item.
+the rule found, null when it found none. `{"error": ...}` reports that the function raised on that item;
+`"timeout": true` beside it (optional, absent = false) that it ran past the server's `--item-timeout-s`
+(the trainer counts those in `reward/timeouts` too).
 """
 
 from __future__ import annotations
@@ -33,7 +35,23 @@ class MalformedReplyError(ValueError):
     """A reward server's reply that does not follow the protocol; the message names what is wrong."""
 
 
-class RemoteItemError(RuntimeError):
+class ItemError(RuntimeError):
+    """A reward function's failure on one item, as its message (the function's own exception may not
+    pickle or travel); `timeout`: it ran past its time limit."""
+
+    def __init__(self, message: str, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple[Any, ...]:  # from a worker process: both fields, whatever the subclass
+        return (type(self), (str(self), self.timeout))
+
+    def to_json(self) -> dict[str, Any]:
+        """The item's result in a /score reply: {"error": message}, with "timeout": true when it timed out."""
+        return {"error": str(self), "timeout": True} if self.timeout else {"error": str(self)}
+
+
+class RemoteItemError(ItemError):
     """The reward server reported that its function failed on one item."""
 
 
@@ -88,7 +106,8 @@ class RuleOutput:
         if not isinstance(result, dict):
             raise MalformedReplyError(f"{where} is {type(result).__name__} {_short(result)}, not an object")
         if "error" in result:
-            raise RemoteItemError(f"{where}: the server's reward function failed: {result['error']}")
+            timeout = result.get("timeout") is True  # optional: servers that do not send it report no timeouts
+            raise RemoteItemError(f"{where}: the server's reward function failed: {result['error']}", timeout)
         if "score" not in result:
             raise MalformedReplyError(f"{where} has no 'score' (keys: {sorted(result)})")
         score = result["score"]

@@ -63,15 +63,20 @@ def load_reward_function(spec: str, where: str) -> RewardFn:
     return named_rule(spec, where) if spec in RULE_NAMES else load_custom_function(spec, where)
 
 
-def rule_caller(fn: RewardFn) -> RuleCall:
-    """(response, answer, prompt, row) -> fn(response, answer), with prompt= and row= passed only
-    when fn names them (or takes **kwargs)."""
+def extra_arguments(fn: RewardFn) -> tuple[str, ...]:
+    """Which of `prompt` and `row` fn takes: the ones it names (both when it takes **kwargs)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature take the two positional arguments
         params = {}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    extra = tuple(name for name in ("prompt", "row") if takes_any or name in params)
+    return tuple(name for name in ("prompt", "row") if takes_any or name in params)
+
+
+def rule_caller(fn: RewardFn) -> RuleCall:
+    """(response, answer, prompt, row) -> fn(response, answer), with prompt= and row= passed only
+    when fn names them (or takes **kwargs)."""
+    extra = extra_arguments(fn)
 
     def call(response: str, answer: str, prompt: str | None, row: Mapping[str, Any] | None) -> Any:
         given = {"prompt": prompt, "row": row}

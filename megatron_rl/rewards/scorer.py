@@ -1,5 +1,6 @@
 """Batched scoring: rewards for many responses, a failing reward function counted, and fatal only
-beyond `reward.max_failure_frac` of a step's responses."""
+beyond `reward.max_failure_frac` of a step's responses. Local rules run in worker processes
+(`rewards/workers.py`), each response under `reward.item_timeout_s`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_rl.rewards.protocol import RewardItem, RuleOutput
-from megatron_rl.rewards.registry import RewardFn, resolve_rule, rule_caller
+from megatron_rl.rewards.protocol import ItemError, RewardItem, RuleOutput
+from megatron_rl.rewards.registry import RULE_NAMES, RewardFn, extra_arguments, resolve_rule, rule_caller
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
     from megatron_rl.rewards.remote import RemoteRewardClient
+    from megatron_rl.rewards.workers import RewardWorkers
 
 logger = logging.getLogger(__name__)
 _MAX_ERRORS_KEPT = 5
@@ -25,7 +27,9 @@ class RewardFailureError(RuntimeError):
 
 @dataclass
 class RewardStats:
-    """Counts over scored responses: correct, without an extractable answer, and failed (raised)."""
+    """Counts over scored responses: correct, without an extractable answer, failed (raised, timed out
+    or not answered), and timed out (past reward.item_timeout_s or the server's --item-timeout-s; also
+    counted in `failed`)."""
 
     count: int = 0
     correct: int = 0
@@ -33,16 +37,18 @@ class RewardStats:
     failed: int = 0
     reward_sum: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few failure messages
+    timeouts: int = 0
 
     def merge(self, other: RewardStats) -> RewardStats:
         """The counts of both (e.g. over the generation rounds of one step)."""
         return RewardStats(
-            self.count + other.count,
-            self.correct + other.correct,
-            self.no_answer + other.no_answer,
-            self.failed + other.failed,
-            self.reward_sum + other.reward_sum,
-            (self.errors + other.errors)[:_MAX_ERRORS_KEPT],
+            count=self.count + other.count,
+            correct=self.correct + other.correct,
+            no_answer=self.no_answer + other.no_answer,
+            failed=self.failed + other.failed,
+            reward_sum=self.reward_sum + other.reward_sum,
+            errors=(self.errors + other.errors)[:_MAX_ERRORS_KEPT],
+            timeouts=self.timeouts + other.timeouts,
         )
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
@@ -52,6 +58,7 @@ class RewardStats:
             f"{prefix}accuracy": self.correct / n,
             f"{prefix}no_answer_fraction": self.no_answer / n,
             f"{prefix}failures": float(self.failed),
+            f"{prefix}timeouts": float(self.timeouts),
             f"{prefix}count": float(self.count),
         }
 
@@ -84,21 +91,38 @@ class RewardScorer:
     bool (mapped the same way) or a finite number (the reward; counted correct when >= correct_reward).
     When the function raises or returns anything else, that response gets reward.failure_reward and
     the failure is counted in the stats (the loop leaves its group out, and `check_failures` stops the
-    run beyond reward.max_failure_frac). With reward.type = remote the reward server runs the function
-    (`rewards/remote.py`); a batch the server does not answer, or answers against the protocol, is
-    counted the same way.
+    run beyond reward.max_failure_frac). The rule of reward.type runs in reward.workers processes
+    (`rewards/workers.py`, started at the first `score`; `close` ends them), and a response scored
+    longer than reward.item_timeout_s is such a failure, counted in `RewardStats.timeouts` too. With
+    reward.type = remote the reward server runs the function (`rewards/remote.py`); a batch the server
+    does not answer, or answers against the protocol, is counted the same way. An explicit `rule`
+    runs in this thread, with no time limit.
     """
 
     def __init__(self, cfg: RewardConfig, rule: RewardFn | None = None) -> None:
         self.cfg = cfg
         self.remote: RemoteRewardClient | None = None
+        self.workers: RewardWorkers | None = None
         if rule is None and cfg.type == "remote":
             from megatron_rl.rewards.remote import RemoteRewardClient
 
             self.remote = RemoteRewardClient.from_config(cfg)
             self.remote.check()
+        elif rule is not None:
+            self._call = rule_caller(rule)
         else:
-            self._call = rule_caller(rule if rule is not None else resolve_rule(cfg))
+            from megatron_rl.rewards.workers import RewardWorkers
+
+            function = resolve_rule(cfg)  # a function that cannot load fails here, naming the setting
+            self._extras = extra_arguments(function)  # what else the items must carry to the workers
+            spec, where = (
+                (cfg.type, f"reward.type = {cfg.type!r}")
+                if cfg.type in RULE_NAMES
+                else (str(cfg.custom_function), f"reward.custom_function = {cfg.custom_function!r}")
+            )
+            self.workers = RewardWorkers(
+                spec, cfg.workers, cfg.item_timeout_s, where=where, timeout_name="reward.item_timeout_s"
+            )
 
     def score_prompts(self, responses: Sequence[str], prompts: Sequence[ScoredPrompt]) -> RewardResult:
         """`score` of response i against prompts[i]'s answer, with its text and data row."""
@@ -120,7 +144,13 @@ class RewardScorer:
             RewardItem(response, answer, prompts[i] if prompts else None, rows[i] if rows else None)
             for i, (response, answer) in enumerate(zip(responses, answers, strict=True))
         ]
-        outputs = self.remote.score(items) if self.remote is not None else [self._local(item) for item in items]
+        outputs: Sequence[RuleOutput | Exception]
+        if self.remote is not None:
+            outputs = self.remote.score(items)
+        elif self.workers is not None:
+            outputs = self.workers.score([self._strip(item) for item in items])
+        else:
+            outputs = [self._local(item) for item in items]
         result = RewardResult([], [], [], [], RewardStats())
         stats = result.stats
         for i, out in enumerate(outputs):
@@ -128,9 +158,12 @@ class RewardScorer:
                 if not stats.failed:
                     logger.debug("the first reward failure of %d responses", len(outputs), exc_info=out)
                 if len(stats.errors) < _MAX_ERRORS_KEPT:
-                    stats.errors.append(f"response {i}: {type(out).__name__}: {out}")
+                    # an ItemError's message names the function's exception already
+                    message = str(out) if isinstance(out, ItemError) else f"{type(out).__name__}: {out}"
+                    stats.errors.append(f"response {i}: {message}")
                 reward, correct, extracted, found = float(self.cfg.failure_reward), False, None, True
                 stats.failed += 1
+                stats.timeouts += int(isinstance(out, ItemError) and out.timeout)
                 result.failed.append(True)
             else:
                 reward, correct, extracted, found = self._interpret(out)
@@ -143,6 +176,18 @@ class RewardScorer:
             stats.no_answer += not found
             stats.reward_sum += reward
         return result
+
+    def _strip(self, item: RewardItem) -> RewardItem:
+        """`item` without the prompt and row when the function does not take them (less to send)."""
+        prompt = item.prompt if "prompt" in self._extras else None
+        row = item.row if "row" in self._extras else None
+        same = prompt is item.prompt and row is item.row
+        return item if same else RewardItem(item.response, item.answer, prompt, row)
+
+    def close(self) -> None:
+        """End the reward worker processes (idempotent; a batch still scoring fails, later ones raise)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _local(self, item: RewardItem) -> RuleOutput | Exception:
         try:

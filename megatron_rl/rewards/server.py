@@ -8,7 +8,8 @@ in `--workers` processes; each request is split over them. Binds 127.0.0.1 and r
 `--max-request-mb` get HTTP 413, bodies not received within `--read-timeout-s` HTTP 408, and values
 strict JSON refuses (`NaN`, deep nesting, ...) HTTP 400 (`megatron_rl.http_body`, the helpers the
 engine server uses). A call of the function that runs past `--item-timeout-s` fails its
-item (and the worker goes on with the next).
+item, reported with `"timeout": true` (and the worker goes on with the next): the workers are
+`rewards/workers.py`'s, as the trainer's for local rules.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
-import multiprocessing
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -37,48 +35,13 @@ from megatron_rl.http_body import (
     read_body,
     server_api_key,
 )
-from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, RuleOutput, decode_request
-from megatron_rl.rewards.registry import RewardConfigError, RuleCall, load_reward_function, rule_caller
+from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, decode_request
+from megatron_rl.rewards.registry import RewardConfigError, load_reward_function
+from megatron_rl.rewards.workers import RewardWorkers
 
 log = logging.getLogger("megatron_rl.reward_server")
 
 HELP = "serve a reward function (a built-in rule or module:function) over HTTP for reward.type=remote"
-
-_worker_call: RuleCall | None = None
-_item_timeout_s = 0.0
-
-
-def _init_worker(spec: str, item_timeout_s: float) -> None:
-    global _worker_call, _item_timeout_s
-    _worker_call = rule_caller(load_reward_function(spec, f"--function {spec!r}"))
-    _item_timeout_s = item_timeout_s
-    if item_timeout_s > 0:
-        signal.signal(signal.SIGALRM, _item_timed_out)
-
-
-def _item_timed_out(signum: int, frame: Any) -> None:
-    raise TimeoutError(f"the reward function ran longer than --item-timeout-s = {_item_timeout_s:g} s")
-
-
-def score_items(items: list[RewardItem]) -> list[dict[str, Any]]:
-    """The results of `items` in a worker process: each output, or the error the function raised.
-    The worker runs the function in its main thread, so SIGALRM can interrupt one that hangs (in
-    Python code; a C call that holds the interpreter is interrupted when it returns)."""
-    assert _worker_call is not None, "score_items runs in a worker started by _init_worker"
-    results = []
-    for item in items:
-        try:
-            if _item_timeout_s > 0:
-                signal.setitimer(signal.ITIMER_REAL, _item_timeout_s)
-            try:
-                out = _worker_call(item.response, item.answer, item.prompt, item.row)
-            finally:
-                if _item_timeout_s > 0:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            results.append(RuleOutput.of(out).to_json())
-        except Exception as err:  # the function's failure is this item's result, not the request's
-            results.append({"error": f"{type(err).__name__}: {err}"})
-    return results
 
 
 class RewardServer:
@@ -96,14 +59,10 @@ class RewardServer:
         self.spec, self.workers, self.api_key, self.item_timeout_s = spec, workers, api_key, item_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_request_bytes = int(max_request_mb * (1 << 20))
-        self.pool = self._new_pool()
-        self.requests = self.items = self.in_flight = self.max_in_flight = 0
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("spawn")  # no fork of a process that runs an event loop
-        return ProcessPoolExecutor(
-            self.workers, mp_context=context, initializer=_init_worker, initargs=(self.spec, self.item_timeout_s)
+        self.pool = RewardWorkers(
+            spec, workers, item_timeout_s, where=f"--function {spec!r}", timeout_name="--item-timeout-s"
         )
+        self.requests = self.items = self.in_flight = self.max_in_flight = 0
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes + 1)
@@ -133,23 +92,24 @@ class RewardServer:
             self.items += len(items)
             try:
                 results = await self._score(items)
-            except BrokenProcessPool as err:
+            except BrokenProcessPool as err:  # _score started new workers
                 log.error("a worker process died (%s); starting new workers", err)
-                self.pool.shutdown(wait=False, cancel_futures=True)
-                self.pool = self._new_pool()
                 return web.json_response({"error": f"a worker process died: {err}"}, status=503)
             return web.json_response({"results": results})
         finally:
             self.in_flight -= 1
 
     async def _score(self, items: list[RewardItem]) -> list[dict[str, Any]]:
+        """The items' results, split over the workers; a dead worker raises BrokenProcessPool (new workers start)."""
         if not items:
             return []
-        size = math.ceil(len(items) / self.workers)
-        loop = asyncio.get_running_loop()
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        done = await asyncio.gather(*(loop.run_in_executor(self.pool, score_items, chunk) for chunk in chunks))
-        return [result for chunk in done for result in chunk]
+        pool, futures = self.pool.submit(items)
+        try:
+            done = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+        except BrokenProcessPool:
+            await asyncio.to_thread(self.pool.restart, pool)  # it joins the killed processes: off the event loop
+            raise
+        return [result.to_json() for chunk in done for result in chunk]
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -235,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.pool.shutdown(wait=True, cancel_futures=True)
+        server.pool.close()
     return 0
 
 

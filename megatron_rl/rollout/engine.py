@@ -13,7 +13,10 @@ Supervision of the local engine child: a request that cannot connect while the c
 fails at once with `EngineDiedError` (its exit code) instead of being retried; `generate` then
 restarts the child on the same port from the model folder, calls `resync` (the trainer's weight
 sync pushes the current weights), sends the unfinished requests again and goes on; the finished
-ones are kept. After `rollout.max_engine_restarts` restarts the next death stops the run, with the
+ones are kept. One restart runs at a time: the restart and its resync run on the trainer's main
+thread (`handoff`, when the driver gives one: a worker thread that saw the death hands them over
+and waits), and every thread that saw the same death sends its requests again once it is done;
+no request is sent between a restart and its resync. After `rollout.max_engine_restarts` restarts the next death stops the run, with the
 exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
 the trainer waits, a warning gives the requests in flight (and whether the child is stopped, e.g.
 by SIGSTOP). Closing cancels what is still pending on the client's loop first (an interrupted
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import secrets
@@ -34,6 +38,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from megatron_rl.rollout.handoff import HANDOFF_WARN_S, MainThreadCalls
 from megatron_rl.rollout.local.launcher import API_KEY_ENV, LocalEngineProcess, start_local_engine
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -85,6 +90,11 @@ class RolloutEngine:
         # pushes the current weights to a restarted engine (the trainer's weight sync); None: the
         # model folder the child starts from is current
         self.resync: Callable[[], None] | None = None
+        # where restarts and resyncs run (the driver's); None: on the thread that saw the death
+        self.handoff: MainThreadCalls | None = None
+        self._restart_lock = threading.Lock()
+        self._ready = threading.Event()  # cleared from a restart until its resync is done
+        self._ready.set()
         if local_process is not None:
             client.dead_reason = self._dead_reason
         self.run(client.start())
@@ -207,6 +217,8 @@ class RolloutEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         done: dict[int, Sample] = {}
         while True:
+            self._wait_ready()
+            serving = self.local_process
             todo = [i for i in range(len(prompts)) if i not in done]
             finished: dict[int, Sample] = {}
             try:
@@ -222,11 +234,30 @@ class RolloutEngine:
                 return [done[i] for i in range(len(prompts))]
             except EngineDiedError as err:
                 done.update({todo[j]: sample for j, sample in finished.items()})
-                self._restart_dead_engine(err, unfinished=len(prompts) - len(done))
+                restart = functools.partial(self._restart_dead_engine, err, serving, len(prompts) - len(done))
+                if self.handoff is None:
+                    restart()
+                else:
+                    self.handoff.call(restart, "restarting the rollout engine")
 
-    def _restart_dead_engine(self, err: EngineDiedError, unfinished: int) -> None:
-        """Start the local engine again in place of the dead one and give it the current weights;
-        raises `EngineDiedError` with the log's tail once `max_restarts` are used up."""
+    def _wait_ready(self) -> None:
+        while not self._ready.wait(HANDOFF_WARN_S):
+            log.warning("waiting for the restarted rollout engine's weights (its resync)")
+
+    def _restart_dead_engine(self, err: EngineDiedError, dead: LocalEngineProcess | None, unfinished: int) -> None:
+        """Start the local engine again in place of `dead` and give it the current weights, unless
+        another thread's report of the same death did already; raises `EngineDiedError` with the
+        log's tail once `max_restarts` are used up."""
+        with self._restart_lock:
+            if dead is not None and dead is not self.local_process:
+                return  # restarted meanwhile: send again
+            self._ready.clear()
+            try:
+                self._restart_locked(err, unfinished)
+            finally:
+                self._ready.set()
+
+    def _restart_locked(self, err: EngineDiedError, unfinished: int) -> None:
         dead = self.local_process
         if dead is None or self._restart is None:
             raise err

@@ -66,9 +66,12 @@ class _Evaluator:
         return warm_start_scores(self.engine, self.prompts, self.tokenizer, self.scorer, self.cfg, step)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        try:
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+        finally:
+            self.scorer.close()  # the reward worker processes
 
 
 def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
