@@ -59,7 +59,7 @@ def rewards() -> Iterator[reward_server.RewardServer]:
     try:
         yield server
     finally:
-        server.pool.shutdown(wait=True)
+        server.pool.close()
 
 
 @contextlib.asynccontextmanager
