@@ -326,6 +326,11 @@ class EnvConfig:
     max_tool_calls: int = _f(
         16, "tool calls run per model turn; the ones after get an error response (env/too_many_tool_calls)", ge=1
     )
+    max_concurrent_steps: int = _f(
+        64,
+        "Environment.step calls run at once: the steps of a turn's episodes run side by side, at most this many",
+        ge=1,
+    )
     tool_url: str | None = _f(None, "http_tool: the tool server's endpoint, POSTed {name, arguments}")
     max_tool_reply_bytes: int = _f(
         1 << 20, "http_tool: the longest reply read from the tool server; a longer one is a tool error", ge=1

@@ -677,3 +677,44 @@ def test_http_tool_refuses_a_reply_over_the_byte_limit() -> None:
         assert obs.events == ["tool_call"] and obs.text == "x" * 5000
     finally:
         server.shutdown()
+
+
+class Rendezvous(Environment):
+    """A step that returns only once `meet` steps are running at once (a barrier): run one after
+    another, the first step's barrier breaks and every episode ends with env_error."""
+
+    barrier: threading.Barrier
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def step(self, turn):
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+        try:
+            cls.barrier.wait()
+        finally:
+            with cls.lock:
+                cls.running -= 1
+        return Observation(text="ok") if turn.index == 0 else Observation(done=True)
+
+
+@pytest.mark.parametrize(("episodes", "max_concurrent"), [(6, 64), (6, 3)])
+def test_the_steps_of_a_turn_run_side_by_side_up_to_the_bound(episodes: int, max_concurrent: int) -> None:
+    meet = min(episodes, max_concurrent)
+    Rendezvous.barrier = threading.Barrier(meet, timeout=30)
+    Rendezvous.most = 0
+    cfg = EnvConfig(max_turns=3, max_concurrent_steps=max_concurrent)
+    engine = TurnEngine({k: ["a", "b"] for k in range(episodes)})
+    trajs = run_episodes(
+        engine,
+        [Rendezvous(cfg) for _ in range(episodes)],
+        [row(k) for k in range(episodes)],
+        params,
+        TurnRenderer(TOK),
+        cfg,
+    )
+    assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2)] * episodes
+    assert Rendezvous.most == meet  # every step of the turn at once, never more than env.max_concurrent_steps

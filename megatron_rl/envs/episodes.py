@@ -1,7 +1,9 @@
 """Running episodes against the engine, token in, token out.
 
 Every turn is one `/generate` with the whole trajectory's `input_ids`, batched over the live
-episodes. The trajectory is exactly the engine's generated tokens followed by the observation's
+episodes; then the live episodes' `Environment.step` calls run side by side, at most
+`env.max_concurrent_steps` at once (a tool server's latency is paid once per turn, not once per
+episode). The trajectory is exactly the engine's generated tokens followed by the observation's
 tokens (the chat template's turn delimiters and the observation, tokenized once, by
 `TurnRenderer`): the conversation is never decoded and re-tokenized, so the trainer scores the
 tokens the engine sampled. Observation tokens get loss mask 0 and log-prob 0 (they are never
@@ -29,6 +31,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -200,8 +203,18 @@ def run_episodes(
             requests.append(ids)
             request_params.append(p)
         samples = engine.generate(requests, request_params, return_routed_experts=return_routed_experts)
-        for i, sample in zip(live, samples, strict=True):
-            _advance(episodes[i], sample, turn, renderer, cfg, stall_warning_s)
+        stepping = [
+            (episodes[i], t)
+            for i, sample in zip(live, samples, strict=True)
+            if (t := _record(episodes[i], sample, turn, renderer)) is not None
+        ]
+        if not stepping:
+            continue
+        # the steps side by side; what uses the tokenizer (not safe across threads) stays on this thread
+        with ThreadPoolExecutor(min(len(stepping), cfg.max_concurrent_steps), thread_name_prefix="env-step") as pool:
+            steps = [pool.submit(_step, ep.env, t, cfg, stall_warning_s) for ep, t in stepping]
+            for (ep, t), step in zip(stepping, steps, strict=True):
+                _observe(ep, t, step, renderer, cfg)
     return [ep.traj for ep in episodes]
 
 
@@ -240,9 +253,8 @@ def _turn_reward(obs: Observation, env: Environment, turn: int, cfg: EnvConfig) 
     return float(reward)
 
 
-def _advance(
-    ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer, cfg: EnvConfig, stall_warning_s: float
-) -> None:
+def _record(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer) -> Turn | None:
+    """Append the engine's turn to the trajectory; the `Turn` to step on, or None when the episode ended."""
     traj = ep.traj
     out = list(sample.output_ids)
     if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
@@ -263,12 +275,21 @@ def _advance(
         traj.routed_experts = np.concatenate(ep.routing, axis=0)
     traj.turn_rewards.append(0.0)
     if sample.aborted:
-        return ep.end("abort")
+        ep.end("abort")
+        return None
     if sample.truncated:
-        return ep.end("length")
+        ep.end("length")
+        return None
     text = renderer.tokenizer.batch_decode([out], skip_special_tokens=True)[0]
+    return Turn(turn, text, tuple(out), sample.finish_reason)
+
+
+def _observe(ep: _Episode, done: Turn, step: Future, renderer: TurnRenderer, cfg: EnvConfig) -> None:
+    """The environment's answer to the turn `done` (`step`'s result): the episode ends, or its
+    observation is appended."""
+    traj, turn, out = ep.traj, done.index, done.token_ids
     try:
-        obs = _step(ep.env, Turn(turn, text, tuple(out), sample.finish_reason), cfg, stall_warning_s)
+        obs = step.result()
     except Exception as err:  # a user environment's bug ends its episode, counted, not the step
         traj.events["step_timeout" if isinstance(err, StepTimeoutError) else "env_error"] += 1
         traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
