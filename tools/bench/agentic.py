@@ -1,0 +1,186 @@
+"""Benchmark of multi-turn collection with a slow tool: a turn's environment steps side by side
+against one after another.
+
+--episodes episodes (64) x --turns turns (3) on the local engine (`megatron-rl serve`, the tiny_math
+policy of examples/tiny_math, seeded); after every model turn the environment POSTs the turn to a
+loopback HTTP tool server that answers after --tool-latency-s (0.2 s). Both sides run the
+collector's own `run_episodes` on the same engine and prompts, alternating, --repeats times (the
+median reported): `one_by_one` with env.max_concurrent_steps = 1 (the steps one after another, as
+collection ran them before), `side_by_side` with env.max_concurrent_steps = --episodes. Per side:
+wall seconds, `tool_wait_share` (the share of the wall time during which a step was waiting on the
+tool) and `engine_idle_share` (the share during which no generation ran); the last line gives
+`speedup` = one_by_one wall / side_by_side wall.
+
+    python tools/bench/agentic.py [--episodes 64] [--turns 3] [--tool-latency-s 0.2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Intervals:
+    """Busy intervals recorded from several threads; `covered` is the length of their union."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans: list[tuple[float, float]] = []
+
+    def add(self, began: float, ended: float) -> None:
+        with self.lock:
+            self.spans.append((began, ended))
+
+    def covered(self) -> float:
+        total, end = 0.0, float("-inf")
+        for began, ended in sorted(self.spans):
+            if ended > end:
+                total += ended - max(began, end)
+                end = ended
+        return total
+
+
+def serve_tool(latency_s: float) -> ThreadingHTTPServer:
+    """A loopback tool server (a thread per request) that answers every POST after `latency_s`."""
+
+    class Tool(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(latency_s)  # the tool's latency being measured against, not a synchronisation
+            body = b"7"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Tool)
+    threading.Thread(target=server.serve_forever, daemon=True, name="tool-server").start()
+    return server
+
+
+def timed_engine(engine: Any, busy: Intervals) -> Any:
+    """`engine` whose `generate` calls are recorded in `busy`."""
+
+    class Timed:
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return engine.generate(*args, **kwargs)
+            finally:
+                busy.add(began, time.perf_counter())
+
+    return Timed()
+
+
+def tool_environment(url: str, waits: Intervals, turns: int) -> type:
+    from megatron_rl.envs import Environment, Observation
+
+    class SlowTool(Environment):
+        """Every turn is sent to the tool; its answer is the observation, for `turns` turns."""
+
+        def step(self, turn: Any) -> Any:
+            began = time.perf_counter()
+            request = urllib.request.Request(url, data=turn.text.encode(), method="POST")
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                answer = reply.read().decode()
+            waits.add(began, time.perf_counter())
+            return Observation(text=answer, done=turn.index + 1 >= turns)
+
+    return SlowTool
+
+
+def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, concurrent_steps: int) -> dict:
+    from megatron_rl.config import EnvConfig
+    from megatron_rl.data import Prompt, RowLocation
+    from megatron_rl.envs import TurnRenderer, run_episodes
+    from megatron_rl.rollout.types import SamplingParams
+
+    cfg = EnvConfig(max_turns=args.turns, max_concurrent_steps=concurrent_steps, max_total_tokens=256)
+    generating, waiting = Intervals(), Intervals()
+    env_class = tool_environment(url, waiting, args.turns)
+    rows = []
+    for i in range(args.episodes):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{i % 10}+{i % 7}="}], add_generation_prompt=True
+        )
+        rows.append(Prompt(i, tuple(ids), "", "0", {}, RowLocation("bench", "row", i)))
+
+    def params(turn: int, i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, sampling_seed=turn * 1000 + i)
+
+    began = time.perf_counter()
+    trajectories = run_episodes(
+        timed_engine(engine, generating), [env_class(cfg) for _ in rows], rows, params, TurnRenderer(tokenizer), cfg
+    )
+    wall = time.perf_counter() - began
+    turns = sum(t.turns for t in trajectories)
+    return {
+        "wall_s": wall,
+        "turns": turns,
+        "tool_wait_share": waiting.covered() / wall,
+        "engine_idle_share": 1.0 - generating.covered() / wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--tool-latency-s", type=float, default=0.2)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="the engine's torch threads")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(REPO / "examples" / "tiny_math"))
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.data import load_tokenizer
+    from megatron_rl.rollout.engine import RolloutEngine
+
+    import tiny_model
+
+    tool = serve_tool(args.tool_latency_s)
+    url = f"http://127.0.0.1:{tool.server_address[1]}/tool"
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        tiny_model.build_model(model, seed=0)
+        tokenizer = load_tokenizer(str(model))
+        rollout = RolloutConfig(max_concurrency=args.episodes, request_timeout_s=600)
+        engine = RolloutEngine.from_config(rollout, str(model), extra_args=["--threads", str(args.threads)])
+        try:
+            sides = {"one_by_one": 1, "side_by_side": args.episodes}
+            runs: dict[str, list[dict]] = {name: [] for name in sides}
+            for _ in range(args.repeats):
+                for name, concurrent_steps in sides.items():
+                    runs[name].append(collect(engine, tokenizer, url, args, concurrent_steps))
+        finally:
+            engine.close()
+            tool.shutdown()
+    median = {}
+    for name, results in runs.items():
+        median[name] = sorted(results, key=lambda r: r["wall_s"])[len(results) // 2]
+        line = {"side": name, "episodes": args.episodes, "turns_per_episode": args.turns, **median[name]}
+        line["wall_s_runs"] = [round(r["wall_s"], 3) for r in results]
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}))
+    speedup = median["one_by_one"]["wall_s"] / median["side_by_side"]["wall_s"]
+    spread = statistics.pstdev(r["wall_s"] for r in runs["side_by_side"])
+    print(json.dumps({"speedup": round(speedup, 2), "side_by_side_wall_s_stdev": round(spread, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
