@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.agents import run_agent_episodes
 from megatron_rl.algorithms import (
     DynamicSamplingAccumulator,
     group_advantages,
@@ -136,16 +137,28 @@ class RolloutCollector:
             round_key = round_ if turn == 0 else f"{round_}.{turn}"
             return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
 
-        trajectories = run_episodes(
-            self.engine,
-            [self.make_env() for _ in rows],
-            rows,
-            params,
-            self.renderer,
-            self.cfg.env,
-            return_routed_experts=ro.return_routed_experts,
-            stall_warning_s=ro.stall_warning_s,
-        )
+        if self.cfg.env.type == "agent":  # a black-box agent per episode, through the gateway
+            episodes = run_agent_episodes(
+                self.engine,
+                rows,
+                params,
+                self.renderer,
+                self.cfg.env,
+                max_concurrency=ro.max_concurrency,
+                return_routed_experts=ro.return_routed_experts,
+            )
+            trajectories = [e.trajectory for e in episodes]
+        else:
+            trajectories = run_episodes(
+                self.engine,
+                [self.make_env() for _ in rows],
+                rows,
+                params,
+                self.renderer,
+                self.cfg.env,
+                return_routed_experts=ro.return_routed_experts,
+                stall_warning_s=ro.stall_warning_s,
+            )
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
     def score(self, prompts: Sequence[Prompt], grouped: Sequence[Sequence[Sample]]) -> tuple[list[Group], RewardStats]:
@@ -345,7 +358,12 @@ def evaluate(
     make_env = environment_factory(cfg.env)
     envs, renderer = [make_env() for _ in prompts], TurnRenderer(tokenizer)
     stall_s = cfg.rollout.stall_warning_s
-    samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
+    if cfg.env.type == "agent":
+        concurrency = cfg.rollout.max_concurrency
+        episodes = run_agent_episodes(engine, prompts, params, renderer, cfg.env, max_concurrency=concurrency)
+        samples = [e.trajectory for e in episodes]
+    else:
+        samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
     texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     result = scorer.score_prompts(texts, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
