@@ -287,13 +287,15 @@ def test_an_agent_that_raises_hangs_or_never_calls_fails_its_episode_only() -> N
         release.wait()
 
     engine = ScriptEngine({k: ["Answer: 1"] for k in ("ok", "raises", "nan")})
-    rows = [task(k) for k in ("ok", "raises", "hangs", "silent", "nan")]
+    rows = [task(k) for k in ("ok", "raises", "silent", "nan")]
     try:
-        episodes = run_agents(engine, agent, rows, agent_timeout_s=0.5)
-        (blocked,) = run_agents(engine, blocking_agent, [task("blocked")], agent_timeout_s=0.5)
+        ok, raised, silent, nan = run_agents(engine, agent, rows, agent_timeout_s=120)
+        # a timeout far below what the others may need on a busy machine, only for those that never end
+        (hung,) = run_agents(engine, agent, [task("hangs")], agent_timeout_s=0.2)
+        (blocked,) = run_agents(engine, blocking_agent, [task("blocked")], agent_timeout_s=0.2)
     finally:
         release.set()
-    ok, raised, hung, silent, nan = episodes
+    episodes = [ok, raised, hung, silent, nan]
     assert ok.error is None and ok.trajectory.finish_reason == "stop" and ok.trajectory.end_reason == "done"
     assert "the agent's bug" in raised.error and raised.trajectory.output_ids == chars("Answer: 1") + [IM_END]
     assert "agent_timeout_s" in hung.error and "agent_timeout_s" in blocked.error
@@ -383,3 +385,43 @@ def test_row_is_json_for_a_command() -> None:
     from megatron_rl.agents import row_json
 
     assert json.loads(row_json(row(7))) == {"index": 0, "prompt": "q", "answer": "56088", "row": {}}
+
+
+def test_a_real_tokenizer_and_chat_template_give_the_same_tokens_as_rendering_the_whole_conversation() -> None:
+    from test_tiny_tools import tools_tokenizer
+
+    tok = tools_tokenizer.build_tokenizer()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+    class Engine:
+        def __init__(self) -> None:
+            self.requests: list[list[int]] = []
+
+        def generate(self, prompts, params, return_routed_experts=False):
+            (ids,) = prompts
+            self.requests.append(list(ids))
+            gen = tok.encode(call if len(self.requests) == 1 else "Answer: 5", add_special_tokens=False)
+            gen.append(tok.eos_token_id)
+            return [Sample(list(ids), gen, [-0.1] * len(gen), "stop")]
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "2+3="}]
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        (tool_call,) = reply.choices[0].message.tool_calls
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": tool_call.id, "content": "5"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)
+
+    engine = Engine()
+    cfg = EnvConfig(type="agent", max_turns=2)
+    (episode,) = run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent)
+    conversation = [
+        {"role": "user", "content": "2+3="},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "5"},
+    ]
+    whole = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(engine.requests[1]) == whole  # the same text, built token in, token out
+    traj = episode.trajectory
+    assert traj.prompt_ids + traj.output_ids == engine.requests[1] + tok.encode("Answer: 5") + [tok.eos_token_id]
