@@ -345,6 +345,11 @@ class EnvConfig:
         "agent: a command run per episode (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL in its environment, the "
         'row as JSON on stdin; a last stdout line {"reward": x} is its reward)',
     )
+    agent_reward: bool = _f(
+        False,
+        "agent: score each episode by the reward its agent returns (or prints) instead of reward.*; an episode "
+        "without one is a failed reward (reward.failure_reward, its group left out)",
+    )
     agent_timeout_s: float = _f(
         600.0, "agent: seconds one episode's agent may run; past it the episode fails (env/agent_errors)", gt=0
     )
@@ -866,9 +871,10 @@ def _validate_env(cfg: Config) -> None:
         "env.type = 'agent' needs exactly one of env.agent (module:function) and env.agent_command (a command), "
         f"got {'both' if agents else 'neither'}",
     )
+    stray = [*agents, *(["agent_reward"] if env.agent_reward else [])]
     _require(
-        env.type == "agent" or not agents,
-        f"env.{agents[0] if agents else 'agent'} is set but env.type = {env.type!r}: it is read only with env.type=agent",
+        env.type == "agent" or not stray,
+        f"env.{stray[0] if stray else 'agent'} is set but env.type = {env.type!r}: it is read only with env.type=agent",
     )
     _require(
         env.tool_url is None or str(env.tool_url).startswith(("http://", "https://")),

@@ -21,7 +21,7 @@ from megatron_rl.config import ConfigError, EnvConfig, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
-from megatron_rl.loop.collect import RolloutCollector
+from megatron_rl.loop.collect import RolloutCollector, evaluate
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -357,6 +357,36 @@ def test_config_refuses_an_agent_type_without_exactly_one_agent() -> None:
 async def answering_agent(base_url, api_key, row):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+
+
+async def rewarding_agent(base_url, api_key, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+    return 0.75 if reply.choices[0].message.content == "Answer: 56088" else 0.0
+
+
+def test_the_collector_scores_by_the_agents_reward_with_env_agent_reward() -> None:
+    over = [
+        "model.hf_path=unused",
+        "data.train_path=unused",
+        "rollout.n_samples_per_prompt=2",
+        "train.prompts_per_step=1",
+        "env.type=agent",
+        "env.agent=test_gateway:rewarding_agent",
+        "env.agent_reward=true",
+        "reward.correct_reward=0.5",
+    ]
+    cfg = load_config(None, over)
+    engine = ScriptEngine({"task-F": ["Answer: 56088", "Answer: 1"]})
+    col = RolloutCollector(cfg, engine, TT, RewardScorer(cfg.reward), PromptSampler([task("task-F")], shuffle=False))
+    outcome = col.collect(step=0)
+    assert sorted(outcome.rewards.tolist()) == [0.0, 0.75]
+    assert outcome.metrics["reward/accuracy"] == 0.5 and outcome.metrics["reward/failures"] == 0.0
+    # evaluation: the same agent, the same scores
+    metrics = evaluate(ScriptEngine({"task-F": ["Answer: 56088"]}), [task("task-F")], TT, col.scorer, cfg, 0)
+    assert metrics["eval/greedy_accuracy"] == 1.0 and metrics["eval/reward_mean"] == 0.75
+    with pytest.raises(ConfigError, match=r"env\.agent_reward is set but env\.type"):
+        load_config(None, ["model.hf_path=unused", "data.train_path=unused", "env.agent_reward=true"])
 
 
 def test_the_collector_trains_agent_episodes_scored_by_the_reward_rule() -> None:

@@ -9,8 +9,9 @@ Episodes run side by side, at most `max_concurrency` at once, each within `env.a
 An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
 earlier segments are counted (`env/gateway_resets`), kept in `AgentEpisode.segments`, not trained
 on (a group's size is fixed). The reward the agent gives is kept in the trajectory's
-`meta_info["agent_reward"]`; the run's reward rule (`reward.*`) scores the trajectory's text as for
-any environment. An agent that raises, exits non-zero, runs past `env.agent_timeout_s`, returns a
+`meta_info["agent_reward"]`: the episode's score with `env.agent_reward` (the collector's
+`agent_rewards`), else the run's reward rule (`reward.*`) scores the trajectory's text as for any
+environment. An agent that raises, exits non-zero, runs past `env.agent_timeout_s`, returns a
 reward that is not a finite number, or never calls the model is a failed episode
 (`env/agent_errors`, `env/agent_timeouts` for the timeouts, `env/end_agent_error`): its trajectory's
 finish reason is `abort`, so the collector leaves its group out, as for an engine abort. An agent

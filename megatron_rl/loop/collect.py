@@ -45,7 +45,7 @@ from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import Trajectory, TurnRenderer, environment_factory, episode_metrics, run_episodes
 from megatron_rl.loop.async_rollout import trained_versions
-from megatron_rl.rewards import RewardScorer, RewardStats
+from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,12 @@ class RolloutCollector:
         if not grouped:  # every group of the round was aborted
             return [], RewardStats()
         flat = [s for group in grouped for s in group]
-        texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
-        result = self.scorer.score_prompts(texts, [p for p, group in zip(prompts, grouped, strict=True) for _ in group])
+        if self.cfg.env.type == "agent" and self.cfg.env.agent_reward:
+            result = agent_rewards(self.cfg, flat)
+        else:
+            texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
+            rows = [p for p, group in zip(prompts, grouped, strict=True) for _ in group]
+            result = self.scorer.score_prompts(texts, rows)
         shaped = torch.tensor(result.rewards, dtype=torch.float32)
         if alg.soft_overlong_punishment:
             lengths = torch.tensor([len(s.output_ids) for s in flat])
@@ -332,6 +336,24 @@ class RolloutCollector:
         }
 
 
+def agent_rewards(cfg: Config, samples: Sequence[Sample]) -> RewardResult:
+    """`env.agent_reward`: the reward each episode's agent returned (`meta_info["agent_reward"]`) as its
+    score; correct when at least reward.correct_reward; none is a failed reward (reward.failure_reward)."""
+    given = [s.meta_info.get("agent_reward") if isinstance(s, Trajectory) else None for s in samples]
+    failed = [r is None for r in given]
+    rewards = [cfg.reward.failure_reward if r is None else float(r) for r in given]
+    correct = [not f and r >= cfg.reward.correct_reward for r, f in zip(rewards, failed, strict=True)]
+    missing = sum(failed)
+    stats = RewardStats(
+        count=len(samples),
+        correct=sum(correct),
+        failed=missing,
+        reward_sum=sum(rewards),
+        errors=[f"env.agent_reward: {missing} agent(s) returned no reward"] if missing else [],
+    )
+    return RewardResult(rewards, correct, failed, [None] * len(samples), stats)
+
+
 def _observed(sample: Sample) -> bool:
     return isinstance(sample, Trajectory) and sample.has_observations
 
@@ -364,8 +386,11 @@ def evaluate(
         samples = [e.trajectory for e in episodes]
     else:
         samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
-    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    result = scorer.score_prompts(texts, prompts)
+    if cfg.env.type == "agent" and cfg.env.agent_reward:
+        result = agent_rewards(cfg, samples)
+    else:
+        texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+        result = scorer.score_prompts(texts, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
     return {
