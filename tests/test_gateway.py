@@ -23,6 +23,7 @@ from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
 from megatron_rl.loop.collect import RolloutCollector, evaluate
 from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
@@ -455,3 +456,23 @@ def test_a_real_tokenizer_and_chat_template_give_the_same_tokens_as_rendering_th
     assert tok.decode(engine.requests[1]) == whole  # the same text, built token in, token out
     traj = episode.trajectory
     assert traj.prompt_ids + traj.output_ids == engine.requests[1] + tok.encode("Answer: 5") + [tok.eos_token_id]
+
+
+def test_a_call_the_engine_hands_to_the_main_thread_runs_while_the_agents_wait() -> None:
+    """The local engine's restart after its death runs on the trainer's main thread (`engine.handoff`):
+    the agents' episodes must leave that thread free to run it, or the step waits forever."""
+    ran_on = []
+
+    class RestartingEngine(ScriptEngine):
+        def __init__(self) -> None:
+            super().__init__({"task-G": ["Answer: 1"]})
+            self.handoff = MainThreadCalls()  # built here: this test's thread is the main thread
+
+        def generate(self, prompts, params, return_routed_experts=False):
+            if not ran_on:  # the engine "died": its restart is handed to the main thread
+                self.handoff.call(lambda: ran_on.append(threading.current_thread()), "restarting the engine")
+            return super().generate(prompts, params, return_routed_experts)
+
+    engine = RestartingEngine()
+    (episode,) = run_agents(engine, answering_agent, [task("task-G")])
+    assert ran_on == [threading.current_thread()] and episode.error is None

@@ -47,7 +47,7 @@ from aiohttp import web
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.envs.tools import MalformedCall, ToolCall, parse_tool_calls
-from megatron_rl.http_body import BodyError, app_runner, authorized, parse_json, read_body
+from megatron_rl.http_body import READ_TIMEOUT_S, BodyError, app_runner, authorized, parse_json, read_body
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class Gateway:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
-        self._runner = app_runner(app, 600.0)
+        self._runner = app_runner(app, READ_TIMEOUT_S, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()

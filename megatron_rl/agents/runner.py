@@ -5,6 +5,8 @@ a plain function runs on a thread) or `env.agent_command` (a shell command per e
 `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` in its environment and the row as JSON on
 stdin: `{"index", "prompt", "answer", "row"}`; a last stdout line `{"reward": x}` is its reward).
 Episodes run side by side, at most `max_concurrency` at once, each within `env.agent_timeout_s`.
+Called on the trainer's main thread with an engine that hands calls to it (`engine.handoff`: a
+dead local engine's restart), the episodes run on a thread of their own while it runs those calls.
 
 An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
 earlier segments are counted (`env/gateway_resets`), kept in `AgentEpisode.segments`, not trained
@@ -33,7 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_rl.agents.gateway import MODEL, EpisodeRecord, Gateway
 from megatron_rl.config import EnvConfig
@@ -42,6 +44,7 @@ from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _STDERR_TAIL = 2000
 
 
@@ -196,7 +199,35 @@ def run_agent_episodes(
         return_routed_experts=return_routed_experts,
     )
     with gateway:
-        return asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))
+        episodes = lambda: asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))  # noqa: E731
+        handoff = getattr(engine, "handoff", None)
+        if handoff is None or threading.current_thread() is not handoff.owner:
+            return episodes()
+        return _serving_handoff(handoff, episodes)
+
+
+def _serving_handoff(handoff: Any, work: Callable[[], T]) -> T:
+    """`work()` on a thread of its own while this thread (the trainer's main thread, the owner of the
+    engine's `handoff`) runs what the engine's generating threads hand it: the restart of a dead local
+    engine and its resync, which would otherwise wait for this thread forever."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as err:  # raised again on the calling thread
+            box["error"] = err
+        finally:
+            handoff.notify()
+
+    thread = threading.Thread(target=run, name="agent-episodes", daemon=True)
+    thread.start()
+    with handoff.cond:
+        handoff.wait_for(lambda: bool(box), None)
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 async def _all(
