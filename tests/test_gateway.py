@@ -476,3 +476,25 @@ def test_a_call_the_engine_hands_to_the_main_thread_runs_while_the_agents_wait()
     engine = RestartingEngine()
     (episode,) = run_agents(engine, answering_agent, [task("task-G")])
     assert ran_on == [threading.current_thread()] and episode.error is None
+
+
+def test_an_agent_that_times_out_while_its_call_generates_leaves_nothing_waiting() -> None:
+    release, generating = threading.Event(), threading.Event()
+
+    class StuckEngine(ScriptEngine):
+        def generate(self, prompts, params, return_routed_experts=False):
+            generating.set()
+            release.wait()
+            return super().generate(prompts, params, return_routed_experts)
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "task-H"}])
+
+    try:
+        (episode,) = run_agents(StuckEngine({"task-H": ["late"]}), agent, [task("task-H")], agent_timeout_s=0.2)
+        assert generating.is_set()
+    finally:
+        release.set()
+    assert "agent_timeout_s" in episode.error and episode.trajectory.finish_reason == "abort"
+    assert episode.trajectory.output_ids == [] and episode.trajectory.events["agent_timeouts"] == 1

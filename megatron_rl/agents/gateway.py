@@ -278,6 +278,10 @@ class Gateway:
             started.set()
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
+            pending = asyncio.all_tasks(loop)  # a call whose agent gave up, still generating: cancelled
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=serve, name="agent-gateway", daemon=True)
@@ -291,7 +295,8 @@ class Gateway:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
-        self._runner = app_runner(app, READ_TIMEOUT_S, access_log=None)
+        # closing waits at most 1 s for a call still generating (its agent timed out): it is left out anyway
+        self._runner = app_runner(app, READ_TIMEOUT_S, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
