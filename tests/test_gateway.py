@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from test_envs import IM_END, TOK, ChatTokenizer, chars, row
@@ -70,7 +71,10 @@ class ScriptEngine:
             finish = "length" if len(gen) >= p.max_new_tokens else "stop"
             if finish == "stop":
                 gen.append(IM_END)
-            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish))
+            routed = None
+            if return_routed_experts:  # call index * 1000 + position, one layer, top-1
+                routed = (len(self.requests) * 1000 - 1000 + np.arange(len(ids) + len(gen) - 1))[:, None, None]
+            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed))
         return out
 
 
@@ -498,3 +502,24 @@ def test_an_agent_that_times_out_while_its_call_generates_leaves_nothing_waiting
         release.set()
     assert "agent_timeout_s" in episode.error and episode.trajectory.finish_reason == "abort"
     assert episode.trajectory.output_ids == [] and episode.trajectory.events["agent_timeouts"] == 1
+
+
+def test_routed_experts_are_assembled_per_token_across_calls() -> None:
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "task-R"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)
+
+    cfg = EnvConfig(type="agent", max_turns=2)
+    engine = ScriptEngine({"task-R": ["one", "two"]})
+    (episode,) = run_agent_episodes(
+        engine, [task("task-R")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+    )
+    traj = episode.trajectory
+    first_call = len(engine.requests[0][0]) + len(chars("one")) + 1 - 1  # the rows the first call routed
+    rows = traj.routed_experts[:, 0, 0].tolist()
+    assert len(rows) == len(traj.prompt_ids) + len(traj.output_ids) - 1
+    # each position from the first call that routed it: the first call's, then the second's prefill and turn
+    assert rows == list(range(first_call)) + [1000 + k for k in range(first_call, len(rows))]
