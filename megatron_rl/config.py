@@ -305,7 +305,8 @@ class RewardConfig:
 class EnvConfig:
     type: str = _f(
         "single_turn",
-        "the episode's environment: single_turn, calculator, http_tool, or module:Class (a megatron_rl.envs.Environment)",
+        "the episode's environment: single_turn, calculator, http_tool, agent (a black-box agent through the "
+        "OpenAI-compatible gateway: env.agent or env.agent_command), or module:Class (a megatron_rl.envs.Environment)",
     )
     max_turns: int = _f(1, "model turns per episode at most (single_turn uses one)", ge=1)
     max_total_tokens: int | None = _f(
@@ -336,6 +337,22 @@ class EnvConfig:
         1 << 20, "http_tool: the longest reply read from the tool server; a longer one is a tool error", ge=1
     )
     tool_api_key: str | None = _f(None, "http_tool: sent as 'Authorization: Bearer KEY'")
+    agent: str | None = _f(
+        None, "agent: module:function, an async agent(base_url, api_key, row) -> reward or None, one call per episode"
+    )
+    agent_command: str | None = _f(
+        None,
+        "agent: a command run per episode (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL in its environment, the "
+        'row as JSON on stdin; a last stdout line {"reward": x} is its reward)',
+    )
+    agent_reward: bool = _f(
+        False,
+        "agent: score each episode by the reward its agent returns (or prints) instead of reward.*; an episode "
+        "without one is a failed reward (reward.failure_reward, its group left out)",
+    )
+    agent_timeout_s: float = _f(
+        600.0, "agent: seconds one episode's agent may run; past it the episode fails (env/agent_errors)", gt=0
+    )
 
 
 @dataclass
@@ -847,6 +864,17 @@ def _validate_env(cfg: Config) -> None:
     _require(
         env.type != "http_tool" or bool(env.tool_url),
         "env.type = 'http_tool' needs env.tool_url, the tool server's endpoint (http://host:port/path)",
+    )
+    agents = [key for key in ("agent", "agent_command") if getattr(env, key)]
+    _require(
+        env.type != "agent" or len(agents) == 1,
+        "env.type = 'agent' needs exactly one of env.agent (module:function) and env.agent_command (a command), "
+        f"got {'both' if agents else 'neither'}",
+    )
+    stray = [*agents, *(["agent_reward"] if env.agent_reward else [])]
+    _require(
+        env.type == "agent" or not stray,
+        f"env.{stray[0] if stray else 'agent'} is set but env.type = {env.type!r}: it is read only with env.type=agent",
     )
     _require(
         env.tool_url is None or str(env.tool_url).startswith(("http://", "https://")),

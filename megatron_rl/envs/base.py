@@ -6,7 +6,9 @@ append (text, rendered through the chat template, or token ids, appended as they
 reward for that turn, and whether the episode ended. One instance serves one episode.
 
 `env.type` names a built-in (`single_turn`, `calculator`, `http_tool`) or a user class as
-`module:Class` (a subclass of `Environment`, constructed with the `env` config section).
+`module:Class` (a subclass of `Environment`, constructed with the `env` config section). `agent`
+is no environment of this kind: its episodes are a black-box agent's calls to the OpenAI-compatible
+gateway (`megatron_rl.agents`); `environment_class` checks its `env.agent` function imports.
 """
 
 from __future__ import annotations
@@ -88,14 +90,41 @@ def _builtin(name: str) -> type[Environment]:
 BUILTIN_ENVS = ("single_turn", "calculator", "http_tool")
 
 
+class AgentEpisodes(Environment):
+    """`env.type=agent`: a placeholder; its episodes run through `megatron_rl.agents`, not `run_episodes`."""
+
+    def step(self, turn: Turn) -> Observation:
+        raise NotImplementedError("env.type = 'agent': episodes run through megatron_rl.agents.run_agent_episodes")
+
+
+def agent_function(cfg: EnvConfig) -> Callable[..., Any]:
+    """The callable `env.agent` (module:function) names; ConfigError naming the key otherwise."""
+    name = str(cfg.agent)
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"env.agent = {name!r}: expected module:function (an async agent(base_url, api_key, row))")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"env.agent = {name!r}: cannot import module {module_name!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"env.agent = {name!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
 def environment_class(cfg: EnvConfig) -> type[Environment]:
     """The class `env.type` names; ConfigError naming the key and the allowed values otherwise."""
     name = cfg.type
     if name in BUILTIN_ENVS:
         return _builtin(name)
+    if name == "agent":
+        if cfg.agent:
+            agent_function(cfg)
+        return AgentEpisodes
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"env.type = {name!r}: allowed: {list(BUILTIN_ENVS)} or module:Class")
+        raise ConfigError(f"env.type = {name!r}: allowed: {[*BUILTIN_ENVS, 'agent']} or module:Class")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

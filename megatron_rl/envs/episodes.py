@@ -81,15 +81,46 @@ class TurnRenderer:
         rendered = tok.apply_chat_template(
             [*history, {"role": role, "content": content}], tokenize=False, add_generation_prompt=True
         )
+        return self._after_assistant(rendered, last_generated_id)
+
+    def _after_assistant(self, rendered: str, last_generated_id: int | None) -> str:
+        """What the template renders after the assistant's content, less the end-of-turn token the
+        engine already generated."""
         cut = rendered.find(_ASSISTANT)
         if cut < 0:
             raise ValueError("the chat template drops the assistant's content; observations cannot be rendered")
         delta = rendered[cut + len(_ASSISTANT) :]
         if last_generated_id is not None and last_generated_id in self.special_ids:
-            end_of_turn = tok.decode([last_generated_id])
+            end_of_turn = self.tokenizer.decode([last_generated_id])
             if end_of_turn and delta.startswith(end_of_turn):
                 delta = delta[len(end_of_turn) :]
         return delta
+
+    def messages_ids(self, messages: list[dict[str, Any]], last_generated_id: int | None) -> list[int]:
+        """The token ids that follow an assistant turn for several messages at once (each a dict with
+        `role` and string `content`, other keys passed to the template), up to the next assistant
+        header: one message as `observation_ids`; several rendered together (a template may join
+        consecutive tool messages into one turn), each content as plain text."""
+        if not messages:
+            return []
+        if len(messages) == 1 and set(messages[0]) <= {"role", "content"}:
+            return self.observation_ids(messages[0]["content"], messages[0]["role"], last_generated_id)
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [i for m in messages for i in self.observation_ids(m["content"], m["role"], None)]
+        marks = [f"{_CONTENT}{k}\x00" for k in range(len(messages))]
+        history = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+        rendered = self.tokenizer.apply_chat_template([*history, *marked], tokenize=False, add_generation_prompt=True)
+        rest = self._after_assistant(rendered, last_generated_id)
+        encode, ids = self.tokenizer.encode, []
+        for mark, m in zip(marks, messages, strict=True):
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                raise ValueError(
+                    f"the chat template does not hold a {m['role']!r} message's content once; it cannot be rendered"
+                )
+            ids += [*encode(before, add_special_tokens=False), *self.plain_ids(m["content"])]
+        return ids + list(encode(rest, add_special_tokens=False))
 
     def observation_ids(self, content: str, role: str, last_generated_id: int | None) -> list[int]:
         """The template's text around the message tokenized as usual, the message as plain text."""

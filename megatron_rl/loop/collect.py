@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.agents import run_agent_episodes
 from megatron_rl.algorithms import (
     DynamicSamplingAccumulator,
     group_advantages,
@@ -44,7 +45,7 @@ from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import Trajectory, TurnRenderer, environment_factory, episode_metrics, run_episodes
 from megatron_rl.loop.async_rollout import trained_versions
-from megatron_rl.rewards import RewardScorer, RewardStats
+from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,15 +137,14 @@ class RolloutCollector:
             round_key = round_ if turn == 0 else f"{round_}.{turn}"
             return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
 
-        trajectories = run_episodes(
+        trajectories = episodes(
             self.engine,
-            [self.make_env() for _ in rows],
             rows,
             params,
             self.renderer,
-            self.cfg.env,
+            self.cfg,
             return_routed_experts=ro.return_routed_experts,
-            stall_warning_s=ro.stall_warning_s,
+            make_env=self.make_env,
         )
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
@@ -154,8 +154,8 @@ class RolloutCollector:
         if not grouped:  # every group of the round was aborted
             return [], RewardStats()
         flat = [s for group in grouped for s in group]
-        texts = self.tokenizer.batch_decode([s.output_ids for s in flat], skip_special_tokens=True)
-        result = self.scorer.score_prompts(texts, [p for p, group in zip(prompts, grouped, strict=True) for _ in group])
+        rows = [p for p, group in zip(prompts, grouped, strict=True) for _ in group]
+        result = score_samples(self.cfg, self.scorer, self.tokenizer, flat, rows)
         shaped = torch.tensor(result.rewards, dtype=torch.float32)
         if alg.soft_overlong_punishment:
             lengths = torch.tensor([len(s.output_ids) for s in flat])
@@ -319,6 +319,71 @@ class RolloutCollector:
         }
 
 
+def episodes(
+    engine: Any,
+    rows: Sequence[Prompt],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: Config,
+    *,
+    return_routed_experts: bool = False,
+    make_env: Callable[[], Any] | None = None,
+) -> list[Trajectory]:
+    """One episode per row: of the environment (`run_episodes`), or of the black-box agent through the
+    gateway (`env.type=agent`: `megatron_rl.agents`, at most rollout.max_concurrency at once)."""
+    if cfg.env.type == "agent":
+        agents = run_agent_episodes(
+            engine,
+            rows,
+            params,
+            renderer,
+            cfg.env,
+            max_concurrency=cfg.rollout.max_concurrency,
+            return_routed_experts=return_routed_experts,
+        )
+        return [e.trajectory for e in agents]
+    make_env = make_env or environment_factory(cfg.env)
+    return run_episodes(
+        engine,
+        [make_env() for _ in rows],
+        rows,
+        params,
+        renderer,
+        cfg.env,
+        return_routed_experts=return_routed_experts,
+        stall_warning_s=cfg.rollout.stall_warning_s,
+    )
+
+
+def score_samples(
+    cfg: Config, scorer: RewardScorer, tokenizer: Any, samples: Sequence[Sample], rows: Sequence[Prompt]
+) -> RewardResult:
+    """The scores of `samples` (rows[i] the prompt of sample i): the reward rule on their decoded text,
+    or the agents' own rewards with `env.agent_reward`."""
+    if cfg.env.type == "agent" and cfg.env.agent_reward:
+        return agent_rewards(cfg, samples)
+    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+    return scorer.score_prompts(texts, rows)
+
+
+def agent_rewards(cfg: Config, samples: Sequence[Sample]) -> RewardResult:
+    """`env.agent_reward`: the reward each episode's agent returned (`meta_info["agent_reward"]`) as its
+    score; correct when at least reward.correct_reward; none is a failed reward (reward.failure_reward)."""
+    given = [s.meta_info.get("agent_reward") if isinstance(s, Trajectory) else None for s in samples]
+    failed = [r is None for r in given]
+    rewards = [cfg.reward.failure_reward if r is None else float(r) for r in given]
+    correct = [not f and r >= cfg.reward.correct_reward for r, f in zip(rewards, failed, strict=True)]
+    missing = sum(failed)
+    stats = RewardStats(
+        count=len(samples),
+        correct=sum(correct),
+        failed=missing,
+        reward_sum=sum(rewards),
+        errors=[f"env.agent_reward: {missing} agent(s) returned no reward"] if missing else [],
+    )
+    return RewardResult(rewards, correct, failed, [None] * len(samples), stats)
+
+
 def _observed(sample: Sample) -> bool:
     return isinstance(sample, Trajectory) and sample.has_observations
 
@@ -342,12 +407,8 @@ def evaluate(
         seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
-    make_env = environment_factory(cfg.env)
-    envs, renderer = [make_env() for _ in prompts], TurnRenderer(tokenizer)
-    stall_s = cfg.rollout.stall_warning_s
-    samples = run_episodes(engine, envs, prompts, params, renderer, cfg.env, stall_warning_s=stall_s)
-    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    result = scorer.score_prompts(texts, prompts)
+    samples = episodes(engine, prompts, params, TurnRenderer(tokenizer), cfg)
+    result = score_samples(cfg, scorer, tokenizer, samples, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
     return {

@@ -12,8 +12,8 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
-from megatron_rl.envs import TurnRenderer, environment_factory, run_episodes
-from megatron_rl.loop.collect import evaluate, sampling_seed
+from megatron_rl.envs import TurnRenderer
+from megatron_rl.loop.collect import episodes, evaluate, sampling_seed, score_samples
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import SamplingParams
 
@@ -32,10 +32,8 @@ def pass_at_n(
         return SamplingParams.from_config(cfg.rollout, sampling_seed=sampling_seed(cfg.train.seed, step, key, i))
 
     rows = [p for p in prompts for _ in range(n)]
-    make_env = environment_factory(cfg.env)
-    samples = run_episodes(engine, [make_env() for _ in rows], rows, params, TurnRenderer(tokenizer), cfg.env)
-    texts = tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    correct = scorer.score_prompts(texts, [p for p in prompts for _ in range(n)]).correct
+    samples = episodes(engine, rows, params, TurnRenderer(tokenizer), cfg)
+    correct = score_samples(cfg, scorer, tokenizer, samples, rows).correct
     hits = sum(any(correct[i * n : (i + 1) * n]) for i in range(len(prompts)))
     return {f"eval/pass@{n}": hits / len(prompts), "eval/sampled_accuracy": sum(correct) / len(correct)}
 

@@ -1,0 +1,17 @@
+"""Black-box agents trained through an OpenAI-compatible gateway (`env.type=agent`)."""
+
+from megatron_rl.agents.gateway import MODEL, ChatRequest, EpisodeRecord, Gateway, RequestError, parse_request
+from megatron_rl.agents.runner import AgentEpisode, AgentError, row_json, run_agent_episodes
+
+__all__ = [
+    "MODEL",
+    "AgentEpisode",
+    "AgentError",
+    "ChatRequest",
+    "EpisodeRecord",
+    "Gateway",
+    "RequestError",
+    "parse_request",
+    "row_json",
+    "run_agent_episodes",
+]

@@ -1,0 +1,264 @@
+"""`env.type=agent`: one black-box agent per episode, its model calls through the gateway.
+
+The agent is `env.agent` (`module:function`: `async def agent(base_url, api_key, row) -> float | None`,
+a plain function runs on a thread) or `env.agent_command` (a shell command per episode, with
+`OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` in its environment and the row as JSON on
+stdin: `{"index", "prompt", "answer", "row"}`; a last stdout line `{"reward": x}` is its reward).
+Episodes run side by side, at most `max_concurrency` at once, each within `env.agent_timeout_s`.
+Called on the trainer's main thread with an engine that hands calls to it (`engine.handoff`: a
+dead local engine's restart), the episodes run on a thread of their own while it runs those calls.
+
+An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
+earlier segments are counted (`env/gateway_resets`), kept in `AgentEpisode.segments`, not trained
+on (a group's size is fixed). The reward the agent gives is kept in the trajectory's
+`meta_info["agent_reward"]`: the episode's score with `env.agent_reward` (the collector's
+`agent_rewards`), else the run's reward rule (`reward.*`) scores the trajectory's text as for any
+environment. An agent that raises, exits non-zero, runs past `env.agent_timeout_s`, returns a
+reward that is not a finite number, or never calls the model is a failed episode
+(`env/agent_errors`, `env/agent_timeouts` for the timeouts, `env/end_agent_error`): its trajectory's
+finish reason is `abort`, so the collector leaves its group out, as for an engine abort. An agent
+that fails after the gateway refused a call over `env.max_turns` or `env.max_total_tokens` ended by
+that limit: its trajectory is trained (`env/end_max_turns`, `env/end_max_total_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, TypeVar
+
+from megatron_rl.agents.gateway import MODEL, EpisodeRecord, Gateway
+from megatron_rl.config import EnvConfig
+from megatron_rl.envs.base import agent_function
+from megatron_rl.envs.episodes import Trajectory, TurnRenderer
+from megatron_rl.rollout.types import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STDERR_TAIL = 2000
+
+
+class AgentError(RuntimeError):
+    """The agent failed: raised, exited non-zero, gave a bad reward."""
+
+
+@dataclass
+class AgentEpisode:
+    """An episode's trajectory (what is trained), every segment, the agent's reward and error."""
+
+    trajectory: Trajectory
+    segments: list[Trajectory] = field(default_factory=list)
+    reward: float | None = None
+    error: str | None = None
+
+
+def row_json(row: Any) -> str:
+    """The task row an agent command reads on stdin."""
+    fields = {"index": getattr(row, "index", None), "prompt": getattr(row, "text", None)}
+    fields["answer"] = getattr(row, "answer", None)
+    fields["row"] = getattr(row, "raw", None)
+    return json.dumps(fields, default=str)
+
+
+def _reward(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise AgentError(f"{what} gave the reward {value!r}, not a finite number")
+    return float(value)
+
+
+async def _run_function(fn: Callable[..., Any], base_url: str, api_key: str, row: Any) -> float | None:
+    if inspect.iscoroutinefunction(fn):
+        value = await fn(base_url, api_key, row)
+    else:
+        value = await _on_daemon_thread(lambda: fn(base_url, api_key, row))
+        if inspect.isawaitable(value):
+            value = await value
+    return _reward(value, "the agent function")
+
+
+async def _on_daemon_thread(work: Callable[[], Any]) -> Any:
+    """`work()` on a daemon thread of its own: one that never returns is abandoned at a timeout, and
+    holds up neither the event loop's end nor the interpreter's (as `asyncio.to_thread` would)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(value: Any, err: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(err) if err is not None else done.set_result(value)
+
+    def run() -> None:
+        value, error = None, None
+        try:
+            value = work()
+        except BaseException as err:  # handed to the awaiting coroutine
+            error = err
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has ended: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="agent", daemon=True).start()
+    return await done
+
+
+async def _run_command(command: str, base_url: str, api_key: str, model: str, row: Any, timeout_s: float):
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model}
+    proc = await asyncio.create_subprocess_shell(
+        command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # its own process group: a timeout ends the agent's children too
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            stdout, stderr = await proc.communicate(row_json(row).encode())
+    except TimeoutError:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
+        raise AgentError(f"the agent command exited with status {proc.returncode}: {tail}")
+    lines = [line for line in stdout.decode(errors="replace").splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        last = json.loads(lines[-1])
+    except ValueError:
+        return None
+    return _reward(last.get("reward"), "the agent command") if isinstance(last, dict) else None
+
+
+def _episode(row: Any, record: EpisodeRecord, reward: float | None, error: str | None) -> AgentEpisode:
+    segments = record.trajectories
+    if error is None and record.calls == 0:
+        error = "the agent never called the model"
+    if error is not None and record.limit is not None and record.failure is None and segments:
+        error = None  # the agent stopped at a limit the gateway refused: the episode is trained as it is
+    failed = error is not None or record.failure is not None
+    if segments:
+        traj = segments[-1]
+    else:
+        prompt = list(getattr(row, "input_ids", ()))
+        traj = Trajectory(prompt_ids=prompt, output_ids=[], logprobs=[], finish_reason="abort")
+    traj.events.update(record.events)
+    if failed:
+        traj.events["agent_errors"] += 1
+        traj.finish_reason, traj.end_reason = "abort", "agent_error"
+        traj.meta_info = {**traj.meta_info, "agent_error": error or record.failure}
+    else:
+        traj.end_reason = record.limit or "done"
+        if reward is not None:
+            traj.meta_info = {**traj.meta_info, "agent_reward": reward}
+    return AgentEpisode(traj, segments, reward, error or record.failure)
+
+
+def run_agent_episodes(
+    engine: Any,
+    rows: Sequence[Any],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: EnvConfig,
+    *,
+    max_concurrency: int = 64,
+    return_routed_experts: bool = False,
+    agent: Callable[..., Any] | None = None,
+) -> list[AgentEpisode]:
+    """One agent episode per row, in order, through a gateway started for them (`agent`: the
+    function to run instead of `env.agent` / `env.agent_command`). `params(call, i)`: the sampling
+    of episode i's call."""
+    if agent is None and cfg.agent:
+        agent = agent_function(cfg)
+    if agent is None and not cfg.agent_command:
+        raise ValueError("env.type = 'agent' needs env.agent or env.agent_command")
+    key = secrets.token_urlsafe(24)
+    gateway = Gateway(
+        engine,
+        renderer,
+        cfg,
+        params,
+        key,
+        max_concurrency=max_concurrency,
+        return_routed_experts=return_routed_experts,
+    )
+    with gateway:
+        episodes = lambda: asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))  # noqa: E731
+        handoff = getattr(engine, "handoff", None)
+        if handoff is None or threading.current_thread() is not handoff.owner:
+            return episodes()
+        return _serving_handoff(handoff, episodes)
+
+
+def _serving_handoff(handoff: Any, work: Callable[[], T]) -> T:
+    """`work()` on a thread of its own while this thread (the trainer's main thread, the owner of the
+    engine's `handoff`) runs what the engine's generating threads hand it: the restart of a dead local
+    engine and its resync, which would otherwise wait for this thread forever."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as err:  # raised again on the calling thread
+            box["error"] = err
+        finally:
+            handoff.notify()
+
+    thread = threading.Thread(target=run, name="agent-episodes", daemon=True)
+    thread.start()
+    with handoff.cond:
+        handoff.wait_for(lambda: bool(box), None)
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+async def _all(
+    gateway: Gateway, rows: Sequence[Any], cfg: EnvConfig, agent: Callable[..., Any] | None, key: str, limit: int
+) -> list[AgentEpisode]:
+    slots = asyncio.Semaphore(limit)
+
+    async def one(i: int, row: Any) -> AgentEpisode:
+        async with slots:
+            episode = gateway.open_episode(i)
+            url = gateway.base_url(episode)
+            reward, error = None, None
+            try:
+                if agent is not None:
+                    async with asyncio.timeout(cfg.agent_timeout_s):
+                        reward = await _run_function(agent, url, key, row)
+                else:
+                    reward = await _run_command(cfg.agent_command, url, key, gateway.model, row, cfg.agent_timeout_s)
+            except TimeoutError:
+                error = f"the agent ran past env.agent_timeout_s = {cfg.agent_timeout_s:g} s"
+            except Exception as err:  # the agent's own bug: its episode fails, the step goes on
+                error = f"{type(err).__name__}: {err}"
+            record = await gateway.finish_async(episode)
+            if error is not None and error.startswith("the agent ran past"):
+                record.events["agent_timeouts"] += 1
+            result = _episode(row, record, reward, error)
+            if result.error is not None:
+                log.warning("agent episode %d failed: %s", i, result.error)
+            return result
+
+    return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
+
+
+__all__ = ["MODEL", "AgentEpisode", "AgentError", "run_agent_episodes", "row_json"]

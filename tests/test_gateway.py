@@ -1,0 +1,525 @@
+"""The OpenAI-compatible gateway and black-box agents (`env.type=agent`): the real `openai` client against a
+scripted engine, token in, token out across turns, tool calls, history rewrites, errors, failed agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from test_envs import IM_END, TOK, ChatTokenizer, chars, row
+
+from megatron_rl.agents import MODEL, Gateway, run_agent_episodes
+from megatron_rl.config import ConfigError, EnvConfig, load_config
+from megatron_rl.data import Prompt, PromptSampler, RowLocation
+from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
+from megatron_rl.envs.base import AgentEpisodes
+from megatron_rl.loop.collect import RolloutCollector, evaluate
+from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.handoff import MainThreadCalls
+from megatron_rl.rollout.types import Sample, SamplingParams
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {}}}},
+    }
+]
+
+
+class TemplateTokenizer(ChatTokenizer):
+    """test_envs' chat tokenizer, whose template also takes `tools` (a system line naming them)."""
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, tools=None):
+        head = (
+            [{"role": "system", "content": "tools: " + ",".join(t["function"]["name"] for t in tools)}] if tools else []
+        )
+        return super().apply_chat_template([*head, *messages], tokenize, add_generation_prompt)
+
+
+TT = TemplateTokenizer()
+
+
+class ScriptEngine:
+    """Answers the k-th request whose prompt holds a script's key with that script's turn k, plus <|im_end|>;
+    log-prob -0.01 * position. Thread-safe (the gateway calls it from a thread pool); records every request."""
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        self.script = script
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        out = []
+        for ids, p in zip(prompts, params, strict=True):
+            text = TOK.decode(ids)
+            with self.lock:
+                key = next(k for k in self.script if k in text)
+                turn = sum(1 for r, _ in self.requests if key in TOK.decode(r))
+                self.requests.append((list(ids), p))
+            turns = self.script[key]
+            gen = chars(turns[min(turn, len(turns) - 1)])[: p.max_new_tokens]
+            finish = "length" if len(gen) >= p.max_new_tokens else "stop"
+            if finish == "stop":
+                gen.append(IM_END)
+            routed = None
+            if return_routed_experts:  # call index * 1000 + position, one layer, top-1
+                routed = (len(self.requests) * 1000 - 1000 + np.arange(len(ids) + len(gen) - 1))[:, None, None]
+            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed))
+        return out
+
+
+def params(call: int, i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=200, sampling_seed=call * 100 + i)
+
+
+def task(key: str, answer: str = "56088") -> Prompt:
+    return Prompt(0, (7, 20, 30), key, answer, {"task": key}, RowLocation("t.jsonl", "line", 1))
+
+
+def run_agents(engine, agent, rows, **env_over):
+    cfg = EnvConfig(**{"type": "agent", "max_turns": 8, **env_over})
+    return run_agent_episodes(engine, rows, params, TurnRenderer(TT), cfg, max_concurrency=4, agent=agent)
+
+
+def rendered(messages, tools=None) -> list[int]:
+    return TT.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools)
+
+
+TOOL_DELTA = TOK.encode(
+    "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+USER_DELTA = TOK.encode("\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- token in, token out; tool calls ----
+def test_three_turns_with_a_tool_call_are_the_engines_tokens_exactly() -> None:
+    seen = {}
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": f"{row.text}: what is 123*456?"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=1.0)
+        choice = first.choices[0]
+        seen["first"] = choice
+        call = choice.message.tool_calls[0]
+        result = str(eval(json.loads(call.function.arguments)["expression"]))  # the agent's own tool
+        messages += [choice.message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": result}]
+        second = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, logprobs=True)
+        seen["second"] = second
+        messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        third = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        seen["third"] = third
+        return 1.0
+
+    engine = ScriptEngine({"task-A": [CALL, "It is 56088.", "Answer: 56088"]})
+    (episode,) = run_agents(engine, agent, [task("task-A")])
+
+    first = seen["first"]
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    (call,) = first.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "123*456"}
+    assert seen["second"].choices[0].finish_reason == "stop"
+    assert seen["second"].choices[0].message.content == "It is 56088."
+    assert [t.logprob for t in seen["second"].choices[0].logprobs.content] == pytest.approx(
+        [-0.01 * k for k in range(len(chars("It is 56088.")) + 1)]
+    )
+    assert seen["third"].choices[0].message.content == "Answer: 56088"
+    assert seen["third"].usage.completion_tokens == len(chars("Answer: 56088")) + 1
+
+    prompt = rendered([{"role": "user", "content": "task-A: what is 123*456?"}], TOOLS)
+    out0, out1, out2 = (chars(t) + [IM_END] for t in (CALL, "It is 56088.", "Answer: 56088"))
+    # token in: each request is the previous one, what was generated and the new messages' delta
+    assert [r for r, _ in engine.requests] == [
+        prompt,
+        prompt + out0 + TOOL_DELTA,
+        prompt + out0 + TOOL_DELTA + out1 + USER_DELTA,
+    ]
+    traj = episode.trajectory
+    assert episode.error is None and episode.reward == 1.0 and len(episode.segments) == 1
+    assert traj.prompt_ids == prompt
+    assert traj.output_ids == out0 + TOOL_DELTA + out1 + USER_DELTA + out2
+    assert engine.requests[-1][0] + out2 == traj.prompt_ids + traj.output_ids
+    n0, n1, n2, d1, d2 = len(out0), len(out1), len(out2), len(TOOL_DELTA), len(USER_DELTA)
+    assert traj.loss_mask == [True] * n0 + [False] * d1 + [True] * n1 + [False] * d2 + [True] * n2
+    lp = [-0.01 * k for k in range(n0)] + [0.0] * d1 + [-0.01 * k for k in range(n1)] + [0.0] * d2
+    assert traj.logprobs == pytest.approx(lp + [-0.01 * k for k in range(n2)])
+    assert traj.turn_of_token == [0] * (n0 + d1) + [1] * (n1 + d2) + [2] * n2
+    assert traj.turn_rewards == [0.0, 0.0, 0.0] and traj.end_reason == "done" and traj.finish_reason == "stop"
+    assert traj.meta_info["agent_reward"] == 1.0 and traj.events["tool_call"] == 1
+    # the run's sampling: the call index seeds each request (params(call, episode))
+    assert [p.sampling_seed for _, p in engine.requests] == [0, 100, 200]
+
+
+def test_several_new_messages_render_like_the_template_and_one_like_an_observation() -> None:
+    renderer = TurnRenderer(TOK)
+    one = renderer.messages_ids([{"role": "tool", "content": "56088", "tool_call_id": "x"}], IM_END)
+    assert one == renderer.observation_ids("56088", "tool", IM_END) == TOOL_DELTA
+    two = renderer.messages_ids([{"role": "tool", "content": "1"}, {"role": "user", "content": "ok"}], IM_END)
+    text = "\n<|im_start|>user\n<tool_response>\n1\n</tool_response><|im_end|>\n<|im_start|>user\nok"
+    assert two == TOK.encode(text + "<|im_end|>\n<|im_start|>assistant\n")
+    # a message's special-token text never becomes the control token (this tokenizer cannot split it: refused)
+    with pytest.raises(ValueError, match="special token"):
+        renderer.messages_ids([{"role": "tool", "content": "1"}, {"role": "user", "content": "<|im_end|>"}], IM_END)
+
+
+def test_a_history_rewrite_starts_a_segment_counted_and_trained_on_its_own() -> None:
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "task-B"}])
+        # the agent summarizes and starts over: the conversation no longer extends the first
+        again = [{"role": "user", "content": "task-B, summary: " + first.choices[0].message.content}]
+        await client.chat.completions.create(model=MODEL, messages=again)
+
+    engine = ScriptEngine({"task-B": ["thinking", "Answer: 1"]})
+    (episode,) = run_agents(engine, agent, [task("task-B")])
+    assert len(episode.segments) == 2
+    first, second = episode.segments
+    assert first.prompt_ids == rendered([{"role": "user", "content": "task-B"}])
+    assert first.output_ids == chars("thinking") + [IM_END] and first.end_reason == "reset"
+    assert second.prompt_ids == rendered([{"role": "user", "content": "task-B, summary: thinking"}])
+    assert second.output_ids == chars("Answer: 1") + [IM_END] and all(second.loss_mask)
+    assert episode.trajectory is second and second.end_reason == "done"
+    metrics = episode_metrics([episode.trajectory])
+    assert metrics["env/gateway_resets"] == 1.0 and metrics["env/end_done"] == 1.0
+
+
+def test_the_assistant_answer_echoed_without_its_tool_calls_still_extends_the_history() -> None:
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "task-C"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        messages += [{"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model=MODEL, messages=messages, stop=["\n\nObservation:"])
+
+    engine = ScriptEngine({"task-C": ["hmm", "Answer: 2"]})
+    (episode,) = run_agents(engine, agent, [task("task-C")])
+    out0 = chars("hmm") + [IM_END]
+    assert len(episode.segments) == 1
+    assert engine.requests[1][0] == rendered([{"role": "user", "content": "task-C"}]) + out0 + USER_DELTA
+    assert episode.trajectory.events["gateway_stop_ignored"] == 1  # not one token: not a stop token
+
+
+# ---- errors in OpenAI's shape ----
+@pytest.fixture
+def gateway():
+    engine = ScriptEngine({"task": ["ok"]})
+    with Gateway(engine, TurnRenderer(TT), EnvConfig(type="agent", max_turns=4), params, "secret") as gw:
+        yield gw
+
+
+def test_bad_requests_get_openai_errors_and_models_lists_the_policy(gateway) -> None:
+    episode = gateway.open_episode(0)
+    client = openai.OpenAI(base_url=gateway.base_url(episode), api_key="secret", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for messages, why in [
+        ([], "messages"),
+        ([{"role": "wizard", "content": "x"}], "role"),
+        ([{"role": "user", "content": 3}], "content"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=why) as err:
+            client.chat.completions.create(model=MODEL, messages=messages)
+        assert err.value.status_code == 400 and err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "task"}], temperature=-1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.base_url(episode), api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=gateway.base_url("nope"), api_key="secret", max_retries=0).models.list()
+    request = urllib.request.Request(
+        gateway.base_url(episode) + "/chat/completions",
+        data=b"{not json",
+        headers={"Authorization": "Bearer secret", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(request, timeout=30)
+    assert raw.value.code == 400
+    assert json.loads(raw.value.read())["error"]["type"] == "invalid_request_error"
+    unauthorized = urllib.request.Request(request.full_url, data=b"{}", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(unauthorized, timeout=30)
+    assert raw.value.code == 401
+    # none of them reached the engine or the trajectory
+    record = gateway.finish(episode)
+    assert record.calls == 0 and record.trajectories == []
+
+
+def test_calls_past_max_turns_are_refused_and_end_the_episode_by_that_limit() -> None:
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "task-D"}]
+        while True:  # an agent that never stops: the gateway's env.max_turns does
+            reply = await client.chat.completions.create(model=MODEL, messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+
+    engine = ScriptEngine({"task-D": ["again"]})
+    (episode,) = run_agents(engine, agent, [task("task-D")], max_turns=2)
+    assert len(engine.requests) == 2 and episode.error is None
+    assert episode.trajectory.end_reason == "max_turns" and episode.trajectory.finish_reason == "stop"
+
+
+# ---- failed agents ----
+def test_an_agent_that_raises_hangs_or_never_calls_fails_its_episode_only() -> None:
+    release = threading.Event()
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        if row.text == "ok":
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ok"}])
+            return None
+        if row.text == "raises":
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "raises"}])
+            raise RuntimeError("the agent's bug")
+        if row.text == "hangs":
+            await asyncio.Event().wait()
+        if row.text == "nan":
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "nan"}])
+            return float("nan")
+        return None  # never calls the model
+
+    def blocking_agent(base_url, api_key, row):  # a plain function: run on a thread of its own
+        release.wait()
+
+    engine = ScriptEngine({k: ["Answer: 1"] for k in ("ok", "raises", "nan")})
+    rows = [task(k) for k in ("ok", "raises", "silent", "nan")]
+    try:
+        ok, raised, silent, nan = run_agents(engine, agent, rows, agent_timeout_s=120)
+        # a timeout far below what the others may need on a busy machine, only for those that never end
+        (hung,) = run_agents(engine, agent, [task("hangs")], agent_timeout_s=0.2)
+        (blocked,) = run_agents(engine, blocking_agent, [task("blocked")], agent_timeout_s=0.2)
+    finally:
+        release.set()
+    episodes = [ok, raised, hung, silent, nan]
+    assert ok.error is None and ok.trajectory.finish_reason == "stop" and ok.trajectory.end_reason == "done"
+    assert "the agent's bug" in raised.error and raised.trajectory.output_ids == chars("Answer: 1") + [IM_END]
+    assert "agent_timeout_s" in hung.error and "agent_timeout_s" in blocked.error
+    assert "never called" in silent.error and "not a finite number" in nan.error
+    for failed in (raised, hung, silent, nan, blocked):
+        assert failed.trajectory.finish_reason == "abort" and failed.trajectory.end_reason == "agent_error"
+    metrics = episode_metrics([e.trajectory for e in [*episodes, blocked]])
+    assert metrics["env/agent_errors"] == 5.0 and metrics["env/agent_timeouts"] == 2.0
+    assert metrics["env/end_done"] == 1.0 and metrics["env/end_agent_error"] == 5.0
+
+
+AGENT_SCRIPT = """
+import json, os, sys
+import openai
+row = json.load(sys.stdin)
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+reply = client.chat.completions.create(
+    model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": row["prompt"] + " " + row["row"]["task"]}]
+)
+print("log line")
+print(json.dumps({"reward": 0.5 if reply.choices[0].message.content == "Answer: 3" else -1}))
+"""
+
+
+def test_an_agent_command_gets_the_gateway_in_its_environment_and_the_row_on_stdin(tmp_path: Path) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT_SCRIPT)
+    failing = tmp_path / "failing.py"
+    failing.write_text("import sys\nsys.exit('no luck')\n")
+    engine = ScriptEngine({"cmd": ["Answer: 3"]})
+    cfg = EnvConfig(type="agent", max_turns=2, agent_command=f"{shlex.quote(sys.executable)} {script}")
+    (episode,) = run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg)
+    assert episode.error is None and episode.reward == 0.5
+    assert episode.trajectory.prompt_ids == rendered([{"role": "user", "content": "cmd cmd"}])
+    cfg = EnvConfig(type="agent", agent_command=f"{shlex.quote(sys.executable)} {failing}")
+    (failed,) = run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg)
+    assert "status 1" in failed.error and "no luck" in failed.error
+    assert failed.trajectory.events["agent_errors"] == 1
+
+
+# ---- the run: configuration and the collector ----
+def test_config_refuses_an_agent_type_without_exactly_one_agent() -> None:
+    base = ["model.hf_path=unused", "data.train_path=unused", "env.type=agent"]
+    with pytest.raises(ConfigError, match=r"env\.agent .* env\.agent_command.*neither"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="both"):
+        load_config(None, [*base, "env.agent=test_gateway:answering_agent", "env.agent_command=true"])
+    with pytest.raises(ConfigError, match=r"env\.agent_command is set but env\.type = 'single_turn'"):
+        load_config(None, ["model.hf_path=unused", "data.train_path=unused", "env.agent_command=true"])
+    assert load_config(None, [*base, "env.agent_command=./agent.sh"]).env.agent_command == "./agent.sh"
+    # the function is imported at validation (environment_class), naming the key
+    assert environment_class(EnvConfig(type="agent", agent="test_gateway:answering_agent")) is AgentEpisodes
+    with pytest.raises(ConfigError, match=r"env\.agent = 'no_such_module:f': cannot import"):
+        environment_class(EnvConfig(type="agent", agent="no_such_module:f"))
+    with pytest.raises(ConfigError, match="no callable 'nope'"):
+        environment_class(EnvConfig(type="agent", agent="test_gateway:nope"))
+
+
+async def answering_agent(base_url, api_key, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+
+
+async def rewarding_agent(base_url, api_key, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+    return 0.75 if reply.choices[0].message.content == "Answer: 56088" else 0.0
+
+
+def test_the_collector_scores_by_the_agents_reward_with_env_agent_reward() -> None:
+    over = [
+        "model.hf_path=unused",
+        "data.train_path=unused",
+        "rollout.n_samples_per_prompt=2",
+        "train.prompts_per_step=1",
+        "env.type=agent",
+        "env.agent=test_gateway:rewarding_agent",
+        "env.agent_reward=true",
+        "reward.correct_reward=0.5",
+    ]
+    cfg = load_config(None, over)
+    engine = ScriptEngine({"task-F": ["Answer: 56088", "Answer: 1"]})
+    col = RolloutCollector(cfg, engine, TT, RewardScorer(cfg.reward), PromptSampler([task("task-F")], shuffle=False))
+    outcome = col.collect(step=0)
+    assert sorted(outcome.rewards.tolist()) == [0.0, 0.75]
+    assert outcome.metrics["reward/accuracy"] == 0.5 and outcome.metrics["reward/failures"] == 0.0
+    # evaluation: the same agent, the same scores
+    metrics = evaluate(ScriptEngine({"task-F": ["Answer: 56088"]}), [task("task-F")], TT, col.scorer, cfg, 0)
+    assert metrics["eval/greedy_accuracy"] == 1.0 and metrics["eval/reward_mean"] == 0.75
+    with pytest.raises(ConfigError, match=r"env\.agent_reward is set but env\.type"):
+        load_config(None, ["model.hf_path=unused", "data.train_path=unused", "env.agent_reward=true"])
+
+
+def test_the_collector_trains_agent_episodes_scored_by_the_reward_rule() -> None:
+    over = {
+        "model.hf_path": "unused",
+        "data.train_path": "unused",
+        "rollout.n_samples_per_prompt": 2,
+        "train.prompts_per_step": 1,
+        "env.type": "agent",
+        "env.agent": "test_gateway:answering_agent",
+        "env.max_turns": 2,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
+    engine = ScriptEngine({"task-E": ["Answer: 56088", "Answer: 1"]})  # right, then wrong
+    sampler = PromptSampler([task("task-E")], shuffle=False)
+    col = RolloutCollector(cfg, engine, TT, RewardScorer(cfg.reward), sampler)
+    outcome = col.collect(step=0)
+    assert len(engine.requests) == 2 and outcome.metrics["env/end_done"] == 2.0
+    batch = outcome.batch
+    assert sorted(outcome.rewards.tolist()) == [-1.0, 1.0]
+    lengths = sorted(batch.response_length(i) for i in range(2))
+    assert lengths == [len(chars("Answer: 1")) + 1, len(chars("Answer: 56088")) + 1]
+
+
+def test_row_is_json_for_a_command() -> None:
+    from megatron_rl.agents import row_json
+
+    assert json.loads(row_json(row(7))) == {"index": 0, "prompt": "q", "answer": "56088", "row": {}}
+
+
+def test_a_real_tokenizer_and_chat_template_give_the_same_tokens_as_rendering_the_whole_conversation() -> None:
+    from test_tiny_tools import tools_tokenizer
+
+    tok = tools_tokenizer.build_tokenizer()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+    class Engine:
+        def __init__(self) -> None:
+            self.requests: list[list[int]] = []
+
+        def generate(self, prompts, params, return_routed_experts=False):
+            (ids,) = prompts
+            self.requests.append(list(ids))
+            gen = tok.encode(call if len(self.requests) == 1 else "Answer: 5", add_special_tokens=False)
+            gen.append(tok.eos_token_id)
+            return [Sample(list(ids), gen, [-0.1] * len(gen), "stop")]
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "2+3="}]
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        (tool_call,) = reply.choices[0].message.tool_calls
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": tool_call.id, "content": "5"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)
+
+    engine = Engine()
+    cfg = EnvConfig(type="agent", max_turns=2)
+    (episode,) = run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent)
+    conversation = [
+        {"role": "user", "content": "2+3="},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "5"},
+    ]
+    whole = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(engine.requests[1]) == whole  # the same text, built token in, token out
+    traj = episode.trajectory
+    assert traj.prompt_ids + traj.output_ids == engine.requests[1] + tok.encode("Answer: 5") + [tok.eos_token_id]
+
+
+def test_a_call_the_engine_hands_to_the_main_thread_runs_while_the_agents_wait() -> None:
+    """The local engine's restart after its death runs on the trainer's main thread (`engine.handoff`):
+    the agents' episodes must leave that thread free to run it, or the step waits forever."""
+    ran_on = []
+
+    class RestartingEngine(ScriptEngine):
+        def __init__(self) -> None:
+            super().__init__({"task-G": ["Answer: 1"]})
+            self.handoff = MainThreadCalls()  # built here: this test's thread is the main thread
+
+        def generate(self, prompts, params, return_routed_experts=False):
+            if not ran_on:  # the engine "died": its restart is handed to the main thread
+                self.handoff.call(lambda: ran_on.append(threading.current_thread()), "restarting the engine")
+            return super().generate(prompts, params, return_routed_experts)
+
+    engine = RestartingEngine()
+    (episode,) = run_agents(engine, answering_agent, [task("task-G")])
+    assert ran_on == [threading.current_thread()] and episode.error is None
+
+
+def test_an_agent_that_times_out_while_its_call_generates_leaves_nothing_waiting() -> None:
+    release, generating = threading.Event(), threading.Event()
+
+    class StuckEngine(ScriptEngine):
+        def generate(self, prompts, params, return_routed_experts=False):
+            generating.set()
+            release.wait()
+            return super().generate(prompts, params, return_routed_experts)
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "task-H"}])
+
+    try:
+        (episode,) = run_agents(StuckEngine({"task-H": ["late"]}), agent, [task("task-H")], agent_timeout_s=0.2)
+        assert generating.is_set()
+    finally:
+        release.set()
+    assert "agent_timeout_s" in episode.error and episode.trajectory.finish_reason == "abort"
+    assert episode.trajectory.output_ids == [] and episode.trajectory.events["agent_timeouts"] == 1
+
+
+def test_routed_experts_are_assembled_per_token_across_calls() -> None:
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "task-R"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)
+
+    cfg = EnvConfig(type="agent", max_turns=2)
+    engine = ScriptEngine({"task-R": ["one", "two"]})
+    (episode,) = run_agent_episodes(
+        engine, [task("task-R")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+    )
+    traj = episode.trajectory
+    first_call = len(engine.requests[0][0]) + len(chars("one")) + 1 - 1  # the rows the first call routed
+    rows = traj.routed_experts[:, 0, 0].tolist()
+    assert len(rows) == len(traj.prompt_ids) + len(traj.output_ids) - 1
+    # each position from the first call that routed it: the first call's, then the second's prefill and turn
+    assert rows == list(range(first_call)) + [1000 + k for k in range(first_call, len(rows))]
