@@ -41,11 +41,10 @@ from dataclasses import dataclass, field, replace
 from numbers import Real
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from megatron_rl.config import EnvConfig
-from megatron_rl.envs.episodes import Trajectory, TurnRenderer
+from megatron_rl.envs.episodes import RoutedExperts, Trajectory, TurnRenderer, append_generated, append_observation
 from megatron_rl.envs.tools import MalformedCall, ToolCall, parse_tool_calls
 from megatron_rl.http_body import READ_TIMEOUT_S, BodyError, app_runner, authorized, parse_json, read_body
 from megatron_rl.rollout.types import SamplingParams
@@ -193,8 +192,7 @@ class Segment:
     traj: Trajectory
     keys: list[tuple] = field(default_factory=list)
     reply_key: tuple | None = None  # the key of the assistant message the gateway answered last
-    routing: list[np.ndarray] = field(default_factory=list)
-    covered: int = 0
+    routed: RoutedExperts = field(default_factory=RoutedExperts)
 
     def extended_by(self, keys: list[tuple]) -> bool:
         """`keys` are this conversation, the gateway's last answer, then at least one new message."""
@@ -456,9 +454,7 @@ class Gateway:
             raise RequestError(404, "the episode ended while the call generated", "not_found_error")
         state.calls += 1
         out = [int(t) for t in sample.output_ids]
-        if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
-            raise RuntimeError(f"rollout engine: returned {len(out)} tokens but no log-prob for each")
-        _append(seg, delta, sample, out)
+        _append(seg, delta, sample)
         if sample.aborted:
             seg.traj.end_reason = "abort"
             state.failure = "the engine aborted the request"
@@ -527,28 +523,9 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _append(seg: Segment, delta: list[int], sample: Any, out: list[int]) -> None:
-    """The new messages' tokens (not trained: mask 0, log-prob 0) then the engine's, as `run_episodes`."""
+def _append(seg: Segment, delta: list[int], sample: Any) -> None:
+    """The new messages' tokens (not trained) then the engine's, as `run_episodes` appends them."""
     traj = seg.traj
     if delta:
-        versions = traj.weight_versions or []
-        traj.weight_versions = versions + [versions[-1] if versions else "default"] * len(delta)
-        traj.output_ids += delta
-        traj.logprobs += [0.0] * len(delta)
-        traj.loss_mask += [False] * len(delta)
-        traj.turn_of_token += [traj.turns - 1] * len(delta)
-    turn = traj.turns
-    traj.output_ids += out
-    traj.logprobs += [float(x) for x in (sample.logprobs or [0.0] * len(out))]
-    traj.loss_mask += [True] * len(out)
-    traj.turn_of_token += [turn] * len(out)
-    turn_versions = sample.weight_versions or [sample.weight_version or "default"] * len(out)
-    traj.weight_versions = [*(traj.weight_versions or []), *turn_versions]
-    for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
-        setattr(traj, name, getattr(sample, name))
-    if sample.routed_experts is not None:
-        rows = np.asarray(sample.routed_experts)
-        seg.routing.append(rows[seg.covered :])
-        seg.covered = max(seg.covered, rows.shape[0])
-        traj.routed_experts = np.concatenate(seg.routing, axis=0)
-    traj.turn_rewards.append(0.0)
+        append_observation(traj, delta, traj.turns - 1)
+    append_generated(traj, sample, traj.turns, seg.routed)

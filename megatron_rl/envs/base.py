@@ -97,19 +97,25 @@ class AgentEpisodes(Environment):
         raise NotImplementedError("env.type = 'agent': episodes run through megatron_rl.agents.run_agent_episodes")
 
 
-def agent_function(cfg: EnvConfig) -> Callable[..., Any]:
-    """The callable `env.agent` (module:function) names; ConfigError naming the key otherwise."""
-    name = str(cfg.agent)
+def _named(key: str, name: str, expected: str) -> tuple[str, Any]:
+    """(module name, attribute) of the `module:attribute` that setting `key` names; ConfigError naming
+    the key otherwise (`expected`: what the setting takes)."""
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"env.agent = {name!r}: expected module:function (an async agent(base_url, api_key, row))")
+        raise ConfigError(f"{key} = {name!r}: {expected}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"env.agent = {name!r}: cannot import module {module_name!r}: {err}") from err
-    fn = getattr(module, attr, None)
+        raise ConfigError(f"{key} = {name!r}: cannot import module {module_name!r}: {err}") from err
+    return module_name, getattr(module, attr, None)
+
+
+def agent_function(cfg: EnvConfig) -> Callable[..., Any]:
+    """The callable `env.agent` (module:function) names; ConfigError naming the key otherwise."""
+    name = str(cfg.agent)
+    module_name, fn = _named("env.agent", name, "expected module:function (an async agent(base_url, api_key, row))")
     if not callable(fn):
-        raise ConfigError(f"env.agent = {name!r}: {module_name} has no callable {attr!r}")
+        raise ConfigError(f"env.agent = {name!r}: {module_name} has no callable {name.partition(':')[2]!r}")
     return fn
 
 
@@ -122,17 +128,11 @@ def environment_class(cfg: EnvConfig) -> type[Environment]:
         if cfg.agent:
             agent_function(cfg)
         return AgentEpisodes
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"env.type = {name!r}: allowed: {[*BUILTIN_ENVS, 'agent']} or module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"env.type = {name!r}: cannot import module {module_name!r}: {err}") from err
-    cls = getattr(module, attr, None)
+    module_name, cls = _named("env.type", name, f"allowed: {[*BUILTIN_ENVS, 'agent']} or module:Class")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(
-            f"env.type = {name!r}: {attr!r} in {module_name} is not a subclass of megatron_rl.envs.Environment"
+            f"env.type = {name!r}: {name.partition(':')[2]!r} in {module_name} is not a subclass of "
+            "megatron_rl.envs.Environment"
         )
     return cls
 

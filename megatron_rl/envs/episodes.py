@@ -189,12 +189,58 @@ class Trajectory(Sample):
 
 
 @dataclass
+class RoutedExperts:
+    """A trajectory's routed experts per token, assembled over its calls: each position from the first
+    call whose routing covers it."""
+
+    parts: list[np.ndarray] = field(default_factory=list)
+    covered: int = 0
+
+    def add(self, rows: Any) -> np.ndarray:
+        """The call's routing (one row per position it covers); the whole trajectory's so far."""
+        rows = np.asarray(rows)
+        self.parts.append(rows[self.covered :])
+        self.covered = max(self.covered, rows.shape[0])
+        return np.concatenate(self.parts, axis=0)
+
+
+def append_generated(traj: Trajectory, sample: Sample, turn: int, routed: RoutedExperts) -> None:
+    """The engine's turn `turn` (`sample`) appended: trained tokens with the engine's log-probs, their
+    weight versions and routing; the sample's finish fields; a turn reward of 0 for now."""
+    out = list(sample.output_ids)
+    if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
+        raise RuntimeError(f"rollout engine: turn {turn} returned {len(out)} tokens but no log-prob for each")
+    traj.output_ids += out
+    traj.logprobs += list(sample.logprobs or [0.0] * len(out))
+    traj.loss_mask += [True] * len(out)
+    traj.turn_of_token += [turn] * len(out)
+    # per-token weight versions across turns (a turn's tokens may span weight updates: partial rollouts)
+    turn_versions = sample.weight_versions or [sample.weight_version or "default"] * len(out)
+    traj.weight_versions = [*(traj.weight_versions or []), *turn_versions]
+    for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
+        setattr(traj, name, getattr(sample, name))
+    if sample.routed_experts is not None:
+        traj.routed_experts = routed.add(sample.routed_experts)
+    traj.turn_rewards.append(0.0)
+
+
+def append_observation(traj: Trajectory, ids: list[int], turn: int) -> None:
+    """Message tokens after turn `turn` appended: not trained (mask 0, log-prob 0), of the last turn's version."""
+    versions = traj.weight_versions or []
+    last = versions[-1] if versions else "default"
+    traj.weight_versions = versions + [last] * len(ids)
+    traj.output_ids += ids
+    traj.logprobs += [0.0] * len(ids)
+    traj.loss_mask += [False] * len(ids)
+    traj.turn_of_token += [turn] * len(ids)
+
+
+@dataclass
 class _Episode:
     env: Environment
     prompt_ids: list[int]
     traj: Trajectory
-    routing: list[np.ndarray] = field(default_factory=list)
-    covered: int = 0
+    routed: RoutedExperts = field(default_factory=RoutedExperts)
     live: bool = True
 
     def end(self, reason: str) -> None:
@@ -286,31 +332,14 @@ def _turn_reward(obs: Observation, env: Environment, turn: int, cfg: EnvConfig) 
 
 def _record(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer) -> Turn | None:
     """Append the engine's turn to the trajectory; the `Turn` to step on, or None when the episode ended."""
-    traj = ep.traj
-    out = list(sample.output_ids)
-    if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
-        raise RuntimeError(f"rollout engine: turn {turn} returned {len(out)} tokens but no log-prob for each")
-    traj.output_ids += out
-    traj.logprobs += list(sample.logprobs or [0.0] * len(out))
-    traj.loss_mask += [True] * len(out)
-    traj.turn_of_token += [turn] * len(out)
-    # per-token weight versions across turns (a turn's tokens may span weight updates: partial rollouts)
-    turn_versions = sample.weight_versions or [sample.weight_version or "default"] * len(out)
-    traj.weight_versions = [*(traj.weight_versions or []), *turn_versions]
-    for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
-        setattr(traj, name, getattr(sample, name))
-    if sample.routed_experts is not None:
-        rows = np.asarray(sample.routed_experts)
-        ep.routing.append(rows[ep.covered :])
-        ep.covered = max(ep.covered, rows.shape[0])
-        traj.routed_experts = np.concatenate(ep.routing, axis=0)
-    traj.turn_rewards.append(0.0)
+    append_generated(ep.traj, sample, turn, ep.routed)
     if sample.aborted:
         ep.end("abort")
         return None
     if sample.truncated:
         ep.end("length")
         return None
+    out = list(sample.output_ids)
     text = renderer.tokenizer.batch_decode([out], skip_special_tokens=True)[0]
     return Turn(turn, text, tuple(out), sample.finish_reason)
 
@@ -343,13 +372,7 @@ def _observe(ep: _Episode, done: Turn, step: Future, renderer: TurnRenderer, cfg
     total = len(ep.prompt_ids) + len(traj.output_ids) + len(obs_ids)
     if cfg.max_total_tokens is not None and total + 1 > cfg.max_total_tokens:
         return ep.end("max_total_tokens")
-    traj.output_ids += obs_ids
-    versions = traj.weight_versions or []
-    last = versions[-1] if versions else "default"
-    traj.weight_versions = versions + [last] * len(obs_ids)  # not trained on: the last turn's version
-    traj.logprobs += [0.0] * len(obs_ids)
-    traj.loss_mask += [False] * len(obs_ids)
-    traj.turn_of_token += [turn] * len(obs_ids)
+    append_observation(traj, obs_ids, turn)
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
