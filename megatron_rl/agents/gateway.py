@@ -16,8 +16,8 @@ does not extend the history starts a new segment (`env/gateway_resets`), a traje
 
 Generation: one engine request per call, the engine's synchronous `generate` on a thread pool,
 with the run's sampling (`params(call, episode)`), `max_tokens` capped by it and by what is left
-of `env.max_total_tokens`. The request's `temperature` is ignored unless `honor_temperature`
-(`env/gateway_temperature_ignored`): the trainer scores the tokens at `rollout.temperature`. A
+of `env.max_total_tokens`. The request's `temperature` is ignored (counted,
+`env/gateway_temperature_ignored`): the trainer scores the tokens at `rollout.temperature`. A
 `stop` string that is one token becomes a stop token; another is ignored (`env/gateway_stop_ignored`).
 More than `env.max_turns` calls, or a prompt that leaves no room in `env.max_total_tokens`, answer
 400 and mark the episode as ended by that limit.
@@ -244,13 +244,12 @@ class Gateway:
         *,
         max_concurrency: int = 64,
         return_routed_experts: bool = False,
-        honor_temperature: bool = False,
         model: str = MODEL,
         port: int = 0,
     ) -> None:
         self.engine, self.renderer, self.cfg, self.params = engine, renderer, cfg, params
         self.api_key, self.model, self.port = api_key, model, port
-        self.return_routed_experts, self.honor_temperature = return_routed_experts, honor_temperature
+        self.return_routed_experts = return_routed_experts
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="gateway-generate")
         self._episodes: dict[str, EpisodeState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -425,10 +424,7 @@ class Gateway:
             )
         changes: dict[str, Any] = {"max_new_tokens": min(room, chat.max_tokens or room)}
         if chat.temperature is not None and chat.temperature != p.temperature:
-            if self.honor_temperature:
-                changes["temperature"] = chat.temperature
-            else:
-                state.events["gateway_temperature_ignored"] += 1
+            state.events["gateway_temperature_ignored"] += 1
         stops = []
         for text in chat.stop:
             one = tok.encode(text, add_special_tokens=False)
