@@ -16,8 +16,8 @@ sync pushes the current weights), sends the unfinished requests again and goes o
 ones are kept. One restart runs at a time: the restart and its resync run on the trainer's main
 thread (`handoff`, when the driver gives one: a worker thread that saw the death hands them over
 and waits), and every thread that saw the same death sends its requests again once it is done;
-no request is sent between a restart and its resync. After `rollout.max_engine_restarts` restarts the next death stops the run, with the
-exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
+no request is sent between a restart and its resync. After `rollout.max_engine_restarts` restarts
+the next death stops the run, with the exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
 the trainer waits, a warning gives the requests in flight (and whether the child is stopped, e.g.
 by SIGSTOP). Closing cancels what is still pending on the client's loop first (an interrupted
 `generate`), so an interrupted run ends quietly.
