@@ -33,6 +33,7 @@ import secrets
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, TypeVar
@@ -210,24 +211,8 @@ def _serving_handoff(handoff: Any, work: Callable[[], T]) -> T:
     """`work()` on a thread of its own while this thread (the trainer's main thread, the owner of the
     engine's `handoff`) runs what the engine's generating threads hand it: the restart of a dead local
     engine and its resync, which would otherwise wait for this thread forever."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = work()
-        except BaseException as err:  # raised again on the calling thread
-            box["error"] = err
-        finally:
-            handoff.notify()
-
-    thread = threading.Thread(target=run, name="agent-episodes", daemon=True)
-    thread.start()
-    with handoff.cond:
-        handoff.wait_for(lambda: bool(box), None)
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    with ThreadPoolExecutor(1, thread_name_prefix="agent-episodes") as pool:
+        return handoff.wait_future(pool.submit(work))
 
 
 async def _all(
@@ -239,7 +224,7 @@ async def _all(
         async with slots:
             episode = gateway.open_episode(i)
             url = gateway.base_url(episode)
-            reward, error = None, None
+            reward, error, timed_out = None, None, False
             try:
                 if agent is not None:
                     async with asyncio.timeout(cfg.agent_timeout_s):
@@ -247,11 +232,12 @@ async def _all(
                 else:
                     reward = await _run_command(cfg.agent_command, url, key, gateway.model, row, cfg.agent_timeout_s)
             except TimeoutError:
+                timed_out = True
                 error = f"the agent ran past env.agent_timeout_s = {cfg.agent_timeout_s:g} s"
             except Exception as err:  # the agent's own bug: its episode fails, the step goes on
                 error = f"{type(err).__name__}: {err}"
             record = await gateway.finish_async(episode)
-            if error is not None and error.startswith("the agent ran past"):
+            if timed_out:
                 record.events["agent_timeouts"] += 1
             result = _episode(row, record, reward, error)
             if result.error is not None:

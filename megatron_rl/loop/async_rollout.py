@@ -170,7 +170,6 @@ class OneStepOff:
         if self._future is not None:
             raise RuntimeError("one_step_off: a background collection is still running")
         self._future = self._pool.submit(self._collect, step)
-        self._future.add_done_callback(lambda _: self._handoff.notify())
         self.ready_step = step
 
     def wait(self) -> float:
@@ -178,9 +177,7 @@ class OneStepOff:
         began = time.perf_counter()
         if self._future is not None:
             future, self._future = self._future, None
-            with self._handoff.cond:
-                self._handoff.wait_for(future.done, None)  # the collection's requests have their timeouts
-            self.ready = future.result()
+            self.ready = self._handoff.wait_future(future)  # the collection's requests have their timeouts
         return time.perf_counter() - began
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -82,6 +83,14 @@ class MainThreadCalls:
             if left is not None and left <= 0:
                 return False
             self.cond.wait(left)
+
+    def wait_future(self, future: Future[T]) -> T:
+        """(The main thread.) `future`'s result, running the calls handed over until it is done (the
+        work behind it bounds its own waits)."""
+        future.add_done_callback(lambda _: self.notify())
+        with self.cond:
+            self.wait_for(future.done, None)
+        return future.result()
 
     def _run_handed(self) -> None:
         while self._calls:
