@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from numbers import Real
@@ -379,15 +379,6 @@ class Gateway:
             return error_response(500, f"{type(err).__name__}: {err}", "server_error")
 
     # ---- one completion ----
-    def _first_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        kwargs = {"tools": tools} if tools else {}
-        ids = self.renderer.tokenizer.apply_chat_template(
-            _template_messages(messages), tokenize=True, add_generation_prompt=True, **kwargs
-        )
-        if isinstance(ids, Mapping):  # a tokenizer that answers a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-
     async def _complete(self, state: EpisodeState, chat: ChatRequest) -> dict[str, Any]:
         cfg, tok = self.cfg, self.renderer.tokenizer
         if state.calls >= cfg.max_turns:
@@ -406,7 +397,7 @@ class Gateway:
             fresh = None
         else:
             try:
-                prompt = self._first_ids(chat.messages, chat.tools)
+                prompt = self.renderer.first_ids(_template_messages(chat.messages), chat.tools)
             except Exception as err:  # a template that refuses the conversation
                 raise RequestError(400, f"the messages cannot be rendered: {type(err).__name__}: {err}") from None
             delta, ids = [], prompt

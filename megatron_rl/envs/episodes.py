@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
@@ -162,8 +162,13 @@ class TurnRenderer:
             )
         return ids
 
-    def first_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    def first_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template's tokens of `messages` (with `tools` when given), then the assistant header."""
+        kwargs = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
+        if isinstance(ids, Mapping):  # transformers 5 answers a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
 
 @dataclass
