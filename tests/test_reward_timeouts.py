@@ -136,7 +136,8 @@ def test_close_ends_the_workers_and_an_explicit_rule_runs_in_process(make_scorer
     processes = scorer.workers._pool.processes()
     scorer.close()
     scorer.close()  # idempotent
-    assert processes and all(p.exitcode is not None for p in processes)
+    assert processes
+    wait_until(lambda: all(p.exitcode is not None for p in processes), 60, "the closed reward workers to exit")
     with pytest.raises(RuntimeError, match="closed"):
         scorer.score(["1"], ["1"])
     seen: list[str] = []
