@@ -329,7 +329,7 @@ class EnvConfig:
     )
     max_concurrent_steps: int = _f(
         64,
-        "Environment.step calls run at once: the steps of a turn's episodes run side by side, at most this many",
+        "Environment.step calls run at once: the episodes' steps run side by side, at most this many",
         ge=1,
     )
     tool_url: str | None = _f(None, "http_tool: the tool server's endpoint, POSTed {name, arguments}")

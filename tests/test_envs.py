@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,7 +16,7 @@ import torch
 from megatron_rl.actor.batch import build_inputs
 from megatron_rl.actor.micro_batches import MicroBatch
 from megatron_rl.algorithms import per_turn_advantages, turn_returns
-from megatron_rl.config import ConfigError, EnvConfig, load_config, loss_spec, preset, validate
+from megatron_rl.config import ConfigError, EnvConfig, TrainConfig, load_config, loss_spec, preset, validate
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.envs import (
     Environment,
@@ -31,7 +33,7 @@ from megatron_rl.envs import (
 from megatron_rl.envs.calculator import CalculatorEnv, CalculatorError, evaluate_expression
 from megatron_rl.envs.episodes import EnvRewardError
 from megatron_rl.envs.http_tool import HttpToolEnv
-from megatron_rl.loop.collect import RolloutCollector
+from megatron_rl.loop.collect import RolloutCollector, sampling_seed
 from megatron_rl.losses import policy_loss
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -455,16 +457,18 @@ def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories()
 
 
 class _AlternatingEngine(TurnEngine):
-    """Episode 0 of each group calls the calculator and answers right; episode 1 answers wrong at once."""
+    """Episode 0 of step 0's group calls the calculator and answers right; episode 1 (known by its turn-0
+    seed: the episodes' calls arrive in any order) answers wrong at once."""
 
     def __init__(self) -> None:
         super().__init__({})
+        self.wrong_seed = sampling_seed(TrainConfig().seed, 0, 0, 1)
 
     def generate(self, prompts, params, return_routed_experts=False):
         out = []
-        for k, ids in enumerate(prompts):
+        for ids, p in zip(prompts, params, strict=True):
             first_turn = len(ids) == 3
-            if len(prompts) == 2 and k == 1:
+            if p.sampling_seed == self.wrong_seed:
                 text = "Answer: 1"
             else:
                 text = CALL if first_turn else "Answer: 56088"
@@ -718,3 +722,67 @@ def test_the_steps_of_a_turn_run_side_by_side_up_to_the_bound(episodes: int, max
     )
     assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2)] * episodes
     assert Rendezvous.most == meet  # every step of the turn at once, never more than env.max_concurrent_steps
+
+
+class SlowFirstEngine(TurnEngine):
+    """A TurnEngine whose turn 0 of episode 0 (prompt key 0) is answered only once episode 1 (key 1) has
+    had its turn 1 generated: lock-step turns can never get there (they would wait 30 s, then fail)."""
+
+    def __init__(self, script: dict[int, list[str]]) -> None:
+        super().__init__(script)
+        self.lock = threading.Lock()
+        self.other_went_on = threading.Event()
+
+    def generate(self, prompts, params, return_routed_experts=False):
+        ((ids,),) = [prompts]  # one call per episode's turn
+        if ids[0] == 0 and len(ids) == 3 and not self.other_went_on.wait(30):
+            raise AssertionError("episode 1 did not go on to its turn 1 while episode 0 generated its turn 0")
+        with self.lock:
+            out = super().generate(prompts, params, return_routed_experts)
+        if ids[0] == 1 and len(ids) > 3:
+            self.other_went_on.set()
+        return out
+
+
+def test_a_finished_turn_moves_on_while_another_episode_still_generates() -> None:
+    cfg = EnvConfig(type="calculator", max_turns=3)
+    engine = SlowFirstEngine({0: ["Answer: 1"], 1: [CALL, "Answer: 56088"]})
+    trajs = run_episodes(
+        engine, [CalculatorEnv(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
+    )
+    assert [(t.end_reason, t.turns) for t in trajs] == [("done", 1), ("done", 2)]
+    # episode 1's two calls were both made before episode 0's only one returned
+    assert [r[0][0] for r in engine.requests] == [1, 1, 0]
+
+
+class AsyncRendezvous(Environment):
+    """An `async def step` that returns once `meet` steps wait at once (an asyncio barrier on the
+    episodes' loop), or never (`hang`): past env.step_timeout_s it is cancelled."""
+
+    barrier: asyncio.Barrier | None = None
+    meet = 0
+    hang = False
+
+    async def step(self, turn):
+        cls = type(self)
+        if cls.hang:
+            await asyncio.Event().wait()
+        if cls.barrier is None:  # made on the loop that runs the episodes
+            cls.barrier = asyncio.Barrier(cls.meet)
+        async with asyncio.timeout(30):
+            await cls.barrier.wait()
+        return Observation(done=True, reward=0.25)
+
+
+def test_async_steps_run_on_the_episodes_loop_side_by_side_and_time_out() -> None:
+    cfg = EnvConfig(max_turns=2, max_concurrent_steps=4, step_timeout_s=0.3)
+    engine = TurnEngine({k: ["a"] for k in range(4)})
+    AsyncRendezvous.barrier, AsyncRendezvous.meet, AsyncRendezvous.hang = None, 4, False
+    envs = [AsyncRendezvous(cfg) for _ in range(4)]
+    cfg_long = dataclasses.replace(cfg, step_timeout_s=60.0)
+    trajs = run_episodes(engine, envs, [row(k) for k in range(4)], params, TurnRenderer(TOK), cfg_long)
+    assert [(t.end_reason, t.turn_rewards) for t in trajs] == [("done", [0.25])] * 4
+    AsyncRendezvous.hang = True
+    (traj,) = run_episodes(TurnEngine({7: ["x"]}), [AsyncRendezvous(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
+    assert (traj.end_reason, dict(traj.events)) == ("env_error", {"step_timeout": 1})
+    assert "AsyncRendezvous.step ran past env.step_timeout_s = 0.3 s" in traj.meta_info["env_error"]

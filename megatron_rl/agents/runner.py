@@ -31,9 +31,7 @@ import math
 import os
 import secrets
 import signal
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, TypeVar
@@ -42,6 +40,8 @@ from megatron_rl.agents.gateway import MODEL, EpisodeRecord, Gateway
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import agent_function
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
+from megatron_rl.envs.tools import on_daemon_thread
+from megatron_rl.rollout.handoff import run_serving_handoff
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,35 +83,10 @@ async def _run_function(fn: Callable[..., Any], base_url: str, api_key: str, row
     if inspect.iscoroutinefunction(fn):
         value = await fn(base_url, api_key, row)
     else:
-        value = await _on_daemon_thread(lambda: fn(base_url, api_key, row))
+        value = await on_daemon_thread(lambda: fn(base_url, api_key, row))
         if inspect.isawaitable(value):
             value = await value
     return _reward(value, "the agent function")
-
-
-async def _on_daemon_thread(work: Callable[[], Any]) -> Any:
-    """`work()` on a daemon thread of its own: one that never returns is abandoned at a timeout, and
-    holds up neither the event loop's end nor the interpreter's (as `asyncio.to_thread` would)."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(value: Any, err: BaseException | None) -> None:
-        if not done.done():
-            done.set_exception(err) if err is not None else done.set_result(value)
-
-    def run() -> None:
-        value, error = None, None
-        try:
-            value = work()
-        except BaseException as err:  # handed to the awaiting coroutine
-            error = err
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop has ended: nobody waits for it
-            pass
-
-    threading.Thread(target=run, name="agent", daemon=True).start()
-    return await done
 
 
 async def _run_command(command: str, base_url: str, api_key: str, model: str, row: Any, timeout_s: float):
@@ -200,19 +175,9 @@ def run_agent_episodes(
         return_routed_experts=return_routed_experts,
     )
     with gateway:
-        episodes = lambda: asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))  # noqa: E731
-        handoff = getattr(engine, "handoff", None)
-        if handoff is None or threading.current_thread() is not handoff.owner:
-            return episodes()
-        return _serving_handoff(handoff, episodes)
-
-
-def _serving_handoff(handoff: Any, work: Callable[[], T]) -> T:
-    """`work()` on a thread of its own while this thread (the trainer's main thread, the owner of the
-    engine's `handoff`) runs what the engine's generating threads hand it: the restart of a dead local
-    engine and its resync, which would otherwise wait for this thread forever."""
-    with ThreadPoolExecutor(1, thread_name_prefix="agent-episodes") as pool:
-        return handoff.wait_future(pool.submit(work))
+        return run_serving_handoff(
+            getattr(engine, "handoff", None), lambda: asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))
+        )
 
 
 async def _all(

@@ -64,7 +64,8 @@ class Environment:
         return None
 
     def step(self, turn: Turn) -> Observation:
-        """The observation after the model's `turn`."""
+        """The observation after the model's `turn`. May be `async def step`: it then runs on the
+        episodes' event loop (it must not block it); a plain `step` runs on a thread of its own."""
         raise NotImplementedError(f"{type(self).__name__}.step: an Environment must say what follows a model turn")
 
 

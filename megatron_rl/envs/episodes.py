@@ -1,9 +1,10 @@
 """Running episodes against the engine, token in, token out.
 
-Every turn is one `/generate` with the whole trajectory's `input_ids`, batched over the live
-episodes; then the live episodes' `Environment.step` calls run side by side, at most
-`env.max_concurrent_steps` at once (a tool server's latency is paid once per turn, not once per
-episode). The trajectory is exactly the engine's generated tokens followed by the observation's
+Each episode is a coroutine on one event loop: `/generate` with the whole trajectory's
+`input_ids`, then `Environment.step`, then the next turn, so the episodes overlap and a finished
+turn goes on at once, never waiting for the slowest generation or step of the batch. At most
+`env.max_concurrent_steps` steps run at once (an `async def step` on the loop itself, a plain `step`
+on a daemon thread of its own), each within `env.step_timeout_s`. The trajectory is exactly the engine's generated tokens followed by the observation's
 tokens (the chat template's turn delimiters and the observation, tokenized once, by
 `TurnRenderer`): the conversation is never decoded and re-tokenized, so the trainer scores the
 tokens the engine sampled. Observation tokens get loss mask 0 and log-prob 0 (they are never
@@ -26,12 +27,15 @@ output) never becomes the control token, so only the chat template's own delimit
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
+import inspect
 import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -40,7 +44,8 @@ import numpy as np
 
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import Environment, Observation, Turn
-from megatron_rl.envs.tools import call_with_timeout, tool_response
+from megatron_rl.envs.tools import on_daemon_thread, tool_response
+from megatron_rl.rollout.handoff import run_serving_handoff
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -272,52 +277,79 @@ def run_episodes(
         prompt_ids = list(row.input_ids) if messages is None else renderer.first_ids(messages)
         traj = Trajectory(prompt_ids=prompt_ids, output_ids=[], logprobs=[], finish_reason="stop")
         episodes.append(_Episode(env, prompt_ids, traj))
-    for turn in range(cfg.max_turns):
-        live = [i for i, ep in enumerate(episodes) if ep.live]
-        if not live:
-            break
-        requests, request_params = [], []
-        for i in live:
-            ids = episodes[i].prompt_ids + episodes[i].traj.output_ids
-            p = params(turn, i)
-            if cfg.max_total_tokens is not None:
-                p = dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cfg.max_total_tokens - len(ids)))
-            requests.append(ids)
-            request_params.append(p)
-        samples = engine.generate(requests, request_params, return_routed_experts=return_routed_experts)
-        stepping = [
-            (episodes[i], t)
-            for i, sample in zip(live, samples, strict=True)
-            if (t := _record(episodes[i], sample, turn, renderer)) is not None
-        ]
-        if not stepping:
-            continue
-        # the steps side by side; what uses the tokenizer (not safe across threads) stays on this thread
-        with ThreadPoolExecutor(min(len(stepping), cfg.max_concurrent_steps), thread_name_prefix="env-step") as pool:
-            steps = [pool.submit(_step, ep.env, t, cfg, stall_warning_s) for ep, t in stepping]
-            for (ep, t), step in zip(stepping, steps, strict=True):
-                _observe(ep, t, step, renderer, cfg)
+    run = _EpisodeRun(engine, params, renderer, cfg, return_routed_experts, stall_warning_s)
+    run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(run.all(episodes)))
     return [ep.traj for ep in episodes]
 
 
-def _step(env: Environment, turn: Turn, cfg: EnvConfig, stall_warning_s: float) -> Observation:
-    """`env.step(turn)` on a thread of its own, abandoned after env.step_timeout_s (StepTimeoutError)."""
-    name = type(env).__name__
+@dataclass
+class _EpisodeRun:
+    """The episodes of one `run_episodes` call, each a coroutine on one event loop (the calling thread's,
+    or a thread of its own beside the trainer's main thread): a turn's `/generate` on a thread of
+    `_generating` (the engine's `generate` blocks; at most one call per episode), then its step.
+    The tokenizer's work (decoding a turn, rendering an observation) runs on the loop's thread alone."""
 
-    def stalled(seconds: float) -> None:
+    engine: Any
+    params: Callable[[int, int], SamplingParams]
+    renderer: TurnRenderer
+    cfg: EnvConfig
+    return_routed_experts: bool
+    stall_warning_s: float
+
+    async def all(self, episodes: list[_Episode]) -> None:
+        steps = asyncio.Semaphore(self.cfg.max_concurrent_steps)
+        with ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate") as generating:
+            await asyncio.gather(*(self.one(i, ep, generating, steps) for i, ep in enumerate(episodes)))
+
+    async def one(self, i: int, ep: _Episode, generating: ThreadPoolExecutor, steps: asyncio.Semaphore) -> None:
+        loop, cfg = asyncio.get_running_loop(), self.cfg
+        for turn in range(cfg.max_turns):
+            ids = ep.prompt_ids + ep.traj.output_ids
+            p = self.params(turn, i)
+            if cfg.max_total_tokens is not None:
+                p = dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cfg.max_total_tokens - len(ids)))
+            generate = functools.partial(
+                self.engine.generate, [ids], [p], return_routed_experts=self.return_routed_experts
+            )
+            (sample,) = await loop.run_in_executor(generating, generate)
+            done = _record(ep, sample, turn, self.renderer)
+            if done is None:
+                return
+            async with steps:
+                step = asyncio.ensure_future(_step(ep.env, done, cfg, self.stall_warning_s))
+                await asyncio.wait([step])
+            _observe(ep, done, step, self.renderer, cfg)
+            if not ep.live:
+                return
+
+
+async def _step(env: Environment, turn: Turn, cfg: EnvConfig, stall_warning_s: float) -> Observation:
+    """`env.step(turn)`: awaited when it is a coroutine function, else run on a daemon thread of its
+    own; abandoned after env.step_timeout_s (StepTimeoutError)."""
+    name = type(env).__name__
+    if inspect.iscoroutinefunction(env.step):
+        running = asyncio.ensure_future(env.step(turn))
+    else:
+        running = asyncio.ensure_future(on_daemon_thread(lambda: env.step(turn)))
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    while True:
+        left = cfg.step_timeout_s - (loop.time() - began)
+        warn = 0 < stall_warning_s < left
+        finished, _ = await asyncio.wait([running], timeout=stall_warning_s if warn else max(left, 0.0))
+        if finished:
+            break
+        if not warn:
+            running.cancel()
+            raise StepTimeoutError(f"{name}.step ran past env.step_timeout_s = {cfg.step_timeout_s:g} s")
         log.warning(
             "%s.step has run for %.0f s on turn %d (env.step_timeout_s = %g)",
             name,
-            seconds,
+            loop.time() - began,
             turn.index,
             cfg.step_timeout_s,
         )
-
-    status, value = call_with_timeout(lambda: env.step(turn), cfg.step_timeout_s, stall_warning_s, stalled)
-    if status == "timeout":
-        raise StepTimeoutError(f"{name}.step ran past env.step_timeout_s = {cfg.step_timeout_s:g} s")
-    if status == "error":
-        raise value
+    value = running.result()
     if not isinstance(value, Observation):
         raise TypeError(f"{name}.step returned {type(value).__name__}, not an Observation")
     return value
@@ -349,7 +381,7 @@ def _record(ep: _Episode, sample: Sample, turn: int, renderer: TurnRenderer) -> 
     return Turn(turn, text, tuple(out), sample.finish_reason)
 
 
-def _observe(ep: _Episode, done: Turn, step: Future, renderer: TurnRenderer, cfg: EnvConfig) -> None:
+def _observe(ep: _Episode, done: Turn, step: asyncio.Future, renderer: TurnRenderer, cfg: EnvConfig) -> None:
     """The environment's answer to the turn `done` (`step`'s result): the episode ends, or its
     observation is appended."""
     traj, turn, out = ep.traj, done.index, done.token_ids

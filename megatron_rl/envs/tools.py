@@ -14,6 +14,7 @@ response (`env/too_many_tool_calls`). A turn without a tool call is the final an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import re
@@ -118,6 +119,31 @@ def call_with_timeout(
         except queue.Empty:
             if warn:
                 on_stall(time.monotonic() - began)
+
+
+async def on_daemon_thread(work: Callable[[], Any]) -> Any:
+    """`work()` on a daemon thread of its own: one that never returns is abandoned at a timeout, and
+    holds up neither the event loop's end nor the interpreter's (as `asyncio.to_thread` would)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(value: Any, err: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(err) if err is not None else done.set_result(value)
+
+    def run() -> None:
+        value, error = None, None
+        try:
+            value = work()
+        except BaseException as err:  # handed to the awaiting coroutine
+            error = err
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has ended: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="agent", daemon=True).start()
+    return await done
 
 
 def tool_response(content: str) -> str:

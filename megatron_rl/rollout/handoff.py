@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -115,3 +115,13 @@ class MainThreadCalls:
         with self.cond:
             self._closed = True
             self.cond.notify_all()
+
+
+def run_serving_handoff(handoff: MainThreadCalls | None, work: Callable[[], T]) -> T:
+    """`work()`. On the thread that owns `handoff` (the trainer's main thread), `work` runs on a thread
+    of its own while this one runs what `work`'s generating threads hand it (a dead local engine's
+    restart and resync), which would otherwise wait for it forever."""
+    if handoff is None or threading.current_thread() is not handoff.owner:
+        return work()
+    with ThreadPoolExecutor(1, thread_name_prefix="rollout-work") as pool:
+        return handoff.wait_future(pool.submit(work))
