@@ -28,6 +28,7 @@ import pytest
 
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.loop.async_rollout import (
+    StalenessBound,
     staleness_metrics,
     token_versions,
     too_stale,
@@ -71,6 +72,18 @@ def test_version_numbers_and_staleness_metrics_by_hand() -> None:
     # a trajectory's observation tokens (loss mask 0) are not trained on: only generated tokens count
     traj = Trajectory([1], [5, 6, 7], [0.0] * 3, "stop", weight_versions=["1", "2", "2"], loss_mask=[True, False, True])
     assert trained_versions(traj) == [1, 2]
+
+
+def test_the_staleness_bound_counts_every_live_group_and_caps_a_round() -> None:
+    # B = 4 groups a step, max_staleness 1: (v + 2) x 4 groups may ever exist at version v
+    bound = StalenessBound(max_staleness=1, batch_groups=4)
+    assert (bound.capacity, bound.allowance(pending=0)) == (8, 8)
+    assert bound.round_size(12, counted=0) == 8  # oversample 3.0 asks 12: the round waits for 8 at most
+    bound.taken = 3  # 3 kept this step, 2 buffered and 1 in flight: 8 - 3 - 3 = 2 more may be submitted
+    assert bound.allowance(pending=3) == 2 and bound.round_size(6, counted=3) == 5
+    bound.consumed, bound.taken, bound.version = 4, 0, 1  # step 1 trained on 4; synced version 1
+    assert (bound.capacity, bound.allowance(pending=2), bound.round_size(12, counted=0)) == (12, 6, 8)
+    assert bound.describe() == "staleness bound 12, consumed 4, taken 0"
 
 
 def test_decoupled_importance_weight_is_per_token_on_a_mixed_version_sample() -> None:

@@ -12,7 +12,8 @@ trainer's version minus the version that generated it.
 - `fully_async` (`AsyncProducer`): a producer thread submits one group (a prompt's
   `rollout.n_samples_per_prompt` trajectories) per free worker (max_concurrency / group size of
   them) to the engine, as long as the groups trained, taken, buffered and in flight stay within
-  (version + max_staleness + 1) x train.prompts_per_step (AReaL's bound); finished groups go into a
+  (version + max_staleness + 1) x train.prompts_per_step (AReaL's bound, `StalenessBound`, numbers only);
+  finished groups go into a
   FIFO buffer. The trainer takes its rounds of groups from the buffer, dropping (and resubmitting the
   prompt of) every group holding a token more than `rollout.max_staleness` versions behind it. A round
   takes at most what the bound leaves it (a dynamic-sampling round of oversample_factor x
@@ -203,6 +204,35 @@ class Job:
 
 
 @dataclass
+class StalenessBound:
+    """AReaL's staleness bound on fully_async's groups, as numbers only (its owner holds the lock): at
+    trainer version v, the groups consumed in earlier steps, taken this step, buffered and in flight
+    are at most `capacity` = (v + max_staleness + 1) x batch_groups together."""
+
+    max_staleness: int
+    batch_groups: int
+    version: int = 0
+    consumed: int = 0  # groups trained on (or used) in earlier steps
+    taken: int = 0  # groups of the step being collected that count towards the bound
+
+    @property
+    def capacity(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.batch_groups
+
+    def allowance(self, pending: int) -> int:
+        """Groups that may still be submitted, `pending` being buffered or in flight."""
+        return self.capacity - self.consumed - self.taken - pending
+
+    def round_size(self, wanted: int, counted: int) -> int:
+        """How many of `wanted` groups a round may wait for when `counted` groups of the step are kept:
+        every slot not consumed or kept can hold one of them, never more (the rest can never exist)."""
+        return min(wanted, self.capacity - self.consumed - counted)
+
+    def describe(self) -> str:
+        return f"staleness bound {self.capacity}, consumed {self.consumed}, taken {self.taken}"
+
+
+@dataclass
 class Finished:
     job: Job
     samples: list[Sample]
@@ -222,7 +252,6 @@ class AsyncProducer:
     ) -> None:
         ro = cfg.rollout
         self.max_staleness = ro.max_staleness
-        self.batch_groups = cfg.train.prompts_per_step
         self.max_attempts = ro.max_retries + 1
         self.workers = max(1, ro.max_concurrency // ro.n_samples_per_prompt)
         self._generate = generate
@@ -232,9 +261,7 @@ class AsyncProducer:
         # also runs what the workers hand it (an engine restart)
         self._handoff = handoff or MainThreadCalls()
         self.cond = self._handoff.cond
-        self.version = 0
-        self.consumed = 0  # groups trained on (or used) in earlier steps
-        self.taken = 0  # groups of the step being collected that count towards the bound
+        self.bound = StalenessBound(ro.max_staleness, cfg.train.prompts_per_step)
         self.serial = 0
         self.buffer: deque[Finished] = deque()
         self.retry: deque[Job] = deque()
@@ -253,14 +280,9 @@ class AsyncProducer:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
             self._thread.start()
 
-    def bound(self) -> int:
-        """The most groups consumed, taken, buffered and in flight together (caller holds the lock)."""
-        return (self.version + self.max_staleness + 1) * self.batch_groups
-
     def allowance(self) -> int:
         """Groups that may still be submitted under the staleness bound (caller holds the lock)."""
-        live = self.consumed + self.taken + len(self.buffer) + len(self.in_flight)
-        return self.bound() - live
+        return self.bound.allowance(len(self.buffer) + len(self.in_flight))
 
     def _can_submit(self) -> bool:
         return (
@@ -324,10 +346,8 @@ class AsyncProducer:
         prompts: list[Prompt] = []
         grouped: list[list[Sample]] = []
         with self.cond:
-            self.taken = counted
-            # every slot of the bound not consumed or kept can hold a group of this round (a dropped stale
-            # group's prompt keeps its slot); never ask for more, which the producer would never submit
-            n = min(n, self.bound() - self.consumed - counted)
+            self.bound.taken = counted
+            n = self.bound.round_size(n, counted)  # a dropped stale group's prompt keeps its slot
             self.cond.notify_all()
             while len(grouped) < n:
                 while not self._handoff.wait_for(
@@ -336,19 +356,18 @@ class AsyncProducer:
                     if self._starved():
                         raise RuntimeError(
                             f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
-                            f"arrive (none buffered or in flight, none may be submitted: staleness bound "
-                            f"{self.bound()}, consumed {self.consumed}, taken {self.taken})"
+                            f"arrive (none buffered or in flight, none may be submitted: {self.bound.describe()})"
                         )
                 if self.error is not None:
                     raise RuntimeError(f"rollout producer: {self.error}") from self.error
                 done = self.buffer.popleft()
-                if too_stale(self.version, done.samples, self.max_staleness):
+                if too_stale(self.bound.version, done.samples, self.max_staleness):
                     self.dropped_stale += len(done.samples)
                     self.retry.appendleft(Job(done.job.serial, done.job.prompt, done.job.attempt + 1))
                 else:
                     prompts.append(done.job.prompt)
                     grouped.append(done.samples)
-                    self.taken += 1
+                    self.bound.taken += 1
                 self.cond.notify_all()
         return prompts, grouped
 
@@ -360,8 +379,8 @@ class AsyncProducer:
     def settle(self, used: int) -> dict[str, float]:
         """The step's batch holds `used` groups: they count as consumed; the step's producer counts."""
         with self.cond:
-            self.consumed += used
-            self.taken = 0
+            self.bound.consumed += used
+            self.bound.taken = 0
             out = {
                 "async/dropped_stale": float(self.dropped_stale),
                 "async/buffer_groups": float(len(self.buffer)),
@@ -373,7 +392,7 @@ class AsyncProducer:
 
     def synced(self, version: int) -> None:
         with self.cond:
-            self.version = version
+            self.bound.version = version
             self.cond.notify_all()
 
     @contextlib.contextmanager
@@ -383,8 +402,8 @@ class AsyncProducer:
         with self.cond:
             self.held = True
             state = {
-                "version": self.version,
-                "consumed": self.consumed,
+                "version": self.bound.version,
+                "consumed": self.bound.consumed,
                 "serial": self.serial,
                 "buffer": [(d.job, d.samples) for d in self.buffer],
                 "pending": [*self.in_flight.values(), *self.retry],
@@ -400,8 +419,8 @@ class AsyncProducer:
         with self.cond:
             if self._thread is not None:
                 raise RuntimeError("AsyncProducer.load_state_dict: the producer already runs")
-            self.version = state["version"]
-            self.consumed = state["consumed"]
+            self.bound.version = state["version"]
+            self.bound.consumed = state["consumed"]
             self.serial = state["serial"]
             self.buffer = deque(Finished(job, samples) for job, samples in state["buffer"])
             self.retry = deque(sorted(state["pending"], key=lambda j: j.serial))
