@@ -1,15 +1,18 @@
-"""Benchmark of multi-turn collection with a slow tool: a turn's environment steps side by side
-against one after another.
+"""Benchmark of multi-turn collection with a slow tool: the episodes' environment steps side by side
+against one after another, and the same episodes driven by a black-box agent through the gateway.
 
 --episodes episodes (64) x --turns turns (3) on the local engine (`megatron-rl serve`, the tiny_math
 policy of examples/tiny_math, seeded); after every model turn the environment POSTs the turn to a
 loopback HTTP tool server that answers after --tool-latency-s (0.2 s). Both sides run the
 collector's own `run_episodes` on the same engine and prompts, alternating, --repeats times (the
 median reported): `one_by_one` with env.max_concurrent_steps = 1 (the steps one after another, as
-collection ran them before), `side_by_side` with env.max_concurrent_steps = --episodes. Per side:
-wall seconds, `tool_wait_share` (the share of the wall time during which a step was waiting on the
-tool) and `engine_idle_share` (the share during which no generation ran); the last line gives
-`speedup` = one_by_one wall / side_by_side wall.
+collection ran them before), `side_by_side` with env.max_concurrent_steps = --episodes, and `gateway`: the collector's
+`run_agent_episodes` with an agent written with the `openai` client that does what the
+environment does (the model's reply to the tool, its answer back as a `tool` message, for --turns
+turns; the same sampling, so the same trajectories). Per side: wall seconds, `tool_wait_share` (the
+share of the wall time during which a step was waiting on the tool) and `engine_idle_share` (the
+share during which no generation ran); the last line gives `speedup` = one_by_one wall /
+side_by_side wall and `gateway_ratio` = gateway wall / side_by_side wall.
 
     python tools/bench/agentic.py [--episodes 64] [--turns 3] [--tool-latency-s 0.2] [--repeats 3]
 """
@@ -103,21 +106,46 @@ def tool_environment(url: str, waits: Intervals, turns: int) -> type:
     return SlowTool
 
 
-def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, concurrent_steps: int) -> dict:
+def tool_agent(url: str, waits: Intervals, turns: int) -> Any:
+    """The environment's episode as an OpenAI-API agent: each reply POSTed to the tool, its answer
+    sent back as a `tool` message, for `turns` turns."""
+    import aiohttp
+    from openai import AsyncOpenAI
+
+    async def agent(base_url: str, api_key: str, row: Any) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": row.text}]
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client, aiohttp.ClientSession() as http:
+            for turn in range(turns):
+                reply = await client.chat.completions.create(model="policy", messages=messages)
+                content = reply.choices[0].message.content or ""
+                messages.append({"role": "assistant", "content": content})
+                if reply.choices[0].finish_reason == "length" or turn + 1 >= turns:
+                    return
+                began = time.perf_counter()
+                async with http.post(url, data=content.encode()) as answer:
+                    text = await answer.text()
+                waits.add(began, time.perf_counter())
+                messages.append({"role": "tool", "content": text})
+
+    return agent
+
+
+def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, side: str) -> dict:
+    from megatron_rl.agents import run_agent_episodes
     from megatron_rl.config import EnvConfig
     from megatron_rl.data import Prompt, RowLocation
     from megatron_rl.envs import TurnRenderer, run_episodes
     from megatron_rl.rollout.types import SamplingParams
 
+    concurrent_steps = 1 if side == "one_by_one" else args.episodes
     cfg = EnvConfig(max_turns=args.turns, max_concurrent_steps=concurrent_steps, max_total_tokens=256)
     generating, waiting = Intervals(), Intervals()
-    env_class = tool_environment(url, waiting, args.turns)
     rows = []
     for i in range(args.episodes):
         messages = [{"role": "user", "content": f"{i % 10}+{i % 7}="}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        rows.append(Prompt(i, tuple(ids), "", "0", {}, RowLocation("bench", "row", i)))
+        rows.append(Prompt(i, tuple(ids), messages[0]["content"], "0", {}, RowLocation("bench", "row", i)))
 
     # a turn ends at one of these characters (about 1 token in 7 of the untrained policy's): turns of
     # a few tokens, rarely cut at --max-new-tokens (a cut turn would end its episode early)
@@ -126,10 +154,15 @@ def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, con
     def params(turn: int, i: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, sampling_seed=turn * 1000 + i)
 
+    timed, renderer = timed_engine(engine, generating), TurnRenderer(tokenizer)
+    agent = tool_agent(url, waiting, args.turns) if side == "gateway" else None
     began = time.perf_counter()
-    trajectories = run_episodes(
-        timed_engine(engine, generating), [env_class(cfg) for _ in rows], rows, params, TurnRenderer(tokenizer), cfg
-    )
+    if agent is not None:
+        episodes = run_agent_episodes(timed, rows, params, renderer, cfg, max_concurrency=args.episodes, agent=agent)
+        trajectories = [e.trajectory for e in episodes]
+    else:
+        env_class = tool_environment(url, waiting, args.turns)
+        trajectories = run_episodes(timed, [env_class(cfg) for _ in rows], rows, params, renderer, cfg)
     wall = time.perf_counter() - began
     turns = sum(t.turns for t in trajectories)
     return {
@@ -137,6 +170,7 @@ def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, con
         "turns": turns,
         "tool_wait_share": waiting.covered() / wall,
         "engine_idle_share": 1.0 - generating.covered() / wall,
+        "tokens": [t.prompt_ids + t.output_ids for t in trajectories],
     }
 
 
@@ -166,11 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         rollout = RolloutConfig(max_concurrency=args.episodes, request_timeout_s=600)
         engine = RolloutEngine.from_config(rollout, str(model), extra_args=["--threads", str(args.threads)])
         try:
-            sides = {"one_by_one": 1, "side_by_side": args.episodes}
-            runs: dict[str, list[dict]] = {name: [] for name in sides}
+            runs: dict[str, list[dict]] = {name: [] for name in ("one_by_one", "side_by_side", "gateway")}
             for _ in range(args.repeats):
-                for name, concurrent_steps in sides.items():
-                    runs[name].append(collect(engine, tokenizer, url, args, concurrent_steps))
+                for name in runs:
+                    runs[name].append(collect(engine, tokenizer, url, args, name))
         finally:
             engine.close()
             tool.shutdown()
@@ -178,11 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, results in runs.items():
         median[name] = sorted(results, key=lambda r: r["wall_s"])[len(results) // 2]
         line = {"side": name, "episodes": args.episodes, "turns_per_episode": args.turns, **median[name]}
+        del line["tokens"]
         line["wall_s_runs"] = [round(r["wall_s"], 3) for r in results]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}))
     speedup = median["one_by_one"]["wall_s"] / median["side_by_side"]["wall_s"]
     spread = statistics.pstdev(r["wall_s"] for r in runs["side_by_side"])
-    print(json.dumps({"speedup": round(speedup, 2), "side_by_side_wall_s_stdev": round(spread, 3)}))
+    ratio = median["gateway"]["wall_s"] / median["side_by_side"]["wall_s"]
+    # the same sampling on both: the gateway's trajectories are the environment's, token for token
+    same = [a["tokens"] == b["tokens"] for a, b in zip(runs["gateway"], runs["side_by_side"], strict=True)]
+    summary = {
+        "same_trajectories_as_side_by_side": same,
+        "speedup": round(speedup, 2),
+        "gateway_ratio": round(ratio, 2),
+        "side_by_side_wall_s_stdev": round(spread, 3),
+    }
+    print(json.dumps(summary))
     return 0
 
 
