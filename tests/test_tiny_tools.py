@@ -223,6 +223,46 @@ def test_each_trace_replayed_through_the_environment_is_the_rl_episode(sft_examp
     assert set(seen) == {"tool", "head", "ignored"}
 
 
+def test_the_openai_agent_through_the_gateway_gives_the_environments_trajectories(sft_examples, tokenizer) -> None:
+    """examples/tiny_tools/openai_agent.py (the real `openai` client) through the gateway, on an engine
+    that replays each trace's turns: every trajectory is the environment's, token for token, with its
+    loss mask; the turn reward for a well-formed call is the environment's alone. The same agent as a
+    program (`env.agent_command`) gives the same trajectory."""
+    from megatron_rl.agents import run_agent_episodes
+
+    agent_module = _load("openai_agent")
+    rows, examples = sft_examples
+    first = {}
+    for i, e in enumerate(examples):
+        first.setdefault(e.prompt_ids, i)
+    picked = list(first.values())[:24]
+    turns = {examples[i].prompt_ids: _turns_of(examples[i].response_ids, examples[i].loss_mask) for i in picked}
+    prompts = [
+        Prompt(
+            k, examples[i].prompt_ids, "", rows[i]["reward_model"]["ground_truth"], rows[i], RowLocation("t", "line", k)
+        )
+        for k, i in enumerate(picked)
+    ]
+    assert {rows[i]["extra_info"]["procedure"] for i in picked} == {"tool", "head", "ignored"}
+    params = lambda call, i: SamplingParams(max_new_tokens=24)  # noqa: E731
+    renderer, cfg = TurnRenderer(tokenizer), EnvConfig(type=ENV_TYPE, max_turns=3, max_total_tokens=192)
+    in_process = run_episodes(ReplayEngine(turns), [env() for _ in picked], prompts, params, renderer, cfg)
+    agent_cfg = EnvConfig(
+        type="agent", agent="examples.tiny_tools.openai_agent:agent", max_turns=3, max_total_tokens=192
+    )
+    agents = run_agent_episodes(ReplayEngine(turns), prompts, params, renderer, agent_cfg, agent=agent_module.agent)
+    for traj, episode in zip(in_process, agents, strict=True):
+        assert episode.error is None and episode.trajectory.end_reason == "done"
+        ours = episode.trajectory
+        assert (ours.prompt_ids, ours.output_ids, ours.loss_mask) == (traj.prompt_ids, traj.output_ids, traj.loss_mask)
+        assert ours.turns == traj.turns and ours.turn_rewards == [0.0] * traj.turns
+    command = f"{sys.executable} {EXAMPLE / 'openai_agent.py'}"
+    command_cfg = EnvConfig(type="agent", agent_command=command, max_turns=3, max_total_tokens=192)
+    tool = next(k for k, i in enumerate(picked) if rows[i]["extra_info"]["procedure"] == "tool")
+    (program,) = run_agent_episodes(ReplayEngine(turns), [prompts[tool]], params, renderer, command_cfg)
+    assert program.error is None and program.trajectory.output_ids == in_process[tool].output_ids
+
+
 def test_sft_batch_trains_on_assistant_turns_only(sft_examples, tokenizer) -> None:
     rows, examples = sft_examples
     kinds = {r["extra_info"]["procedure"]: k for k, r in enumerate(rows)}
