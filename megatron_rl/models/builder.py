@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.norm import SequenceParallelRMSNorm
+from megatron_rl.models.packed_attention import PackedDotProductAttention
 from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
@@ -113,13 +114,15 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _local_norms(spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm."""
+def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm and the
+    core attention by one that also takes packed sequences (`packed_attention`)."""
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
     attn = sub.self_attention.submodules
+    attn.core_attention = PackedDotProductAttention
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attn, name) not in (None, IdentityOp):
             setattr(attn, name, SequenceParallelRMSNorm)
@@ -130,14 +133,15 @@ def decoder_block_spec(
     config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
-    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel)."""
+    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel) and whose
+    core attention takes packed (THD) sequences too."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_local_norms(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
+        layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
     )
 
 
