@@ -209,6 +209,7 @@ def te_vs_local() -> dict:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.forward import compute_log_probs
+    from megatron_rl.actor.micro_batches import TokenBudget
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models.builder import build_model, transformer_engine_available
     from megatron_rl.models.init import init_deterministic
@@ -236,7 +237,7 @@ def te_vs_local() -> dict:
             chunks = build_model(model, parallel, use_transformer_engine=te)
             init_deterministic(chunks, model, seed=3)
             results[te] = compute_log_probs(
-                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, max_tokens=512, chunk_tokens=128
+                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, budget=TokenBudget(512), chunk_tokens=128
             )
     finally:
         destroy_distributed()

@@ -7,7 +7,6 @@ from Megatron's parallel_state, and must agree with `parallel`.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +25,7 @@ from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.norm import SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
-from megatron_rl.parallel.device import local_device
+from megatron_rl.parallel.device import local_device, transformer_engine_available
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,11 +35,6 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor
     """Megatron's rule: round the vocabulary up to a multiple of divisible_by x TP."""
     multiple = make_vocab_size_divisible_by * tensor_parallel_size
     return -(-vocab_size // multiple) * multiple
-
-
-def transformer_engine_available() -> bool:
-    """Transformer Engine specs need both the package and a GPU."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def transformer_config(
