@@ -97,6 +97,44 @@ def _log_probs(actor, batch: ActorBatch, budget: TokenBudget, mode: str | None =
     )
 
 
+@pytest.mark.parametrize(("mode", "expected"), [("token-mean", -51 / 6), ("seq-mean-token-mean", -7.0)])
+def test_loss_normalisation_holds_under_packing(mode: str, expected: float) -> None:
+    """Responses of 1, 2 and 3 tokens with advantages 3, 6, 12, on-policy (ratio 1, so each token's loss is
+    -A): token-mean -(3 + 2 x 6 + 3 x 12) / 6, seq-mean-token-mean -(3 + 6 + 12) / 3. Packed into [5, 3] and
+    [4] tokens, the micro-batches' losses with the one global normaliser add up to those numbers, and
+    the gradient of each packed log-prob is that token's weight x -A."""
+    from megatron_rl.actor.batch import build_inputs
+    from megatron_rl.actor.micro_batches import plan_micro_batches
+    from megatron_rl.losses import LossSpec, global_normalizer, policy_loss
+
+    spec = LossSpec.from_section(dataclasses.replace(preset("grpo"), loss_agg_mode=mode))
+    old = [torch.full((r,), -1.5) for r in (1, 2, 3)]
+    batch = ActorBatch(
+        tokens=[torch.arange(2 + r) for r in (1, 2, 3)],
+        prompt_lengths=[2, 2, 2],
+        advantages=[torch.tensor(a) for a in (3.0, 6.0, 12.0)],
+        old_log_probs=old,
+    )
+    plan = plan_micro_batches(batch.lengths, 8, packed=True)
+    assert [mb.indices for mb in plan.micro_batches] == [(2, 0), (1,)]  # first fit: 5 + 3 tokens, then 4
+    normalizer = global_normalizer([batch.loss_mask(i).view(1, -1) for i in range(3)], token_norm=24)
+    total, grads = 0.0, {}
+    for mb in plan.micro_batches:
+        inp = build_inputs(batch, mb, torch.device("cpu"), with_fields=("old_log_probs", "advantages"))
+        packed = torch.full(inp.packing.target.shape, -1.5, requires_grad=True)  # the head's output, packed
+        logp = inp.to_rows(packed)
+        f = inp.fields
+        loss, _ = policy_loss(logp, f["old_log_probs"], f["advantages"], inp.target_mask, spec, normalizer=normalizer)
+        loss.backward()
+        total += float(loss)
+        for i, (_, start), n in zip(mb.indices, inp.placements, mb.lengths, strict=True):
+            grads[i] = packed.grad[0, start + 1 : start + n - 1].tolist()  # the response's target positions
+    assert total == pytest.approx(expected, abs=1e-6)
+    weight = {"token-mean": lambda r: 1 / 6, "seq-mean-token-mean": lambda r: 1 / (3 * r)}[mode]
+    for i, (a, r) in enumerate(((3.0, 1), (6.0, 2), (12.0, 3))):
+        assert grads[i] == pytest.approx([-a * weight(r)] * r, abs=1e-6), i
+
+
 def test_the_plans_differ(actor) -> None:  # noqa: ANN001
     from megatron_rl.actor.forward import plan_for_rank
 
@@ -135,7 +173,10 @@ def _probe_grads(actor, batch: ActorBatch, budget: TokenBudget) -> dict[str, tor
     from megatron_rl.actor.forward import LogProbHead, plan_for_rank, prepare_inputs, run_schedule
 
     gen = torch.Generator().manual_seed(17)
-    coef = [(torch.randn(n - p, generator=gen), torch.randn(n - p, generator=gen)) for n, p in zip(LENGTHS, PROMPTS)]
+    coef = [
+        (torch.randn(n - p, generator=gen), torch.randn(n - p, generator=gen))
+        for n, p in zip(LENGTHS, PROMPTS, strict=True)
+    ]
     model = actor.state.model
     inputs = prepare_inputs(model, batch, plan_for_rank(batch.lengths, budget), every_response_token=True)
 
@@ -195,4 +236,3 @@ def test_updates_equal_the_padded_path(actor) -> None:  # noqa: ANN001
             assert abs(got[key] - value) <= TOL * max(1.0, abs(value)), (key, got[key], value)
     assert [h["micro_batches"] for h in packed] == [3.0, 3.0] and [h["micro_batches"] for h in padded] == [2.0, 2.0]
     assert all(h["dp_token_imbalance"] == 1.0 for h in packed)  # one DP rank
-
