@@ -6,10 +6,11 @@ Every rank holds the whole batch. `plan_for_rank` splits it over the data-parall
 `get_forward_backward_func()` (1F1B when PP > 1), driving routing record/replay per micro-batch. A
 packed micro-batch reaches the model as one [1, T] sequence with Megatron's `PackedSeqParams`
 (THD, `cu_seqlens`): Transformer Engine's attention takes it on GPUs, the local spec's
-`models.packed_attention` elsewhere; RoPE restarts with every sequence. On the last stage the model stops at the decoder's
-final hidden states (no logits): `LogProbHead` turns them and the output layer's weight shard into
-log-probs and entropy chunk by chunk (`logprobs.vocab_parallel_logprobs_from_hidden`), so no
-[tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` returns the log-probs and
+`models.packed_attention` elsewhere; RoPE restarts with every sequence. On the last stage the
+model stops at the decoder's final hidden states (no logits): `LogProbHead` turns them and the
+output layer's weight shard into log-probs and entropy chunk by chunk
+(`logprobs.vocab_parallel_logprobs_from_hidden`; packed, straight from the packed hidden states),
+so no [tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` returns the log-probs and
 entropy of every response token (and, recording, the routing in SGLang's layout) of the WHOLE
 batch on EVERY rank: owners fill their part of a zero buffer and one all-reduce sums it (exact:
 each value has a single contributor).
@@ -59,7 +60,8 @@ def plan_for_rank(lengths: Sequence[int], budget: TokenBudget) -> list[MicroBatc
     plans = plans_with_equal_count(
         [[lengths[i] for i in share] for share in shares], budget.tokens, packed=budget.packed
     )
-    mine, rank = shares[ps.get_data_parallel_rank()], ps.get_data_parallel_rank()
+    rank = ps.get_data_parallel_rank()
+    mine = shares[rank]
     return [MicroBatch(tuple(mine[j] for j in mb.indices), mb.lengths, mb.packed) for mb in plans[rank].micro_batches]
 
 
