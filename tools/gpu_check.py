@@ -116,7 +116,7 @@ STEPS = (
         _cuda,
         _gpu_tests_parse,
     ),
-    Step("te_vs_local", "TE specs vs local specs, same weights: log-probs", 90,
+    Step("te_vs_local", "TE specs (padded and packed THD) vs local specs, same weights: log-probs", 90,
          lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _cuda),
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
@@ -200,7 +200,8 @@ def _device_name() -> str:
 
 def te_vs_local() -> dict:
     """The same tiny MoE policy (weights from `init_deterministic`) under TE and local specs: the
-    actor's log-probs and entropy of one batch in fp32, and their largest difference."""
+    actor's log-probs and entropy of one batch in fp32, right-padded under both and packed (THD,
+    `train.micro_batch_tokens`) under TE, against the local padded ones: the largest differences."""
     import torch
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -233,11 +234,11 @@ def te_vs_local() -> dict:
     init_distributed(parallel, model)
     try:
         results = {}
-        for te in (False, True):
+        for te, budget in ((False, TokenBudget(512)), (True, TokenBudget(512)), (True, TokenBudget(400, packed=True))):
             chunks = build_model(model, parallel, use_transformer_engine=te)
             init_deterministic(chunks, model, seed=3)
-            results[te] = compute_log_probs(
-                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, budget=TokenBudget(512), chunk_tokens=128
+            results[te, budget.packed] = compute_log_probs(
+                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, budget=budget, chunk_tokens=128
             )
     finally:
         destroy_distributed()
@@ -245,14 +246,19 @@ def te_vs_local() -> dict:
     def worst(a: list, b: list) -> float:
         return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
-    logp = worst(results[True].log_probs, results[False].log_probs)
-    ent = worst(results[True].entropy, results[False].entropy)
+    ref = results[False, False]
+    logp = worst(results[True, False].log_probs, ref.log_probs)
+    ent = worst(results[True, False].entropy, ref.entropy)
+    packed_logp = worst(results[True, True].log_probs, ref.log_probs)
+    packed_ent = worst(results[True, True].entropy, ref.entropy)
     return {
         "figure": "te_vs_local_logprobs",
         "max_abs_logprob_diff": logp,
         "max_abs_entropy_diff": ent,
+        "max_abs_logprob_diff_te_packed": packed_logp,
+        "max_abs_entropy_diff_te_packed": packed_ent,
         "tolerance": TE_TOLERANCE,
-        "equal_within_tolerance": logp <= TE_TOLERANCE and ent <= TE_TOLERANCE,
+        "equal_within_tolerance": max(logp, ent, packed_logp, packed_ent) <= TE_TOLERANCE,
         "tokens": sum(n - 16 for n in lengths),
     }
 
