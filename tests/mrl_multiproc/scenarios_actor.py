@@ -477,6 +477,12 @@ def recompute_replay(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     assert_params_close(
         actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 steps with recompute, {parallel}"
     )
+    with packed(actor):  # the recompute in backward replays the packed tokens' routing
+        actor.load(ref_dir(ctx) / "ckpt_w1")
+        actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+        assert_params_close(
+            actor.full_params(), load_ref(ctx, "params_4"), f"packed, 2 more steps with recompute, {parallel}"
+        )
     actor.close()
 
 
