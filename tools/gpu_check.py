@@ -9,6 +9,9 @@ failed, the tail of its output:
 - te_vs_local: Transformer Engine specs against Megatron's local specs on the same weights
   (`init_deterministic`): the actor's log-probs and entropy of one batch, fp32, max abs difference.
 - train_step_1b: bf16 train-step tokens/s and MFU of the ~1B Qwen3-MoE preset (tools/bench/train_step.py).
+- train_step_mixed: the same preset on 64 samples of 32..1024 response tokens, packed micro-batches
+  (`train.micro_batch_tokens`) against right-padded ones: seconds per update, peak memory, and the
+  loss and gradient norm of both (tools/bench/train_step.py --lengths mixed).
 - logprobs_32k: the actor's log-prob path's peak memory at V = 151,936 and T = 32,768 against the
   naive full-vocabulary path (tools/bench/logprobs.py --device cuda).
 - weight_sync: tensor-mode (CUDA IPC) weight sync into the local engine on the same GPU, GB/s and
@@ -121,6 +124,10 @@ STEPS = (
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--warmup", "1", "--iters", "2"], _cuda),
+    Step("train_step_mixed", "bf16 train step, mixed lengths: packed vs padded seconds and peak memory", 120,
+         lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--lengths", "mixed", "--warmup", "1",
+                    "--iters", "2"], _cuda),
     Step("logprobs_32k", "actor log-prob path vs naive at V = 151,936, T = 32,768: peak memory", 150,
          lambda s: [PY, str(REPO / "tools/bench/logprobs.py"), "--device", "cuda", "--tokens", "32768", "--before", ""],
          _cuda),
