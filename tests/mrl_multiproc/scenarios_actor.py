@@ -5,7 +5,8 @@ log-probs, parameters after 2 and 4 optimizer steps, a checkpoint and a weights-
 after 2) into the folder `ctx.params["ref_dir"]`; every other layout must reproduce them. The
 vocabulary (300) pads to 384 rows at TP = 1 and 512 at TP = 2, so checkpoints cross paddings. The tiny policy has 4 layers (the
 first dense, so layer 0 has no router), 4 experts top-2, and a token budget that gives several
-micro-batches of different shapes per rank.
+micro-batches of different shapes per rank; packed (`packed`: `train.micro_batch_tokens` = 40), 2 to
+4 samples share a sequence, and the packed results must match the same (padded) references.
 """
 
 from __future__ import annotations
