@@ -397,7 +397,7 @@ def check_layout_against_reference(
         actor.load(ref_dir(ctx) / "ckpt_w1")
         history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
         for got, want in zip(history, load_ref(ctx, "history_4"), strict=True):
-            for key in ("loss", "grad_norm", "entropy_mean", "clip_high_frac"):
+            for key in ("loss", "grad_norm", "entropy_mean", "clip_high_frac", "routing_changed_frac"):
                 if abs(got[key] - want[key]) > 1e-5 * max(1.0, abs(want[key])):
                     raise AssertionError(f"packed, metric {key}: {got[key]} vs reference {want[key]}, {what}")
         assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"packed, parameters, {what}")
