@@ -236,3 +236,31 @@ def test_updates_equal_the_padded_path(actor) -> None:  # noqa: ANN001
             assert abs(got[key] - value) <= TOL * max(1.0, abs(value)), (key, got[key], value)
     assert [h["micro_batches"] for h in packed] == [3.0, 3.0] and [h["micro_batches"] for h in padded] == [2.0, 2.0]
     assert all(h["dp_token_imbalance"] == 1.0 for h in packed)  # one DP rank
+
+
+def test_sft_updates_and_reference_log_probs_pack_the_same(actor) -> None:  # noqa: ANN001
+    """The SFT cross-entropy trains through the same packing (loss, gradient norm equal at `lr` 0), and
+    the frozen reference, which reads the run's `train` section, gives the padded path's log-probs."""
+    from megatron_rl.actor.policy import FrozenPolicy
+    from megatron_rl.sft import cross_entropy_loss
+
+    batch = _batch(actor.cfg.model.vocab_size)
+    reference = FrozenPolicy.start(actor.cfg)
+    try:
+        padded_sft = actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
+        padded_ref = reference.compute_log_probs(batch)
+        actor.cfg.train.micro_batch_tokens = 26
+        try:
+            packed_sft = actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
+            packed_ref = reference.compute_log_probs(batch)
+        finally:
+            actor.cfg.train.micro_batch_tokens = 0
+    finally:
+        reference.close()
+    for got, want in zip(packed_sft, padded_sft, strict=True):
+        assert got["micro_batches"] == 3.0 and want["micro_batches"] == 2.0
+        for key in ("loss", "grad_norm", "tokens"):
+            assert abs(got[key] - want[key]) <= TOL * max(1.0, abs(want[key])), (key, got[key], want[key])
+    assert padded_sft[0]["loss"] > 1.0  # the mean -log p of random tokens under a random policy
+    assert _worst(packed_ref.log_probs, padded_ref.log_probs) <= TOL
+    assert _worst(packed_ref.entropy, padded_ref.entropy) <= TOL
