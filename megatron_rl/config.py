@@ -83,6 +83,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
     expert_tensor_parallel_size: int | None = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
     sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
+    context_parallel_size: int = _f(1, "CP: ranks sharing every sequence (needs Transformer Engine); 1 = off", ge=1)
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
 
@@ -361,6 +362,12 @@ class TrainConfig:
     prompts_per_step: int = _f(32, "prompt groups trained on per step", ge=1)
     updates_per_step: int = _f(1, "mini-batches (optimizer steps) per RL step", ge=1)
     max_tokens_per_micro_batch: int = _f(8192, "token budget of one micro-batch (prompt + response, padded)", ge=1)
+    micro_batch_tokens: int = _f(
+        0,
+        "packed micro-batches: the samples end to end, at most this many tokens each (a longer sample alone), "
+        "balanced over DP ranks; 0 = right-padded micro-batches of train.max_tokens_per_micro_batch",
+        ge=0,
+    )
     logprob_chunk_tokens: int = _f(512, "tokens per chunk of the vocab-parallel log-prob/entropy path", ge=1)
     lr: float = _f(1e-6, "peak learning rate (0 = a frozen policy, for diagnostics)", ge=0)
     min_lr: float = _f(0.0, "final learning rate of the decay", ge=0)

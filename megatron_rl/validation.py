@@ -14,7 +14,7 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
-5. the torch.distributed backend against the device.
+5. the torch.distributed backend against the device, and context parallelism against Transformer Engine.
 
 It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
@@ -32,8 +32,9 @@ from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
+from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import read_launch_env
-from megatron_rl.parallel.layout import check_layout
+from megatron_rl.parallel.layout import check_context_parallel, check_layout
 from megatron_rl.parallel.state import resolve_backend
 
 Command = Literal["train", "sft", "convert"]
@@ -193,4 +194,8 @@ def validate_run(
     if command == "train":
         _check_rl_batch(resolved, layout.data_parallel_size)
     resolve_backend(resolved.parallel.backend, cuda_available)
+    # a planner that says the trainers have GPUs speaks for their Transformer Engine too
+    check_context_parallel(
+        resolved.parallel, transformer_engine_available() if cuda_available is None else cuda_available
+    )
     return resolved

@@ -50,11 +50,38 @@ def test_build_inputs_places_targets_and_fields() -> None:
     assert inp.fields["old_log_probs"][1, 0:2].tolist() == [-4.0, -5.0]
     assert inp.fields["advantages"][0, 1:4].tolist() == [0.5, 0.5, 0.5]  # a 0-dim advantage broadcasts
     assert inp.position_ids[2].tolist() == list(range(6))
-    assert inp.lengths == (5, 3, 0)
+    assert inp.placements == ((0, 0), (1, 0)) and inp.packing is None
     every = build_inputs(batch, mb, torch.device("cpu"), every_response_token=True)
     assert every.target_mask[0].tolist() == [False, True, True, True, False]
     rows = every.response_rows(torch.arange(10.0).view(2, 5))
     assert [r.tolist() for r in rows] == [[1.0, 2.0, 3.0], [5.0, 6.0]]
+
+
+def test_build_inputs_packed_layout() -> None:
+    """The two samples end to end in one sequence padded to 10 (the tail one more segment), positions
+    restarting per sample; the loss side keeps one sample per row, and `to_rows` maps back to it."""
+    batch = _batch()
+    mb = MicroBatch(indices=(0, 1), lengths=(5, 3), packed=True)
+    inp = build_inputs(batch, mb, torch.device("cpu"), pad_to=(1, 10), with_fields=("old_log_probs",))
+    assert inp.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 0, 0]]
+    assert inp.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    p = inp.packing
+    assert p.starts == (0, 5) and p.cu_seqlens.tolist() == [0, 5, 8, 10] and p.max_seqlen == 5
+    assert p.cu_seqlens.dtype == torch.int32
+    # each sample's last token predicts nothing: target 0 at positions 4 and 7, never a target
+    assert p.target.tolist() == [[6, 7, 8, 9, 0, 2, 3, 0, 0, 0]]
+    assert p.target_mask.tolist() == [[False, True, False, True, False, True, True, False, False, False]]
+    assert inp.target.tolist() == [[6, 7, 8, 9, 0], [2, 3, 0, 0, 0]]  # the row layout, as padded
+    assert inp.fields["old_log_probs"].tolist() == [[0.0, -1.0, -2.0, -3.0, 0.0], [-4.0, -5.0, 0.0, 0.0, 0.0]]
+    assert inp.placements == ((0, 0), (0, 5)) and (inp.rows, inp.max_len) == (1, 10)
+    values = torch.arange(10.0).view(1, 10).requires_grad_()
+    rows = inp.to_rows(values)
+    assert rows.tolist() == [[0.0, 1.0, 0.0, 3.0, 0.0], [5.0, 6.0, 0.0, 0.0, 0.0]]
+    rows.sum().backward()
+    assert values.grad.tolist() == [[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]]
+    assert build_inputs(batch, mb, torch.device("cpu")).packing.cu_seqlens.tolist() == [0, 5, 8]
+    with pytest.raises(ValueError, match=r"pad_to \(2, 10\) does not hold the micro-batch"):
+        build_inputs(batch, mb, torch.device("cpu"), pad_to=(2, 10))
 
 
 def test_batch_validate_names_field_and_shapes() -> None:
@@ -95,16 +122,32 @@ def test_given_routing_is_position_major_and_picks_layers() -> None:
                 r[pos, layer] = torch.tensor([100 * row + 10 * pos + layer, 1000])
         routed.append(r)
     sl = token_slice(2, 4, tp_rank=1, tp_size=2, sequence_parallel=True)  # positions 2, 3
-    per_layer = given_routing(routed, sl, layers=[2, 0], top_k=2)
+    rows = [(0, 0), (1, 0)]
+    per_layer = given_routing(routed, rows, sl, layers=[2, 0], top_k=2)
     assert len(per_layer) == 2
     # token order: (pos 2, row 0), (pos 2, row 1), (pos 3, row 0), (pos 3, row 1); none given -> 0
     assert per_layer[0][:, 0].tolist() == [22, 0, 0, 0]
     assert per_layer[1][:, 0].tolist() == [20, 0, 0, 0]
-    mask = routed_token_mask([4, 3], sl)
+    mask = routed_token_mask([4, 3], rows, sl)
     assert mask.tolist() == [True, False, False, False]
     sl0 = token_slice(2, 4, tp_rank=0, tp_size=2, sequence_parallel=True)  # positions 0, 1
-    assert given_routing(routed, sl0, layers=[1], top_k=2)[0][:, 0].tolist() == [1, 101, 11, 111]
-    assert routed_token_mask([4, 3], sl0).tolist() == [True, True, True, True]
+    assert given_routing(routed, rows, sl0, layers=[1], top_k=2)[0][:, 0].tolist() == [1, 101, 11, 111]
+    assert routed_token_mask([4, 3], rows, sl0).tolist() == [True, True, True, True]
+
+
+def test_given_routing_of_a_packed_sequence() -> None:
+    """Samples of 4 and 3 tokens end to end in one row of 8 (the last position padding): each sample's
+    routing from its own first position on; its last token, and the padding, routed freely."""
+    routed = [
+        torch.tensor([[[10 + pos, 50]] for pos in range(3)]),
+        torch.tensor([[[20 + pos, 50]] for pos in range(2)]),
+    ]
+    packed = [(0, 0), (0, 4)]
+    sl = token_slice(1, 8, tp_rank=0, tp_size=1, sequence_parallel=False)
+    assert given_routing(routed, packed, sl, layers=[0], top_k=2)[0][:, 0].tolist() == [10, 11, 12, 0, 20, 21, 0, 0]
+    assert routed_token_mask([4, 3], packed, sl).tolist() == [True, True, True, False, True, True, False, False]
+    upper = token_slice(1, 8, tp_rank=1, tp_size=2, sequence_parallel=True)  # positions 4 .. 7
+    assert given_routing(routed, packed, upper, layers=[0], top_k=2)[0][:, 0].tolist() == [20, 21, 0, 0]
 
 
 def test_check_routing_values() -> None:

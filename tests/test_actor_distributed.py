@@ -8,7 +8,10 @@ steps, a checkpoint); TP=2 with SP,
 EP=2 (alltoall), PP=2 and TP=2 x EP=2 must reproduce them: log-probs/entropy within 1e-5,
 parameters after two Adam steps within 1e-6, routing replay exact, checkpoints loadable across layouts
 (also across vocabulary paddings: TP1 <-> TP2, model and optimizer tensors bit for bit) and
-`checkpoint.load` taking both a full and a weights-only checkpoint. The run folder's checkpoints
+`checkpoint.load` taking both a full and a weights-only checkpoint. Every layout (and PP = 2 with the
+allgather dispatcher, and activation recompute) repeats this with packed micro-batches
+(`train.micro_batch_tokens`, THD): log-probs, entropy, R2 routing and R3 log-probs against the same
+references, and two packed updates from the world-size-1 checkpoint against its padded parameters. The run folder's checkpoints
 (manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
 a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """

@@ -8,13 +8,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_rl.actor.micro_batches import (
+    TokenBudget,
     agree_num_micro_batches,
     balance_across_ranks,
     pad_right,
     plan_micro_batches,
     plans_with_equal_count,
+    token_imbalance,
     unpad,
 )
+from megatron_rl.config import TrainConfig
 
 # sorted longest first: 8 (i2), 7 (i4), 5 (i0), 3 (i1), 3 (i5), 2 (i3); budget 16:
 # [i2, i4] = 2 x 8 = 16; [i0, i1, i5] = 3 x 5 = 15 (adding i3 would be 4 x 5 = 20); [i3] = 2
@@ -69,6 +72,64 @@ def test_equal_count_across_dp_ranks() -> None:
     assert layout(plans[1]) == [(0,), (1,), (2,)]
     with pytest.raises(ValueError, match="cannot make 3 micro-batches from 2 samples"):
         plans_with_equal_count([LENGTHS, [4, 4]], 16)
+
+
+def test_packed_first_fit_decreasing_hand_computed() -> None:
+    # longest first, each into the first micro-batch with room for it (budget 10): 8 -> A, 7 -> B,
+    # 5 -> C (A 13, B 12 too much), 3 (i1) -> B (A would be 11), 3 (i5) -> C, 2 -> A
+    plan = plan_micro_batches(LENGTHS, 10, packed=True)
+    assert layout(plan) == [(2, 3), (4, 1), (0, 5)]
+    assert [mb.padded_tokens for mb in plan.micro_batches] == [10, 10, 8] and plan.padding_fraction == 0.0
+    assert all(mb.packed for mb in plan.micro_batches)
+    # padded, the same budget takes 4 (rows x longest row is what a padded one costs: [8] [7] [5, 3] [3, 2])
+    assert len(plan_micro_batches(LENGTHS, 10)) == 4
+    over = plan_micro_batches([30, 4, 4], 10, packed=True)
+    assert layout(over) == [(0,), (1, 2)] and over.oversized == [0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_plans_keep_the_budget_and_every_sample_once(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [int(n) for n in torch.randint(1, 200, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen)]
+    budget = 256
+    plan = plan_micro_batches(lengths, budget, packed=True)
+    assert sorted(i for mb in plan.micro_batches for i in mb.indices) == list(range(len(lengths)))
+    for mb in plan.micro_batches:
+        assert mb.real_tokens <= budget and list(mb.lengths) == sorted(mb.lengths, reverse=True)
+        assert list(mb.lengths) == [lengths[i] for i in mb.indices]
+    # first fit: no two micro-batches would fit together (the later one's samples fit the earlier one)
+    loads = [mb.real_tokens for mb in plan.micro_batches]
+    assert all(a + b > budget for k, a in enumerate(loads) for b in loads[k + 1 :])
+    assert len(plan) <= -(-sum(lengths) // budget) * 11 // 9 + 1  # FFD's bound, 11/9 OPT + 6/9
+    # equal counts over DP ranks: splitting keeps the budget and every sample once
+    plans = plans_with_equal_count([lengths, [7] * 64], budget, packed=True)  # the 64 sevens: 2 micro-batches
+    assert len(plans[0]) == len(plans[1]) == max(len(plan), 2)
+    for p, n in zip(plans, [len(lengths), 64], strict=True):
+        assert sorted(i for mb in p.micro_batches for i in mb.indices) == list(range(n))
+        assert all(mb.real_tokens <= budget or mb.rows == 1 for mb in p.micro_batches)
+
+
+def test_packed_equal_count_splits_into_balanced_parts() -> None:
+    # rank 0 needs 2 micro-batches (10 alone, over the budget of 6); rank 1's [4, 3, 2, 2] (11 tokens)
+    # fits in 2 first fit ([4, 2], [3, 2]) and is split the same way; [2, 2, 2] into [2, 2] + [2]
+    plans = plans_with_equal_count([[10, 1, 1], [4, 3, 2, 2], [2, 2, 2]], 6, packed=True)
+    assert [layout(p) for p in plans] == [[(0,), (1, 2)], [(0, 2), (1, 3)], [(0, 2), (1,)]]
+    with pytest.raises(
+        ValueError, match=r"too few: 3 samples need 2 micro-batches of <= 6 tokens \(train.micro_batch_tokens\)"
+    ):
+        plan_micro_batches([10, 1, 1], 6, num_micro_batches=1, packed=True)
+
+
+def test_token_imbalance_and_the_budget_of_a_config() -> None:
+    # 9 -> r0, 8 -> r1, 7 -> r1, 6 -> r0, 5 -> r0 (15 = 15: the lower rank), 4 -> r1: 20 and 19 tokens
+    shares = balance_across_ranks([9, 8, 7, 6, 5, 4], 2)
+    assert shares == [[0, 3, 4], [1, 2, 5]]
+    assert token_imbalance([20, 19]) == pytest.approx(40 / 39)
+    assert token_imbalance([5, 5, 5]) == 1.0 and token_imbalance([6, 0]) == 2.0
+    with pytest.raises(ValueError, match="positive token count"):
+        token_imbalance([0, 0])
+    assert TokenBudget.of(TrainConfig(max_tokens_per_micro_batch=99)) == TokenBudget(99, packed=False)
+    assert TokenBudget.of(TrainConfig(micro_batch_tokens=64)) == TokenBudget(64, packed=True)
 
 
 def test_pad_unpad_and_restore_original_order() -> None:

@@ -100,6 +100,12 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             expected="parallel.backend = 'nccl' needs CUDA",
             needs_no_cuda=True,
         ),
+        "train: context parallelism without Transformer Engine": dict(
+            entry="cli",
+            argv=["train", config, "parallel.context_parallel_size=2"],
+            expected="parallel.context_parallel_size = 2 needs Transformer Engine",
+            needs_no_cuda=True,
+        ),
         "train: a value out of range": dict(
             entry="cli", argv=["train", config, "train.lr=-1"], expected="train.lr = -1.0 is out of range"
         ),

@@ -9,6 +9,9 @@ failed, the tail of its output:
 - te_vs_local: Transformer Engine specs against Megatron's local specs on the same weights
   (`init_deterministic`): the actor's log-probs and entropy of one batch, fp32, max abs difference.
 - train_step_1b: bf16 train-step tokens/s and MFU of the ~1B Qwen3-MoE preset (tools/bench/train_step.py).
+- train_step_mixed: the same preset on 64 samples of 32..1024 response tokens, packed micro-batches
+  (`train.micro_batch_tokens`) against right-padded ones: seconds per update, peak memory, and the
+  loss and gradient norm of both (tools/bench/train_step.py --lengths mixed).
 - logprobs_32k: the actor's log-prob path's peak memory at V = 151,936 and T = 32,768 against the
   naive full-vocabulary path (tools/bench/logprobs.py --device cuda).
 - weight_sync: tensor-mode (CUDA IPC) weight sync into the local engine on the same GPU, GB/s and
@@ -116,11 +119,15 @@ STEPS = (
         _cuda,
         _gpu_tests_parse,
     ),
-    Step("te_vs_local", "TE specs vs local specs, same weights: log-probs", 90,
+    Step("te_vs_local", "TE specs (padded and packed THD) vs local specs, same weights: log-probs", 90,
          lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _cuda),
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--warmup", "1", "--iters", "2"], _cuda),
+    Step("train_step_mixed", "bf16 train step, mixed lengths: packed vs padded seconds and peak memory", 120,
+         lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--lengths", "mixed", "--warmup", "1",
+                    "--iters", "2"], _cuda),
     Step("logprobs_32k", "actor log-prob path vs naive at V = 151,936, T = 32,768: peak memory", 150,
          lambda s: [PY, str(REPO / "tools/bench/logprobs.py"), "--device", "cuda", "--tokens", "32768", "--before", ""],
          _cuda),
@@ -200,7 +207,8 @@ def _device_name() -> str:
 
 def te_vs_local() -> dict:
     """The same tiny MoE policy (weights from `init_deterministic`) under TE and local specs: the
-    actor's log-probs and entropy of one batch in fp32, and their largest difference."""
+    actor's log-probs and entropy of one batch in fp32, right-padded under both and packed (THD,
+    `train.micro_batch_tokens`) under TE, against the local padded ones: the largest differences."""
     import torch
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -209,6 +217,7 @@ def te_vs_local() -> dict:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.forward import compute_log_probs
+    from megatron_rl.actor.micro_batches import TokenBudget
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models.builder import build_model, transformer_engine_available
     from megatron_rl.models.init import init_deterministic
@@ -232,11 +241,11 @@ def te_vs_local() -> dict:
     init_distributed(parallel, model)
     try:
         results = {}
-        for te in (False, True):
+        for te, budget in ((False, TokenBudget(512)), (True, TokenBudget(512)), (True, TokenBudget(400, packed=True))):
             chunks = build_model(model, parallel, use_transformer_engine=te)
             init_deterministic(chunks, model, seed=3)
-            results[te] = compute_log_probs(
-                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, max_tokens=512, chunk_tokens=128
+            results[te, budget.packed] = compute_log_probs(
+                chunks, batch, temperature=1.0, vocab_size=model.vocab_size, budget=budget, chunk_tokens=128
             )
     finally:
         destroy_distributed()
@@ -244,14 +253,19 @@ def te_vs_local() -> dict:
     def worst(a: list, b: list) -> float:
         return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
-    logp = worst(results[True].log_probs, results[False].log_probs)
-    ent = worst(results[True].entropy, results[False].entropy)
+    ref = results[False, False]
+    logp = worst(results[True, False].log_probs, ref.log_probs)
+    ent = worst(results[True, False].entropy, ref.entropy)
+    packed_logp = worst(results[True, True].log_probs, ref.log_probs)
+    packed_ent = worst(results[True, True].entropy, ref.entropy)
     return {
         "figure": "te_vs_local_logprobs",
         "max_abs_logprob_diff": logp,
         "max_abs_entropy_diff": ent,
+        "max_abs_logprob_diff_te_packed": packed_logp,
+        "max_abs_entropy_diff_te_packed": packed_ent,
         "tolerance": TE_TOLERANCE,
-        "equal_within_tolerance": logp <= TE_TOLERANCE and ent <= TE_TOLERANCE,
+        "equal_within_tolerance": max(logp, ent, packed_logp, packed_ent) <= TE_TOLERANCE,
         "tokens": sum(n - 16 for n in lengths),
     }
 

@@ -19,6 +19,7 @@ import torch
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.actor.optimizer import build_training_state
 from megatron_rl.actor.policy import Initializer, Policy, hf_initializer
 from megatron_rl.actor.train_step import TokenLoss, train_on_batch
@@ -74,7 +75,7 @@ class MegatronActor(Policy):
             batch,
             self.loss_spec,
             updates=self.cfg.train.updates_per_step,
-            max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+            budget=TokenBudget.of(self.cfg.train),
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
             temperature=self.cfg.rollout.temperature,
             vocab_size=self.cfg.model.vocab_size,

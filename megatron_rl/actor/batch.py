@@ -1,4 +1,4 @@
-"""The actor's input: ragged per-sample tensors, and their right-padded micro-batch form.
+"""The actor's input: ragged per-sample tensors, and their micro-batch form (right-padded or packed).
 
 A sample is one prompt + response: `tokens` [n] (prompt then response), `prompt_length` p
 (1 <= p <= n), so r = n - p response tokens. Response-aligned fields are [r]: the value for
@@ -6,6 +6,13 @@ response token k (token id tokens[p + k]). In a micro-batch the model reads the 
 and the logits at position t predict token t + 1, so response token k sits at position
 p - 1 + k of every [rows, max_len] tensor (the "target positions"); the last position of each
 row and the padding are never targets.
+
+A packed micro-batch (`MicroBatch.packed`) gives the model one sequence [1, T]: the samples end to
+end (sample k from position `starts[k]`), position ids restarting at 0 with each sample, the bounds
+as `cu_seqlens` (Megatron's THD layout), and trailing padding up to T as one more segment. The loss
+side keeps the [rows, max_len] layout, one sample per row (`target_mask`, `fields`), so that
+per-sequence quantities (GSPO's sequence ratio, seq-mean-token-mean) stay row-wise:
+`MicroBatchInputs.to_rows` maps a per-position result of the model's layout onto it.
 
 Routed experts follow SGLang's layout (`meta_info.routed_experts`): int32
 [n - 1, num_layers, top_k], the experts of the tokens at positions 0 .. n - 2 in every layer.
@@ -125,13 +132,34 @@ class ActorBatch:
                 )
 
 
+@dataclass(frozen=True)
+class Packing:
+    """The model's side of a packed micro-batch: one sequence [1, T] (see the module docstring).
+
+    starts: the first position of every sample (row) in it; cu_seqlens: int32 [segments + 1], the
+    samples' bounds and, when T exceeds their tokens, the padding's; target / target_mask: [1, T]
+    as the rows' (`target_mask` of the row layout, moved to the packed positions); index: long
+    [rows, max_len], the packed position of every row position (0 past a row's end).
+    """
+
+    starts: tuple[int, ...]
+    cu_seqlens: Tensor
+    max_seqlen: int
+    target: Tensor
+    target_mask: Tensor
+    index: Tensor
+
+
 @dataclass
 class MicroBatchInputs:
-    """One right-padded micro-batch, ready for the model: every tensor is [rows, max_len].
+    """One micro-batch, ready for the model.
 
-    `rows`/`max_len` may exceed the micro-batch's (uniform padding for pipeline stages without
-    variable shapes): extra rows are all padding. `target_mask` marks the target positions of the
-    response tokens that enter the loss; `fields` holds the response-aligned values there.
+    `input_ids`, `position_ids`: what the model reads, [rows, max_len] right-padded, or [1, T] when
+    `packing` is set. `target`, `target_mask`, `fields`: the row layout, [micro-batch rows or more,
+    longest row or more]: `target_mask` marks the target positions of the response tokens that
+    enter the loss, `fields` holds the response-aligned values there. Padded, the shape may exceed
+    the micro-batch's (uniform padding for pipeline stages without variable shapes): extra rows
+    are all padding. `head_target` / `head_mask` are the targets in the model's layout.
     """
 
     micro_batch: MicroBatch
@@ -140,24 +168,44 @@ class MicroBatchInputs:
     target: Tensor
     target_mask: Tensor
     fields: dict[str, Tensor]
-    routed_experts: list[Tensor | None] | None  # per row, SGLang layout, None for extra rows
+    routed_experts: list[Tensor] | None  # per sample (real row), SGLang layout
     prompt_lengths: tuple[int, ...]
+    packing: Packing | None = None
 
     @property
     def rows(self) -> int:
+        """Rows of the model's input (1 when packed)."""
         return int(self.input_ids.shape[0])
 
     @property
     def max_len(self) -> int:
+        """Positions of the model's input (T when packed)."""
         return int(self.input_ids.shape[1])
 
     @property
-    def lengths(self) -> tuple[int, ...]:
-        """Real tokens of every row (0 for extra padding rows)."""
-        return self.micro_batch.lengths + (0,) * (self.rows - self.micro_batch.rows)
+    def placements(self) -> tuple[tuple[int, int], ...]:
+        """(row, first position) of every sample in the model's input."""
+        if self.packing is None:
+            return tuple((row, 0) for row in range(self.micro_batch.rows))
+        return tuple((0, start) for start in self.packing.starts)
+
+    @property
+    def head_target(self) -> Tensor:
+        return self.target if self.packing is None else self.packing.target
+
+    @property
+    def head_mask(self) -> Tensor:
+        return self.target_mask if self.packing is None else self.packing.target_mask
+
+    def to_rows(self, values: Tensor) -> Tensor:
+        """A per-position result of the model's layout in the row layout (0 outside `target_mask`);
+        differentiable. Padded, the layouts are one."""
+        if self.packing is None:
+            return values
+        return values.reshape(-1)[self.packing.index].where(self.target_mask, 0.0)
 
     def response_rows(self, values: Tensor) -> list[Tensor]:
-        """A [rows, max_len] per-position result cut to each real row's response: [r_i] each."""
+        """A row-layout result cut to each real row's response: [r_i] each."""
         out = []
         for row, (n, p) in enumerate(zip(self.micro_batch.lengths, self.prompt_lengths, strict=True)):
             out.append(values[row, p - 1 : n - 1])
@@ -173,14 +221,17 @@ def build_inputs(
     with_fields: Sequence[str] = (),
     every_response_token: bool = False,
 ) -> MicroBatchInputs:
-    """The padded tensors of one micro-batch of `batch` (indices of `micro_batch` index `batch`).
+    """The tensors of one micro-batch of `batch` (indices of `micro_batch` index `batch`).
 
-    `every_response_token`: targets are all response tokens, ignoring `response_mask` (log-probs
+    `pad_to`: the model's input shape, (rows, max_len) or, packed, (1, T); None = the micro-batch's
+    own. `every_response_token`: targets are all response tokens, ignoring `response_mask` (log-probs
     for the caller); otherwise only those that enter the loss.
     """
-    rows, max_len = pad_to if pad_to is not None else (micro_batch.rows, micro_batch.max_len)
-    if rows < micro_batch.rows or max_len < micro_batch.max_len:
-        raise ValueError(f"pad_to {pad_to} is smaller than the micro-batch ({micro_batch.rows}, {micro_batch.max_len})")
+    own = (1, micro_batch.real_tokens) if micro_batch.packed else (micro_batch.rows, micro_batch.max_len)
+    shape = own if pad_to is None else pad_to
+    if shape[0] < own[0] or shape[1] < own[1] or (micro_batch.packed and shape[0] != 1):
+        raise ValueError(f"pad_to {pad_to} does not hold the micro-batch (its own shape {own})")
+    rows, max_len = (micro_batch.rows, micro_batch.max_len) if micro_batch.packed else shape
     input_ids = torch.zeros(rows, max_len, dtype=torch.long)
     target = torch.zeros(rows, max_len, dtype=torch.long)
     target_mask = torch.zeros(rows, max_len, dtype=torch.bool)
@@ -200,17 +251,50 @@ def build_inputs(
             if source is None:
                 raise ValueError(f"ActorBatch.{name} is needed here but is None")
             values[name][row, p - 1 : n - 1] = source[i].to(torch.float32).cpu().expand(n - p)
-    position_ids = torch.arange(max_len, dtype=torch.long).unsqueeze(0).expand(rows, max_len)
+    position_ids = torch.arange(max_len, dtype=torch.long).unsqueeze(0).expand(rows, max_len).contiguous()
+    packing = None
+    if micro_batch.packed:
+        packing, input_ids, position_ids = _pack_rows(micro_batch, input_ids, target, target_mask, shape[1], device)
     routed = None
     if batch.routed_experts is not None:
-        routed = [batch.routed_experts[i] for i in micro_batch.indices] + [None] * (rows - micro_batch.rows)
+        routed = [batch.routed_experts[i] for i in micro_batch.indices]
     return MicroBatchInputs(
         micro_batch=micro_batch,
         input_ids=input_ids.to(device),
-        position_ids=position_ids.contiguous().to(device),
+        position_ids=position_ids.to(device),
         target=target.to(device),
         target_mask=target_mask.to(device),
         fields={k: v.to(device) for k, v in values.items()},
         routed_experts=routed,
         prompt_lengths=tuple(prompts),
+        packing=packing,
     )
+
+
+def _pack_rows(
+    micro_batch: MicroBatch, input_ids: Tensor, target: Tensor, target_mask: Tensor, total: int, device: torch.device
+) -> tuple[Packing, Tensor, Tensor]:
+    """The packed [1, total] layout of right-padded rows, with the index back to them."""
+    lengths = list(micro_batch.lengths)
+    starts = [sum(lengths[:k]) for k in range(len(lengths))]
+    bounds = [*starts, sum(lengths)] + ([total] if total > sum(lengths) else [])
+    width = input_ids.shape[1]
+    keep = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [rows, width]
+    index = torch.where(keep, torch.tensor(starts).unsqueeze(1) + torch.arange(width), 0)
+
+    def packed(rows: Tensor) -> Tensor:
+        out = rows.new_zeros(1, total)
+        out[0, index[keep]] = rows[keep]
+        return out
+
+    segments = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in segments]).unsqueeze(0)
+    packing = Packing(
+        starts=tuple(starts),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+        max_seqlen=max(segments),
+        target=packed(target).to(device),
+        target_mask=packed(target_mask).to(device),
+        index=index.to(device),
+    )
+    return packing, packed(input_ids), position_ids

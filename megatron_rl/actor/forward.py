@@ -1,12 +1,16 @@
 """Megatron's forward(-backward) schedule over this rank's micro-batches, and results on every rank.
 
 Every rank holds the whole batch. `plan_for_rank` splits it over the data-parallel (DP) ranks
-(token-balanced) and cuts this rank's share into right-padded micro-batches with the same count
-on every DP rank; `run_schedule` feeds them to `get_forward_backward_func()` (1F1B when PP > 1),
-driving routing record/replay per micro-batch. On the last stage the model stops at the decoder's
-final hidden states (no logits): `LogProbHead` turns them and the output layer's weight shard into
-log-probs and entropy chunk by chunk (`logprobs.vocab_parallel_logprobs_from_hidden`), so no
-[tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` returns the log-probs and
+(token-balanced) and cuts this rank's share into micro-batches, right-padded or packed
+(`micro_batches.TokenBudget`), with the same count on every DP rank; `run_schedule` feeds them to
+`get_forward_backward_func()` (1F1B when PP > 1), driving routing record/replay per micro-batch. A
+packed micro-batch reaches the model as one [1, T] sequence with Megatron's `PackedSeqParams`
+(THD, `cu_seqlens`): Transformer Engine's attention takes it on GPUs, the local spec's
+`models.packed_attention` elsewhere; RoPE restarts with every sequence. On the last stage the
+model stops at the decoder's final hidden states (no logits): `LogProbHead` turns them and the
+output layer's weight shard into log-probs and entropy chunk by chunk
+(`logprobs.vocab_parallel_logprobs_from_hidden`; packed, straight from the packed hidden states),
+so no [tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` returns the log-probs and
 entropy of every response token (and, recording, the routing in SGLang's layout) of the WHOLE
 batch on EVERY rank: owners fill their part of a zero buffer and one all-reduce sums it (exact:
 each value has a single contributor).
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.utils import get_model_config, unwrap_model
@@ -29,29 +34,49 @@ from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
 from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
-from megatron_rl.actor.micro_batches import MicroBatch, balance_across_ranks, plans_with_equal_count
+from megatron_rl.actor.micro_batches import (
+    MicroBatch,
+    TokenBudget,
+    balance_across_ranks,
+    plans_with_equal_count,
+    token_imbalance,
+)
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.parallel.device import local_device
 
 LossFn = Callable[[MicroBatchInputs, LogProbs], tuple[Tensor, Any]]
 
 
-def plan_for_rank(lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
-    """This DP rank's micro-batches (indices into `lengths`); every DP rank gets the same count."""
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+def _dp_shares(lengths: Sequence[int]) -> list[list[int]]:
+    dp = ps.get_data_parallel_world_size()
     if len(lengths) < dp:
         raise ValueError(f"{len(lengths)} samples cannot be split over {dp} data-parallel ranks (need >= {dp})")
-    shares = balance_across_ranks(lengths, dp)
-    plans = plans_with_equal_count([[lengths[i] for i in share] for share in shares], max_tokens)
+    return balance_across_ranks(lengths, dp)
+
+
+def plan_for_rank(lengths: Sequence[int], budget: TokenBudget) -> list[MicroBatch]:
+    """This DP rank's micro-batches (indices into `lengths`); every DP rank gets the same count."""
+    shares = _dp_shares(lengths)
+    plans = plans_with_equal_count(
+        [[lengths[i] for i in share] for share in shares], budget.tokens, packed=budget.packed
+    )
+    rank = ps.get_data_parallel_rank()
     mine = shares[rank]
-    return [MicroBatch(tuple(mine[j] for j in mb.indices), mb.lengths) for mb in plans[rank].micro_batches]
+    return [MicroBatch(tuple(mine[j] for j in mb.indices), mb.lengths, mb.packed) for mb in plans[rank].micro_batches]
 
 
-def padded_shapes(micro_batches: Sequence[MicroBatch], config: Any) -> list[tuple[int, int]]:
-    """(rows, max_len) of each micro-batch: max_len a multiple of TP under sequence parallelism, and one
-    shape for all when pipeline stages exchange fixed-shape tensors (no `variable_seq_lengths`)."""
+def dp_token_imbalance(lengths: Sequence[int]) -> float:
+    """max / mean of the DP ranks' token counts under `plan_for_rank`'s split."""
+    return token_imbalance([sum(lengths[i] for i in share) for share in _dp_shares(lengths)])
+
+
+def input_shapes(micro_batches: Sequence[MicroBatch], config: Any) -> list[tuple[int, int]]:
+    """The model's input shape of each micro-batch, (rows, max_len) or, packed, (1, tokens): the length
+    a multiple of TP under sequence parallelism, and one shape for all when pipeline stages exchange
+    fixed-shape tensors (no `variable_seq_lengths`)."""
     tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    shapes = [(mb.rows, -(-mb.max_len // tp) * tp) for mb in micro_batches]
+    own = [(1, mb.real_tokens) if mb.packed else (mb.rows, mb.max_len) for mb in micro_batches]
+    shapes = [(rows, -(-length // tp) * tp) for rows, length in own]
     if ps.get_pipeline_model_parallel_world_size() > 1 and not config.variable_seq_lengths:
         uniform = (max(r for r, _ in shapes), max(s for _, s in shapes))
         shapes = [uniform] * len(shapes)
@@ -72,7 +97,7 @@ def prepare_inputs(
         build_inputs(
             batch, mb, device, pad_to=shape, with_fields=with_fields, every_response_token=every_response_token
         )
-        for mb, shape in zip(micro_batches, padded_shapes(micro_batches, config), strict=True)
+        for mb, shape in zip(micro_batches, input_shapes(micro_batches, config), strict=True)
     ]
 
 
@@ -105,14 +130,14 @@ class LogProbHead:
         out = vocab_parallel_logprobs_from_hidden(
             hidden,
             weight,
-            mb.target.t(),
+            mb.head_target.t(),
             self.temperature,
-            mask=mb.target_mask.t(),
+            mask=mb.head_mask.t(),
             chunk_tokens=self.chunk_tokens,
             vocab_size=self.vocab_size,
             reduce_hidden_grad=not sequence_parallel,
         )
-        return LogProbs(out.logprobs.t(), out.entropy.t())
+        return LogProbs(mb.to_rows(out.logprobs.t()), mb.to_rows(out.entropy.t()))
 
 
 @contextmanager
@@ -126,6 +151,20 @@ def hidden_states_out(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         gpt.post_process = last
+
+
+def packed_seq_params(mb: MicroBatchInputs) -> PackedSeqParams | None:
+    """Megatron's THD description of a packed micro-batch (None for a right-padded one)."""
+    if mb.packing is None:
+        return None
+    p = mb.packing
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=p.cu_seqlens,
+        cu_seqlens_kv=p.cu_seqlens,
+        max_seqlen_q=p.max_seqlen,
+        max_seqlen_kv=p.max_seqlen,
+    )
 
 
 @dataclass
@@ -150,8 +189,8 @@ def run_schedule(
 ) -> ScheduleOutput:
     """One call of Megatron's forward-backward function over `inputs`.
 
-    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)`: `LogProbs` [rows,
-    max_len] at the target positions (0 outside `target_mask`), both differentiable, and returns
+    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)`: `LogProbs` in the row
+    layout at the target positions (0 outside `target_mask`), both differentiable, and returns
     (loss to back-propagate, anything to keep). `routing_mode`: None (free routing), "record" or
     "replay" (the inputs' `routed_experts`, also during recompute in backward).
     """
@@ -169,11 +208,13 @@ def run_schedule(
                 raise ValueError(
                     "routing replay needs ActorBatch.routed_experts (R2: record them first; R3: the engine's)"
                 )
-            routing.start_replay(mb.routed_experts, mb.lengths, mb.max_len, measure_routing)
+            routing.start_replay(
+                mb.routed_experts, mb.placements, mb.micro_batch.lengths, (mb.rows, mb.max_len), measure_routing
+            )
         elif routing_mode == "record":
             routing.start_recording()
         with hidden_states_out(model):
-            output = model(mb.input_ids, mb.position_ids, None)
+            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb))
         if routing_mode == "record":
             recorded.append(routing.take_recorded(mb.rows, mb.max_len))
         elif routing_mode == "replay" and not forward_only:
@@ -252,13 +293,13 @@ def compute_log_probs(
     *,
     temperature: float,
     vocab_size: int,
-    max_tokens: int,
+    budget: TokenBudget,
     chunk_tokens: int,
     routing: RoutingReplay | None = None,
     routing_mode: str | None = None,
 ) -> LogProbResult:
     """Log-probs and entropy of every response token (no grad), optionally recording or replaying routing."""
-    micro_batches = plan_for_rank(batch.lengths, max_tokens)
+    micro_batches = plan_for_rank(batch.lengths, budget)
     inputs = prepare_inputs(chunks, batch, micro_batches, every_response_token=True)
     head = LogProbHead(temperature, vocab_size, chunk_tokens)
 
@@ -288,8 +329,10 @@ def compute_log_probs(
         mine: dict[int, Tensor] = {}
         if ps.get_tensor_model_parallel_rank() == 0:
             for mb, rec in zip(inputs, result.recorded, strict=True):
-                for row, (i, n) in enumerate(zip(mb.micro_batch.indices, mb.micro_batch.lengths, strict=True)):
-                    mine[i] = rec[row, : n - 1]
+                for i, n, (row, start) in zip(
+                    mb.micro_batch.indices, mb.micro_batch.lengths, mb.placements, strict=True
+                ):
+                    mine[i] = rec[row, start : start + n - 1]
         config = get_model_config(chunks[0])
         out.routed_experts = share_routing(batch, mine, routing.layers, config.num_layers, config.moe_router_topk)
     return out

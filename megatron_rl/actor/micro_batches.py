@@ -1,36 +1,62 @@
-"""Right-padded micro-batches packed by a token budget, and equal micro-batch counts across DP ranks.
+"""Micro-batches by a token budget, right-padded or packed, and equal micro-batch counts across DP ranks.
 
-A micro-batch's cost is its padded size, rows x longest row. Samples are sorted by length
-(longest first, ties by index) and cut greedily into consecutive runs whose padded size stays
-within `train.max_tokens_per_micro_batch`; neighbours in that order have similar lengths, so
-padding stays low. A sample longer than the budget alone gets a micro-batch of its own (a long
-response should cost memory, not the RL step); `MicroBatchPlan.oversized` lists those.
+Right-padded (`train.max_tokens_per_micro_batch`): a micro-batch's cost is its padded size, rows x
+longest row. Samples are sorted by length (longest first, ties by index) and cut greedily into
+consecutive runs whose padded size stays within the budget; neighbours in that order have similar
+lengths, so padding stays low.
+
+Packed (`train.micro_batch_tokens` > 0): the samples of a micro-batch lie end to end in one
+sequence (`batch.build_inputs` gives the layout), so its cost is its real tokens. Samples are
+placed first-fit-decreasing: longest first, each into the first micro-batch it fits.
+
+Either way a sample longer than the budget alone gets a micro-batch of its own (a long response
+should cost memory, not the RL step); `MicroBatchPlan.oversized` lists those.
 
 Megatron's forward-backward schedule runs the same number of micro-batches on every DP rank:
 `agree_num_micro_batches` (one all-reduce) or `plans_with_equal_count` (when every rank knows the
 whole batch) give that number, and `plan_micro_batches(..., num_micro_batches=k)` splits the
-largest micro-batches until there are exactly k.
+largest micro-batches until there are exactly k. `balance_across_ranks` gives each DP rank a share
+of near-equal token count first; `token_imbalance` is its max / mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from megatron_rl.config import TrainConfig
+
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class TokenBudget:
+    """The token budget of one micro-batch: `tokens` padded tokens, or, `packed`, real tokens."""
+
+    tokens: int
+    packed: bool = False
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> TokenBudget:
+        """`train.micro_batch_tokens` (packed) when set, else `train.max_tokens_per_micro_batch` (padded)."""
+        if train.micro_batch_tokens > 0:
+            return cls(train.micro_batch_tokens, packed=True)
+        return cls(train.max_tokens_per_micro_batch)
+
+
+@dataclass(frozen=True)
 class MicroBatch:
-    """Original sample indices, longest first, with their lengths."""
+    """Original sample indices, longest first, with their lengths; `packed`: end to end in one sequence."""
 
     indices: tuple[int, ...]
     lengths: tuple[int, ...]
+    packed: bool = False
 
     @property
     def rows(self) -> int:
@@ -42,7 +68,8 @@ class MicroBatch:
 
     @property
     def padded_tokens(self) -> int:
-        return self.rows * self.max_len
+        """What the micro-batch costs: rows x longest row, or its real tokens when packed."""
+        return self.real_tokens if self.packed else self.rows * self.max_len
 
     @property
     def real_tokens(self) -> int:
@@ -90,9 +117,13 @@ class MicroBatchPlan:
         return out  # type: ignore[return-value]
 
 
-def _check_budget(max_tokens: int) -> None:
+def _budget_key(packed: bool) -> str:
+    return "train.micro_batch_tokens" if packed else "train.max_tokens_per_micro_batch"
+
+
+def _check_budget(max_tokens: int, packed: bool) -> None:
     if max_tokens < 1:
-        raise ValueError(f"max_tokens (train.max_tokens_per_micro_batch) must be >= 1, got {max_tokens}")
+        raise ValueError(f"max_tokens ({_budget_key(packed)}) must be >= 1, got {max_tokens}")
 
 
 def _check_lengths(lengths: Sequence[int]) -> None:
@@ -101,43 +132,74 @@ def _check_lengths(lengths: Sequence[int]) -> None:
             raise ValueError(f"lengths[{i}] = {n}: every sample needs a positive integer length")
 
 
-def _pack(lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def _longest_first(lengths: Sequence[int]) -> list[int]:
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def _micro_batch(indices: Sequence[int], lengths: Sequence[int], packed: bool) -> MicroBatch:
+    return MicroBatch(tuple(indices), tuple(int(lengths[i]) for i in indices), packed)
+
+
+def _pack(lengths: Sequence[int], max_tokens: int, packed: bool) -> list[MicroBatch]:
     batches: list[list[int]] = []
-    for i in order:
-        cur = batches[-1] if batches else None
-        if cur is not None and (len(cur) + 1) * lengths[cur[0]] <= max_tokens:
-            cur.append(i)
-        else:
-            batches.append([i])
-    return [MicroBatch(tuple(b), tuple(int(lengths[i]) for i in b)) for b in batches]
+    loads: list[int] = []
+    for i in _longest_first(lengths):
+        if packed:  # first fit: the first micro-batch with room
+            k = next((k for k, load in enumerate(loads) if load + lengths[i] <= max_tokens), len(batches))
+        else:  # the current run, while rows x its longest row stay within the budget
+            k = len(batches) - 1
+            if k < 0 or (len(batches[k]) + 1) * lengths[batches[k][0]] > max_tokens:
+                k = len(batches)
+        if k == len(batches):
+            batches.append([])
+            loads.append(0)
+        batches[k].append(i)
+        loads[k] += lengths[i]
+    return [_micro_batch(b, lengths, packed) for b in batches]
+
+
+def _halves(mb: MicroBatch) -> tuple[list[int], list[int]]:
+    """Positions in `mb` of two parts: the longer and the shorter rows (padded, where the cost is the longest
+    row), or near-equal token counts (packed: longest first to the lighter part)."""
+    if not mb.packed:
+        half = (mb.rows + 1) // 2
+        return list(range(half)), list(range(half, mb.rows))
+    parts: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for j, n in enumerate(mb.lengths):
+        side = 0 if loads[0] <= loads[1] else 1
+        parts[side].append(j)
+        loads[side] += n
+    return parts
 
 
 def _split_largest(batches: list[MicroBatch]) -> None:
-    """Halve (in place) the micro-batch with the most padded tokens among those with 2+ rows."""
+    """Split (in place) the micro-batch that costs the most among those with 2+ rows into two."""
     k = max((k for k, mb in enumerate(batches) if mb.rows > 1), key=lambda k: (batches[k].padded_tokens, -k))
     mb = batches[k]
-    half = (mb.rows + 1) // 2
     batches[k : k + 1] = [
-        MicroBatch(mb.indices[:half], mb.lengths[:half]),
-        MicroBatch(mb.indices[half:], mb.lengths[half:]),
+        MicroBatch(tuple(mb.indices[j] for j in part), tuple(mb.lengths[j] for j in part), mb.packed)
+        for part in _halves(mb)
     ]
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None) -> MicroBatchPlan:
-    """Pack samples of the given token lengths into micro-batches of at most `max_tokens` padded tokens.
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None, *, packed: bool = False
+) -> MicroBatchPlan:
+    """Pack samples of the given token lengths into micro-batches of at most `max_tokens` padded tokens
+    (`packed`: real tokens, the samples end to end; see the module docstring).
 
-    With `num_micro_batches`, exactly that many: the largest micro-batches are halved until the
-    count is reached; fewer samples than that, or a budget that needs more, raise ValueError.
+    With `num_micro_batches`, exactly that many: the costliest micro-batches are split in two until
+    the count is reached; fewer samples than that, or a budget that needs more, raise ValueError.
     """
-    _check_budget(max_tokens)
+    _check_budget(max_tokens, packed)
     _check_lengths(lengths)
-    batches = _pack(lengths, max_tokens)
+    batches = _pack(lengths, max_tokens, packed)
     if num_micro_batches is not None:
         if len(batches) > num_micro_batches:
             raise ValueError(
                 f"num_micro_batches = {num_micro_batches} is too few: {len(lengths)} samples need "
-                f"{len(batches)} micro-batches of <= {max_tokens} tokens (train.max_tokens_per_micro_batch)"
+                f"{len(batches)} micro-batches of <= {max_tokens} tokens ({_budget_key(packed)})"
             )
         if len(lengths) < num_micro_batches:
             raise ValueError(f"cannot make {num_micro_batches} micro-batches from {len(lengths)} samples")
@@ -146,15 +208,17 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batche
     return MicroBatchPlan(tuple(batches), len(lengths), max_tokens)
 
 
-def plans_with_equal_count(lengths_per_rank: Sequence[Sequence[int]], max_tokens: int) -> list[MicroBatchPlan]:
+def plans_with_equal_count(
+    lengths_per_rank: Sequence[Sequence[int]], max_tokens: int, *, packed: bool = False
+) -> list[MicroBatchPlan]:
     """One plan per DP rank, all with the count of the rank that needs the most micro-batches."""
-    _check_budget(max_tokens)
+    _check_budget(max_tokens, packed)
     for r, lengths in enumerate(lengths_per_rank):
         _check_lengths(lengths)
         if not lengths:
             raise ValueError(f"DP rank {r} has no samples")
-    count = max(len(_pack(lengths, max_tokens)) for lengths in lengths_per_rank)
-    return [plan_micro_batches(lengths, max_tokens, count) for lengths in lengths_per_rank]
+    count = max(len(_pack(lengths, max_tokens, packed)) for lengths in lengths_per_rank)
+    return [plan_micro_batches(lengths, max_tokens, count, packed=packed) for lengths in lengths_per_rank]
 
 
 def agree_num_micro_batches(local_count: int, group: dist.ProcessGroup | None = None) -> int:
@@ -179,11 +243,18 @@ def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[in
     _check_lengths(lengths)
     load = [0] * num_ranks
     shares: list[list[int]] = [[] for _ in range(num_ranks)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in _longest_first(lengths):
         r = min(range(num_ranks), key=lambda r: (load[r], r))
         shares[r].append(i)
         load[r] += lengths[i]
     return [sorted(s) for s in shares]
+
+
+def token_imbalance(tokens_per_rank: Sequence[int]) -> float:
+    """max / mean of the ranks' token counts (1.0 = perfectly balanced)."""
+    if not tokens_per_rank or sum(tokens_per_rank) <= 0:
+        raise ValueError(f"token_imbalance needs a positive token count, got {list(tokens_per_rank)}")
+    return max(tokens_per_rank) * len(tokens_per_rank) / sum(tokens_per_rank)
 
 
 def pad_right(samples: Sequence[Tensor], micro_batch: MicroBatch, pad_value: float = 0) -> tuple[Tensor, Tensor]:

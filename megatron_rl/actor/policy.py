@@ -27,6 +27,7 @@ import torch
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.checkpoint import rng_state, set_rng_state
 from megatron_rl.actor.forward import LogProbResult, compute_log_probs
+from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.actor.routing_replay import RoutingReplay, check_routing_values
 from megatron_rl.config import Config, ConfigError, ModelConfig
 from megatron_rl.models.builder import build_model
@@ -153,7 +154,7 @@ class Policy:
             batch,
             temperature=self.cfg.rollout.temperature,
             vocab_size=self.cfg.model.vocab_size,
-            max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+            budget=TokenBudget.of(self.cfg.train),
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
             routing=self.routing,
             routing_mode=mode,

@@ -7,11 +7,12 @@ out) when activation recompute reruns the layer in backward. This module drives 
 of one model; Megatron is not patched.
 
 Layouts. Routing per sample is SGLang's `[n - 1, num_layers, top_k]` (positions 0 .. n - 2; see
-`actor.batch`). A router sees this rank's tokens of a right-padded [rows, max_len] micro-batch
-flattened position-major (Megatron's [s, b, h] order), and with sequence parallelism only its
-contiguous slice of max_len / TP positions; each pipeline stage holds only its layers.
+`actor.batch`). A router sees this rank's tokens of a micro-batch's [rows, max_len] input (right-
+padded rows, or one packed row: each sample from its first position on) flattened position-major
+(Megatron's [s, b, h] order), and with sequence parallelism only its contiguous slice of max_len /
+TP positions; each pipeline stage holds only its layers.
 
-Replay. Positions without given routing (each row's last token, padding, extra rows) are routed
+Replay. Positions without given routing (each sample's last token, padding, extra rows) are routed
 freely: a forward pre-hook on each router computes the free top-k (Megatron's own
 `topk_routing_with_score_function`, recorded by the router's own RouterReplay) and sets the
 router's target to the given experts where there are some and to the free ones elsewhere. So a
@@ -76,32 +77,34 @@ def token_slice(rows: int, max_len: int, tp_rank: int, tp_size: int, sequence_pa
 
 
 def given_routing(
-    routed: Sequence[Tensor | None],
+    routed: Sequence[Tensor],
+    placements: Sequence[tuple[int, int]],
     sl: TokenSlice,
     layers: Sequence[int],
     top_k: int,
 ) -> list[Tensor]:
     """Per local layer, int64 [sl.tokens, top_k]: the given experts in a router's token order (0 where
-    none is given; see `routed_token_mask`). `routed[row]`: SGLang layout [len - 1, num_layers, top_k] or None.
+    none is given; see `routed_token_mask`). `routed[k]`: sample k's routing in SGLang's layout
+    [len - 1, num_layers, top_k], placed at (row, first position) `placements[k]` of the micro-batch.
     """
-    if len(routed) != sl.rows:
-        raise ValueError(f"given_routing: {len(routed)} routing entries for {sl.rows} rows")
+    if len(routed) != len(placements):
+        raise ValueError(f"given_routing: {len(routed)} routing entries for {len(placements)} samples")
     full = torch.zeros(sl.rows, sl.max_len, len(layers), top_k, dtype=torch.long)
     layer_index = torch.tensor(list(layers), dtype=torch.long)
-    for row, r in enumerate(routed):
-        if r is None:
-            continue
-        m = min(int(r.shape[0]), sl.max_len)
-        full[row, :m] = r[:m].cpu().index_select(1, layer_index).to(torch.long)
+    for r, (row, start) in zip(routed, placements, strict=True):
+        m = min(int(r.shape[0]), sl.max_len - start)
+        full[row, start : start + m] = r[:m].cpu().index_select(1, layer_index).to(torch.long)
     local = full[:, sl.start : sl.stop].transpose(0, 1)  # [s_local, rows, L_local, K]
     return [local[:, :, j].reshape(-1, top_k) for j in range(len(layers))]
 
 
-def routed_token_mask(lengths: Sequence[int], sl: TokenSlice) -> Tensor:
-    """bool [sl.tokens]: this rank's tokens that have routing in SGLang's layout (position < len - 1)."""
-    pos = torch.arange(sl.start, sl.stop).unsqueeze(1)  # [s_local, 1]
-    limit = torch.tensor([max(n - 1, 0) for n in lengths], dtype=torch.long).unsqueeze(0)  # [1, rows]
-    return (pos < limit).reshape(-1)
+def routed_token_mask(lengths: Sequence[int], placements: Sequence[tuple[int, int]], sl: TokenSlice) -> Tensor:
+    """bool [sl.tokens]: this rank's tokens that have routing in SGLang's layout (all of a sample's
+    positions but its last), for samples of `lengths` at `placements` (row, first position)."""
+    full = torch.zeros(sl.rows, sl.max_len, dtype=torch.bool)
+    for n, (row, start) in zip(lengths, placements, strict=True):
+        full[row, start : start + max(n - 1, 0)] = True
+    return full[:, sl.start : sl.stop].transpose(0, 1).reshape(-1)
 
 
 def check_routing_values(routed: Sequence[Tensor], layers: Sequence[int], num_experts: int) -> None:
@@ -189,13 +192,19 @@ class RoutingReplay:
     # --- replay -----------------------------------------------------------------------------
 
     def start_replay(
-        self, routed: Sequence[Tensor | None], lengths: Sequence[int], max_len: int, measure: bool
+        self,
+        routed: Sequence[Tensor],
+        placements: Sequence[tuple[int, int]],
+        lengths: Sequence[int],
+        shape: tuple[int, int],
+        measure: bool,
     ) -> None:
-        """The next forward replays `routed` (per row, SGLang layout; free routing where none is given);
-        with `measure`, count the given tokens whose free routing differs."""
-        sl = self.token_slice(len(routed), max_len)
-        self._given = given_routing(routed, sl, self.layers, self.top_k)
-        self._has = routed_token_mask(lengths, sl)
+        """The next forward, of a [rows, max_len] `shape` input, replays `routed` (per sample, SGLang
+        layout, at (row, first position) `placements`; free routing elsewhere); with `measure`, count
+        the given tokens whose free routing differs."""
+        sl = self.token_slice(*shape)
+        self._given = given_routing(routed, placements, sl, self.layers, self.top_k)
+        self._has = routed_token_mask(lengths, placements, sl)
         self._measure = measure
         self._set_action(RouterReplayAction.REPLAY_FORWARD)
 

@@ -3,7 +3,9 @@
 Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
 mini-batches (fewer for a short batch: as many as hold one sample per DP rank); each gets one
 global normaliser (`megatron_rl.losses.global_normalizer` over its whole response mask, after
-`algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and into micro-batches (`forward.plan_for_rank`),
+`algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and
+into micro-batches (`forward.plan_for_rank`; right-padded or packed, `micro_batches.TokenBudget`:
+the loss sees one sample per row either way, so the normalisation is exact under any packing),
 and runs forward + backward (1F1B when PP > 1) with the policy loss (or another `TokenLoss`, such as
 the SFT cross-entropy), then one optimizer step with gradient clipping. Log-probs and entropy come
 from the decoder's hidden states without logits (`forward.LogProbHead`). With the policy loss,
@@ -13,7 +15,8 @@ Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics` (with a bonus, `loss` includes it and `entropy_bonus` is
 its value), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
-update_skipped, micro_batches (per DP rank), is_rejected_frac (with is_correction reject: the share
+update_skipped, micro_batches (per DP rank), dp_token_imbalance (the DP ranks' token counts, max /
+mean), is_rejected_frac (with is_correction reject: the share
 of the loss tokens rejected) and, when replaying routing,
 routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
 top-k expert set differs) and routing_changed_frac (all layers).
@@ -30,8 +33,16 @@ from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
-from megatron_rl.actor.forward import LogProbHead, is_output_owner, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.forward import (
+    LogProbHead,
+    dp_token_imbalance,
+    is_output_owner,
+    plan_for_rank,
+    prepare_inputs,
+    run_schedule,
+)
 from megatron_rl.actor.logprobs import LogProbs
+from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.losses import (
@@ -167,7 +178,7 @@ def train_on_batch(
     spec: LossSpec,
     *,
     updates: int,
-    max_tokens: int,
+    budget: TokenBudget,
     chunk_tokens: int,
     temperature: float,
     vocab_size: int,
@@ -197,7 +208,7 @@ def train_on_batch(
         sub, rejected = reject_tokens(batch.subset(indices), spec) if policy else (batch.subset(indices), 0.0)
         masks = [sub.loss_mask(i).view(1, -1) for i in range(len(sub))]
         normalizer = global_normalizer(masks, token_norm=token_norm)
-        micro = plan_for_rank(sub.lengths, max_tokens)
+        micro = plan_for_rank(sub.lengths, budget)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
         loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode)
         for chunk in state.model:
@@ -222,6 +233,7 @@ def train_on_batch(
             lr=lr,
             update_skipped=0.0 if ok else 1.0,
             micro_batches=float(len(inputs)),
+            dp_token_imbalance=dp_token_imbalance(sub.lengths),
         )
         if policy and spec.is_correction == "reject":
             metrics["is_rejected_frac"] = rejected

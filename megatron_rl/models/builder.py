@@ -7,7 +7,6 @@ from Megatron's parallel_state, and must agree with `parallel`.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.norm import SequenceParallelRMSNorm
-from megatron_rl.parallel.device import local_device
+from megatron_rl.models.packed_attention import PackedDotProductAttention
+from megatron_rl.parallel.device import local_device, transformer_engine_available
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,11 +35,6 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor
     """Megatron's rule: round the vocabulary up to a multiple of divisible_by x TP."""
     multiple = make_vocab_size_divisible_by * tensor_parallel_size
     return -(-vocab_size // multiple) * multiple
-
-
-def transformer_engine_available() -> bool:
-    """Transformer Engine specs need both the package and a GPU."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def transformer_config(
@@ -113,13 +108,15 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _local_norms(spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm."""
+def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm and the
+    core attention by one that also takes packed sequences (`packed_attention`)."""
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
     attn = sub.self_attention.submodules
+    attn.core_attention = PackedDotProductAttention
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attn, name) not in (None, IdentityOp):
             setattr(attn, name, SequenceParallelRMSNorm)
@@ -130,14 +127,15 @@ def decoder_block_spec(
     config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
-    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel)."""
+    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel) and whose
+    core attention takes packed (THD) sequences too."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_local_norms(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
+        layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
     )
 
 

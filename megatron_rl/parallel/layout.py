@@ -47,6 +47,20 @@ def _require(ok: bool, message: str) -> None:
         raise LayoutError(message)
 
 
+def check_context_parallel(parallel: ParallelConfig, transformer_engine: bool) -> None:
+    """`parallel.context_parallel_size` > 1 needs Transformer Engine's attention; the actor has no
+    context-parallel split of its sequences, so a layout with CP is refused either way."""
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return
+    if not transformer_engine:
+        raise LayoutError(
+            f"parallel.context_parallel_size = {cp} needs Transformer Engine (a CUDA GPU and transformer_engine); "
+            "set it to 1 here"
+        )
+    raise LayoutError(f"parallel.context_parallel_size = {cp}: the actor does not split sequences over CP ranks; set 1")
+
+
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:
     """The resolved layout, or ConfigError naming the keys that cannot run on `world_size` ranks.
 

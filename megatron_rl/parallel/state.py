@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import LaunchEnv, read_launch_env
-from megatron_rl.parallel.layout import ParallelLayout, check_layout
+from megatron_rl.parallel.layout import ParallelLayout, check_context_parallel, check_layout
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def init_distributed(
     """
     env = env or read_launch_env()
     layout = check_layout(parallel, env.world_size, model)
+    check_context_parallel(parallel, transformer_engine_available())
     backend = resolve_backend(parallel.backend)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)

@@ -5,7 +5,8 @@ log-probs, parameters after 2 and 4 optimizer steps, a checkpoint and a weights-
 after 2) into the folder `ctx.params["ref_dir"]`; every other layout must reproduce them. The
 vocabulary (300) pads to 384 rows at TP = 1 and 512 at TP = 2, so checkpoints cross paddings. The tiny policy has 4 layers (the
 first dense, so layer 0 has no router), 4 experts top-2, and a token budget that gives several
-micro-batches of different shapes per rank.
+micro-batches of different shapes per rank; packed (`packed`: `train.micro_batch_tokens` = 40), 2 to
+4 samples share a sequence, and the packed results must match the same (padded) references.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import resource
 import shutil
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,7 +29,8 @@ import torch.nn.functional as F
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.forward import LogProbHead, padded_shapes, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.forward import LogProbHead, packed_seq_params, plan_for_rank, prepare_inputs, run_schedule
+from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, RunFolder, checkpoint_dir
 from megatron_rl.config import (
     CheckpointConfig,
@@ -51,6 +55,7 @@ LOGPROB_TOL = 1e-5
 PARAM_TOL = 1e-6
 
 LENGTHS = (22, 7, 15, 11, 19, 9, 13, 17)
+PACKED_TOKENS = 40  # train.micro_batch_tokens of the packed runs: 2-4 samples per sequence
 PROMPTS = (5, 3, 6, 2, 4, 3, 5, 6)
 MOE_LAYERS = (1, 2, 3)
 
@@ -177,12 +182,12 @@ def _logits_path(actor: MegatronActor, inputs, coef) -> list[tuple[torch.Tensor,
             if ps.get_tensor_model_parallel_world_size() > 1:
                 logits = gather_from_tensor_model_parallel_region(logits)
             lsm = F.log_softmax(logits[..., :vocab].float() / TEMPERATURE, dim=-1)
-            logp = lsm.gather(-1, mb.target.unsqueeze(-1)).squeeze(-1).where(mb.target_mask, 0.0)
-            ent = (-(lsm.exp() * lsm).sum(-1)).where(mb.target_mask, 0.0)
+            logp = mb.to_rows(lsm.gather(-1, mb.head_target.unsqueeze(-1)).squeeze(-1).where(mb.head_mask, 0.0))
+            ent = mb.to_rows((-(lsm.exp() * lsm).sum(-1)).where(mb.head_mask, 0.0))
             outs.append((logp.detach(), ent.detach()))
             return _probe_loss(logp, ent, a, b), {}
 
-        return model(mb.input_ids, mb.position_ids, None), loss_func
+        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb)), loss_func
 
     get_forward_backward_func()(
         forward_step_func=step,
@@ -231,7 +236,7 @@ def check_hidden_path_against_logits(actor: MegatronActor, batch: ActorBatch, wh
     a, b over the response tokens, so both outputs' gradients count; within 1e-5 (gradients: relative
     to their largest entry when it exceeds 1). Leaves the gradients zeroed."""
     model = actor.state.model
-    micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
+    micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
     inputs = prepare_inputs(model, batch, micro, every_response_token=True)
     gen = torch.Generator().manual_seed(17)
     coef = [tuple(torch.randn(mb.target.shape, generator=gen).to(mb.target.device) for _ in "ab") for mb in inputs]
@@ -295,26 +300,64 @@ def check_replayed_experts(actor: MegatronActor, batch: ActorBatch, routing: lis
         actor.compute_log_probs(batch.with_fields(routed_experts=routing), replay_routing=True)
     finally:
         capture.close()
-    micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
-    shapes = padded_shapes(micro, actor.chunks[0].config)
+    micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
+    inputs = prepare_inputs(actor.state.model, batch, micro)
     checked = 0
     for layer, maps in capture.maps.items():
         assert len(maps) == len(micro), f"layer {layer}: {len(maps)} forwards for {len(micro)} micro-batches"
-        for mb, (rows, max_len), routing_map in zip(micro, shapes, maps, strict=True):
-            sl = actor.routing.token_slice(rows, max_len)
-            local = routing_map.view(sl.stop - sl.start, rows, -1)
-            for row, (i, n) in enumerate(zip(mb.indices, mb.lengths, strict=True)):
-                for pos in range(sl.start, min(sl.stop, n - 1)):
+        for mb, routing_map in zip(inputs, maps, strict=True):
+            sl = actor.routing.token_slice(mb.rows, mb.max_len)
+            local = routing_map.view(sl.stop - sl.start, mb.rows, -1)
+            for i, n, (row, start) in zip(mb.micro_batch.indices, mb.micro_batch.lengths, mb.placements, strict=True):
+                for pos in range(max(sl.start, start), min(sl.stop, start + n - 1)):
                     got = sorted(local[pos - sl.start, row].nonzero().flatten().tolist())
-                    want = sorted(routing[i][pos, layer].tolist())
+                    want = sorted(routing[i][pos - start, layer].tolist())
                     if got != want:
-                        raise AssertionError(f"sample {i} position {pos} layer {layer}: experts {got}, given {want}")
+                        raise AssertionError(
+                            f"sample {i} position {pos - start} layer {layer}: experts {got}, given {want}"
+                        )
                     checked += 1
     total = torch.tensor([checked], dtype=torch.int64)
     dist.all_reduce(total)
     expected = sum(n - 1 for n in LENGTHS) * len(MOE_LAYERS)
     if int(total) != expected:
         raise AssertionError(f"checked {int(total)} (token, layer) pairs over all ranks, expected {expected}")
+
+
+@contextmanager
+def packed(actor: MegatronActor) -> Iterator[None]:
+    """While open, the actor packs its micro-batches (`train.micro_batch_tokens` = PACKED_TOKENS)."""
+    actor.cfg.train.micro_batch_tokens = PACKED_TOKENS
+    try:
+        yield
+    finally:
+        actor.cfg.train.micro_batch_tokens = 0
+
+
+def check_log_probs_and_routing(ctx, actor: MegatronActor, batch: ActorBatch, what: str, direct: bool) -> None:  # noqa: ANN001
+    """The hidden-state path against the logits path, then log-probs, entropy, recorded routing and R3
+    log-probs against the world-size-1 references; R2 replay at unchanged weights exact."""
+    cfg = actor.cfg
+    check_hidden_path_against_logits(actor, batch, what)
+    out = actor.compute_log_probs(batch, record_routing=True)
+    assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, f"log-probs, {what}")
+    assert_close(out.entropy, load_ref(ctx, "entropy"), LOGPROB_TOL, f"entropy, {what}")
+    moe = list(MOE_LAYERS)
+    mismatch = sum(
+        int((a[:, moe] != b[:, moe]).any(dim=-1).sum())
+        for a, b in zip(out.routed_experts, load_ref(ctx, "routing"), strict=True)
+    )
+    assert mismatch == 0, f"recorded routing differs from the reference at {mismatch} (token, layer) pairs, {what}"
+
+    replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
+    assert diff(replayed.log_probs, out.log_probs) == 0.0, f"R2 replay at unchanged weights moved log-probs, {what}"
+    assert diff(replayed.entropy, out.entropy) == 0.0, f"R2 replay at unchanged weights moved entropy, {what}"
+
+    r3 = random_routing(cfg.model.num_layers, cfg.model.moe_router_topk, cfg.model.num_experts)
+    r3_out = actor.compute_log_probs(batch.with_fields(routed_experts=r3), replay_routing=True)
+    assert_close(r3_out.log_probs, load_ref(ctx, "r3_log_probs"), LOGPROB_TOL, f"R3 log-probs, {what}")
+    if direct:
+        check_replayed_experts(actor, batch, r3)
 
 
 def check_layout_against_reference(
@@ -326,26 +369,10 @@ def check_layout_against_reference(
     batch = make_batch(cfg.model.vocab_size)
     what = f"layout {parallel}"
 
-    check_hidden_path_against_logits(actor, batch, what)
-    out = actor.compute_log_probs(batch, record_routing=True)
-    assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, f"log-probs, {what}")
-    assert_close(out.entropy, load_ref(ctx, "entropy"), LOGPROB_TOL, f"entropy, {what}")
+    check_log_probs_and_routing(ctx, actor, batch, what, direct_routing_check)
+    with packed(actor):
+        check_log_probs_and_routing(ctx, actor, batch, f"packed, {what}", direct_routing_check)
     ref_routing = load_ref(ctx, "routing")
-    moe = list(MOE_LAYERS)
-    mismatch = sum(
-        int((a[:, moe] != b[:, moe]).any(dim=-1).sum()) for a, b in zip(out.routed_experts, ref_routing, strict=True)
-    )
-    assert mismatch == 0, f"recorded routing differs from the reference at {mismatch} (token, layer) pairs, {what}"
-
-    replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
-    assert diff(replayed.log_probs, out.log_probs) == 0.0, f"R2 replay at unchanged weights moved log-probs, {what}"
-    assert diff(replayed.entropy, out.entropy) == 0.0, f"R2 replay at unchanged weights moved entropy, {what}"
-
-    r3 = random_routing(cfg.model.num_layers, cfg.model.moe_router_topk, cfg.model.num_experts)
-    r3_out = actor.compute_log_probs(batch.with_fields(routed_experts=r3), replay_routing=True)
-    assert_close(r3_out.log_probs, load_ref(ctx, "r3_log_probs"), LOGPROB_TOL, f"R3 log-probs, {what}")
-    if direct_routing_check:
-        check_replayed_experts(actor, batch, r3)
 
     history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
     assert len(history) == 2 and actor.step == 2
@@ -365,6 +392,15 @@ def check_layout_against_reference(
     history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
     assert [h["lr"] for h in history] == [h["lr"] for h in load_ref(ctx, "history_4")], "LR schedule after loading"
     assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"parameters after loading + 2 steps, {what}")
+
+    with packed(actor):  # the same two updates from the same checkpoint, packed
+        actor.load(ref_dir(ctx) / "ckpt_w1")
+        history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
+        for got, want in zip(history, load_ref(ctx, "history_4"), strict=True):
+            for key in ("loss", "grad_norm", "entropy_mean", "clip_high_frac", "routing_changed_frac"):
+                if abs(got[key] - want[key]) > 1e-5 * max(1.0, abs(want[key])):
+                    raise AssertionError(f"packed, metric {key}: {got[key]} vs reference {want[key]}, {what}")
+        assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"packed, parameters, {what}")
     actor.close()
 
 
@@ -442,6 +478,12 @@ def recompute_replay(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     assert_params_close(
         actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 steps with recompute, {parallel}"
     )
+    with packed(actor):  # the recompute in backward replays the packed tokens' routing
+        actor.load(ref_dir(ctx) / "ckpt_w1")
+        actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+        assert_params_close(
+            actor.full_params(), load_ref(ctx, "params_4"), f"packed, 2 more steps with recompute, {parallel}"
+        )
     actor.close()
 
 
@@ -552,6 +594,8 @@ def w2_pp2_allgather(ctx) -> None:  # noqa: ANN001
     batch = make_batch(cfg.model.vocab_size)
     out = actor.compute_log_probs(batch, record_routing=True)
     assert_close(out.log_probs, load_ref(ctx, "log_probs"), LOGPROB_TOL, "log-probs, PP2 allgather")
+    with packed(actor):  # packed micro-batches of different lengths, padded to one for the pipeline
+        assert_close(actor.compute_log_probs(batch).log_probs, out.log_probs, LOGPROB_TOL, "packed, PP2 allgather")
     replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
     assert diff(replayed.log_probs, out.log_probs) == 0.0, "R2 replay at unchanged weights, PP2 allgather"
     actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))

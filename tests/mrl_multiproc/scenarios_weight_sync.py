@@ -191,12 +191,13 @@ class RouterProbe:
     def take(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.actor.forward import padded_shapes, plan_for_rank
+        from megatron_rl.actor.forward import input_shapes, plan_for_rank
+        from megatron_rl.actor.micro_batches import TokenBudget
 
         actor = self.actor
         config = actor.chunks[0].config
-        micro = plan_for_rank(batch.lengths, actor.cfg.train.max_tokens_per_micro_batch)
-        shapes = padded_shapes(micro, config)
+        micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
+        shapes = input_shapes(micro, config)
         sizes = [n - 1 for n in batch.lengths]
         layers = actor.cfg.model.num_layers
         margins = torch.zeros(sum(sizes), layers, dtype=torch.float64)

@@ -3,8 +3,16 @@
 A train step is what `MegatronActor.train` does for one mini-batch: forward and backward of every
 micro-batch through Megatron's schedule, the policy loss, DDP gradient reduction and one
 (distributed) Adam step. Two variants on the same model and batch, alternating, in the same run:
-free routing (the baseline) and R2 routing replay (routing recorded by a log-prob pass first, not
-timed). One JSON line per figure with the baseline and the ratio, then one with the model size.
+
+- `--lengths fixed` (every sample `--seq-len` tokens): free routing (the baseline) and R2 routing
+  replay (routing recorded by a log-prob pass first, not timed);
+- `--lengths mixed` (64 samples by default, a 64-token prompt and a response of 32..1024 tokens,
+  uniform): right-padded micro-batches (the baseline) and packed ones (`train.micro_batch_tokens`),
+  the same token budget for both; `lr` 0, so that both variants see the same weights and must give
+  the same loss and gradient norm (`packed_vs_padded_results`). Also the seconds per update and,
+  on a GPU, the peak memory of each.
+
+One JSON line per figure with the baseline and the ratio, then one with the model size.
 
 Model FLOPs count the matmuls of the real (unpadded) tokens, forward x 3 for training: QKV and
 output projections, causal attention scores and values (sum over positions of the context
@@ -15,6 +23,7 @@ from --peak-tflops or the GPU name (bf16 dense); on the CPU it is only given wit
     python tools/bench/train_step.py                       # CPU: a tiny model, one process
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b
     torchrun --nproc-per-node 8 tools/bench/train_step.py --preset 1b --ep 8 --samples 64
+    torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b --lengths mixed
 """
 
 from __future__ import annotations
@@ -47,15 +56,19 @@ PRESETS = {
         "tiny": (4, 64, 128, 4, 2, 1000, 4, 2, 64, 1024, "fp32"),
     }.items()
 }
+MIXED_PROMPT, MIXED_RESPONSES = 64, (32, 1024)  # --lengths mixed: prompt tokens, response length range
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["auto", *PRESETS], default="auto", help="auto = 1b with CUDA, else tiny")
-    p.add_argument("--samples", type=int, default=0, help="samples per step (0 = 8 per data-parallel rank)")
+    p.add_argument(
+        "--lengths", choices=["fixed", "mixed"], default="fixed", help="fixed: --seq-len each; mixed: packed vs padded"
+    )
+    p.add_argument("--samples", type=int, default=0, help="samples per step (0 = 8 per DP rank; mixed: 64)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sample (0 = 4096 for 1b, 128 for tiny)")
-    p.add_argument("--max-tokens", type=int, default=0, help="micro-batch token budget (0 = 2 samples)")
+    p.add_argument("--max-tokens", type=int, default=0, help="micro-batch token budget (0 = 2 longest samples)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -120,6 +133,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _lengths(args: argparse.Namespace, seq: int, samples: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """(tokens, prompt tokens) per sample."""
+    if args.lengths == "fixed":
+        return [seq] * samples, [seq // 4] * samples
+    low, high = MIXED_RESPONSES
+    responses = torch.randint(low, high + 1, (samples,), generator=gen).tolist()
+    return [MIXED_PROMPT + r for r in responses], [MIXED_PROMPT] * samples
+
+
+def _peak_memory_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
@@ -129,79 +155,111 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.parallel.launch import read_launch_env
 
     name = args.preset if args.preset != "auto" else ("1b" if torch.cuda.is_available() else "tiny")
-    model = ModelConfig(family="qwen3_moe", **PRESETS[name])
+    mixed = args.lengths == "mixed"
     world = read_launch_env().world_size
     dp = world // (args.tp * args.pp)
     seq = args.seq_len or (4096 if name == "1b" else 128)
-    samples = args.samples or 8 * dp
+    samples = args.samples or (64 if mixed else 8 * dp)
+    gen = torch.Generator().manual_seed(0)
+    lengths, prompts = _lengths(args, seq, samples, gen)
+    positions = max(PRESETS[name]["max_position_embeddings"], max(lengths))
+    model = ModelConfig(family="qwen3_moe", **{**PRESETS[name], "max_position_embeddings": positions})
+    budget = args.max_tokens or 2 * max(lengths)
     cfg = Config(
         model=model,
         parallel=ParallelConfig(
             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
         ),
-        rollout=RolloutConfig(temperature=1.0, max_new_tokens=seq),
+        rollout=RolloutConfig(
+            temperature=1.0, max_new_tokens=max(n - p for n, p in zip(lengths, prompts, strict=True))
+        ),
         algorithm=dataclasses.replace(preset("grpo"), routing_replay="r2"),
         train=TrainConfig(
             steps=args.warmup + args.iters,
             updates_per_step=1,
-            max_tokens_per_micro_batch=args.max_tokens or 2 * seq,
-            lr=1e-6,
+            max_tokens_per_micro_batch=budget,
+            lr=0.0 if mixed else 1e-6,
             seed=1,
         ),
     )
     cfg.model = dataclasses.replace(cfg.model, recompute=args.recompute)
     validate(cfg)
     actor = MegatronActor(cfg)
-    gen = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, model.vocab_size, (seq,), generator=gen) for _ in range(samples)]
     batch = ActorBatch(
-        tokens=tokens,
-        prompt_lengths=[seq // 4] * samples,
-        advantages=[torch.randn((), generator=gen) for _ in range(samples)],
+        tokens=[torch.randint(0, model.vocab_size, (n,), generator=gen) for n in lengths],
+        prompt_lengths=prompts,
+        advantages=[torch.randn((), generator=gen) for _ in lengths],
     )
     old = actor.compute_log_probs(batch, record_routing=True)
     batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=old.routed_experts)
-    times: dict[str, list[float]] = {"free_routing": [], "r2_replay": []}
+    # (name, replay routing, train.micro_batch_tokens); the first is the baseline
+    variants = (
+        [("padded", False, 0), ("packed", False, budget)]
+        if mixed
+        else [("free_routing", False, 0), ("r2_replay", True, 0)]
+    )
+    times: dict[str, list[float]] = {v: [] for v, _, _ in variants}
+    peaks: dict[str, float | None] = {}
+    first: dict[str, dict[str, float]] = {}
     for it in range(args.warmup + args.iters):
-        for variant, replay in (("free_routing", False), ("r2_replay", True)):
+        for variant, replay, packed_tokens in variants:
+            actor.cfg.train.micro_batch_tokens = packed_tokens
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             dist.barrier()
             _sync()
             start = time.perf_counter()
-            actor.train(batch, replay_routing=replay)
+            history = actor.train(batch, replay_routing=replay)
             _sync()
             elapsed = time.perf_counter() - start
+            first.setdefault(variant, history[0])
+            peaks[variant] = _peak_memory_gib()
             if it >= args.warmup:
                 times[variant].append(elapsed)
     actor.close()
-    lengths = [seq] * samples
     flops = model_flops_per_step(model, lengths)
     peak = _peak_tflops(args)
-    base_t = statistics.median(times["free_routing"])
-    t = statistics.median(times["r2_replay"])
+    (base_name, _, _), (var_name, _, _) = variants
+    base_t, t = statistics.median(times[base_name]), statistics.median(times[var_name])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     common = dict(preset=name, device=device, ranks=world, tp=args.tp, pp=args.pp, ep=args.ep, samples=samples,
-                  seq_len=seq, dtype=model.params_dtype, iters=args.iters)  # fmt: skip
+                  lengths=args.lengths, tokens=sum(lengths), dtype=model.params_dtype, iters=args.iters)  # fmt: skip
+    if not mixed:
+        common["seq_len"] = seq
+    pair = dict(variant=var_name, baseline=base_name)
     tps, base_tps = sum(lengths) / t, sum(lengths) / base_t
     out = [
         dict(
             figure="train_step_tokens_per_s",
-            variant="r2_replay",
             value=round(tps, 1),
-            baseline="free_routing",
             baseline_value=round(base_tps, 1),
             ratio=round(tps / base_tps, 3),
+            **pair,
             **common,
         ),  # fmt: skip
     ]
     if peak is not None:
         mfu, base_mfu = flops / (t * world * peak * 1e12), flops / (base_t * world * peak * 1e12)
-        out.append(dict(figure="train_step_mfu", variant="r2_replay", value=round(mfu, 4), baseline="free_routing",
-                        baseline_value=round(base_mfu, 4), ratio=round(mfu / base_mfu, 3), peak_tflops=peak, **common))  # fmt: skip
+        out.append(dict(figure="train_step_mfu", value=round(mfu, 4), baseline_value=round(base_mfu, 4),
+                        ratio=round(mfu / base_mfu, 3), peak_tflops=peak, **pair, **common))  # fmt: skip
     else:
-        out.append(dict(figure="train_step_model_tflops_per_s", variant="r2_replay", value=round(flops / t / 1e12, 6),
-                        baseline="free_routing", baseline_value=round(flops / base_t / 1e12, 6),
-                        ratio=round(base_t / t, 3), note="no peak known for this device: MFU needs --peak-tflops",
-                        **common))  # fmt: skip
+        out.append(dict(figure="train_step_model_tflops_per_s", value=round(flops / t / 1e12, 6),
+                        baseline_value=round(flops / base_t / 1e12, 6), ratio=round(base_t / t, 3),
+                        note="no peak known for this device: MFU needs --peak-tflops", **pair, **common))  # fmt: skip
+    if mixed:
+        out.append(dict(figure="train_step_seconds", value=round(t, 4), baseline_value=round(base_t, 4),
+                        ratio=round(t / base_t, 3), **pair, **common))  # fmt: skip
+        if peaks[var_name] is not None:
+            out.append(dict(figure="train_step_peak_memory_gib", value=round(peaks[var_name], 3),
+                            baseline_value=round(peaks[base_name], 3), ratio=round(peaks[var_name] / peaks[base_name], 3),
+                            **pair, **common))  # fmt: skip
+        rel = {k: abs(first[var_name][k] - first[base_name][k]) / max(abs(first[base_name][k]), 1e-12)
+               for k in ("loss", "grad_norm")}  # fmt: skip
+        out.append(dict(figure="packed_vs_padded_results", loss=first[var_name]["loss"],
+                        baseline_loss=first[base_name]["loss"], grad_norm=first[var_name]["grad_norm"],
+                        baseline_grad_norm=first[base_name]["grad_norm"], max_rel_diff=max(rel.values()),
+                        micro_batches=first[var_name]["micro_batches"],
+                        baseline_micro_batches=first[base_name]["micro_batches"], **common))  # fmt: skip
     total, active = param_counts(model)
     out.append(dict(figure="model_size", params=total, active_params=active, model_flops_per_step=flops, **common))
     return out
