@@ -131,3 +131,29 @@ def test_a_call_handed_to_a_main_thread_that_ends_fails_instead_of_waiting() -> 
         with pytest.raises(HandoffClosedError, match="a resync: the run is ending"):
             handed.result(30)
     assert handoff.call(lambda: 2, "on the main thread") == 2  # the owner's own call runs at once
+
+
+class StalledClient(DyingClient):
+    """A client with two requests in flight on one server and no reply."""
+
+    def in_flight(self) -> dict[str, int]:
+        return {"http://127.0.0.1:30000": 2}
+
+
+def test_threads_waiting_on_one_stall_give_one_warning_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    engine = RolloutEngine(StalledClient(), stall_warning_s=60.0)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level("WARNING", logger="megatron_rl.rollout.engine"):
+            with ThreadPoolExecutor(WORKERS) as pool:  # the episodes' threads, each seeing the same stall
+                list(pool.map(lambda _: engine._warn_stalled(60.0), range(WORKERS)))
+            engine._last_stall_warning -= 60.0  # one interval later
+            engine._warn_stalled(120.0)
+    finally:
+        engine.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert warnings[0] == (
+        "no reply from the rollout engine for 60 s (rollout.stall_warning_s): 2 request(s) in flight "
+        "(http://127.0.0.1:30000: 2)"
+    )
+    assert warnings[1].startswith("no reply from the rollout engine for 120 s")

@@ -724,35 +724,52 @@ def test_the_steps_of_a_turn_run_side_by_side_up_to_the_bound(episodes: int, max
     assert Rendezvous.most == meet  # every step of the turn at once, never more than env.max_concurrent_steps
 
 
-class SlowFirstEngine(TurnEngine):
-    """A TurnEngine whose turn 0 of episode 0 (prompt key 0) is answered only once episode 1 (key 1) has
-    had its turn 1 generated: lock-step turns can never get there (they would wait 30 s, then fail)."""
+class OvertakingEngine(TurnEngine):
+    """A TurnEngine (thread-safe) that answers episode 0's (prompt key 0) second turn only once episode 1
+    (key 1) has had its third turn generated: with lock-step turns that can never happen (it would wait
+    30 s, then fail). `answered[k]` is set once episode 1's turn k is generated."""
 
     def __init__(self, script: dict[int, list[str]]) -> None:
         super().__init__(script)
         self.lock = threading.Lock()
-        self.other_went_on = threading.Event()
+        self.answered = [threading.Event() for _ in range(3)]
+        self.order: list[tuple[int, int]] = []  # (episode, turn) in the order they were generated
 
     def generate(self, prompts, params, return_routed_experts=False):
-        ((ids,),) = [prompts]  # one call per episode's turn
-        if ids[0] == 0 and len(ids) == 3 and not self.other_went_on.wait(30):
-            raise AssertionError("episode 1 did not go on to its turn 1 while episode 0 generated its turn 0")
+        turns = [sum(1 for r, _ in self.requests if r[0] == ids[0]) for ids in prompts]
+        if (prompts[0][0], turns[0]) == (0, 1) and not self.answered[2].wait(30):
+            raise AssertionError("episode 1 did not go on to its third turn while episode 0 generated its second")
         with self.lock:
             out = super().generate(prompts, params, return_routed_experts)
-        if ids[0] == 1 and len(ids) > 3:
-            self.other_went_on.set()
+            for ids, turn in zip(prompts, turns, strict=True):
+                self.order.append((ids[0], turn))
+                if ids[0] == 1:
+                    self.answered[turn].set()
         return out
+
+
+class WaitsForTheOther(Environment):
+    """Episode 0's environment: its first step ends once episode 1's second turn is generated (so that
+    episode 0's second turn is asked for on its own), then the episode goes on for one more turn."""
+
+    engine: OvertakingEngine
+
+    def step(self, turn):
+        if turn.index == 0 and not self.engine.answered[1].wait(30):
+            raise AssertionError("episode 1's second turn was not generated")
+        return Observation(text="ok") if turn.index == 0 else Observation(done=True)
 
 
 def test_a_finished_turn_moves_on_while_another_episode_still_generates() -> None:
     cfg = EnvConfig(type="calculator", max_turns=3)
-    engine = SlowFirstEngine({0: ["Answer: 1"], 1: [CALL, "Answer: 56088"]})
+    engine = OvertakingEngine({0: ["a", "b"], 1: [CALL, CALL, "Answer: 56088"]})
+    WaitsForTheOther.engine = engine
     trajs = run_episodes(
-        engine, [CalculatorEnv(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
+        engine, [WaitsForTheOther(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
     )
-    assert [(t.end_reason, t.turns) for t in trajs] == [("done", 1), ("done", 2)]
-    # episode 1's two calls were both made before episode 0's only one returned
-    assert [r[0][0] for r in engine.requests] == [1, 1, 0]
+    assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2), ("done", 3)]
+    # the first turns are one batch; episode 1's next two turns overtake episode 0's second
+    assert engine.order == [(0, 0), (1, 0), (1, 1), (1, 2), (0, 1)]
 
 
 class AsyncRendezvous(Environment):

@@ -2,7 +2,8 @@
 
 Each episode is a coroutine on one event loop: `/generate` with the whole trajectory's
 `input_ids`, then `Environment.step`, then the next turn, so the episodes overlap and a finished
-turn goes on at once, never waiting for the slowest generation or step of the batch. At most
+turn goes on at once, never waiting for the slowest generation or step of the batch (the requests
+the episodes make at the same moment go as one batch: a round's first turns, in episode order). At most
 `env.max_concurrent_steps` steps run at once (an `async def step` on the loop itself, a plain `step`
 on a daemon thread of its own), each within `env.step_timeout_s`. The trajectory is exactly the engine's generated tokens followed by the observation's
 tokens (the chat template's turn delimiters and the observation, tokenized once, by
@@ -282,12 +283,56 @@ def run_episodes(
     return [ep.traj for ep in episodes]
 
 
+class _TurnBatches:
+    """The episodes' turn requests made in one iteration of their loop go to the engine as one
+    `generate` call, run on a thread of `pool` (the engine's `generate` blocks): the episodes of a
+    round start together, so their first turns are one batch in episode order; later turns go as the
+    episodes reach them. Each request's future gets its sample, or the call's error."""
+
+    def __init__(self, engine: Any, pool: ThreadPoolExecutor, return_routed_experts: bool) -> None:
+        self.engine, self.pool, self.return_routed_experts = engine, pool, return_routed_experts
+        self.pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+
+    async def generate(self, ids: list[int], params: SamplingParams) -> Sample:
+        loop = asyncio.get_running_loop()
+        if not self.pending:
+            loop.call_soon(self._send)  # after the other episodes that are ready have asked too
+        answer = loop.create_future()
+        self.pending.append((ids, params, answer))
+        return await answer
+
+    def _send(self) -> None:
+        batch, self.pending = self.pending, []
+        call = functools.partial(
+            self.engine.generate,
+            [ids for ids, _, _ in batch],
+            [p for _, p, _ in batch],
+            return_routed_experts=self.return_routed_experts,
+        )
+        asyncio.get_running_loop().run_in_executor(self.pool, call).add_done_callback(
+            functools.partial(self._answer, [answer for _, _, answer in batch])
+        )
+
+    @staticmethod
+    def _answer(answers: list[asyncio.Future], call: asyncio.Future) -> None:
+        error = None if call.cancelled() else call.exception()
+        for k, answer in enumerate(answers):
+            if answer.done():
+                continue
+            if call.cancelled():
+                answer.cancel()
+            elif error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(call.result()[k])
+
+
 @dataclass
 class _EpisodeRun:
     """The episodes of one `run_episodes` call, each a coroutine on one event loop (the calling thread's,
-    or a thread of its own beside the trainer's main thread): a turn's `/generate` on a thread of
-    `_generating` (the engine's `generate` blocks; at most one call per episode), then its step.
-    The tokenizer's work (decoding a turn, rendering an observation) runs on the loop's thread alone."""
+    or a thread of its own beside the trainer's main thread): a turn's `/generate` (`_TurnBatches`),
+    then its step. The tokenizer's work (decoding a turn, rendering an observation) runs on the loop's
+    thread alone."""
 
     engine: Any
     params: Callable[[int, int], SamplingParams]
@@ -298,21 +343,18 @@ class _EpisodeRun:
 
     async def all(self, episodes: list[_Episode]) -> None:
         steps = asyncio.Semaphore(self.cfg.max_concurrent_steps)
-        with ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate") as generating:
-            await asyncio.gather(*(self.one(i, ep, generating, steps) for i, ep in enumerate(episodes)))
+        with ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate") as pool:
+            batches = _TurnBatches(self.engine, pool, self.return_routed_experts)
+            await asyncio.gather(*(self.one(i, ep, batches, steps) for i, ep in enumerate(episodes)))
 
-    async def one(self, i: int, ep: _Episode, generating: ThreadPoolExecutor, steps: asyncio.Semaphore) -> None:
-        loop, cfg = asyncio.get_running_loop(), self.cfg
+    async def one(self, i: int, ep: _Episode, batches: _TurnBatches, steps: asyncio.Semaphore) -> None:
+        cfg = self.cfg
         for turn in range(cfg.max_turns):
             ids = ep.prompt_ids + ep.traj.output_ids
             p = self.params(turn, i)
             if cfg.max_total_tokens is not None:
                 p = dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cfg.max_total_tokens - len(ids)))
-            generate = functools.partial(
-                self.engine.generate, [ids], [p], return_routed_experts=self.return_routed_experts
-            )
-            (sample,) = await loop.run_in_executor(generating, generate)
-            done = _record(ep, sample, turn, self.renderer)
+            done = _record(ep, await batches.generate(ids, p), turn, self.renderer)
             if done is None:
                 return
             async with steps:

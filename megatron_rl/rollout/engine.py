@@ -87,6 +87,8 @@ class RolloutEngine:
         self._restart = restart  # starts a new child in place of the dead one (the same port)
         self.max_restarts, self.restarts = max_restarts, 0
         self.stall_warning_s = stall_warning_s
+        self._stall_lock = threading.Lock()
+        self._last_stall_warning = float("-inf")  # one warning per stall for all the threads that wait
         # pushes the current weights to a restarted engine (the trainer's weight sync); None: the
         # model folder the child starts from is current
         self.resync: Callable[[], None] | None = None
@@ -178,6 +180,11 @@ class RolloutEngine:
                 quiet_since = now  # the next warning after another stall_warning_s
 
     def _warn_stalled(self, quiet_s: float) -> None:
+        with self._stall_lock:
+            now = time.monotonic()
+            if now - self._last_stall_warning < self.stall_warning_s / 2:
+                return  # another waiting thread has just warned of the same stall
+            self._last_stall_warning = now
         in_flight = self.client.in_flight()
         state = ""
         if self.local_process is not None and self.local_process.stopped():
