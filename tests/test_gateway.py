@@ -208,7 +208,35 @@ def test_the_assistant_answer_echoed_without_its_tool_calls_still_extends_the_hi
     out0 = chars("hmm") + [IM_END]
     assert len(episode.segments) == 1
     assert engine.requests[1][0] == rendered([{"role": "user", "content": "task-C"}]) + out0 + USER_DELTA
-    assert episode.trajectory.events["gateway_stop_ignored"] == 1  # not one token: not a stop token
+    assert episode.trajectory.events["gateway_stop_strings"] == 0  # a stop string that never came: nothing cut
+
+
+def test_a_stop_string_of_several_tokens_cuts_the_response_as_an_engine_would() -> None:
+    seen = []
+
+    async def agent(base_url, api_key, row):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "task-S"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages, stop=["\nObs:", "zz"])
+        seen.append(first.choices[0])
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model=MODEL, messages=messages)
+
+    engine = ScriptEngine({"task-S": ["Think 7\nObs: 9 zz more", "Answer: 7"]})
+    cfg = EnvConfig(type="agent", max_turns=8)
+    (episode,) = run_agent_episodes(
+        engine, [task("task-S")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+    )
+    assert (seen[0].message.content, seen[0].finish_reason) == ("Think 7", "stop")
+    kept = chars("Think 7\nObs:")  # up to the token that completes the first stop string; the rest dropped
+    traj = episode.trajectory
+    assert engine.requests[1][0] == rendered([{"role": "user", "content": "task-S"}]) + kept + TOK.encode(
+        "<|im_end|>\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
+    )  # the template's end of turn follows the kept tokens (untrained): the engine never generated one
+    assert traj.output_ids[: len(kept)] == kept and traj.loss_mask[: len(kept) + 1] == [True] * len(kept) + [False]
+    assert traj.logprobs[: len(kept)] == pytest.approx([-0.01 * k for k in range(len(kept))])
+    assert traj.events["gateway_stop_strings"] == 1
+    assert traj.routed_experts.shape[0] == len(traj.prompt_ids) + len(traj.output_ids) - 1
 
 
 # ---- errors in OpenAI's shape ----

@@ -18,7 +18,9 @@ Generation: one engine request per call, the engine's synchronous `generate` on 
 with the run's sampling (`params(call, episode)`), `max_tokens` capped by it and by what is left
 of `env.max_total_tokens`. The request's `temperature` is ignored (counted,
 `env/gateway_temperature_ignored`): the trainer scores the tokens at `rollout.temperature`. A
-`stop` string that is one token becomes a stop token; another is ignored (`env/gateway_stop_ignored`).
+`stop` string that is one token becomes a stop token; a longer one cuts the response after the first
+token whose text completes it (`cut_at_stop`: the tokens after it are dropped, never trained, as if
+the engine had stopped there; `env/gateway_stop_strings`), and the answer's content ends before it.
 More than `env.max_turns` calls, or a prompt that leaves no room in `env.max_total_tokens`, answer
 400 and mark the episode as ended by that limit.
 
@@ -35,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from numbers import Real
@@ -47,7 +49,7 @@ from megatron_rl.config import EnvConfig
 from megatron_rl.envs.episodes import RoutedExperts, Trajectory, TurnRenderer, append_generated, append_observation
 from megatron_rl.envs.tools import MalformedCall, ToolCall, parse_tool_calls
 from megatron_rl.http_body import READ_TIMEOUT_S, BodyError, app_runner, authorized, parse_json, read_body
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -416,13 +418,13 @@ class Gateway:
         changes: dict[str, Any] = {"max_new_tokens": min(room, chat.max_tokens or room)}
         if chat.temperature is not None and chat.temperature != p.temperature:
             state.events["gateway_temperature_ignored"] += 1
-        stops = []
+        stops, stop_strings = [], []
         for text in chat.stop:
             one = tok.encode(text, add_special_tokens=False)
             if len(one) == 1:
                 stops.append(int(one[0]))
             else:
-                state.events["gateway_stop_ignored"] += 1
+                stop_strings.append(text)
         if stops:
             changes["stop_token_ids"] = tuple(dict.fromkeys([*p.stop_token_ids, *stops]))
         p = replace(p, **changes)
@@ -440,13 +442,21 @@ class Gateway:
         if state.closed:
             raise RequestError(404, "the episode ended while the call generated", "not_found_error")
         state.calls += 1
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        cut = cut_at_stop(sample, stop_strings, decode)
+        stop_string = cut.matched_stop if cut is not sample else None
+        if stop_string is not None:
+            state.events["gateway_stop_strings"] += 1
+            sample = cut
         out = [int(t) for t in sample.output_ids]
         _append(seg, delta, sample)
         if sample.aborted:
             seg.traj.end_reason = "abort"
             state.failure = "the engine aborted the request"
             raise RequestError(503, "the engine aborted the request", "server_error")
-        text = tok.decode(out, skip_special_tokens=True)
+        text = decode(out)
+        if isinstance(stop_string, str):
+            text = text[: text.find(stop_string)]
         message, finish = self._reply(text, sample.truncated, state)
         seg.keys = keys + [message_key(_message(message, 0))]
         return {
@@ -497,6 +507,34 @@ class Gateway:
                 }
             )
         return {"content": content}
+
+
+def cut_at_stop(sample: Sample, stops: Sequence[str], decode: Callable[[list[int]], str]) -> Sample:
+    """`sample` cut after the first output token whose text (`decode` of the tokens so far) holds one
+    of `stops`, with finish reason "stop" and that string as `matched_stop`: what an engine that stops
+    on strings would have generated. `sample` itself when no stop string occurs (or it was aborted)."""
+    out = list(sample.output_ids)
+    if not stops or sample.aborted or not any(stop in decode(out) for stop in stops):
+        return sample
+    low, high = 1, len(out)  # the shortest prefix that holds a stop string (a longer prefix's text extends it)
+    while low < high:
+        mid = (low + high) // 2
+        if any(stop in decode(out[:mid]) for stop in stops):
+            high = mid
+        else:
+            low = mid + 1
+    text = decode(out[:low])
+    matched = min((stop for stop in stops if stop in text), key=text.find)
+    routed = sample.routed_experts
+    return replace(
+        sample,
+        output_ids=out[:low],
+        logprobs=None if sample.logprobs is None else list(sample.logprobs)[:low],
+        weight_versions=None if sample.weight_versions is None else list(sample.weight_versions)[:low],
+        routed_experts=None if routed is None else routed[: len(sample.prompt_ids) + low - 1],
+        finish_reason="stop",
+        matched_stop=matched,
+    )
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
