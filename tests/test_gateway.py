@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import socket
 import sys
 import threading
 import urllib.error
@@ -281,6 +282,33 @@ def test_bad_requests_get_openai_errors_and_models_lists_the_policy(gateway) -> 
     # none of them reached the engine or the trajectory
     record = gateway.finish(episode)
     assert record.calls == 0 and record.trajectories == []
+
+
+def test_more_agents_than_the_default_listen_backlog_connect_while_the_gateway_is_busy() -> None:
+    """300 agents connect while the gateway's loop is blocked (nothing is accepted): every handshake completes,
+    which aiohttp's default backlog of 128 refuses (the others' connects time out)."""
+    engine = ScriptEngine({"task": ["ok"]})
+    cfg = EnvConfig(type="agent", max_turns=4)
+    with Gateway(engine, TurnRenderer(TT), cfg, params, "secret", max_concurrency=256) as gw:
+        release, blocked = threading.Event(), threading.Event()
+        gw._loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(60)))
+        assert blocked.wait(30)
+        sockets, connected = [], 0
+        try:
+            for _ in range(300):
+                sock = socket.socket()
+                sock.settimeout(2.0)
+                sockets.append(sock)
+                try:
+                    sock.connect(("127.0.0.1", gw.port))
+                    connected += 1
+                except OSError:
+                    break
+        finally:
+            release.set()
+            for sock in sockets:
+                sock.close()
+        assert connected == 300
 
 
 def test_calls_past_max_turns_are_refused_and_end_the_episode_by_that_limit() -> None:

@@ -251,7 +251,7 @@ class Gateway:
     ) -> None:
         self.engine, self.renderer, self.cfg, self.params = engine, renderer, cfg, params
         self.api_key, self.model, self.port = api_key, model, port
-        self.return_routed_experts = return_routed_experts
+        self.return_routed_experts, self.max_concurrency = return_routed_experts, max_concurrency
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="gateway-generate")
         self._episodes: dict[str, EpisodeState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -297,7 +297,10 @@ class Gateway:
         # closing waits at most 1 s for a call still generating (its agent timed out): it is left out anyway
         self._runner = app_runner(app, READ_TIMEOUT_S, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        # aiohttp's default listen backlog (128) refuses connections when more agents than that
+        # connect at once: their clients then fail on a connect timeout
+        backlog = max(128, 2 * self.max_concurrency)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=backlog)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 

@@ -110,11 +110,13 @@ def tool_agent(url: str, waits: Intervals, turns: int) -> Any:
     """The environment's episode as an OpenAI-API agent: each reply POSTed to the tool, its answer
     sent back as a `tool` message, for `turns` turns."""
     import aiohttp
-    from openai import AsyncOpenAI
+
+    sys.path.insert(0, str(REPO / "examples" / "tiny_tools"))
+    from openai_agent import client_for  # the example agent's client
 
     async def agent(base_url: str, api_key: str, row: Any) -> None:
         messages: list[dict[str, Any]] = [{"role": "user", "content": row.text}]
-        async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client, aiohttp.ClientSession() as http:
+        async with client_for(base_url, api_key) as client, aiohttp.ClientSession() as http:
             for turn in range(turns):
                 reply = await client.chat.completions.create(model="policy", messages=messages)
                 content = reply.choices[0].message.content or ""
