@@ -32,10 +32,12 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9,<0.6", "sglang-router"],
         # sglang-router: tests/test_router.py runs the real router (a Rust binary wheel) in front of local engines;
         # pytest-randomly: the fast tier runs in a shuffled order (the seed is in the header; --randomly-seed=N repeats one)
+        # pytest-xdist: both tiers run on two workers, a test module per unit (tests/conftest.py)
         # openai: tests/test_gateway.py drives the agent gateway with the real OpenAI client
         "test": [
             "pytest>=8",
             "pytest-randomly>=3.15",
+            "pytest-xdist>=3.6",
             "ruff",
             "msgspec",
             "math-verify>=0.9",

@@ -57,7 +57,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
+# Both tiers run on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command). A
+# module is one unit of work, so that its module-scoped launches run once; modules that share a
+# session's straight run (`straight_runs`) are one unit. The e2e modules that take longest go first
+# (the e2e tier keeps this order: `-p no:randomly --no-loadscope-reorder`), so the workers end together.
+SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
+LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
+
+
+def work_unit(item: pytest.Item) -> str:
+    """The xdist group of a test: its module's name, or the unit of modules sharing a launch."""
+    module = item.path.stem
+    return SHARED_UNITS.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers, and before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
@@ -65,6 +79,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order within is kept
 
 
 @pytest.fixture

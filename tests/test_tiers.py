@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import launch_in
+from conftest import launch_in, work_unit
 
 PY = sys.executable
 
@@ -50,3 +52,11 @@ def test_other_commands_are_not(args: list[str]) -> None:
 def test_an_unmarked_test_cannot_launch_one() -> None:
     with pytest.raises(pytest.fail.Exception, match=r"launches `.*megatron_rl.cli serve.*` but is not marked e2e"):
         subprocess.Popen([PY, "-m", "megatron_rl.cli", "serve", "--model", "nowhere"])
+
+
+def test_modules_that_share_a_straight_run_are_one_unit_of_work_and_others_their_own() -> None:
+    def unit(module: str) -> str:
+        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py"))
+
+    assert unit("test_trainer") == unit("test_faults") != unit("test_async")
+    assert unit("test_async") == "test_async" and unit("test_slurm") == "test_slurm"
