@@ -196,7 +196,7 @@ class RouterProbe:
 
         actor = self.actor
         config = actor.chunks[0].config
-        micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
+        micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train), actor.cfg.train.updates_per_step)
         shapes = input_shapes(micro, config)
         sizes = [n - 1 for n in batch.lengths]
         layers = actor.cfg.model.num_layers
