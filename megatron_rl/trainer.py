@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.checkpoints import ResumeMode, RunFolder
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
@@ -316,18 +317,24 @@ class Trainer:
         return metrics
 
     def _collect(self, step: int, version: int) -> StepBatch:
-        """Rank 0's batch of `step`, on every rank. A local engine restarted during a `sync`-mode rollout
+        """Rank 0's batch of `step`, on every rank: its metrics from rank 0, the batch scattered as tensors
+        (`actor.batch_scatter`: every rank the index, each DP rank its samples' routed experts). A local engine restarted during a `sync`-mode rollout
         that only a collective sync can give the current weights (distributed, tensor:
         `ResyncAtStepBoundary`) gets them here, from every rank at the step boundary, and the rollout
         is collected again (rollout.max_engine_restarts bounds the retries; the abandoned rollout's
         prompts are not drawn again). The asynchronous modes, whose generation runs on, stop instead."""
+        from megatron_rl.actor.batch_scatter import scatter_batch
         from megatron_rl.weight_sync import ResyncAtStepBoundary, WeightSyncError
 
         mode = self.cfg.rollout.async_mode
 
-        def collect(rank0: RolloutDriver) -> StepBatch | None:
+        held: list[StepBatch] = []  # rank 0's whole batch, scattered below
+
+        def collect(rank0: RolloutDriver) -> tuple[dict[str, float], bool] | None:
             try:
-                return rank0.collect(step, version)
+                plan = rank0.collect(step, version)
+                held[:] = [plan]
+                return plan.metrics, plan.batch is not None
             except ResyncAtStepBoundary as err:
                 if mode != "sync":
                     raise WeightSyncError(
@@ -337,9 +344,17 @@ class Trainer:
                 self.log.message(f"step {step}: {err}: syncing from every rank, then collecting the step again")
                 return None
 
-        while (plan := on_rank0_with(self.rank0, collect)) is None:
+        while (head := on_rank0_with(self.rank0, collect)) is None:
             self._sync(version)
-        return plan
+        metrics, has_batch = head
+        if not has_batch:
+            return StepBatch(None, metrics)
+        plan = held[0] if held else None
+        sent = WireBatch(plan.batch, plan.rewards, plan.versions) if plan is not None else None
+        got, report = scatter_batch(
+            sent, updates=self.cfg.train.updates_per_step, num_experts=self.cfg.model.num_experts
+        )
+        return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions)
 
     def _update(self, plan: StepBatch) -> dict[str, float]:
         """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.

@@ -47,8 +47,9 @@ WORLDS = {
         "w2_bad_layout",
         "w2_vocab_padding_tp1_tp2_tp1",
         "w2_every_ranks_shard_is_in_the_manifest",
+        "w2_scattered_batch",
     ],
-    4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint"],
+    4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
 }
 
 

@@ -81,6 +81,8 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
         assert r["time/ref_logprobs"] > 0.0
         assert abs(r["actor/is_weight_mean"] - 1.0) <= 1e-4 and "actor/routing_changed_frac" in r  # replayed
         assert r["logprob_gap/abs_max"] <= 1e-4, r["logprob_gap/abs_max"]
+        # the batch scattered as tensors: rank 1 is the one receiver (its R3 routing as uint8)
+        assert r["actor/batch_bytes_per_rank"] == r["actor/batch_bytes_sent"] > 0 and r["time/batch_scatter"] >= 0
         # the groups of odd answers are left out: the trained tokens are the other groups'
         assert (
             r["groups/groups_used"] + r["groups/reward_failed"] == 4

@@ -201,3 +201,55 @@ def test_in_flight_policy_by_loop_mode() -> None:
     # distributed: a session's begin on a server that is not paused waits for every running generation
     assert policy(False, True, async_mode="fully_async", partial_rollout=False) == InFlight("abort", True)
     assert policy(False, True, async_mode="one_step_off") == InFlight(None, False)
+
+
+# ---- bucket k + 1 gathered while bucket k is sent (weight_sync/prefetch.py) ----
+def test_prefetched_runs_one_bucket_ahead_in_order() -> None:
+    import threading
+
+    from megatron_rl.weight_sync.prefetch import prefetched
+
+    produced: list[int] = []
+    ahead = threading.Event()
+
+    def buckets():
+        for k in range(5):
+            produced.append(k)
+            if k == 1:
+                ahead.set()  # bucket 1 exists while the consumer still holds bucket 0
+            yield k
+
+    got = []
+    for k in prefetched(buckets()):
+        if k == 0:
+            assert ahead.wait(timeout=10), "bucket 1 was not produced while bucket 0 was being sent"
+        got.append(k)
+    assert got == [0, 1, 2, 3, 4] and produced == got
+
+
+def test_prefetched_raises_where_the_export_failed_and_drains_after_an_early_stop() -> None:
+    from megatron_rl.weight_sync.prefetch import prefetched
+
+    def failing():
+        yield 0
+        yield 1
+        raise RuntimeError("gather failed at bucket 2")
+
+    got = []
+    with pytest.raises(RuntimeError, match="at bucket 2"):
+        for k in prefetched(failing()):
+            got.append(k)
+    assert got == [0, 1]
+    walked: list[int] = []
+
+    def counted():
+        for k in range(6):
+            walked.append(k)  # the collectives of every bucket run, also after the consumer stopped
+            yield k
+
+    stream = prefetched(counted(), depth=1)
+    assert next(stream) == 0
+    stream.close()
+    assert walked == list(range(6))
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        next(prefetched(iter([1]), depth=0))

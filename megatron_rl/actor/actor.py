@@ -6,7 +6,8 @@
     metrics = actor.train(batch)                    # one dict per optimizer step
     actor.save(path); actor.load(path)
 
-Every rank passes the whole batch and gets whole-batch results back. Routing replay follows
+Every rank passes the whole batch and gets whole-batch results back; a scattered step batch
+(`batch_scatter`) holds routed experts for this DP rank's samples only, which is all its micro-batches read. Routing replay follows
 `algorithm.routing_replay` unless the call says otherwise.
 """
 

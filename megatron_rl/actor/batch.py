@@ -41,7 +41,9 @@ class ActorBatch:
     old_log_probs / advantages / rollout_log_probs / ref_log_probs: float [r_i]; an advantage may
         also be a 0-dim tensor (one value for the whole response).
     routed_experts: int [n_i - 1, num_layers, top_k] (R3: from the engine; R2: recorded by
-        `compute_log_probs(..., record_routing=True)`); layers without a router are ignored.
+        `compute_log_probs(..., record_routing=True)`); layers without a router are ignored. An entry
+        is None for a sample another DP rank computes: a scattered step batch
+        (`actor.batch_scatter`) gives each rank only its own samples' routing (any integer dtype).
     """
 
     tokens: list[Tensor]
@@ -51,7 +53,7 @@ class ActorBatch:
     advantages: list[Tensor] | None = None
     rollout_log_probs: list[Tensor] | None = None
     ref_log_probs: list[Tensor] | None = None
-    routed_experts: list[Tensor] | None = field(default=None, repr=False)
+    routed_experts: list[Tensor | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -124,6 +126,8 @@ class ActorBatch:
                 f"ActorBatch.routed_experts has {len(self.routed_experts)} entries, tokens has {len(self)}"
             )
         for i, r in enumerate(self.routed_experts):
+            if r is None:  # another DP rank's sample (a scattered step batch)
+                continue
             want = (self.lengths[i] - 1, num_layers, top_k)
             if tuple(r.shape) != want or r.dtype.is_floating_point:
                 raise ValueError(
@@ -258,6 +262,12 @@ def build_inputs(
     routed = None
     if batch.routed_experts is not None:
         routed = [batch.routed_experts[i] for i in micro_batch.indices]
+        absent = [i for i, r in zip(micro_batch.indices, routed, strict=True) if r is None]
+        if absent:
+            raise ValueError(
+                f"ActorBatch.routed_experts of samples {absent} are not on this rank (a scattered batch holds "
+                "its DP rank's samples only: plan the micro-batches with the step's updates_per_step)"
+            )
     return MicroBatchInputs(
         micro_batch=micro_batch,
         input_ids=input_ids.to(device),

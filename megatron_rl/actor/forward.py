@@ -1,8 +1,9 @@
 """Megatron's forward(-backward) schedule over this rank's micro-batches, and results on every rank.
 
-Every rank holds the whole batch. `plan_for_rank` splits it over the data-parallel (DP) ranks
-(token-balanced) and cuts this rank's share into micro-batches, right-padded or packed
-(`micro_batches.TokenBudget`), with the same count on every DP rank; `run_schedule` feeds them to
+Every rank holds the whole batch's index (lengths, masks, log-probs; a scattered step batch holds
+the routed experts of this DP rank's samples only, `actor.batch_scatter`). `plan_for_rank` splits it
+over the data-parallel (DP) ranks (token-balanced, per mini-batch for a step: `step_shares`) and
+cuts this rank's share into micro-batches, right-padded or packed (`micro_batches.TokenBudget`), with the same count on every DP rank; `run_schedule` feeds them to
 `get_forward_backward_func()` (1F1B when PP > 1), driving routing record/replay per micro-batch. A
 packed micro-batch reaches the model as one [1, T] sequence with Megatron's `PackedSeqParams`
 (THD, `cu_seqlens`): Transformer Engine's attention takes it on GPUs, the local spec's
@@ -39,6 +40,7 @@ from megatron_rl.actor.micro_batches import (
     TokenBudget,
     balance_across_ranks,
     plans_with_equal_count,
+    step_shares,
     token_imbalance,
 )
 from megatron_rl.actor.routing_replay import RoutingReplay
@@ -54,9 +56,12 @@ def _dp_shares(lengths: Sequence[int]) -> list[list[int]]:
     return balance_across_ranks(lengths, dp)
 
 
-def plan_for_rank(lengths: Sequence[int], budget: TokenBudget) -> list[MicroBatch]:
-    """This DP rank's micro-batches (indices into `lengths`); every DP rank gets the same count."""
-    shares = _dp_shares(lengths)
+def plan_for_rank(lengths: Sequence[int], budget: TokenBudget, updates: int = 1) -> list[MicroBatch]:
+    """This DP rank's micro-batches (indices into `lengths`); every DP rank gets the same count.
+    `updates` > 1: a whole step's batch, split as its `updates` mini-batches are (`step_shares`), so
+    that a DP rank computes log-probs of the samples it trains on (and holds)."""
+    _dp_shares(lengths)  # the error for too few samples
+    shares = step_shares(lengths, updates, ps.get_data_parallel_world_size())
     plans = plans_with_equal_count(
         [[lengths[i] for i in share] for share in shares], budget.tokens, packed=budget.packed
     )
@@ -297,9 +302,12 @@ def compute_log_probs(
     chunk_tokens: int,
     routing: RoutingReplay | None = None,
     routing_mode: str | None = None,
+    updates: int = 1,
 ) -> LogProbResult:
-    """Log-probs and entropy of every response token (no grad), optionally recording or replaying routing."""
-    micro_batches = plan_for_rank(batch.lengths, budget)
+    """Log-probs and entropy of every response token (no grad), optionally recording or replaying
+    routing; `updates`: the step's `train.updates_per_step`, whose split over the DP ranks this one
+    follows (`plan_for_rank`)."""
+    micro_batches = plan_for_rank(batch.lengths, budget, updates)
     inputs = prepare_inputs(chunks, batch, micro_batches, every_response_token=True)
     head = LogProbHead(temperature, vocab_size, chunk_tokens)
 

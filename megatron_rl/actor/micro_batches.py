@@ -16,7 +16,9 @@ Megatron's forward-backward schedule runs the same number of micro-batches on ev
 `agree_num_micro_batches` (one all-reduce) or `plans_with_equal_count` (when every rank knows the
 whole batch) give that number, and `plan_micro_batches(..., num_micro_batches=k)` splits the
 largest micro-batches until there are exactly k. `balance_across_ranks` gives each DP rank a share
-of near-equal token count first; `token_imbalance` is its max / mean.
+of near-equal token count first; `token_imbalance` is its max / mean. `mini_batches` cuts a step's
+batch into its updates, and `step_shares` gives each DP rank its samples of the whole step (its
+share of every mini-batch), which the step's log-prob passes use too and the batch scatter sends.
 """
 
 from __future__ import annotations
@@ -247,6 +249,31 @@ def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[in
         r = min(range(num_ranks), key=lambda r: (load[r], r))
         shares[r].append(i)
         load[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def mini_batches(num_samples: int, updates: int, min_size: int = 1) -> list[list[int]]:
+    """Consecutive, near-equal runs of sample indices (groups stay together when they divide): `updates`
+    of them, or fewer for a short batch, as many as hold `min_size` samples each (the DP size)."""
+    count = min(updates, num_samples // min_size)
+    if updates < 1 or count < 1:
+        raise ValueError(
+            f"cannot cut {num_samples} samples into mini-batches of >= {min_size} (the data-parallel size) "
+            f"for train.updates_per_step = {updates}"
+        )
+    bounds = [round(k * num_samples / count) for k in range(count + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(count)]
+
+
+def step_shares(lengths: Sequence[int], updates: int, num_ranks: int) -> list[list[int]]:
+    """The samples of each DP rank in a step (sorted global indices): the union of its
+    `balance_across_ranks` shares of every mini-batch (`mini_batches(len, updates, num_ranks)`). The
+    updates train those and the step's log-prob passes compute those, so a DP rank needs no other
+    sample's tokens-level data; with `updates` = 1 it is `balance_across_ranks(lengths, num_ranks)`."""
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    for run in mini_batches(len(lengths), updates, num_ranks):
+        for rank, share in enumerate(balance_across_ranks([lengths[i] for i in run], num_ranks)):
+            shares[rank].extend(run[j] for j in share)
     return [sorted(s) for s in shares]
 
 

@@ -158,6 +158,7 @@ class Policy:
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
             routing=self.routing,
             routing_mode=mode,
+            updates=self.cfg.train.updates_per_step,
         )
 
     def close(self) -> None:

@@ -107,10 +107,13 @@ def routed_token_mask(lengths: Sequence[int], placements: Sequence[tuple[int, in
     return full[:, sl.start : sl.stop].transpose(0, 1).reshape(-1)
 
 
-def check_routing_values(routed: Sequence[Tensor], layers: Sequence[int], num_experts: int) -> None:
-    """Expert ids of the MoE layers must lie in [0, num_experts) and be distinct per token."""
+def check_routing_values(routed: Sequence[Tensor | None], layers: Sequence[int], num_experts: int) -> None:
+    """Expert ids of the MoE layers must lie in [0, num_experts) and be distinct per token (None:
+    another DP rank's sample, not checked here)."""
     index = torch.tensor(list(layers), dtype=torch.long)
     for i, r in enumerate(routed):
+        if r is None:
+            continue
         moe = r.index_select(1, index).to(torch.long)
         if moe.numel() == 0:
             continue

@@ -42,7 +42,7 @@ from megatron_rl.actor.forward import (
     run_schedule,
 )
 from megatron_rl.actor.logprobs import LogProbs
-from megatron_rl.actor.micro_batches import TokenBudget
+from megatron_rl.actor.micro_batches import TokenBudget, mini_batches
 from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.losses import (
@@ -61,19 +61,6 @@ from megatron_rl.parallel.device import local_device
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def mini_batches(num_samples: int, updates: int, min_size: int = 1) -> list[list[int]]:
-    """Consecutive, near-equal runs of sample indices (groups stay together when they divide): `updates`
-    of them, or fewer for a short batch, as many as hold `min_size` samples each (the DP size)."""
-    count = min(updates, num_samples // min_size)
-    if updates < 1 or count < 1:
-        raise ValueError(
-            f"cannot cut {num_samples} samples into mini-batches of >= {min_size} (the data-parallel size) "
-            f"for train.updates_per_step = {updates}"
-        )
-    bounds = [round(k * num_samples / count) for k in range(count + 1)]
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(count)]
 
 
 def reject_tokens(batch: ActorBatch, spec: LossSpec) -> tuple[ActorBatch, float]:

@@ -13,7 +13,9 @@ tensor and get an empty generator that must still be run to its end (it joins th
 Tensors are full HF checkpoint tensors on the parameters' device, contiguous, vocabulary padding
 removed. No copy is made where none is needed: a tensor may be the parameter itself or a view of
 it (gate/up halves), so read them before the next optimizer step and never modify them.
-A bucket holds at most `bucket_mb` MiB, unless a single tensor is larger (then it is alone).
+A bucket holds at most `bucket_mb` MiB, unless a single tensor is larger (then it is alone), and
+holds expert tensors only or none: routed experts are bucketed apart from the dense weights. A
+TP-split parameter is gathered straight into one preallocated full tensor (`shard_gather`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from megatron.core.utils import unwrap_model
 from megatron_rl.config import ModelConfig
 from megatron_rl.models.hf_io import ShardedSafetensorsWriter, copy_assets, finalize_hf_folder, write_hf_config
 from megatron_rl.models.hf_mapping import HFMapping
-from megatron_rl.models.init import ParamShard, _join_shards, iter_param_shards
+from megatron_rl.models.init import ParamShard, iter_param_shards
+from megatron_rl.models.shard_gather import gather_full
 
 _EXPERT_ID = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 Bucket = list[tuple[str, torch.Tensor]]
@@ -66,15 +69,16 @@ def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[tor
 
 
 def _full_tensor(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | None:
-    """The unsplit parameter on (expert-)TP rank 0; None on the other (expert-)TP ranks."""
+    """The unsplit parameter on (expert-)TP rank 0, gathered straight into one full tensor
+    (`shard_gather`); None on the other (expert-)TP ranks."""
     if shard.partition_dim is None:
         return shard.param.detach() if dist.get_rank(group) == 0 else None
-    parts = _gather_to_first(shard.param, group)
-    return None if parts is None else _join_shards(parts, shard)
+    return gather_full(shard, group)
 
 
-def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, full tensor) of this stage, yielded on the stage's sender only."""
+def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(global Megatron name, full tensor, whether it is an expert's) of this stage, yielded on the
+    stage's sender only."""
     dense_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_replica = ps.get_expert_data_parallel_rank() == 0
     ep_size = ps.get_expert_model_parallel_world_size()
@@ -86,7 +90,7 @@ def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[
             if dense_replica:
                 full = _full_tensor(shard, ps.get_tensor_model_parallel_group())
                 if full is not None:
-                    yield shard.global_name, full
+                    yield shard.global_name, full, False
             continue
         if not expert_replica:
             continue
@@ -106,7 +110,7 @@ def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[
                 + f".mlp.experts.local_experts.{expert}."
                 + shard.global_name[match.end() :]
             )
-            yield name, tensor
+            yield name, tensor, True
 
 
 @torch.no_grad()
@@ -126,20 +130,21 @@ def export_hf_weights(
         )
     mapping = HFMapping(model)
     limit = int(bucket_mb * 2**20)
-    bucket: Bucket = []
-    size = 0
-    for megatron_name, full in _full_params([unwrap_model(c) for c in chunks], model):
+    open_buckets: dict[bool, tuple[Bucket, int]] = {False: ([], 0), True: ([], 0)}  # by is_expert
+    for megatron_name, full, expert in _full_params([unwrap_model(c) for c in chunks], model):
         for name, tensor in mapping.to_hf(megatron_name, full):
             if dtype is not None:
                 tensor = tensor.to(dtype)
             nbytes = tensor.numel() * tensor.element_size()
+            bucket, size = open_buckets[expert]
             if bucket and size + nbytes > limit:
                 yield bucket
                 bucket, size = [], 0
             bucket.append((name, tensor))
-            size += nbytes
-    if bucket:
-        yield bucket
+            open_buckets[expert] = (bucket, size + nbytes)
+    for bucket, _ in open_buckets.values():
+        if bucket:
+            yield bucket
 
 
 def save_hf_folder(

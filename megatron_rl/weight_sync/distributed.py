@@ -32,6 +32,7 @@ from megatron_rl.rollout.wire import destroy_weights_update_group, init_weights_
 from megatron_rl.weight_sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
 from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
 from megatron_rl.weight_sync.packing import Bucket, broadcasts_flat, with_last
+from megatron_rl.weight_sync.prefetch import prefetched
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.send import broadcast_named_tensors, tensor_specs
 
@@ -107,7 +108,10 @@ class DistributedSync(WeightSync):
             if problem is not None:
                 self._fail(problem)
         total = 0
-        for bucket, last in with_last(rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)):
+        buckets = rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)
+        if self.is_controller:  # bucket k + 1 is gathered while bucket k goes to the engine
+            buckets = prefetched(buckets, device=params_device(self.chunks))
+        for bucket, last in with_last(buckets):
             if self._error is None:
                 total += self._send(bucket, version if last else None)
         return total

@@ -25,6 +25,7 @@ import torch
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
 from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
 from megatron_rl.weight_sync.packing import Bucket, PackBuffers, pack_bucket, with_last
+from megatron_rl.weight_sync.prefetch import prefetched
 from megatron_rl.weight_sync.send import serialize_named_tensors
 
 
@@ -87,7 +88,10 @@ class TensorSync(WeightSync):
 
     def _transfer(self, version: str) -> int:
         total = 0
-        for bucket, last in with_last(rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)):
+        buckets = rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)
+        if self.is_controller:  # bucket k + 1 is gathered while bucket k goes to the engine
+            buckets = prefetched(buckets, device=params_device(self.chunks))
+        for bucket, last in with_last(buckets):
             if self._error is None:
                 total += self._send(bucket, version if last else None)
         return total

@@ -23,9 +23,37 @@ def _check_full_params(chunks: list[torch.nn.Module], model: ModelConfig, seed: 
         expected = deterministic_full_tensor(name, tuple(value.shape), model, seed)
         if not torch.equal(value, expected):
             raise AssertionError(f"{name}: gathered tensor differs from its deterministic value")
+    _check_exporter_gather(chunks, model, seed)
     layers = {name.split(".")[2] for name in full if name.startswith("decoder.layers.")}
     if layers != {str(i) for i in range(model.num_layers)}:
         raise AssertionError(f"gathered layers {sorted(layers)} != 0..{model.num_layers - 1}")
+
+
+def _check_exporter_gather(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
+    """The exporter's gather (`models.shard_gather`: shards received into one preallocated full tensor,
+    SwiGLU halves into their blocks, row-parallel shards laid out by one strided copy) gives each
+    split parameter's deterministic full tensor, padding rows included, bit for bit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.init import deterministic_full_tensor, iter_param_shards
+    from megatron_rl.models.shard_gather import gather_full
+
+    kinds: set[tuple[int, bool]] = set()
+    for shard in iter_param_shards(chunks, model):
+        if shard.partition_dim is None:
+            continue
+        group = ps.get_expert_tensor_parallel_group() if shard.is_expert else ps.get_tensor_model_parallel_group()
+        got = gather_full(shard, group)
+        if got is None:
+            continue
+        want = deterministic_full_tensor(shard.global_name, shard.full_shape, model, seed)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise AssertionError(f"{shard.global_name}: the exporter's gather differs from the full tensor")
+        if dist.get_world_size(group) > 1:
+            kinds.add((shard.partition_dim, shard.glu))
+    if ps.get_tensor_model_parallel_world_size() > 1 and ps.get_tensor_model_parallel_rank() == 0:
+        assert {(0, False), (0, True), (1, False)} <= kinds, kinds  # column, SwiGLU and row splits checked
 
 
 def _equivalence(ctx, model: ModelConfig, parallel: ParallelConfig) -> None:  # noqa: ANN001

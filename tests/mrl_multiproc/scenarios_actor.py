@@ -300,7 +300,8 @@ def check_replayed_experts(actor: MegatronActor, batch: ActorBatch, routing: lis
         actor.compute_log_probs(batch.with_fields(routed_experts=routing), replay_routing=True)
     finally:
         capture.close()
-    micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
+    # the split compute_log_probs uses: the step's mini-batches' (train.updates_per_step)
+    micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train), actor.cfg.train.updates_per_step)
     inputs = prepare_inputs(actor.state.model, batch, micro)
     checked = 0
     for layer, maps in capture.maps.items():
@@ -715,6 +716,93 @@ def w4_load_pp2_checkpoint(ctx) -> None:  # noqa: ANN001
     actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), "PP2 checkpoint + 2 steps under TP2xEP2")
     actor.close()
+
+
+# --- the step batch scattered (actor/batch_scatter.py) -------------------------------------
+
+
+def scattered_batch(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
+    """Rank 0's step batch with R3 routing, (a) pickled to every rank as `on_rank0` sent it before,
+    (b) scattered: every rank gets the same index and fields, the routing of exactly its DP rank's
+    samples (its TP/EP peers the same), uint8 on the wire, and the bytes the report says; log-probs
+    under replay, two updates' metrics and the parameters after them equal (a) bit for bit."""
+    import pickle
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.batch_scatter import scatter_batch
+    from megatron_rl.actor.batch_wire import WireBatch, pack_light
+    from megatron_rl.actor.micro_batches import step_shares
+    from megatron_rl.loop.collect import StepBatch
+    from megatron_rl.parallel.rank0 import on_rank0
+
+    cfg = actor_config(parallel)
+    actor = MegatronActor(cfg)
+    model = cfg.model
+    routing = random_routing(model.num_layers, model.moe_router_topk, model.num_experts)
+    gen = torch.Generator().manual_seed(9)
+    full = train_batch(make_batch(model.vocab_size), load_ref(ctx, "log_probs"), routing)
+    full = full.with_fields(rollout_log_probs=[lp - 0.1 for lp in full.old_log_probs])
+    rewards = torch.rand(len(LENGTHS), generator=gen)
+    versions = [[2] * (n - p) for n, p in zip(LENGTHS, PROMPTS, strict=True)]
+    rank0 = dist.get_rank() == 0
+
+    before = on_rank0(lambda: StepBatch(full, {}, rewards, versions))  # today's path: the whole pickle
+    wire = WireBatch(full, rewards, versions) if rank0 else None
+    got, report = scatter_batch(wire, updates=cfg.train.updates_per_step, num_experts=model.num_experts)
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    assert dp == 2, f"the scatter needs 2 DP ranks here, got {dp}"
+    shares = step_shares(list(LENGTHS), cfg.train.updates_per_step, dp)
+    mine = shares[dp_rank]
+    assert sorted(shares[0] + shares[1]) == list(range(len(LENGTHS))) and 2 <= len(mine) <= 6, shares
+    held = [r is not None for r in got.batch.routed_experts]
+    assert held == [i in mine for i in range(len(LENGTHS))], f"rank {dist.get_rank()}: holds {held}, owns {mine}"
+    for i in mine:
+        r = got.batch.routed_experts[i]
+        assert torch.equal(r.to(torch.int32), routing[i]), f"routing of sample {i}"
+        assert r.dtype == (torch.int32 if rank0 else torch.uint8), r.dtype  # 4 experts: uint8 on the wire
+    for name in ("tokens", "response_mask", "advantages", "rollout_log_probs", "old_log_probs"):
+        ours, theirs = getattr(got.batch, name), getattr(before.batch, name)
+        assert (ours is None) == (theirs is None), name
+        if ours is not None:
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs, strict=True)), name
+    assert got.batch.prompt_lengths == before.batch.prompt_lengths
+    assert torch.equal(got.rewards, before.rewards) and got.versions == before.versions
+
+    light = pack_light(WireBatch(full, rewards, versions), num_experts=model.num_experts).nbytes
+    dp_of: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(dp_of, dp_rank)
+    want = [0] + [
+        light + sum((LENGTHS[i] - 1) * model.num_layers * 2 for i in shares[dp_of[r]]) for r in range(1, len(dp_of))
+    ]
+    assert list(report.received) == want and report.sent == sum(want), (report, want)
+    whole = len(pickle.dumps(before))
+    assert report.metrics()["actor/batch_bytes_per_rank"] < whole / 2, (report, whole)
+
+    # the losses: replayed log-probs and two updates from the same state, (a) against (b)
+    lp_before = actor.compute_log_probs(before.batch, replay_routing=True)
+    lp_after = actor.compute_log_probs(got.batch, replay_routing=True)
+    assert diff(lp_after.log_probs, lp_before.log_probs) == 0.0 and diff(lp_after.entropy, lp_before.entropy) == 0.0
+    start = ref_dir(ctx) / f"scatter_start_w{dist.get_world_size()}"
+    actor.save(start)
+    history_before = actor.train(before.batch, replay_routing=True)
+    params_before = actor.full_params()
+    actor.load(start)
+    history_after = actor.train(got.batch, replay_routing=True)
+    assert history_after == history_before, (history_after, history_before)
+    assert history_before[0]["loss"] != 0.0 and len(history_before) == 2
+    params_after = actor.full_params()
+    assert all(torch.equal(params_after[k], v) for k, v in params_before.items()), "parameters after the updates"
+    actor.close()
+
+
+def w2_scattered_batch(ctx) -> None:  # noqa: ANN001
+    scattered_batch(ctx, layout())
+
+
+def w4_scattered_batch(ctx) -> None:  # noqa: ANN001
+    scattered_batch(ctx, layout(tp=2, ep=2))
 
 
 # --- the frozen reference policy (world size 1) --------------------------------------------

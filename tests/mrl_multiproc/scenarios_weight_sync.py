@@ -196,7 +196,7 @@ class RouterProbe:
 
         actor = self.actor
         config = actor.chunks[0].config
-        micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train))
+        micro = plan_for_rank(batch.lengths, TokenBudget.of(actor.cfg.train), actor.cfg.train.updates_per_step)
         shapes = input_shapes(micro, config)
         sizes = [n - 1 for n in batch.lengths]
         layers = actor.cfg.model.num_layers
@@ -284,6 +284,25 @@ def check_invariant(actor, samples: list[dict], what: str) -> None:  # noqa: ANN
 # --- rounds --------------------------------------------------------------------------------
 
 
+def check_engine_weights_equal(actor, engine, cfg: Config, what: str) -> None:  # noqa: ANN001
+    """Every tensor the engine serves equals the trainer's (fp32 both sides: bit for bit), read back
+    with /get_weights_by_name; collective (the trainer's full parameters are gathered on every rank)."""
+    from megatron_rl.models.hf_mapping import HFMapping
+
+    mapping = HFMapping(cfg.model)
+    trainer = {n: t for name, full in actor.full_params().items() for n, t in mapping.to_hf(name, full)}
+    if engine is None:
+        return
+    assert sorted(trainer) == sorted(mapping.expected_hf_shapes()), what
+    for name, want in trainer.items():
+        rows = engine.run(engine.client.get_weights_by_name(name, truncate_size=want.shape[0]), timeout=60)
+        got = torch.tensor(rows, dtype=torch.float32).reshape(want.shape)
+        if not torch.equal(got, want.float()):
+            raise AssertionError(
+                f"{what}: the engine's {name} differs from the trainer's by {(got - want).abs().max()}"
+            )
+
+
 def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], step: int) -> list[dict]:  # noqa: ANN001
     """Train one step on `samples`, sync in `mode`, sample again and check the invariant; returns the new samples."""
     from megatron_rl.weight_sync import make_weight_sync
@@ -304,6 +323,7 @@ def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], 
         assert expected < report.bytes < expected + 64 * 1024, (report.bytes, expected)
     else:
         assert report.bytes == expected, (report.bytes, expected)
+    check_engine_weights_equal(actor, engine, cfg, f"{mode} sync, layout {actor.cfg.parallel}")
     fresh = rollout(engine, cfg, seed=step)
     assert {s["version"] for s in fresh} == {version}, [s["version"] for s in fresh]
     check_invariant(actor, fresh, f"{mode} sync, layout {actor.cfg.parallel}")

@@ -18,6 +18,12 @@ gives a stage's mean seconds next to the baseline measured in the same run, the 
 their ratio (the share). CPU load from other processes slows every stage; the shares are what compare.
 
     python tools/bench/rl_step.py [--policy runs/tiny_math/sft/hf] [--assets runs/tiny_math/assets] [--steps 12]
+    python tools/bench/rl_step.py --batch-only --batch-tokens 2000000     # the batch distribution alone
+
+Then (unless --batch-tokens 0) the step batch's distribution at a simulated R3 step of
+--batch-tokens tokens on --batch-ranks gloo ranks (`batch_distribution.py`: Qwen3-30B-A3B's 48
+layers x top-8 routing): bytes per receiving rank and seconds before (the whole `StepBatch` pickled
+to every rank) and after (tensors, each DP rank its samples' routing as uint8), same run, ratios.
 """
 
 from __future__ import annotations
@@ -115,6 +121,17 @@ def run_example(policy: Path, assets: Path, run_dir: Path, steps: int, overrides
         raise SystemExit(f"megatron-rl train failed ({proc.returncode}); log: {log}")
 
 
+def batch_distribution(tokens: int, ranks: int, tp: int) -> list[dict[str, Any]]:
+    """The JSON lines of `batch_distribution.py` run under torchrun with `ranks` processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    cmd += [str(REPO / "tools" / "bench" / "batch_distribution.py"), "--tokens", str(tokens), "--tp", str(tp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"batch_distribution.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", type=Path, default=REPO / "runs/tiny_math/sft/hf", help="warm-start HF folder")
@@ -122,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="RL steps to run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the run here (default: a temp folder)")
+    parser.add_argument("--batch-tokens", type=int, default=2_000_000, help="simulated R3 step (0: skip)")
+    parser.add_argument("--batch-ranks", type=int, default=2, help="trainer ranks of the simulated step")
+    parser.add_argument("--batch-tp", type=int, default=1, help="their tensor parallel size (the rest is DP)")
+    parser.add_argument("--batch-only", action="store_true", help="only the batch distribution, no RL run")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of rl.yaml (after --)")
     args = parser.parse_args(argv)
+    if args.batch_only:
+        for line in batch_distribution(args.batch_tokens, args.batch_ranks, args.batch_tp):
+            print(json.dumps(line))
+        return 0
     for path, what in ((args.policy / "config.json", "--policy"), (args.assets / "data" / "train.jsonl", "--assets")):
         if not path.is_file():
             raise SystemExit(f"{what}: {path} is missing; run examples/tiny_math/run.sh (or prepare + sft) first")
@@ -134,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.run_dir or Path(tmp) / "run"
         run_example(args.policy, args.assets, run_dir, args.steps, list(args.overrides))
         for line in figures(stage_seconds(read_metrics(run_dir), args.warmup)):
+            print(json.dumps(line))
+    if args.batch_tokens > 0:
+        for line in batch_distribution(args.batch_tokens, args.batch_ranks, args.batch_tp):
             print(json.dumps(line))
     return 0
 
