@@ -33,6 +33,7 @@ setup(
         # sglang-router: tests/test_router.py runs the real router (a Rust binary wheel) in front of local engines;
         # pytest-randomly: the fast tier runs in a shuffled order (the seed is in the header; --randomly-seed=N repeats one)
         # openai: tests/test_gateway.py drives the agent gateway with the real OpenAI client
+        # peft: tests/test_lora.py loads the exported RUN_DIR/hf_adapter/ with peft.PeftModel on the base
         "test": [
             "pytest>=8",
             "pytest-randomly>=3.15",
@@ -41,6 +42,7 @@ setup(
             "math-verify>=0.9",
             "sglang-router",
             "openai>=1.40",
+            "peft>=0.17",
         ],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
