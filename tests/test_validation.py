@@ -180,9 +180,20 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             expected=f"model.lora.init_path = '{folder / 'other_adapter'}' adapts the base '/elsewhere/base', "
             f"not model.hf_path = '{folder / 'model'}'",
         ),
+        "train: LoRA on routed experts, adapters only, to the local engine": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=4"],
+            expected="model.lora.target_modules ['down_proj', 'gate_proj', 'up_proj'] adapt the routed experts",
+        ),
         "train: adapter-only LoRA sync over a process group": dict(
             entry="cli",
-            argv=["train", config, "model.lora.rank=4", "rollout.weight_sync=distributed"],
+            argv=[
+                "train",
+                config,
+                "model.lora.rank=4",
+                "rollout.weight_sync=distributed",
+                "model.lora.target_modules=[q_proj]",
+            ],
             expected="rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters",
         ),
         "planner: an RL-loop need": dict(

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.actor.adapters import attach_actor_lora, count_trainable
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.micro_batches import TokenBudget
@@ -25,6 +26,7 @@ from megatron_rl.actor.policy import Initializer, Policy, hf_initializer
 from megatron_rl.actor.train_step import TokenLoss, train_on_batch
 from megatron_rl.config import Config, loss_spec
 from megatron_rl.models.init import gather_full_params
+from megatron_rl.models.lora import LoraState
 
 __all__ = ["Initializer", "MegatronActor", "hf_initializer"]
 
@@ -45,7 +47,10 @@ class MegatronActor(Policy):
         """
         self.loss_spec = loss_spec(cfg.algorithm)
         super().__init__(cfg, initializer=initializer)
+        # LoRA: the base frozen, the adapters the only parameters with gradients and optimizer state
+        self.lora: LoraState | None = attach_actor_lora(self.chunks, cfg) if cfg.model.lora.rank > 0 else None
         self.state = build_training_state(self.chunks, cfg.train, cfg.parallel)
+        self.trainable_params = count_trainable(self.lora, self.chunks, cfg)  # actor/trainable_params
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 

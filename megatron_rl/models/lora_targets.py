@@ -107,3 +107,17 @@ def check_init_adapter(model: ModelConfig) -> dict[str, Any] | None:
             f"{key} targets {sorted(theirs)}, but model.lora.target_modules = {sorted(model.lora.target_modules)}"
         )
     return config
+
+
+def check_local_engine_adapters(model: ModelConfig) -> None:
+    """ConfigError when adapter-only sync would give the local engine routed-expert adapters: it serves
+    adapters through PEFT on transformers, whose MoE families hold their experts as fused 3-D parameters
+    that PEFT's target_modules cannot reach."""
+    names = set(check_target_modules(model))
+    routed = sorted({t.peft_name for t in LORA_TARGETS[model.family] if t.linear.startswith("mlp.experts")} & names)
+    if routed and model.num_experts is not None:
+        raise ConfigError(
+            f"model.lora.target_modules {routed} adapt the routed experts, which the local engine cannot serve as "
+            "adapters (PEFT on transformers' fused experts) with rollout.lora_sync = 'adapter'; use "
+            "rollout.lora_sync = 'merged', or SGLang servers (rollout.sglang_urls), or attention targets only"
+        )
