@@ -312,7 +312,9 @@ class Trainer:
                 self.weight_sync.release_engine_memory()
             metrics.update(self._update(plan))
             metrics["actor/skipped"] = 0.0
-            metrics["actor/trainable_params"] = float(self.actor.trainable_params)
+            trainable = getattr(self.actor, "trainable_params", None)  # an actor stand-in may not count them
+            if trainable is not None:
+                metrics["actor/trainable_params"] = float(trainable)
         # one_step_off: the next batch is finished before the weights change
         finished = on_rank0_with(self.rank0, lambda rank0: rank0.finish_step())
         metrics["time/wait_batch"] += finished["time/wait_batch"]

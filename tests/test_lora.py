@@ -194,3 +194,41 @@ def test_the_kl_reference_is_the_base_without_a_second_copy(actor) -> None:  # n
     finally:
         frozen.close()
         load_adapters(actor.lora, start)
+
+
+def test_checkpoint_holds_the_adapters_and_their_optimizer_and_resumes_exactly(actor, tmp_path) -> None:  # noqa: ANN001
+    """A LoRA checkpoint stores no base tensor; loading it and repeating an update gives the same adapters
+    bit for bit; one of another base is refused."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.models.hf_config import ConversionError
+    from megatron_rl.models.lora import gather_adapters, load_adapters
+
+    start = gather_adapters(actor.lora)
+    load_adapters(actor.lora, _random_adapters(actor, 0.05))
+    try:
+        batch = _batch(actor.cfg.model.vocab_size)
+        old = _log_probs(actor, batch)
+        actor.train(batch.with_fields(old_log_probs=old))  # Adam moments exist: they must be saved too
+        actor.save(tmp_path / "ckpt")
+        keys = set(dist_checkpointing.load_tensors_metadata(str(tmp_path / "ckpt")))
+        model_keys = {k for k in keys if not k.startswith("optimizer.")}
+        assert model_keys and all(k.startswith("lora.base_model.model.") for k in model_keys), sorted(model_keys)[:3]
+        assert len(model_keys) == len(start)
+        saved_base = actor.full_params()
+        actor.train(batch.with_fields(old_log_probs=old))
+        first = gather_adapters(actor.lora)
+        load_adapters(actor.lora, start)  # anything: the checkpoint must bring the adapters back
+        info = actor.load(tmp_path / "ckpt")
+        assert info["optimizer_loaded"] and info["step"] == actor.step
+        actor.train(batch.with_fields(old_log_probs=old))
+        again = gather_adapters(actor.lora)
+        assert all(torch.equal(first[k], again[k]) for k in first)  # resumed exactly
+        assert all(torch.equal(saved_base[n], t) for n, t in actor.full_params().items())
+        other = {**actor.lora_base, "base_sha256": "0" * 64}
+        from megatron_rl.models.lora_checkpoint import load_adapter_weights
+
+        with pytest.raises(ConversionError, match="the adapters were trained with base_sha256"):
+            load_adapter_weights(actor.state.model, tmp_path / "ckpt", other)
+    finally:
+        load_adapters(actor.lora, start)

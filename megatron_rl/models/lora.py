@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -107,6 +108,39 @@ class Adapter(torch.nn.Module):
         if spec.split != name or spec.shard_count == 1:
             return full
         return full.chunk(spec.shard_count, dim=1 if name == "A" else 0)[spec.shard_rank]
+
+
+class AdapterContainer(torch.nn.ModuleDict):
+    """`chunk.lora_adapters`: the LoraLinears of a chunk. Its sharded state dict names every A and B by
+    its PEFT key (global layer and expert ids) under `ADAPTER_KEY_PREFIX`, split over (expert-)TP as it
+    is held, so an adapter checkpoint loads under any layout."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, ShardedTensor]:
+        out: dict[str, ShardedTensor] = {}
+        for lora in self.values():
+            for row in lora.experts:
+                for adapter in row:
+                    for name in ("A", "B"):
+                        key = ADAPTER_KEY_PREFIX + peft_key(adapter.spec.peft_module, name)
+                        out[key] = _sharded(key, adapter, name)
+        return out
+
+
+ADAPTER_KEY_PREFIX = "lora."
+
+
+def _sharded(key: str, adapter: Adapter, name: str) -> ShardedTensor:
+    spec = adapter.spec
+    split = spec.split == name and spec.shard_count > 1
+    if spec.is_expert:
+        dp = ps.get_expert_data_parallel_rank()
+    else:
+        dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    offsets = [(1 if name == "A" else 0, spec.shard_rank, spec.shard_count)] if split else []
+    replica = (0 if split else spec.shard_rank, dp)  # one writer: the first rank of each replica group
+    return ShardedTensor.from_rank_offsets(key, getattr(adapter, name), *offsets, replica_id=replica)
 
 
 def _peft_module(target: Target, layer: int, expert: int | None) -> str:
@@ -249,7 +283,7 @@ def attach_lora(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) ->
             match = _LINEAR.match(shard.global_name)
             if match is not None and by_linear.get(f"{match['path']}.{match['name']}"):
                 per_module.setdefault(shard.local_name.rsplit(".", 1)[0], []).append(shard)
-        container = torch.nn.ModuleDict()
+        container = AdapterContainer()
         for path, shards in per_module.items():
             match = _LINEAR.match(shards[0].global_name)
             targets = by_linear[f"{match['path']}.{match['name']}"]
