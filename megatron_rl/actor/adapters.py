@@ -18,8 +18,16 @@ from megatron_rl.actor.forward import LogProbResult
 from megatron_rl.actor.policy import FrozenPolicy
 from megatron_rl.config import Config
 from megatron_rl.models.init import iter_param_shards
-from megatron_rl.models.lora import LoraState, adapters_disabled, attach_lora, load_adapters, trainable_params
+from megatron_rl.models.lora import (
+    LoraState,
+    adapters_disabled,
+    attach_lora,
+    gather_adapters,
+    load_adapters,
+    trainable_params,
+)
 from megatron_rl.models.lora_targets import ADAPTER_WEIGHTS
+from megatron_rl.models.peft_format import adapter_config, write_adapter_folder
 from megatron_rl.models.safetensors_io import MappedSafetensors
 
 
@@ -73,3 +81,23 @@ def start_reference(cfg: Config, actor: Any) -> AdaptersOffReference | FrozenPol
     if actor.lora is not None and cfg.algorithm.ref_path is None:
         return AdaptersOffReference(actor)
     return FrozenPolicy.start(cfg)
+
+
+BASE_RECORD_FILE = "megatron_rl_base.json"  # next to adapter_config.json: the base's path and SHA-256
+
+
+def save_adapter_folder(actor: Any, out: str | Path, base_path: str | None) -> None:
+    """The actor's adapters as a PEFT folder `out` (adapter_config.json naming `base_path`,
+    adapter_model.safetensors in the training dtype, and `BASE_RECORD_FILE`); collective, rank 0 writes."""
+    import json
+    import shutil
+
+    tensors = gather_adapters(actor.lora)
+    if dist.get_rank() == 0:
+        out = Path(out)
+        if out.exists():
+            shutil.rmtree(out)
+        dtype = next(p for p in actor.chunks[0].parameters() if p.requires_grad).dtype
+        write_adapter_folder(out, tensors, adapter_config(actor.cfg.model, base_path), dtype)
+        (out / BASE_RECORD_FILE).write_text(json.dumps(actor.lora_base, indent=2) + "\n", encoding="utf-8")
+    dist.barrier()
