@@ -421,7 +421,7 @@ def merged_weights(state: LoraState) -> Iterator[None]:
 
 @torch.no_grad()
 def gather_adapters(state: LoraState) -> dict[str, torch.Tensor]:
-    """Every adapter tensor, full and fp32 on the CPU, under its PEFT key, on every rank (collective)."""
+    """Every adapter tensor, full and fp32 on the CPU, under its PEFT key (sorted), on every rank (collective)."""
     mine: dict[str, torch.Tensor] = {}
     for adapter in state.adapters():
         spec = adapter.spec
@@ -436,7 +436,7 @@ def gather_adapters(state: LoraState) -> dict[str, torch.Tensor]:
                 local = torch.cat(parts, dim=1 if name == "A" else 0)
             mine[peft_key(spec.peft_module, name)] = local.float().cpu().clone()
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
+        return dict(sorted(mine.items()))  # the same order under every layout
     everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
     merged: dict[str, torch.Tensor] = {}
