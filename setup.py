@@ -34,6 +34,7 @@ setup(
         # pytest-randomly: the fast tier runs in a shuffled order (the seed is in the header; --randomly-seed=N repeats one)
         # pytest-xdist: both tiers run on two workers, a test module per unit (tests/conftest.py)
         # openai: tests/test_gateway.py drives the agent gateway with the real OpenAI client
+        # peft: tests/test_lora.py loads the exported RUN_DIR/hf_adapter/ with peft.PeftModel on the base
         "test": [
             "pytest>=8",
             "pytest-randomly>=3.15",
@@ -43,6 +44,7 @@ setup(
             "math-verify>=0.9",
             "sglang-router",
             "openai>=1.40",
+            "peft>=0.17",
         ],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],

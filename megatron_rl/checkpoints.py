@@ -44,6 +44,7 @@ checks (the actor start that follows is collective), and only rank 0 moves an ol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -724,11 +725,18 @@ class RunFolder:
         """The actor's policy as a Hugging Face folder at `out` (collective), replacing what is there."""
         from megatron_rl.models.export import save_hf_folder
         from megatron_rl.models.hf_io import prepare_output_dir
+        from megatron_rl.models.lora import merged_weights
         from megatron_rl.models.source import assets_folder, hf_config_for_export
 
         if self.rank == 0:
             prepare_output_dir(out, force=True)
         dist.barrier()
-        save_hf_folder(
-            actor.chunks, self.cfg.model, out, hf_config_for_export(self.cfg), assets_from=assets_folder(self.cfg)
-        )
+        lora = getattr(actor, "lora", None)
+        with merged_weights(lora) if lora is not None else contextlib.nullcontext():  # LoRA: the merged policy
+            save_hf_folder(
+                actor.chunks, self.cfg.model, out, hf_config_for_export(self.cfg), assets_from=assets_folder(self.cfg)
+            )
+        if lora is not None:  # and the adapters alone, as a PEFT folder on the base: RUN_DIR/hf_adapter
+            from megatron_rl.actor.adapters import save_adapter_folder
+
+            save_adapter_folder(actor, out.parent / "hf_adapter", self.cfg.model.hf_path)

@@ -47,6 +47,23 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the frozen policy: W x + (alpha / rank) B A x (megatron_rl.models.lora)."""
+
+    rank: int = _f(0, "adapter rank r; 0 = off (the whole policy trains)", ge=0)
+    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank", gt=0)
+    dropout: float = _f(0.0, "dropout on the adapters' input (training forwards only)", ge=0, lt=1)
+    target_modules: list = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "the family's PEFT module names that get adapters (attention projections, dense MLP, routed experts; "
+        "megatron_rl.models.lora_targets lists them per family)",
+    )
+    init_path: str | None = _f(
+        None, "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of the same base to start from"
+    )
+
+
+@dataclass
 class ModelConfig:
     family: Family = _f("qwen3_moe", "model family: sets the layer layout and the HF name mapping")
     hf_path: str | None = _f(None, "Hugging Face checkpoint folder to start from (converted in memory)")
@@ -74,6 +91,7 @@ class ModelConfig:
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
 
 
 @dataclass
@@ -129,6 +147,11 @@ class RolloutConfig:
     )
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
+    lora_sync: Literal["adapter", "merged"] = _f(
+        "adapter",
+        "with model.lora.rank > 0: adapter = only the adapters, through the engine's LoRA endpoints "
+        "(weight_sync disk or tensor); merged = the adapters merged into the base, full weights by weight_sync",
+    )
     sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
     bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)
     colocate: bool = _f(False, "engine and trainer share devices (release/resume memory around phases)")
@@ -688,6 +711,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
     _validate_env(cfg)
+    _validate_lora(cfg)
 
 
 def uses_reference(alg: AlgorithmConfig) -> bool:
@@ -889,20 +913,39 @@ def _validate_env(cfg: Config) -> None:
     )
 
 
+def _validate_lora(cfg: Config) -> None:
+    lora, ro = cfg.model.lora, cfg.rollout
+    if lora.rank == 0:
+        return
+    _require(bool(lora.target_modules), "model.lora.target_modules is empty: name at least one module (e.g. q_proj)")
+    _require(
+        not (ro.lora_sync == "adapter" and ro.weight_sync == "distributed"),
+        "rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters from a "
+        "folder (/load_lora_adapter) or from tensors (/load_lora_adapter_from_tensors), never over a process "
+        "group; use rollout.weight_sync = 'disk' or 'tensor', or rollout.lora_sync = 'merged'",
+    )
+
+
 def reference_rows() -> list[tuple[str, str, str, str]]:
     """(key, type, default, help) for every field: the config reference of docs/configuration.md."""
-    rows = []
+    rows: list[tuple[str, str, str, str]] = []
     for section in dataclasses.fields(Config):
-        cls = _hints(Config)[section.name]
-        default = cls()
-        for fld in dataclasses.fields(cls):
-            tp = _hints(cls)[fld.name]
-            rows.append(
-                (
-                    f"{section.name}.{fld.name}",
-                    _describe_type(tp, dict(fld.metadata)),
-                    repr(getattr(default, fld.name)),
-                    fld.metadata["help"],
-                )
-            )
+        _reference_rows(_hints(Config)[section.name], section.name, rows)
     return rows
+
+
+def _reference_rows(cls: type, prefix: str, rows: list[tuple[str, str, str, str]]) -> None:
+    default = cls()
+    for fld in dataclasses.fields(cls):
+        tp = _hints(cls)[fld.name]
+        if dataclasses.is_dataclass(tp):
+            _reference_rows(tp, f"{prefix}.{fld.name}", rows)  # a nested section: one row per key
+            continue
+        rows.append(
+            (
+                f"{prefix}.{fld.name}",
+                _describe_type(tp, dict(fld.metadata)),
+                repr(getattr(default, fld.name)),
+                fld.metadata["help"],
+            )
+        )

@@ -51,6 +51,7 @@ from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.adapters import AdaptersOffReference
     from megatron_rl.actor.policy import FrozenPolicy
     from megatron_rl.weight_sync import WeightSync
 
@@ -152,7 +153,7 @@ class Trainer:
         log: MetricsLogger,
         weight_sync: WeightSync,
         rank0: RolloutDriver | None,
-        reference: FrozenPolicy | None = None,
+        reference: FrozenPolicy | AdaptersOffReference | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_folder = run_folder
@@ -187,10 +188,11 @@ class Trainer:
         stack.callback(actor.close)
         reference = None
         if uses_reference(cfg.algorithm):
-            from megatron_rl.actor.policy import FrozenPolicy
+            from megatron_rl.actor.adapters import start_reference
 
-            # from `cfg`, not the resumed checkpoint: the reference is the start policy (or ref_path)
-            reference = FrozenPolicy.start(cfg)
+            # from `cfg`, not the resumed checkpoint: the reference is the start policy (or ref_path);
+            # with LoRA, the actor with its adapters off
+            reference = start_reference(cfg, actor)
             stack.callback(reference.close)
         if data is not None:
             run_folder.restore_sampler(data.sampler)
@@ -218,7 +220,12 @@ class Trainer:
         trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0, reference)
         if colocated_engines_released(cfg):
             weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
-        if run_folder.start_step > 0 or cfg.checkpoint.load or colocated_engines_released(cfg):
+        if (
+            run_folder.start_step > 0
+            or cfg.checkpoint.load
+            or colocated_engines_released(cfg)
+            or cfg.model.lora.init_path
+        ):
             trainer._sync(trainer.version)  # the engine serves model.hf_path: give it the checkpoint's weights
         return trainer
 
@@ -306,6 +313,9 @@ class Trainer:
                 self.weight_sync.release_engine_memory()
             metrics.update(self._update(plan))
             metrics["actor/skipped"] = 0.0
+            trainable = getattr(self.actor, "trainable_params", None)  # an actor stand-in may not count them
+            if trainable is not None:
+                metrics["actor/trainable_params"] = float(trainable)
         # one_step_off: the next batch is finished before the weights change
         finished = on_rank0_with(self.rank0, lambda rank0: rank0.finish_step())
         metrics["time/wait_batch"] += finished["time/wait_batch"]

@@ -14,7 +14,10 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
-5. the torch.distributed backend against the device, and context parallelism against Transformer Engine.
+5. the torch.distributed backend against the device, and context parallelism against Transformer Engine;
+6. with LoRA (`model.lora.rank > 0`), the target modules against the family and `model.lora.init_path`
+   against the base, its rank and targets, and for adapter-only sync to the local engine no routed-expert
+   targets (`megatron_rl.models.lora_targets`).
 
 It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
@@ -30,6 +33,7 @@ from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
+from megatron_rl.models.lora_targets import check_init_adapter, check_local_engine_adapters, check_target_modules
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.device import transformer_engine_available
@@ -187,6 +191,12 @@ def validate_run(
     resolved = resolve_model(cfg)
     _check_weight_files(resolved)
     validate(resolved)
+    if resolved.model.lora.rank > 0:
+        check_target_modules(resolved.model)
+        check_init_adapter(resolved.model)
+        local_engine = not resolved.rollout.sglang_urls or resolved.rollout.engine == "local"
+        if command == "train" and resolved.rollout.lora_sync == "adapter" and local_engine:
+            check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)
     world = read_launch_env().world_size if world_size is None else world_size

@@ -105,3 +105,39 @@ def safe_unpickler() -> type[pickle.Unpickler]:
     namespace: dict[str, Any] = {"pickle": pickle, "io": io, "torch": torch}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
     return namespace["SafeUnpickler"]
+
+
+def io_struct_classes(*names: str) -> dict[str, type]:
+    """Request classes of SGLang's `srt/managers/io_struct.py` (msgspec Structs on `BaseReq`), executed
+    on their own: their fields and annotations as the wheel has them, their methods unused."""
+    import typing
+
+    import msgspec
+
+    tree = ast.parse(source("srt/managers/io_struct.py").read_text(encoding="utf-8"))
+    wanted = {"BaseReq", *names}
+    nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in wanted]
+    if {n.name for n in nodes} != wanted:
+        raise AssertionError(
+            f"sglang {VERSION}'s io_struct.py no longer defines {sorted(wanted - {n.name for n in nodes})}"
+        )
+    msgspec_utils = load_module("srt/utils/msgspec_utils.py") if _has("srt/utils/msgspec_utils.py") else None
+    module = types.ModuleType("sglang_io_struct_lora")  # the classes' module: msgspec resolves annotations there
+    sys.modules[module.__name__] = module
+    namespace: dict[str, Any] = module.__dict__
+    namespace.update({name: getattr(typing, name) for name in typing.__all__})
+    namespace.update(msgspec=msgspec, Base64Bytes=getattr(msgspec_utils, "Base64Bytes", object))
+    namespace["msgspec_struct_pydantic_core_schema"] = getattr(
+        msgspec_utils, "msgspec_struct_pydantic_core_schema", None
+    )
+    namespace["LoRARef"] = object
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), "sglang/srt/managers/io_struct.py", "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def _has(relpath: str) -> bool:
+    try:
+        source(relpath)
+    except Exception:  # noqa: BLE001 - a file this version does not ship
+        return False
+    return True

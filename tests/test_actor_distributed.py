@@ -34,6 +34,7 @@ WORLDS = {
         "w1_kl_gradient_by_hand",
         "w1_reject_reference",
         "w1_shards_hashed_while_written_and_damage_falls_back",
+        "w1_lora_reference",
     ],
     2: [
         "w2_reject_dp2",
@@ -48,6 +49,9 @@ WORLDS = {
         "w2_vocab_padding_tp1_tp2_tp1",
         "w2_every_ranks_shard_is_in_the_manifest",
         "w2_scattered_batch",
+        "w2_lora_tp2_sp",
+        "w2_lora_ep2",
+        "w2_lora_pp2",
     ],
     4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
 }

@@ -164,6 +164,38 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             argv=["convert", "hf-to-megatron", "--hf-dir", str(folder / "truncated"), "--out", out],
             expected=f"--hf-dir: {folder / 'truncated' / 'model.safetensors'} is truncated",
         ),
+        "train: a LoRA rank < 0": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=-1"],
+            expected="model.lora.rank = -1 is out of range; allowed: int >= 0",
+        ),
+        "train: a LoRA target module the family lacks": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=4", "model.lora.target_modules=[q_proj,w1]"],
+            expected="model.lora.target_modules: 'w1' is no module of model.family = 'qwen3_moe'",
+        ),
+        "train: a LoRA init_path of another base": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=4", f"model.lora.init_path={folder / 'other_adapter'}"],
+            expected=f"model.lora.init_path = '{folder / 'other_adapter'}' adapts the base '/elsewhere/base', "
+            f"not model.hf_path = '{folder / 'model'}'",
+        ),
+        "train: LoRA on routed experts, adapters only, to the local engine": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=4"],
+            expected="model.lora.target_modules ['down_proj', 'gate_proj', 'up_proj'] adapt the routed experts",
+        ),
+        "train: adapter-only LoRA sync over a process group": dict(
+            entry="cli",
+            argv=[
+                "train",
+                config,
+                "model.lora.rank=4",
+                "rollout.weight_sync=distributed",
+                "model.lora.target_modules=[q_proj]",
+            ],
+            expected="rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters",
+        ),
         "planner: an RL-loop need": dict(
             entry="planner", argv=[*plan, "8", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR
         ),
@@ -195,6 +227,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     (root / "run.yaml").write_text(json.dumps(run), encoding="utf-8")
     (root / "a_file").write_text("")
+    (root / "other_adapter").mkdir()  # a PEFT folder trained on another base
+    adapter = {"base_model_name_or_path": "/elsewhere/base", "r": 4, "target_modules": ["q_proj"]}
+    (root / "other_adapter" / "adapter_config.json").write_text(json.dumps(adapter), encoding="utf-8")
+    (root / "other_adapter" / "adapter_model.safetensors").write_bytes(b"")
     (root / "truncated").mkdir()
     (root / "truncated" / "config.json").write_text(json.dumps(hf), encoding="utf-8")
     weights = root / "truncated" / "model.safetensors"

@@ -23,7 +23,10 @@ from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
-WORLDS = {1: ["w1_three_modes", "w1_refused_updates", "w1_partial_rollout"], 2: ["w2_tp2", "w2_ep2", "w2_pp2"]}
+WORLDS = {
+    1: ["w1_three_modes", "w1_refused_updates", "w1_partial_rollout", "w1_lora_sync"],
+    2: ["w2_tp2", "w2_ep2", "w2_pp2"],
+}
 
 
 def make_policy(folder: Path) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.actor.adapters import attach_actor_lora, count_trainable
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.micro_batches import TokenBudget
@@ -26,6 +27,8 @@ from megatron_rl.actor.policy import Initializer, Policy, hf_initializer
 from megatron_rl.actor.train_step import TokenLoss, train_on_batch
 from megatron_rl.config import Config, loss_spec
 from megatron_rl.models.init import gather_full_params
+from megatron_rl.models.lora import LoraState
+from megatron_rl.models.lora_checkpoint import base_record
 
 __all__ = ["Initializer", "MegatronActor", "hf_initializer"]
 
@@ -46,7 +49,11 @@ class MegatronActor(Policy):
         """
         self.loss_spec = loss_spec(cfg.algorithm)
         super().__init__(cfg, initializer=initializer)
+        # LoRA: the base frozen, the adapters the only parameters with gradients and optimizer state
+        self.lora: LoraState | None = attach_actor_lora(self.chunks, cfg) if cfg.model.lora.rank > 0 else None
         self.state = build_training_state(self.chunks, cfg.train, cfg.parallel)
+        self.trainable_params = count_trainable(self.lora, self.chunks, cfg)  # actor/trainable_params
+        self.lora_base = base_record(cfg.model) if self.lora is not None else None  # what its checkpoints adapt
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -89,11 +96,11 @@ class MegatronActor(Policy):
     def save(self, path: str | os.PathLike) -> dict[str, str]:
         """Distributed checkpoint of model, optimizer, schedule, step and RNG (collective); returns the
         SHA-256 of each shard file this rank wrote, computed while writing (name in `path` -> hex)."""
-        return save_checkpoint(self.state, path)
+        return save_checkpoint(self.state, path, lora=self.lora_base)
 
     def load(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any layout (collective); see `checkpoint.load_checkpoint`."""
-        return load_checkpoint(self.state, path, load_optimizer=load_optimizer)
+        return load_checkpoint(self.state, path, load_optimizer=load_optimizer, lora=self.lora_base)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every global parameter as a full fp32 CPU tensor on every rank (tests, small models)."""

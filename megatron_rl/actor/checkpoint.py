@@ -33,6 +33,8 @@ from megatron_rl.models.checkpoint_io import (
     sharding_metadata,
     write_checkpoint,
 )
+from megatron_rl.models.lora_checkpoint import COMMON_KEY as LORA_COMMON_KEY
+from megatron_rl.models.lora_checkpoint import adapter_entries, load_adapter_weights
 
 
 def rng_state() -> dict[str, Any]:
@@ -150,26 +152,35 @@ def _rng_sharded_state() -> ShardedObject:
     return ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
 
 
-def save_checkpoint(state: TrainingState, path: str | os.PathLike) -> dict[str, str]:
+def save_checkpoint(
+    state: TrainingState, path: str | os.PathLike, *, lora: dict[str, Any] | None = None
+) -> dict[str, str]:
     """Write `state` to the folder `path` (created; collective over all ranks); returns the SHA-256
-    of each shard file this rank wrote (`write_checkpoint`)."""
+    of each shard file this rank wrote (`write_checkpoint`). `lora`: a LoRA run's `base_record`: the
+    model part holds the adapters alone (the optimizer has no other state), and the record goes along."""
     model = model_sharded_state_dict(state.model)
-    extra = {
+    extra: dict[str, Any] = {
         "optimizer": _optimizer_sharded_state(state, model, is_loading=False),
         "rng_state": _rng_sharded_state(),
         "scheduler": state.scheduler.state_dict(),
     }
+    if lora is not None:
+        model = adapter_entries(model)
+        extra[LORA_COMMON_KEY] = lora
     return write_checkpoint(path, model, step=state.step, weights_only=False, extra=extra)
 
 
-def load_checkpoint(state: TrainingState, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    state: TrainingState, path: str | os.PathLike, *, load_optimizer: bool = True, lora: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load `path` (either kind, see the module doc) into `state` under the running layout; collective.
+    `lora`: a LoRA run's `base_record`: the checkpoint's adapters are loaded (the base is the run's).
 
     Without `load_optimizer`, or from a weights-only checkpoint, only the weights (the optimizer's
     master copy is refreshed from them; its moments, the schedule and the step stay). Returns
     {"step": of the checkpoint, "saved_layout", "weights_only", "optimizer_loaded", "rng_restored"}.
     """
-    common = load_model_weights(state.model, path)
+    common = load_model_weights(state.model, path) if lora is None else load_adapter_weights(state.model, path, lora)
     weights_only = bool(common.get("weights_only", False))
     with_optimizer = load_optimizer and not weights_only
     same_layout = not weights_only and common["layout"] == running_layout()

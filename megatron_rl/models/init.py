@@ -85,6 +85,8 @@ def iter_param_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> Iter
     etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
         for local_name, param in chunk.named_parameters():
+            if local_name.startswith("lora_adapters."):
+                continue  # low-rank adapters: models.lora places them itself
             is_expert = ".mlp.experts." in local_name
             rank, count = etp if is_expert else tp
             split = getattr(param, "tensor_model_parallel", False) and count > 1

@@ -22,6 +22,7 @@ TRAINING_CHOICES = (
     "moe_token_dispatcher",
     "params_dtype",
     "recompute",
+    "lora",  # the adapters are a training choice: the base's config.json says nothing of them
 )
 HF_CONFIG_DIR = "hf_config"  # inside a converted Megatron checkpoint (megatron_rl.commands.convert)
 

@@ -68,6 +68,10 @@ ADMIN_PATHS = frozenset(
         "/begin_weight_update",
         "/end_weight_update",
         "/get_weights_by_name",
+        "/load_lora_adapter",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
+        "/update_weight_version",
     }
 )
 TOKEN_VERSIONS_SINCE = (0, 5, 19)  # SGLang's meta_info.weight_versions: the version of every output token
@@ -171,6 +175,7 @@ class SGLangClient:
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s, self.connect_timeout_s = max_retries, backoff_s, connect_timeout_s
         self.routed_experts_layout = routed_experts_layout
+        self.lora_path: str | None = None  # the adapter every /generate names (LoRA runs: the current policy)
         self.router: str | None = None  # set by `use_router`: where /generate goes instead of `urls`
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._order = itertools.count()
@@ -405,6 +410,8 @@ class SGLangClient:
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         return body
 
     async def generate(
@@ -771,7 +778,51 @@ class SGLangClient:
         body["serialized_named_tensors"] = serialized_named_tensors
         return await self._update("/update_weights_from_tensor", body, retry=False)
 
+    # ---- LoRA adapters (every server; SGLang's LoRAUpdateOutput replies say success) ----
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[dict]:
+        """Every server loads the PEFT folder `lora_path` (visible to it) as adapter `lora_name`."""
+        return await self._update("/load_lora_adapter", lora_load_body(lora_name, lora_path), retry=True)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict[str, Any],
+        serialized_named_tensors: list[str],
+        shm_names: list[str] | None = None,
+    ) -> list[dict]:
+        """Every server loads adapter `lora_name` from one serialised (name, tensor) list per TP rank
+        (`weight_sync/send.py`) and its PEFT config; `shm_names` as for `update_weights_from_tensor`."""
+        body = lora_tensors_body(lora_name, config_dict, serialized_named_tensors)
+        body["shm_names"] = list(shm_names or [])
+        return await self._update("/load_lora_adapter_from_tensors", body, retry=False)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> list[dict]:
+        """Every server reports `new_version` from now on (its weights unchanged: e.g. a new adapter)."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return await self._update("/update_weight_version", body, retry=True)
+
+    async def unload_lora_adapter(self, lora_name: str) -> list[dict]:
+        return await self._update("/unload_lora_adapter", {"lora_name": lora_name}, retry=True)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._json(
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, server=self.urls[0]
         )
+
+
+def lora_load_body(lora_name: str, lora_path: str) -> dict[str, Any]:
+    """SGLang's LoadLoRAAdapterReqInput body."""
+    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": False}
+
+
+def lora_tensors_body(
+    lora_name: str, config_dict: dict[str, Any], serialized_named_tensors: list[str]
+) -> dict[str, Any]:
+    """SGLang's LoadLoRAAdapterFromTensorsReqInput body (the tensors: one base64 payload per TP rank)."""
+    return {
+        "lora_name": lora_name,
+        "config_dict": config_dict,
+        "serialized_named_tensors": list(serialized_named_tensors),
+        "pinned": False,
+        "load_format": None,
+    }

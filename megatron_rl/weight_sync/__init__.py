@@ -55,4 +55,8 @@ def make_weight_sync(
     mode = cfg.rollout.weight_sync
     if mode not in MODES:
         raise ValueError(f"rollout.weight_sync = {mode!r}; allowed: {sorted(MODES)}")
+    if getattr(actor, "lora", None) is not None:  # LoRA: merged or adapter-only (weight_sync/lora.py)
+        from megatron_rl.weight_sync.lora import make_lora_sync
+
+        return make_lora_sync(cfg, engine, actor, bucket_mb=bucket_mb)
     return MODES[mode](cfg, engine, actor, bucket_mb=bucket_mb)

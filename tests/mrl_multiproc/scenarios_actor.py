@@ -574,6 +574,79 @@ def w2_reject_dp2(ctx) -> None:  # noqa: ANN001
     assert_params_close(params, load_ref(ctx, "reject_params"), "parameters after 2 rejection updates, DP 2")
 
 
+# --- LoRA: every layout reproduces the world-size-1 adapters -----------------------------
+
+
+def lora_actor(parallel: ParallelConfig) -> MegatronActor:
+    """The tiny policy with rank-4 adapters on every module (attention, the dense layer's MLP, the routed
+    experts), their B drawn away from 0 (the same full tensors on every layout) so that every gradient flows."""
+    from megatron_rl.config import LoraConfig
+    from megatron_rl.models.lora import gather_adapters, load_adapters
+
+    cfg = actor_config(parallel)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=4, alpha=8.0)))
+    actor = MegatronActor(cfg)
+    gen = torch.Generator().manual_seed(21)
+    start = gather_adapters(actor.lora)
+    load_adapters(
+        actor.lora, {k: v if "lora_A" in k else 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
+    )
+    return actor
+
+
+def lora_run(actor: MegatronActor) -> dict[str, object]:
+    """Log-probs, then 2 updates (R2): the metrics, the adapters, and the base (which must not move)."""
+    from megatron_rl.models.lora import gather_adapters
+
+    batch = make_batch(actor.cfg.model.vocab_size)
+    out = actor.compute_log_probs(batch, record_routing=True)
+    history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
+    return {
+        "log_probs": out.log_probs,
+        "history": history,
+        "adapters": gather_adapters(actor.lora),
+        "trainable": actor.trainable_params,
+    }
+
+
+def w1_lora_reference(ctx) -> None:  # noqa: ANN001
+    """The references of the LoRA layouts; the base stays where it started."""
+    actor = lora_actor(layout())
+    base = actor.full_params()
+    result = lora_run(actor)
+    assert_params_close(actor.full_params(), base, "LoRA: the frozen base after 2 updates")
+    save_ref(ctx, "lora", result)
+    actor.close()
+
+
+def check_lora_layout(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
+    """Log-probs, update metrics and adapters after 2 updates under `parallel` equal world size 1's."""
+    actor = lora_actor(parallel)
+    want = load_ref(ctx, "lora")
+    got = lora_run(actor)
+    what = f"LoRA, layout {parallel}"
+    assert got["trainable"] == want["trainable"], (got["trainable"], want["trainable"])
+    assert_close(got["log_probs"], want["log_probs"], LOGPROB_TOL, f"log-probs, {what}")
+    for have, expected in zip(got["history"], want["history"], strict=True):
+        for key in ("loss", "grad_norm"):
+            if abs(have[key] - expected[key]) > 1e-5 * max(1.0, abs(expected[key])):
+                raise AssertionError(f"{what}, metric {key}: {have[key]} vs reference {expected[key]}")
+    assert_params_close(got["adapters"], want["adapters"], f"adapters after 2 updates, {what}")
+    actor.close()
+
+
+def w2_lora_tp2_sp(ctx) -> None:  # noqa: ANN001
+    check_lora_layout(ctx, layout(tp=2, sp=True))  # expert-TP 2 as well: the experts' partial gradients
+
+
+def w2_lora_ep2(ctx) -> None:  # noqa: ANN001
+    check_lora_layout(ctx, layout(ep=2))
+
+
+def w2_lora_pp2(ctx) -> None:  # noqa: ANN001
+    check_lora_layout(ctx, layout(pp=2))
+
+
 def w2_tp2_sp(ctx) -> None:  # noqa: ANN001
     check_layout_against_reference(ctx, layout(tp=2, sp=True), direct_routing_check=True)
 

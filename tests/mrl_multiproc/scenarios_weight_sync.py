@@ -457,6 +457,51 @@ def w1_refused_updates(ctx) -> None:  # noqa: ANN001
         engine.close()
 
 
+LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def w1_lora_sync(ctx) -> None:  # noqa: ANN001
+    """LoRA (rank 4 on q, k, v, o of every layer): the merged sync of the start (B = 0: the base) puts the
+    engine back on the base; then, after an update each, adapter-only syncs (disk: a PEFT folder through
+    /load_lora_adapter; tensor: /load_lora_adapter_from_tensors) make the engine serve `policy-v<version>`
+    through PEFT, /generate naming it: its log-probs equal the actor's (the invariant), and a sync sends
+    the adapters' bytes alone; a merged sync then sends the full weights and the base alone serves them."""
+    from megatron_rl.config import LoraConfig
+    from megatron_rl.models.lora import gather_adapters
+    from megatron_rl.weight_sync import make_weight_sync
+
+    plain = policy_config(ctx, layout())
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=LORA_ATTENTION)
+    cfg = dataclasses.replace(plain, model=dataclasses.replace(plain.model, lora=lora))
+    merged = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, lora_sync="merged"))
+    actor = build_actor(cfg)
+    engine = connect(cfg)
+    full = weight_bytes(cfg)
+    with make_weight_sync(merged, engine, actor, bucket_mb=BUCKET_MB) as sync:
+        assert sync.sync("lora-start").bytes > full  # a disk folder of the whole (merged = base) model
+    samples = rollout(engine, cfg, seed=300)
+    check_invariant(actor, samples, "LoRA start (B = 0), merged sync")
+    adapter_bytes = sum(t.numel() * 4 for t in gather_adapters(actor.lora).values())
+    for step, mode in enumerate(("disk", "tensor"), start=1):
+        train_step(actor, samples)
+        with make_weight_sync(with_mode(cfg, mode), engine, actor, bucket_mb=BUCKET_MB) as sync:
+            report = sync.sync(f"lora-{mode}-{step}")
+        assert (report.mode, report.bytes) == ("lora_adapter", adapter_bytes), (report, adapter_bytes)
+        assert engine is None or engine.client.lora_path == f"policy-vlora-{mode}-{step}"
+        samples = rollout(engine, cfg, seed=300 + step)
+        assert {s["version"] for s in samples} == {f"lora-{mode}-{step}"}
+        check_invariant(actor, samples, f"LoRA adapter-only sync ({mode})")
+    assert 20 * adapter_bytes < full, (adapter_bytes, full)
+    train_step(actor, samples)
+    if engine is not None:
+        engine.client.lora_path = None  # the merged policy is the base model's weights
+    with make_weight_sync(merged, engine, actor, bucket_mb=BUCKET_MB) as sync:
+        assert sync.sync("lora-merged").bytes > full
+    check_invariant(actor, rollout(engine, cfg, seed=310), "LoRA merged sync")
+    if engine is not None:
+        engine.close()
+
+
 # --- world size 2 --------------------------------------------------------------------------
 
 

@@ -14,6 +14,11 @@ micro-batch through Megatron's schedule, the policy loss, DDP gradient reduction
 
 One JSON line per figure with the baseline and the ratio, then one with the model size.
 
+`--lora-rank R` instead compares full fine-tuning with LoRA of rank R on every module (attention,
+dense MLP, routed experts; `model.lora`), each variant in a fresh process on the same model and batch:
+seconds per train step, peak memory (CUDA's allocator peak on a GPU, the process's peak RSS on the
+CPU), trainable parameters and the optimizer state's bytes.
+
 Model FLOPs count the matmuls of the real (unpadded) tokens, forward x 3 for training: QKV and
 output projections, causal attention scores and values (sum over positions of the context
 length), dense or routed-expert SwiGLU MLPs (top-k experts per token), the router and the output
@@ -21,6 +26,7 @@ layer; no recompute, no log-prob/entropy arithmetic. MFU = FLOPs / (time x ranks
 from --peak-tflops or the GPU name (bf16 dense); on the CPU it is only given with --peak-tflops.
 
     python tools/bench/train_step.py                       # CPU: a tiny model, one process
+    python tools/bench/train_step.py --lora-rank 8         # full fine-tuning vs LoRA rank 8: s/step, peak memory
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b
     torchrun --nproc-per-node 8 tools/bench/train_step.py --preset 1b --ep 8 --samples 64
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b --lengths mixed
@@ -76,6 +82,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant")
     p.add_argument("--iters", type=int, default=3, help="timed steps of each variant")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak; 0 = from the GPU name")
+    p.add_argument("--lora-rank", type=int, default=0, help="> 0: full fine-tuning vs LoRA of this rank")
+    p.add_argument("--lora-variant", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)  # one side
     return p.parse_args(argv)
 
 
@@ -144,6 +152,90 @@ def _lengths(args: argparse.Namespace, seq: int, samples: int, gen: torch.Genera
 
 def _peak_memory_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def _process_peak_memory_gib() -> float:
+    """CUDA's allocator peak on a GPU, else this process's peak resident set (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _optimizer_state_bytes(optimizer) -> int:  # noqa: ANN001 - MegatronOptimizer
+    inner = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return sum(t.numel() * t.element_size() for o in inner for st in o.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))  # fmt: skip
+
+
+def run_lora_variant(args: argparse.Namespace) -> dict:
+    """One side of `--lora-rank`: seconds per train step, peak memory, trainable parameters, optimizer bytes."""
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.config import Config, LoraConfig, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig, preset
+
+    name = args.preset if args.preset != "auto" else ("1b" if torch.cuda.is_available() else "tiny")
+    seq = args.seq_len or (4096 if name == "1b" else 128)
+    samples = args.samples or 8
+    lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_variant == "lora" else LoraConfig()
+    model = ModelConfig(family="qwen3_moe", **{**PRESETS[name], "max_position_embeddings": max(seq, 1024)}, lora=lora)
+    cfg = Config(
+        model=dataclasses.replace(model, recompute=args.recompute),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep
+        ),  # fmt: skip
+        rollout=RolloutConfig(temperature=1.0, max_new_tokens=seq - seq // 4),
+        algorithm=preset("grpo"),
+        train=TrainConfig(
+            steps=args.warmup + args.iters,
+            updates_per_step=1,
+            max_tokens_per_micro_batch=args.max_tokens or 2 * seq,
+            lr=1e-6,
+            seed=1,
+        ),  # fmt: skip
+    )
+    actor = MegatronActor(cfg)
+    gen = torch.Generator().manual_seed(0)
+    batch = ActorBatch(
+        tokens=[torch.randint(0, model.vocab_size, (seq,), generator=gen) for _ in range(samples)],
+        prompt_lengths=[seq // 4] * samples,
+        advantages=[torch.randn((), generator=gen) for _ in range(samples)],
+    )
+    batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch).log_probs)
+    times = []
+    for it in range(args.warmup + args.iters):
+        _sync()
+        start = time.perf_counter()
+        actor.train(batch)
+        _sync()
+        if it >= args.warmup:
+            times.append(time.perf_counter() - start)
+    result = dict(variant=args.lora_variant, seconds_per_step=round(statistics.median(times), 4),
+                  peak_memory_gib=round(_process_peak_memory_gib(), 3), trainable_params=actor.trainable_params,
+                  optimizer_state_bytes=_optimizer_state_bytes(actor.state.optimizer), preset=name, seq_len=seq,
+                  samples=samples, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
+    actor.close()
+    return result
+
+
+def compare_lora(argv: list[str], rank: int) -> list[dict]:
+    """`--lora-rank`: each variant in its own process (peak memory is a process's), then the comparison."""
+    import subprocess
+    import sys
+
+    sides = {}
+    for variant in ("full", "lora"):
+        proc = subprocess.run([sys.executable, __file__, *argv, "--lora-variant", variant], capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"the {variant} variant failed:\n{proc.stderr[-3000:]}")
+        sides[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    full, lora = sides["full"], sides["lora"]
+    ratios = {k: round(lora[k] / full[k], 4) for k in ("seconds_per_step", "peak_memory_gib", "trainable_params",
+                                                        "optimizer_state_bytes")}  # fmt: skip
+    return [dict(figure="lora_vs_full_train_step", lora_rank=rank,
+                 full=full, lora=lora, lora_over_full=ratios)]  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -266,12 +358,19 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
+    if args.lora_rank > 0 and args.lora_variant is None:
+        for line in compare_lora(argv, args.lora_rank):
+            print(json.dumps(line), flush=True)
+        return
     from megatron_rl.parallel.launch import ensure_launch_env
 
     ensure_launch_env()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    lines = run(args)
+    lines = [run_lora_variant(args)] if args.lora_variant else run(args)
     import torch.distributed as dist
 
     from megatron_rl.parallel import destroy_distributed

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megatron_rl.rollout.local.kv_cache import SlotKVCache
+from megatron_rl.rollout.local.lora import LocalAdapters
 from megatron_rl.rollout.local.model import ModelInfo
 from megatron_rl.rollout.local.sampling import sample_tokens
 
@@ -43,6 +44,7 @@ class GenRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     sampling_seed: int | None = None  # the request's own random stream (SGLang's sampling_seed)
+    lora_name: str | None = None  # the adapter this request runs (SGLang's lora_path); None = the base
     row: int = -1
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -77,6 +79,7 @@ class Generator:
         seed: int = 0,
     ):
         self.model, self.info = model, info
+        self.adapters = LocalAdapters(model)  # LoRA adapters loaded through the LoRA endpoints
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.cache = SlotKVCache(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device)
         self.waiting: deque[GenRequest] = deque()
@@ -157,14 +160,15 @@ class Generator:
 
     def _prefill(self, batch: list[GenRequest]) -> list[GenRequest]:
         seqs = [req.prefill_ids for req in batch]
-        first_of: dict[tuple[int, ...], int] = {}
+        first_of: dict[tuple, int] = {}  # (adapter, *tokens) -> index into uniques
         uniques: list[int] = []  # index into batch of each distinct sequence's first request
         for i, seq in enumerate(seqs):
-            key = tuple(seq)
+            key = (batch[i].lora_name, *seq)  # the same tokens under another adapter are another sequence
             if key not in first_of:
                 first_of[key] = len(uniques)
                 uniques.append(i)
-        order = uniques + [i for i in range(len(batch)) if uniques[first_of[tuple(seqs[i])]] != i]
+        keys = [(req.lora_name, *seq) for req, seq in zip(batch, seqs, strict=True)]
+        order = uniques + [i for i in range(len(batch)) if uniques[first_of[keys[i]]] != i]
         ordered = [batch[i] for i in order]
         ordered_seqs = [seqs[i] for i in order]
         base = len(self.running)
@@ -184,10 +188,16 @@ class Generator:
         mask = self._additive(allowed.unsqueeze(1))
         self.cache.reserve(base + len(ordered), width)
         self.cache.begin_prefill(base, base + n_unique, width)
-        hidden = self._forward(ids, pos.expand(n_unique, width), mask, any(r.return_routed_experts for r in batch))
+        hidden = self._forward(
+            ids,
+            pos.expand(n_unique, width),
+            mask,
+            any(r.return_routed_experts for r in batch),
+            [batch[i].lora_name for i in uniques],
+        )
         last_hidden = hidden[torch.arange(n_unique, device=dev), lengths - 1]
         logits = self.model.lm_head(last_hidden)
-        src = [first_of[tuple(seq)] for seq in ordered_seqs]
+        src = [first_of[keys[i]] for i in order]
         for req, seq, s in zip(ordered[n_unique:], ordered_seqs[n_unique:], src[n_unique:], strict=True):
             self.cache.copy_row(base + s, req.row, len(seq))
         routing = self._take_routing(n_unique, width)
@@ -212,7 +222,13 @@ class Generator:
         allowed = torch.arange(kv_len, device=dev)[None, :] <= positions[:, None]
         mask = self._additive(allowed[:, None, None, :])
         self.cache.begin_decode(rows, positions, kv_len)
-        hidden = self._forward(ids, positions.unsqueeze(1), mask, any(r.return_routed_experts for r in self.running))
+        hidden = self._forward(
+            ids,
+            positions.unsqueeze(1),
+            mask,
+            any(r.return_routed_experts for r in self.running),
+            [r.lora_name for r in self.running],
+        )
         logits = self.model.lm_head(hidden[:, 0])
         routing = self._take_routing(rows, 1)
         if routing is not None:
@@ -226,12 +242,20 @@ class Generator:
         zero = torch.zeros((), dtype=self.info.dtype, device=self.info.device)
         return torch.where(allowed, zero, torch.full_like(zero, self._min_value))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, capture: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        capture: bool,
+        lora_names: list[str | None],
+    ) -> torch.Tensor:
         self._capture, self._captured = capture and self.info.is_moe, []
         try:
-            out = self.model.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-            )
+            with self.adapters.rows(lora_names):
+                out = self.model.model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+                )
         finally:
             self._capture = False
         return out.last_hidden_state

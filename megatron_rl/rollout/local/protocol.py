@@ -179,6 +179,7 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
     samplings = _per_item(body, "sampling_params", n, is_batch)
     return_logprob = _per_item(body, "return_logprob", n, is_batch)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch)
+    lora_paths = _per_item(body, "lora_path", n, is_batch)
     routed = get_field(body, "return_routed_experts", "bool", False)
     routed_start = get_field(body, "routed_experts_start_len", "int", 0)
     requests = []
@@ -200,6 +201,9 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
         if routed and not 0 <= routed_start < len(ids):
             raise FieldError(f"routed_experts_start_len: {routed_start} is outside the prompt of {len(ids)} tokens")
         req.routed_experts_start_len = routed_start
+        if lora_paths[i] is not None and not isinstance(lora_paths[i], str):
+            raise FieldError(f"lora_path{where}: expected a string (a loaded adapter's name) or null")
+        req.lora_name = lora_paths[i]
         requests.append(req)
     text_lp = get_field(body, "return_text_in_logprobs", "bool", False)
     return GenerateBatch(requests, is_batch, text_lp)

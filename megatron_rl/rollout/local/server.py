@@ -46,6 +46,7 @@ from megatron_rl.rollout import wire
 from megatron_rl.rollout.local.engine_thread import PAUSE_MODES, EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
 from megatron_rl.rollout.local.launcher import API_KEY_ENV
+from megatron_rl.rollout.local.lora import AdapterError, read_adapter_folder
 from megatron_rl.rollout.local.model import ModelInfo, load_model
 from megatron_rl.rollout.local.protocol import (
     DistributedUpdate,
@@ -142,6 +143,9 @@ class LocalServer:
             ("/update_weights_from_tensor", ["POST"], self.update_from_tensor),
             ("/update_weight_version", ["POST"], self.update_weight_version),
             ("/get_weights_by_name", get_post, self.get_weights_by_name),
+            ("/load_lora_adapter", ["POST"], self.load_lora_adapter),
+            ("/load_lora_adapter_from_tensors", ["POST"], self.load_lora_adapter_from_tensors),
+            ("/unload_lora_adapter", ["POST"], self.unload_lora_adapter),
         ]
         for path, methods, handler in routes:
             for method in methods:
@@ -176,6 +180,11 @@ class LocalServer:
     async def generate(self, request: web.Request) -> web.Response:
         started = time.monotonic()
         batch = parse_generate(await _json_body(request), self.info, self.tokenizer, self.engine.generator.max_running)
+        try:
+            for req in batch.requests:
+                self.engine.generator.adapters.check(req.lora_name)
+        except AdapterError as err:
+            raise FieldError(str(err)) from None
         futures = [asyncio.wrap_future(f) for f in self.engine.submit(batch.requests)]
         self._generating += 1
         try:
@@ -516,6 +525,60 @@ class LocalServer:
         # Otherwise receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
         named = await asyncio.to_thread(_receive, spec, group, device)
         return await self._apply(spec.options, lambda e: apply_named_tensors(e.layout, named), what)
+
+    # ---- LoRA adapters (SGLang's LoRAUpdateOutput replies: success, error_message, loaded_adapters) ----
+    async def _lora(self, fn, what: str) -> web.Response:
+        def run(e: EngineThread) -> None:
+            if "weights" in e.released:
+                raise EngineStateError(f"{what}: weights are released; call /resume_memory_occupation first")
+            fn(e.generator.adapters)
+
+        try:
+            await self._engine(run)
+        except (AdapterError, EngineStateError) as err:
+            log.warning("%s rejected: %s", what, err)
+            return web.json_response({"success": False, "error_message": f"{what} failed: {err}"}, status=400)
+        loaded = {name: name for name in self.engine.generator.adapters.loaded}
+        log.info("%s: adapters loaded %s", what, sorted(loaded))
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        name = get_field(body, "lora_name", "str", required=True)
+        path = get_field(body, "lora_path", "str", required=True)
+        try:
+            config, tensors = read_adapter_folder(path)
+        except (AdapterError, OSError, ValueError) as err:
+            return web.json_response(
+                {"success": False, "error_message": f"load_lora_adapter failed: {err}"}, status=400
+            )
+        return await self._lora(lambda a: a.load(name, config, tensors), f"load_lora_adapter {name}")
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        name = get_field(body, "lora_name", "str", required=True)
+        config = body.get("config_dict")
+        if not isinstance(config, dict):
+            raise FieldError("config_dict: expected the PEFT adapter_config.json as an object")
+        payloads = get_field(body, "serialized_named_tensors", "str_list", required=True)
+        if len(payloads) != 1:
+            raise FieldError(
+                f"serialized_named_tensors: expected 1 entry (the local engine has tp_size 1), got {len(payloads)}"
+            )
+        load_format = get_field(body, "load_format", "str")
+        if load_format not in (None, "direct"):
+            raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct'")
+        try:
+            obj = wire.deserialize_named_tensors(payloads[0], get_field(body, "shm_names", "str_list", []))
+        except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
+            raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
+        tensors = dict(_named_tensors(obj, False))
+        return await self._lora(lambda a: a.load(name, config, tensors), f"load_lora_adapter_from_tensors {name}")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = check_body(await _json_body(request))
+        name = get_field(body, "lora_name", "str", required=True)
+        return await self._lora(lambda a: a.unload(name), f"unload_lora_adapter {name}")
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = check_body(await _json_body(request))

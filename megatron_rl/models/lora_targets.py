@@ -1,0 +1,123 @@
+"""Which Megatron linear (and which part of its rows) each PEFT module name of a family is.
+
+Torch-free: the validation reads it before Megatron is imported. Megatron fuses q, k and v into
+`linear_qkv` (rows grouped per KV head, `models.hf_mapping`'s `qkv` rule) and gate and up into
+`linear_fc1` (`[gate; up]`); PEFT has one adapter per HF module, so a fused linear carries one
+adapter per part ("slot") and adds their outputs in Megatron's row layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    """A PEFT module name: the Megatron linear it lives in (suffix of the module path), the slot
+    inside it ("q", "k", "v", "gate", "up"; "" = the whole linear), and the HF module path under a layer."""
+
+    peft_name: str
+    linear: str
+    slot: str
+    hf_module: str
+
+
+def _attention() -> tuple[Target, ...]:
+    qkv = tuple(Target(f"{x}_proj", "self_attention.linear_qkv", x, f"self_attn.{x}_proj") for x in "qkv")
+    return (*qkv, Target("o_proj", "self_attention.linear_proj", "", "self_attn.o_proj"))
+
+
+def _mlp(gate: str, up: str, down: str, experts: str) -> tuple[Target, ...]:
+    """The dense MLP (`mlp.`) and, with `experts`, the routed experts (`mlp.experts.local_experts.N.`)."""
+    dense = (
+        Target(gate, "mlp.linear_fc1", "gate", f"mlp.{gate}"),
+        Target(up, "mlp.linear_fc1", "up", f"mlp.{up}"),
+        Target(down, "mlp.linear_fc2", "", f"mlp.{down}"),
+    )
+    if not experts:
+        return dense
+    routed = (
+        Target(gate, "mlp.experts.linear_fc1", "gate", f"{experts}.{{expert}}.{gate}"),
+        Target(up, "mlp.experts.linear_fc1", "up", f"{experts}.{{expert}}.{up}"),
+        Target(down, "mlp.experts.linear_fc2", "", f"{experts}.{{expert}}.{down}"),
+    )
+    return dense + routed
+
+
+LORA_TARGETS: dict[str, tuple[Target, ...]] = {
+    "qwen3_moe": _attention() + _mlp("gate_proj", "up_proj", "down_proj", "mlp.experts"),
+    "qwen3": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
+    "qwen2": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
+    "mixtral": _attention() + _mlp("w1", "w3", "w2", "block_sparse_moe.experts"),
+}
+
+
+def family_module_names(family: str) -> list[str]:
+    """The PEFT module names `model.lora.target_modules` may hold for `family`, in table order."""
+    return list(dict.fromkeys(t.peft_name for t in LORA_TARGETS[family]))
+
+
+def check_target_modules(model: ModelConfig) -> list[str]:
+    """`model.lora.target_modules` as a list, or ConfigError naming a module the family lacks."""
+    allowed = family_module_names(model.family)
+    names = [str(n) for n in model.lora.target_modules]
+    for name in names:
+        if name not in allowed:
+            raise ConfigError(
+                f"model.lora.target_modules: {name!r} is no module of model.family = {model.family!r}; allowed: {allowed}"
+            )
+    return names
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def check_init_adapter(model: ModelConfig) -> dict[str, Any] | None:
+    """The adapter_config.json of `model.lora.init_path` (None when unset), or ConfigError when it is no
+    PEFT folder, was trained on another base than `model.hf_path`, or has another rank or targets."""
+    path = model.lora.init_path
+    if path is None:
+        return None
+    key = f"model.lora.init_path = {path!r}"
+    folder = Path(path)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"{key} is not a PEFT adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except ValueError as err:
+        raise ConfigError(f"{key}: {ADAPTER_CONFIG} is not JSON: {err}") from None
+    base = config.get("base_model_name_or_path")
+    if model.hf_path and (not base or not _same_folder(str(base), model.hf_path)):
+        raise ConfigError(f"{key} adapts the base {base!r}, not model.hf_path = {model.hf_path!r}")
+    if int(config.get("r", -1)) != model.lora.rank:
+        raise ConfigError(f"{key} has rank {config.get('r')!r}, but model.lora.rank = {model.lora.rank}")
+    theirs = config.get("target_modules") or []
+    if sorted(theirs) != sorted(model.lora.target_modules):
+        raise ConfigError(
+            f"{key} targets {sorted(theirs)}, but model.lora.target_modules = {sorted(model.lora.target_modules)}"
+        )
+    return config
+
+
+def check_local_engine_adapters(model: ModelConfig) -> None:
+    """ConfigError when adapter-only sync would give the local engine routed-expert adapters: it serves
+    adapters through PEFT on transformers, whose MoE families hold their experts as fused 3-D parameters
+    that PEFT's target_modules cannot reach."""
+    names = set(check_target_modules(model))
+    routed = sorted({t.peft_name for t in LORA_TARGETS[model.family] if t.linear.startswith("mlp.experts")} & names)
+    if routed and model.num_experts is not None:
+        raise ConfigError(
+            f"model.lora.target_modules {routed} adapt the routed experts, which the local engine cannot serve as "
+            "adapters (PEFT on transformers' fused experts) with rollout.lora_sync = 'adapter'; use "
+            "rollout.lora_sync = 'merged', or SGLang servers (rollout.sglang_urls), or attention targets only"
+        )

@@ -1,0 +1,138 @@
+"""LoRA adapters served by the local engine, through PEFT's LoRA layers on the transformers model.
+
+SGLang's endpoints (/load_lora_adapter from a PEFT folder, /load_lora_adapter_from_tensors,
+/unload_lora_adapter) add or remove a named adapter; a /generate request names its adapter with
+`lora_path` (the name it was loaded under). Adapters are injected with `peft.inject_adapter_in_model`
+(the model keeps its own forward), their A and B copied from the PEFT tensors, and every forward of a
+batch passes PEFT's per-row `adapter_names` ("__base__" for a row without an adapter), so requests of
+different adapters share one batch as they do in SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_CONFIG_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "fan_in_fan_out", "use_rslora")
+_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded, unloaded or named (the endpoints' 400)."""
+
+
+def read_adapter_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors of adapter_model.safetensors) of a PEFT folder."""
+    from megatron_rl.models.safetensors_io import MappedSafetensors
+
+    folder = Path(path)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise AdapterError(f"lora_path {path!r} is not a PEFT adapter folder ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})")
+    config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    mapped = MappedSafetensors(folder / ADAPTER_WEIGHTS)
+    return config, {n: mapped.get(n).clone() for n in mapped.entries if n != "__metadata__"}
+
+
+class LocalAdapters:
+    """The adapters loaded into `model`, by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.loaded: dict[str, dict[str, Any]] = {}
+
+    def _layers(self) -> list[torch.nn.Module]:
+        from peft.tuners.lora import LoraLayer
+
+        return [m for m in self.model.modules() if isinstance(m, LoraLayer)]
+
+    def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+        """Add adapter `name` (PEFT config and tensors under PEFT's keys); returns its bytes. All or nothing."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        if not name or name == BASE:
+            raise AdapterError(f"lora_name {name!r} is not a usable adapter name")
+        if name in self.loaded:
+            raise AdapterError(f"the adapter {name!r} is already loaded; unload it first")
+        if str(config.get("peft_type", "LORA")).upper() != "LORA":
+            raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
+        try:
+            lora_config = LoraConfig(**{k: config[k] for k in _CONFIG_KEYS if k in config})
+            inject_adapter_in_model(lora_config, self.model, adapter_name=name)
+        except (TypeError, ValueError) as err:
+            raise AdapterError(f"adapter {name!r}: {err}") from None
+        try:
+            nbytes = self._copy(name, tensors)
+        except AdapterError:
+            self._delete(name)
+            raise
+        self.loaded[name] = config
+        for layer in self._layers():  # every loaded adapter stays usable: a batch names its rows' adapters
+            layer.set_adapter(list(self.loaded))
+        return nbytes
+
+    @torch.no_grad()
+    def _copy(self, name: str, tensors: dict[str, torch.Tensor]) -> int:
+        expected: dict[str, torch.Tensor] = {}
+        for module_name, module in self.model.named_modules():
+            if hasattr(module, "lora_A") and name in module.lora_A:
+                for part in ("A", "B"):
+                    expected[f"{_PREFIX}{module_name}.lora_{part}.weight"] = getattr(module, f"lora_{part}")[
+                        name
+                    ].weight
+        unknown = sorted(set(tensors) - set(expected))
+        if unknown:
+            raise AdapterError(f"adapter {name!r}: tensor {unknown[0]!r} has no LoRA module in the served model")
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise AdapterError(f"adapter {name!r}: tensor {missing[0]!r} is missing")
+        nbytes = 0
+        for key, param in expected.items():
+            value = tensors[key]
+            if tuple(value.shape) != tuple(param.shape):
+                raise AdapterError(
+                    f"adapter {name!r}: {key!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            param.copy_(value.to(param.dtype))
+            nbytes += value.numel() * value.element_size()
+        return nbytes
+
+    def _delete(self, name: str) -> None:
+        for layer in self._layers():
+            if name in layer.lora_A:
+                layer.delete_adapter(name)
+
+    def unload(self, name: str) -> None:
+        if name not in self.loaded:
+            raise AdapterError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
+        self._delete(name)
+        del self.loaded[name]
+
+    def check(self, name: str | None) -> None:
+        """A /generate request's `lora_path`: None, or a loaded adapter's name."""
+        if name is not None and name not in self.loaded:
+            raise AdapterError(f"lora_path: the adapter {name!r} is not loaded (loaded: {sorted(self.loaded)})")
+
+    @contextlib.contextmanager
+    def rows(self, names: list[str | None]) -> Iterator[None]:
+        """Each batch row of the forwards inside the block runs its adapter (None: the base)."""
+        if not self.loaded:
+            yield
+            return
+        adapter_names = [BASE if n is None else n for n in names]
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return args, {**kwargs, "adapter_names": adapter_names}
+
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self._layers()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
