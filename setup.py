@@ -48,6 +48,8 @@ setup(
         ],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
+        # model.lora with rollout.lora_sync=adapter: the local engine serves the adapters through peft
+        "lora": ["peft>=0.17"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

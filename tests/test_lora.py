@@ -232,3 +232,17 @@ def test_checkpoint_holds_the_adapters_and_their_optimizer_and_resumes_exactly(a
             load_adapter_weights(actor.state.model, tmp_path / "ckpt", other)
     finally:
         load_adapters(actor.lora, start)
+
+
+def test_adapter_sync_to_the_local_engine_without_peft_is_refused_naming_the_way_out(monkeypatch) -> None:  # noqa: ANN001
+    import importlib.util
+
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models import lora_targets
+
+    model = dataclasses.replace(tiny_model("qwen3_moe"), lora=LoraConfig(rank=4, target_modules=["q_proj"]))
+    lora_targets.check_local_engine_adapters(model)  # peft is installed here
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else found(name, *a))
+    with pytest.raises(ConfigError, match=r"needs peft.*megatron-rl\[lora\].*rollout.lora_sync = 'merged'"):
+        lora_targets.check_local_engine_adapters(model)

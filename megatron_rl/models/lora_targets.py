@@ -8,6 +8,7 @@ adapter per part ("slot") and adds their outputs in Megatron's row layout.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,9 +111,9 @@ def check_init_adapter(model: ModelConfig) -> dict[str, Any] | None:
 
 
 def check_local_engine_adapters(model: ModelConfig) -> None:
-    """ConfigError when adapter-only sync would give the local engine routed-expert adapters: it serves
+    """ConfigError when adapter-only sync would give the local engine routed-expert adapters (it serves
     adapters through PEFT on transformers, whose MoE families hold their experts as fused 3-D parameters
-    that PEFT's target_modules cannot reach."""
+    that PEFT's target_modules cannot reach), or when peft is not installed."""
     names = set(check_target_modules(model))
     routed = sorted({t.peft_name for t in LORA_TARGETS[model.family] if t.linear.startswith("mlp.experts")} & names)
     if routed and model.num_experts is not None:
@@ -120,4 +121,9 @@ def check_local_engine_adapters(model: ModelConfig) -> None:
             f"model.lora.target_modules {routed} adapt the routed experts, which the local engine cannot serve as "
             "adapters (PEFT on transformers' fused experts) with rollout.lora_sync = 'adapter'; use "
             "rollout.lora_sync = 'merged', or SGLang servers (rollout.sglang_urls), or attention targets only"
+        )
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "rollout.lora_sync = 'adapter' with the local engine needs peft, which serves the adapters "
+            "(pip install 'megatron-rl[lora]'); or use rollout.lora_sync = 'merged'"
         )
