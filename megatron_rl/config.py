@@ -801,6 +801,12 @@ def _validate_parallel(cfg: Config) -> None:
         model.num_layers % pp == 0,
         f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({model.num_layers})",
     )
+    if model.family == "deepseek_v3":  # MLA's down projections are column-parallel on the local spec
+        latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
+        if model.q_lora_rank is not None:
+            latent["model.q_lora_rank"] = model.q_lora_rank
+        for key, width in latent.items():
+            _require(width % tp == 0, f"parallel.tensor_model_parallel_size ({tp}) must divide {key} ({width})")
     if model.num_experts is None:
         _require(ep == 1, f"parallel.expert_model_parallel_size ({ep}) needs an MoE model (model.num_experts)")
     else:

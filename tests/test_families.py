@@ -284,3 +284,14 @@ def test_transformer_configs() -> None:
     assert type(glm).__name__ == "TransformerConfig" and glm.add_qkv_bias and glm.qk_layernorm
     assert glm.moe_router_bias_update_rate == 1e-3 and glm.moe_router_group_topk is None
     assert glm.moe_router_topk_scaling_factor == 1.8 and glm.moe_shared_expert_intermediate_size == 20
+
+
+def test_mla_latent_widths_must_split_over_tp() -> None:
+    from megatron_rl.config import Config, validate
+
+    from mrl_configs import layout
+
+    model = tiny_sigmoid_model("deepseek_v3", kv_lora_rank=19)
+    with pytest.raises(ConfigError, match=r"must divide model.kv_lora_rank \+ model.qk_rope_head_dim \(25\)"):
+        validate(Config(model=model, parallel=layout(tp=2)))
+    validate(Config(model=model, parallel=layout()))
