@@ -76,8 +76,14 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         n_group=4,
         topk_group=1,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
         },  # fmt: skip
     ),
     "glm4_moe": dict(
