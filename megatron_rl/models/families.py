@@ -118,3 +118,30 @@ def moe_layer_pattern(model: ModelConfig) -> list[int]:
             f"({model.first_k_dense_layers}) leaves no MoE layer in model.num_layers ({model.num_layers})"
         )
     return pattern
+
+
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """(dense, expert) parameter counts of `model` (experts: the routed experts' weights, which EP and
+    ETP split; everything else, shared experts and routers included, is dense). For sizing arithmetic:
+    the vocabulary is counted unpadded."""
+    spec = check_family(model)
+    h, heads = model.hidden_size, model.num_attention_heads
+    if spec.multi_latent_attention:
+        q_head = model.qk_nope_head_dim + model.qk_rope_head_dim
+        q = h * heads * q_head if model.q_lora_rank is None else model.q_lora_rank * (h + 1 + heads * q_head)
+        kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+        kv += model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
+        attention = q + kv + heads * model.v_head_dim * h
+    else:
+        d = model.kv_channels or h // heads
+        qkv = (heads + 2 * model.num_query_groups) * d
+        attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (2 * d if model.qk_layernorm else 0)
+    pattern = moe_layer_pattern(model)
+    moe_layers = sum(pattern)
+    dense_mlp = 3 * h * model.ffn_hidden_size * (model.num_layers - moe_layers)
+    router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
+    shared = 3 * h * (model.moe_shared_expert_size or 0)
+    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    dense = embeddings + h + model.num_layers * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
+    experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
+    return dense, experts
