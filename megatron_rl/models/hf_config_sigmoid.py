@@ -134,6 +134,10 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
     _refuse(dense < layers, source, f"first_k_dense_replace = {dense} leaves no MoE layer")
     norm = bool(_get(hf, source, "norm_topk_prob", True))
     _refuse(norm or topk == 1, source, "norm_topk_prob = false with top-k > 1 is not supported (Megatron renormalises)")
+    _refuse(
+        not (norm and topk == 1), source, "norm_topk_prob = true with num_experts_per_tok = 1 is not supported "
+        "(transformers' gate is then 1, Megatron's the sigmoid score)",
+    )  # fmt: skip
     shared = int(_get(hf, source, "n_shared_experts", 0))
     width = int(_get(hf, source, "moe_intermediate_size"))
     groups, group_topk = int(_get(hf, source, "n_group", 1)), int(_get(hf, source, "topk_group", 1))
