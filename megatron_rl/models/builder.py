@@ -108,11 +108,10 @@ def transformer_config(
             kwargs.update(sigmoid_router_fields(model))
     elif enable_routing_replay:
         raise ValueError(f"routing replay needs an MoE model; model.family = {model.family!r} is dense")
-    kwargs.update(overrides or {})
     if spec.multi_latent_attention:
         kwargs.update(mla_fields(model))
-        return MLATransformerConfig(**kwargs)
-    return TransformerConfig(**kwargs)
+    kwargs.update(overrides or {})
+    return (MLATransformerConfig if spec.multi_latent_attention else TransformerConfig)(**kwargs)
 
 
 def sigmoid_router_fields(model: ModelConfig) -> dict[str, Any]:
