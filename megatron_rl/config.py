@@ -42,7 +42,7 @@ def _f(default: Any, help: str, **bounds: float) -> Any:
     return field(default=default, metadata=meta)
 
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral"]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -88,6 +88,35 @@ class ModelConfig:
     first_k_dense_layers: int = _f(0, "leading layers with a dense MLP", ge=0)
     moe_router_norm_topk: bool = _f(True, "renormalise the top-k routing weights to sum to 1")
     moe_aux_loss_coeff: float = _f(0.0, "load-balancing auxiliary loss weight", ge=0)
+    moe_shared_expert_size: int | None = _f(
+        None,
+        "width of the shared expert of each MoE layer (n_shared_experts x moe_intermediate_size); null = none",
+        ge=1,
+    )
+    moe_router_num_groups: int | None = _f(None, "expert groups of group-limited routing (n_group); null = none", ge=1)
+    moe_router_group_topk: int | None = _f(None, "groups each token may use (topk_group); null = all", ge=1)
+    moe_router_scaling_factor: float = _f(1.0, "routed experts' gate weights times this (routed_scaling_factor)", gt=0)
+    freeze_expert_bias: bool = _f(
+        True,
+        "sigmoid-router families: keep the expert bias (e_score_correction_bias) fixed during RL; false = "
+        "Megatron's load-balancing update after every optimizer step (synced to the engine either way)",
+    )
+    expert_bias_update_rate: float = _f(
+        1e-3, "step of Megatron's expert-bias update when model.freeze_expert_bias = false", gt=0
+    )
+    q_lora_rank: int | None = _f(None, "MLA: rank of the query compression; null = a full q_proj", ge=1)
+    kv_lora_rank: int = _f(512, "MLA: rank of the key/value compression", ge=1)
+    qk_nope_head_dim: int = _f(128, "MLA: query/key head dimension without RoPE", ge=1)
+    qk_rope_head_dim: int = _f(64, "MLA: query/key head dimension with RoPE", ge=1)
+    v_head_dim: int = _f(128, "MLA: value head dimension", ge=1)
+    rotary_percent: float = _f(1.0, "share of each head's dimensions RoPE rotates (partial_rotary_factor)", gt=0, le=1)
+    rope_scaling: Literal["none", "yarn"] = _f("none", "RoPE scaling (yarn: DeepSeek's, MLA families only)")
+    yarn_factor: float = _f(1.0, "yarn: context extension factor", ge=1)
+    yarn_original_max_position_embeddings: int = _f(4096, "yarn: pre-training context length", ge=1)
+    yarn_beta_fast: float = _f(32.0, "yarn: beta_fast", gt=0)
+    yarn_beta_slow: float = _f(1.0, "yarn: beta_slow", gt=0)
+    yarn_mscale: float = _f(1.0, "yarn: mscale of the cos/sin attention factor", ge=0)
+    yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
@@ -796,6 +825,12 @@ def _validate_parallel(cfg: Config) -> None:
         model.num_layers % pp == 0,
         f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({model.num_layers})",
     )
+    if model.family == "deepseek_v3":  # MLA's down projections are column-parallel on the local spec
+        latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
+        if model.q_lora_rank is not None:
+            latent["model.q_lora_rank"] = model.q_lora_rank
+        for key, width in latent.items():
+            _require(width % tp == 0, f"parallel.tensor_model_parallel_size ({tp}) must divide {key} ({width})")
     if model.num_experts is None:
         _require(ep == 1, f"parallel.expert_model_parallel_size ({ep}) needs an MoE model (model.num_experts)")
     else:

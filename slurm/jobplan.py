@@ -50,6 +50,8 @@ from typing import Any
 from megatron_rl.rollout.local.launcher import API_KEY_ENV as ENGINE_API_KEY_ENV
 
 CHECKPOINT_EVERY = 10  # the trainer's checkpoint cadence in a job, unless the config sets checkpoint.every
+GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
+STATIC_MEMORY_SHARE = 0.9  # of a GPU for weights, gradients and optimizer state; the rest: activations, buffers
 
 
 class PlanError(ValueError):
@@ -281,11 +283,22 @@ def make_plan(
     router: bool = False,
     sglang_python: str | None = None,
     environ: dict[str, str] | None = None,
+    preset: str | None = None,
+    gpu_mem_gib: float = GPU_MEMORY_GIB,
 ) -> JobPlan:
     """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError.
     `sglang_python` runs the SGLang servers (default `python`: one environment for both roles);
-    `environ` (default os.environ) gives NCCL settings set at submission."""
+    `environ` (default os.environ) gives NCCL settings set at submission; `preset` (slurm/presets.py)
+    puts a model's layout before `overrides`; on GPUs the trainer's static memory must fit `gpu_mem_gib`."""
     from megatron_rl.config import load_config
+
+    if preset:
+        from presets import preset_overrides
+
+        try:
+            overrides = [*preset_overrides(preset), *overrides]
+        except ValueError as err:
+            raise PlanError(str(err)) from None
 
     if mode not in ("disaggregated", "colocated"):
         raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
@@ -329,6 +342,8 @@ def make_plan(
         cfg = validate_run(cfg, "train", world_size=n_train * rpn, cuda_available=gpus_per_node > 0)
     except LayoutError as err:
         raise PlanError(f"{err} (trainer world = {n_train} training node(s) x {rpn} ranks per node)") from None
+    if gpus_per_node:
+        check_trainer_memory(cfg, n_train * rpn, gpu_mem_gib)
 
     addr_of = dict(zip(nodes, addrs, strict=True))
     base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500  # multi-node engines' rendezvous
@@ -359,6 +374,63 @@ def make_plan(
         api_key=cfg.rollout.api_key,
         env=_job_env(mode, gpus_per_node, dict(os.environ if environ is None else environ)),
     )
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Arithmetic per GPU of the trainer's static state (not a measurement), in GiB."""
+
+    dense_params: float  # billions on one GPU: dense / (TP x PP)
+    expert_params: float  # billions on one GPU: experts / (EP x ETP x PP)
+    weights: float
+    grads: float
+    optimizer: float  # fp32 master copy (unless fp32 weights) and Adam's two moments, sharded over (expert) DP
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
+    """Per-GPU weights (params_dtype), fp32 gradients and optimizer state of `cfg`'s model under its layout
+    on `world` ranks; the distributed optimizer shards the state over the data-parallel ranks (the
+    experts' over the expert-data-parallel ones)."""
+    from megatron_rl.models.families import parameter_counts
+    from megatron_rl.parallel.layout import resolve_expert_tensor_parallel
+
+    par = cfg.parallel
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    etp = resolve_expert_tensor_parallel(par)
+    dense, experts = parameter_counts(cfg.model)
+    dense_local, expert_local = dense / (tp * pp), experts / (ep * etp * pp)
+    dp = world // (tp * pp * par.context_parallel_size)
+    expert_dp = world // (ep * etp * pp)
+    width = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.model.params_dtype]
+    state = 8 + (0 if width == 4 else 4)  # Adam's moments (+ the fp32 master weights)
+    shard = (dp, expert_dp) if par.use_distributed_optimizer else (1, 1)
+    gib = 2**30
+    return TrainerMemory(
+        dense_params=dense_local / 1e9,
+        expert_params=expert_local / 1e9,
+        weights=(dense_local + expert_local) * width / gib,
+        grads=(dense_local + expert_local) * 4 / gib,
+        optimizer=(dense_local * state / shard[0] + expert_local * state / shard[1]) / gib,
+    )
+
+
+def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMemory:
+    """PlanError naming the layout keys when the trainer's static state exceeds STATIC_MEMORY_SHARE of a GPU."""
+    mem = trainer_memory(cfg, world)
+    limit = STATIC_MEMORY_SHARE * gpu_mem_gib
+    if mem.total > limit:
+        raise PlanError(
+            f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state "
+            f"({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per GPU: "
+            f"{mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
+            f"{STATIC_MEMORY_SHARE:.0%} of GPU_MEM_GIB={gpu_mem_gib:g}: raise parallel.expert_model_parallel_size, "
+            "parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size, or train on more nodes"
+        )
+    return mem
 
 
 def _job_env(mode: str, gpus_per_node: int, environ: dict[str, str]) -> dict[str, str]:
@@ -504,6 +576,11 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-args", default="", help="extra engine arguments (shell words)")
     p.add_argument("--router", action="store_true", help="start an sglang-router in front of the engines")
     p.add_argument("--sglang-python", default="", help="interpreter of the SGLang servers; empty = the planner's")
+    p.add_argument("--preset", default=os.environ.get("PRESET", ""), help="a layout of slurm/presets.py ($PRESET)")
+    p.add_argument(
+        "--gpu-mem-gib", type=float, default=float(os.environ.get("GPU_MEM_GIB") or GPU_MEMORY_GIB),
+        help="memory of one GPU ($GPU_MEM_GIB)",
+    )  # fmt: skip
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("free-port", help="print a free TCP port of this machine")
@@ -539,6 +616,8 @@ def _main(argv: list[str] | None = None) -> int:
                 engine_args=shlex.split(args.engine_args),
                 router=args.router,
                 sglang_python=args.sglang_python or None,
+                preset=args.preset or None,
+                gpu_mem_gib=args.gpu_mem_gib,
             )
             print(describe(plan), file=sys.stderr)
             print(to_shell(plan), end="")

@@ -26,6 +26,19 @@ _MEGATRON_FAMILY_SWITCHES = {
     "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
 }
 
+# The sigmoid-router families (DeepSeek-V3, GLM-4.5): group-limited routing with 8 experts in 4 groups,
+# top-4 from 2 groups, a shared expert, yarn RoPE (DeepSeek) and partial RoPE with QKV biases and
+# QK-norm (GLM). Odd widths throughout; the expert bias is made non-zero by save_random_hf_model.
+SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
+_YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32, beta_slow=1, mscale=1.0,
+             mscale_all_dim=1.0)  # fmt: skip
+_DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                 topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                 rope_scaling=_YARN)  # fmt: skip
+_GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+            use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
+
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
     "small": (
@@ -48,6 +61,18 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "mixtral": dict(head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
             "qwen3": dict(head_dim=8, intermediate_size=64),
             "qwen2": dict(intermediate_size=64),
+            "deepseek_v3": dict(
+                _DEEPSEEK,
+                q_lora_rank=12,
+                kv_lora_rank=10,
+                qk_nope_head_dim=6,
+                qk_rope_head_dim=4,
+                head_dim=4,
+                v_head_dim=5,
+                intermediate_size=40,
+                moe_intermediate_size=12,
+            ),
+            "glm4_moe": dict(_GLM, head_dim=12, intermediate_size=40, moe_intermediate_size=12),
         },
     ),
     "split": (
@@ -71,6 +96,19 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
             "qwen3": dict(tie_word_embeddings=True),
             "qwen2": dict(),
+            "deepseek_v3": dict(
+                _DEEPSEEK,
+                q_lora_rank=22,
+                kv_lora_rank=18,
+                qk_nope_head_dim=10,
+                qk_rope_head_dim=6,
+                head_dim=6,
+                v_head_dim=14,
+                moe_intermediate_size=24,
+                n_shared_experts=2,
+                rope_scaling=dict(_YARN, original_max_position_embeddings=16),
+            ),
+            "glm4_moe": dict(_GLM, head_dim=20, moe_intermediate_size=20, routed_scaling_factor=1.8),
         },
     ),
 }
@@ -103,6 +141,26 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "use_sliding_window": False,
     "torch_dtype": "bfloat16",
 }
+
+
+def hf_config_json(family: str, size: str = "split", **overrides: Any) -> dict[str, Any]:
+    """The config.json dict `save_pretrained` writes for `hf_config(family, size, **overrides)`."""
+    import json
+
+    from megatron_rl.models.hf_config import _HF_CLASS
+
+    config = hf_config(family, size, **overrides)
+    config.architectures = [_HF_CLASS[family]]
+    return json.loads(config.to_json_string())
+
+
+def tiny_sigmoid_model(
+    family: str, size: str = "split", hf: dict[str, Any] | None = None, **fields: Any
+) -> ModelConfig:
+    """The Megatron `model` of a tiny DeepSeek-V3 / GLM-4.5 (`hf_config_json`), fp32; `fields` override it."""
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    return model_config_from_hf(hf or hf_config_json(family, size), params_dtype="fp32", **fields)
 
 
 def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
@@ -142,11 +200,12 @@ def layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bo
 def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
     """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"); `overrides`
     replace its fields."""
-    from transformers import MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}
+    classes.update(deepseek_v3=DeepseekV3Config, glm4_moe=Glm4MoeConfig)
     if family not in classes:
-        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES)}")
+        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES)}")
     if size not in _HF_SIZES:
         raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")
     common, per_family = _HF_SIZES[size]
@@ -178,5 +237,8 @@ def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.f
         else:
             values /= math.sqrt(param.shape[-1])
         param.copy_(values)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # a non-zero expert bias that changes the routing
+            buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     model.to(dtype).save_pretrained(folder)
     return folder

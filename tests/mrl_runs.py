@@ -33,13 +33,14 @@ def digits(response: str, answer: str) -> float:
 """
 
 
-def build_work(root: Path) -> Path:
-    """The tiny_math model (seed 0), GOOD_ROWS training rows with BAD_ROWS among them, 4 held-out rows,
-    a custom reward (the share of digits, failing on odd answers) and `rl.yaml` (EP=2) under `root`."""
+def build_work(root: Path, family: str = "qwen3_moe") -> Path:
+    """The tiny_math model of `family` (seed 0), GOOD_ROWS training rows with BAD_ROWS among them, 4
+    held-out rows, a custom reward (the share of digits, failing on odd answers) and `rl.yaml` (EP=2)
+    under `root`."""
     import tiny_model
     import tiny_task
 
-    tiny_model.build_model(root / "model", seed=0)
+    tiny_model.build_model(root / "model", seed=0, family=family)
     train, heldout = tiny_task.split_problems(seed=0)
     rows = [json.dumps(tiny_task.task_row(p, i, "train")) for i, p in enumerate(train[:GOOD_ROWS])]
     rows.insert(2, "{not json")

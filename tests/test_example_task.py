@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_rl.config import DataConfig, load_config
 from megatron_rl.data import load_prompt_dataset
@@ -156,3 +157,24 @@ def test_model_folder_is_seeded_and_matches_the_megatron_settings(assets: Path, 
         config.head_dim,
         config.moe_intermediate_size,
     )
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> None:
+    """`--family` builds the DeepSeek-V3- / GLM-4.5-shaped policy: its config.json maps to the family
+    (no key left unhandled), the same seed gives the same weights, and the expert bias is non-zero."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+    tiny_model.build_model(tmp_path / "a", seed=0, family=family)
+    tiny_model.build_model(tmp_path / "b", seed=0, family=family)
+    model = model_config_from_hf(read_hf_config(tmp_path / "a"))
+    assert (model.family, model.num_experts, model.moe_router_topk, model.first_k_dense_layers) == (family, 8, 2, 1)
+    assert model.moe_shared_expert_size == 96 and model.moe_router_scaling_factor == 2.5
+    assert (model.rope_scaling == "yarn") == (family == "deepseek_v3")
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+    with pytest.raises(ValueError, match="family 'llama'"):
+        tiny_model.build_model(tmp_path / "c", family="llama")

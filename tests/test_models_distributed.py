@@ -1,7 +1,8 @@
 """Megatron models across layouts, one gloo launch per world size (tests/mrl_multiproc/model_scenarios.py).
 
 Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5);
-the unsplit model equals the transformers model of each family with the same weights.
+the unsplit model equals the transformers model of each family with the same weights (DeepSeek-V3 and
+GLM-4.5: log-probs within 1e-5, with a non-zero expert bias).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ WORLDS = {
     1: [
         "cpu_compat_semantics",
         "families_match_hf",
+        "sigmoid_families_match_hf",
         "moe_layers_follow_pattern",
         "routing_replay_instances",
         "recompute_same_gradients",
@@ -29,11 +31,14 @@ WORLDS = {
         "logits_ep2_allgather",
         "logits_pp2",
         "logits_pp2_tied",
+        "logits_sigmoid_tp2_sp",
+        "logits_sigmoid_ep2",
+        "logits_sigmoid_pp2",
     ],
-    4: ["logits_tp2_ep2", "logits_tp2_ep2_etp1", "logits_pp2_tp2"],
+    4: ["logits_tp2_ep2", "logits_tp2_ep2_etp1", "logits_sigmoid_tp2_ep2_etp1", "logits_pp2_tp2"],
 }
 # On one GPU (NCCL; Transformer Engine specs when TE is installed).
-GPU_WORLD_1 = ["families_match_hf", "recompute_same_gradients", "bf16_params"]
+GPU_WORLD_1 = ["families_match_hf", "sigmoid_families_match_hf", "recompute_same_gradients", "bf16_params"]
 
 
 @pytest.fixture(scope="module")

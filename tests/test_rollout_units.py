@@ -18,13 +18,16 @@ from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
 from megatron_rl.weight_sync import send
 
-from mrl_configs import make_tiny_model
+from mrl_configs import SIGMOID_FAMILIES, hf_config, make_tiny_model, save_random_hf_model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
-    return {f: make_tiny_model(str(root / f), f, seed=3) for f in ("qwen3_moe", "mixtral", "qwen3", "qwen2")}
+    out = {f: make_tiny_model(str(root / f), f, seed=3) for f in ("qwen3_moe", "mixtral", "qwen3", "qwen2")}
+    for family in SIGMOID_FAMILIES:  # random weights with a non-zero expert bias
+        out[family] = str(save_random_hf_model(root / family, hf_config(family), seed=3))
+    return out
 
 
 # ---- sampling ----
@@ -68,7 +71,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 # ---- checkpoint names <-> fused in-memory experts ----
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", *SIGMOID_FAMILIES])
 def test_layout_covers_exactly_the_checkpoint_names(models, family):
     from safetensors.torch import load_file
 
@@ -155,6 +158,9 @@ def test_payload_unpickling_refuses_other_globals():
 
 def _check_against_forward(model, info, req: GenRequest) -> None:
     full = torch.tensor([req.input_ids + req.output_ids])
+    if info.family in SIGMOID_FAMILIES:
+        _check_sigmoid_against_forward(model, info, req, full)
+        return
     out = model(full, output_router_logits=info.is_moe)
     temp = req.temperature if req.temperature > 0 else 1.0
     lp = torch.log_softmax(out.logits[0].float() / temp, -1)
@@ -173,7 +179,32 @@ def _check_against_forward(model, info, req: GenRequest) -> None:
             assert (routed[clear.numpy(), layer] == ref[clear.numpy()]).all(), (req.rid, layer)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3"])
+def _check_sigmoid_against_forward(model, info, req: GenRequest, full: torch.Tensor) -> None:
+    """DeepSeek-V3 / GLM-4.5: log-probs as a plain forward's, and the routed experts (SGLang's
+    [tokens - 1, layers, top_k]) the routers' own choice there (sigmoid + expert bias, groups)."""
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(lambda m, a, o: chosen.append(o[2]))
+        for i in info.moe_layers
+    ]
+    try:
+        logits = model(full).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    temp = req.temperature if req.temperature > 0 else 1.0
+    p = len(req.input_ids)
+    expected = torch.log_softmax(logits / temp, -1)[p - 1 : -1].gather(1, torch.tensor(req.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(req.output_logprobs), expected, atol=1e-4), req.rid
+    routed = np.concatenate(req.routed)
+    assert routed.shape == (full.shape[1] - 1, info.num_layers, info.top_k)
+    for j, layer in enumerate(info.moe_layers):
+        ref = chosen[j][:-1].sort(dim=-1).values.numpy()
+        assert (np.sort(routed[:, layer], axis=-1) == ref).all(), (req.rid, layer)
+    assert not routed[:, 0].any(), "the dense first layer has no routing"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3", *SIGMOID_FAMILIES])
 def test_continuous_batching_matches_a_plain_forward(models, family):
     model, info = load_model(models[family])
     gen = Generator(model, info, max_running=4, max_prefill_tokens=64, seed=5)

@@ -577,3 +577,77 @@ def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_genera
         return out.stdout.strip()
 
     assert [default("disaggregated", 8), default("colocated", 8), default("disaggregated", 0)] == ["1", "0", "0"]
+
+
+# ---------------------------------------------------------------- presets of the largest MoE models
+
+
+@pytest.fixture(scope="module")
+def preset_configs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each preset's published config.json in a folder, and a YAML naming it (nothing else set)."""
+    import presets
+
+    root = tmp_path_factory.mktemp("presets")
+    for name, preset in presets.PRESETS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(preset.hf_config))
+        config = {
+            "model": {"hf_path": str(root / name)},
+            "data": {"train_path": "t.jsonl"},
+            "logging": {"run_dir": "r"},
+        }
+        (root / f"{name}.yaml").write_text(json.dumps(config))
+    return root
+
+
+def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_mem_gib: float = 80.0):  # noqa: ANN202
+    import presets
+
+    rollout_nodes = presets.PRESETS[name].rollout["engine_gpus"] // 8
+    nodes = [f"n{i}" for i in range(train_nodes + rollout_nodes)]
+    addrs = [f"10.2.{i // 200}.{i % 200 + 1}" for i in range(len(nodes))]
+    return jobplan.make_plan(
+        "disaggregated", str(root / f"{name}.yaml"), list(overrides), nodes, addrs, 8, "9",
+        train_nodes=train_nodes, preset=name, gpu_mem_gib=gpu_mem_gib,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "gib"),
+    [("deepseek-v3-671b", (8, 1, 256), 55.5), ("kimi-k2", (8, 1, 384), 52.8), ("glm-4.5-355b", (4, 4, 40), 42.3)],
+)
+def test_presets_pass_the_divisibility_and_memory_checks(
+    preset_configs: Path, name: str, layout: tuple, gib: float
+) -> None:
+    import presets
+
+    from megatron_rl.config import load_config
+    from megatron_rl.models.families import parameter_counts
+
+    preset = presets.PRESETS[name]
+    p = _preset_plan(preset_configs, name, preset.train_nodes)
+    assert p.world_size == preset.train_nodes * 8 and len(p.engines) == 1
+    assert len(p.engines[0].nodes) == preset.rollout["engine_gpus"] // 8
+    cfg = load_config(str(preset_configs / f"{name}.yaml"), presets.preset_overrides(name))
+    par = cfg.parallel
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == layout
+    mem = jobplan.trainer_memory(cfg, p.world_size)
+    assert abs(mem.total - gib) < 0.1 and mem.total <= jobplan.STATIC_MEMORY_SHARE * 80
+    total = sum(parameter_counts(cfg.model)) / 1e9
+    assert {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8}[name] == pytest.approx(total, abs=0.1)
+    with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by parallel.expert_tensor_parallel"):
+        _preset_plan(preset_configs, name, preset.train_nodes // 2)
+
+
+def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: Path) -> None:
+    with pytest.raises(jobplan.PlanError, match=r"needs about 98 GiB per GPU .* 10.22 B expert .* GPU_MEM_GIB=80"):
+        _preset_plan(preset_configs, "deepseek-v3-671b", 32, "parallel.expert_model_parallel_size=64")
+    with pytest.raises(jobplan.PlanError, match=r"needs about 42 GiB .* over 90% of GPU_MEM_GIB=40"):
+        _preset_plan(preset_configs, "glm-4.5-355b", 20, gpu_mem_gib=40)  # A100 40 GB
+    _preset_plan(preset_configs, "glm-4.5-355b", 20, gpu_mem_gib=141)  # H200
+    with pytest.raises(
+        jobplan.PlanError, match="PRESET='llama-405b'; allowed: deepseek-v3-671b, glm-4.5-355b, kimi-k2"
+    ):
+        jobplan.make_plan(
+            "disaggregated", str(preset_configs / "kimi-k2.yaml"), [], ["a"], ["1"], 8, "1", preset="llama-405b"
+        )

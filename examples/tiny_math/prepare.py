@@ -6,11 +6,13 @@ OUT/data/sft.jsonl      warm-start rows: task rows plus "response" (45% correct,
 OUT/model/              the randomly initialised tiny Qwen3-MoE policy and its character tokenizer
 
 Usage: python examples/tiny_math/prepare.py --out runs/tiny_math/assets [--seed 0] [--model-seed 0]
+       [--family qwen3_moe|deepseek_v3|glm4_moe]   (or FAMILY=...; default qwen3_moe)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when run as a script
 
-from tiny_model import build_model  # noqa: E402
+from tiny_model import FAMILIES, build_model  # noqa: E402
 from tiny_task import add_task_arguments, write_from_args  # noqa: E402
 
 
@@ -34,10 +36,14 @@ def prepare_main(
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--model-seed", type=int, default=0, help="model initialisation seed")
+    parser.add_argument(
+        "--family", default=os.environ.get("FAMILY") or "qwen3_moe", choices=FAMILIES, help="model family ($FAMILY)"
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     paths = write(args, args.out / "data")
-    model = build_model(args.out / "model", args.model_seed, tokenizer=None if tokenizer is None else tokenizer())
+    tok = None if tokenizer is None else tokenizer()
+    model = build_model(args.out / "model", args.model_seed, tokenizer=tok, family=args.family)
     for name, path in paths.items():
         print(f"{name}: {path}")
     print(f"model: {args.out / 'model'} ({sum(p.numel() for p in model.parameters()):,} parameters)")

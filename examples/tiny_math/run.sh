@@ -10,7 +10,13 @@ cd "$(dirname "$0")/../.."
 source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
 launch=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
-python examples/tiny_math/prepare.py --out runs/tiny_math/assets --sft-rows 76800 --sft-correct-fraction 0.4
-"${launch[@]}" sft examples/tiny_math/sft.yaml
-"${launch[@]}" train examples/tiny_math/rl.yaml "$@"
-megatron-rl plot runs/tiny_math/rl > /dev/null   # curves: runs/tiny_math/rl/plots/
+# FAMILY=deepseek_v3 or glm4_moe: the same recipe on a DeepSeek-V3- or GLM-4.5-shaped policy, in runs/tiny_math_$FAMILY
+root=runs/tiny_math${FAMILY:+_$FAMILY}
+data=$root/assets/data
+
+python examples/tiny_math/prepare.py --out $root/assets --sft-rows 76800 --sft-correct-fraction 0.4
+"${launch[@]}" sft examples/tiny_math/sft.yaml model.hf_path=$root/assets/model logging.run_dir=$root/sft \
+  data.train_path=$data/sft.jsonl data.eval_path=$data/heldout.jsonl
+"${launch[@]}" train examples/tiny_math/rl.yaml model.hf_path=$root/sft/hf logging.run_dir=$root/rl \
+  data.train_path=$data/train.jsonl data.eval_path=$data/heldout.jsonl "$@"
+megatron-rl plot $root/rl > /dev/null   # curves: $root/rl/plots/

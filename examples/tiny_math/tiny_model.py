@@ -8,7 +8,9 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0]
+`--family deepseek_v3|glm4_moe` builds a DeepSeek-V3- or GLM-4.5-shaped policy instead (`FAMILY_ARCHITECTURES`).
+
+Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe]
 """
 
 from __future__ import annotations
@@ -40,6 +42,63 @@ ARCHITECTURE: dict[str, Any] = dict(
     rope_theta=10000.0,
 )
 
+# The same task on the two sigmoid-router families, at about the same size: DeepSeek-V3-shaped (MLA with
+# q/kv compression, yarn RoPE, a dense first layer, a shared expert, 8 experts in 4 groups, top-2 from
+# 1 group, routed scaling 2.5) and GLM-4.5-shaped (GQA with QKV biases and QK-norm, half-rotary RoPE,
+# a dense first layer, a shared expert). Their expert bias starts non-zero (0.01 N(0, 1), seeded).
+_SIGMOID_COMMON: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    intermediate_size=256,
+    moe_intermediate_size=96,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    num_nextn_predict_layers=0,
+)
+FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        _SIGMOID_COMMON,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        head_dim=16,
+        v_head_dim=32,
+        n_group=4,
+        topk_group=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },  # fmt: skip
+    ),
+    "glm4_moe": dict(
+        _SIGMOID_COMMON,
+        num_key_value_heads=2,
+        head_dim=32,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_group=1,
+        topk_group=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+}
+FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
+
 # The same network as megatron_rl.config `model.*` keys.
 MEGATRON_MODEL: dict[str, Any] = dict(
     family="qwen3_moe",
@@ -63,42 +122,52 @@ MEGATRON_MODEL: dict[str, Any] = dict(
 )
 
 
-def build_model(out: Path, seed: int = 0, tokenizer: Any = None) -> Any:
-    """Write the model (safetensors, config, generation config) and its tokenizer (tiny_math's by
-    default) to `out`; returns the model. The vocabulary size is the tokenizer's."""
+def build_model(out: Path, seed: int = 0, tokenizer: Any = None, family: str = "qwen3_moe") -> Any:
+    """Write the model of `family` (FAMILIES; safetensors, config, generation config) and its tokenizer
+    (tiny_math's by default) to `out`; returns the model. The vocabulary size is the tokenizer's."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES)}")
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
-    arch = dict(ARCHITECTURE)
-    rope_theta = arch.pop("rope_theta")
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        **arch,
-    )
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if family == "qwen3_moe":
+        arch = dict(ARCHITECTURE)
+        rope_theta = arch.pop("rope_theta")
+        rope = {"rope_type": "default", "rope_theta": rope_theta}
+        config: Any = transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), rope_parameters=rope, **special, **arch)
+        cls: Any = transformers.Qwen3MoeForCausalLM
+    else:
+        arch = FAMILY_ARCHITECTURES[family]
+        rope_theta = arch["rope_parameters"]["rope_theta"]
+        config_cls = transformers.DeepseekV3Config if family == "deepseek_v3" else transformers.Glm4MoeConfig
+        config = config_cls(vocab_size=len(tokenizer), **special, **arch)
+        cls = transformers.DeepseekV3ForCausalLM if family == "deepseek_v3" else transformers.Glm4MoeForCausalLM
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Qwen3MoeForCausalLM(config)
+        model = cls(config)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.01 * torch.randn(buffer.shape))
     finally:
         torch.random.set_rng_state(generator_state)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    _add_legacy_config_keys(out / "config.json", rope_theta)
+    _add_legacy_config_keys(out / "config.json", rope_theta, family)
     save_tokenizer(tokenizer, out)
     return model
 
 
-def _add_legacy_config_keys(path: Path, rope_theta: float) -> None:
+def _add_legacy_config_keys(path: Path, rope_theta: float, family: str = "qwen3_moe") -> None:
     """transformers 5 writes num_local_experts / rope_parameters / dtype; readers on transformers 4.x
     (e.g. an SGLang server) look for num_experts / rope_theta / torch_dtype and would silently fall
     back to their defaults (128 experts) without them."""
     config = json.loads(path.read_text(encoding="utf-8"))
-    config.setdefault("num_experts", config.get("num_local_experts", ARCHITECTURE["num_experts"]))
+    if family == "qwen3_moe":
+        config.setdefault("num_experts", config.get("num_local_experts", ARCHITECTURE["num_experts"]))
     config.setdefault("rope_theta", rope_theta)
     config.setdefault("torch_dtype", config.get("dtype", "float32"))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -108,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="model folder to write")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    parser.add_argument("--family", default="qwen3_moe", choices=FAMILIES, help="model family")
     args = parser.parse_args(argv)
-    model = build_model(args.out, args.seed)
+    model = build_model(args.out, args.seed, family=args.family)
     print(f"model: {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
 

@@ -19,10 +19,11 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
 from megatron_rl.parallel.device import local_device, transformer_engine_available
@@ -49,7 +50,7 @@ def transformer_config(
 
     `overrides` sets any other TransformerConfig field (e.g. `calculate_per_token_loss`).
     """
-    check_family(model)
+    spec = check_family(model)
     dtype = DTYPES[model.params_dtype]
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
@@ -90,10 +91,10 @@ def transformer_config(
             moe_layer_freq=moe_layer_pattern(model),
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_router_topk=model.moe_router_topk,
-            moe_router_score_function="softmax",
+            moe_router_score_function=spec.score_function,
             # Renormalised top-k of softmax(all) == softmax(top-k logits) (Qwen3-MoE norm_topk_prob,
             # Mixtral); without renormalisation the weights are the top-k of softmax(all).
-            moe_router_pre_softmax=not model.moe_router_norm_topk,
+            moe_router_pre_softmax=spec.score_function == "softmax" and not model.moe_router_norm_topk,
             moe_router_dtype="fp32",
             moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -101,11 +102,52 @@ def transformer_config(
             moe_expert_capacity_factor=None,
             moe_grouped_gemm=moe_grouped_gemm,
             moe_enable_routing_replay=enable_routing_replay,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_size,
         )
+        if spec.score_function == "sigmoid":
+            kwargs.update(sigmoid_router_fields(model))
     elif enable_routing_replay:
         raise ValueError(f"routing replay needs an MoE model; model.family = {model.family!r} is dense")
+    if spec.multi_latent_attention:
+        kwargs.update(mla_fields(model))
     kwargs.update(overrides or {})
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.multi_latent_attention else TransformerConfig)(**kwargs)
+
+
+def sigmoid_router_fields(model: ModelConfig) -> dict[str, Any]:
+    """DeepSeek's router: sigmoid scores plus the fp32 expert bias (HF's e_score_correction_bias,
+    Megatron's `expert_bias`) choose the experts, group-limited when groups are set; the gates are
+    the chosen sigmoid scores renormalised, times the routed scaling factor. With
+    `model.freeze_expert_bias` the bias update runs at rate 0: the bias stays what was loaded."""
+    return dict(
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0 if model.freeze_expert_bias else model.expert_bias_update_rate,
+        moe_router_num_groups=model.moe_router_num_groups,
+        moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model.moe_router_scaling_factor,
+    )
+
+
+def mla_fields(model: ModelConfig) -> dict[str, Any]:
+    """MLATransformerConfig's fields: the latent ranks, head dimensions and RoPE (yarn or plain).
+    Megatron's MLA softmax scale is mscale(factor, mscale_all_dim)^2 / sqrt(q head dim), as DeepSeek's."""
+    yarn = model.rope_scaling == "yarn"
+    return dict(
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=model.rope_theta,
+        rotary_percent=1.0,
+        rotary_scaling_factor=model.yarn_factor if yarn else 1.0,
+        original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+        beta_fast=model.yarn_beta_fast,
+        beta_slow=model.yarn_beta_slow,
+        mscale=model.yarn_mscale if yarn else 1.0,
+        mscale_all_dim=model.yarn_mscale_all_dim if yarn else 0.0,
+    )
 
 
 def _local_layer(spec: ModuleSpec) -> ModuleSpec:
@@ -116,8 +158,9 @@ def _local_layer(spec: ModuleSpec) -> ModuleSpec:
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
     attn = sub.self_attention.submodules
-    attn.core_attention = PackedDotProductAttention
-    for name in ("q_layernorm", "k_layernorm"):
+    mla = hasattr(attn, "linear_kv_down_proj")
+    attn.core_attention = MLADotProductAttention if mla else PackedDotProductAttention
+    for name in ("q_layernorm", "kv_layernorm") if mla else ("q_layernorm", "k_layernorm"):
         if getattr(attn, name) not in (None, IdentityOp):
             setattr(attn, name, SequenceParallelRMSNorm)
     return spec
@@ -201,7 +244,7 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=model.rotary_percent,
         rotary_base=model.rope_theta,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU

@@ -32,6 +32,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.models.hf_config_sigmoid import mtp_dropped_config
 from megatron_rl.models.hf_io import ShardedSafetensorsWriter, copy_assets, finalize_hf_folder, write_hf_config
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.init import ParamShard, iter_param_shards
@@ -203,7 +204,7 @@ def _finish_folder(
         missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
         return f"export wrote a wrong tensor set: missing {missing[:3]}, unexpected {extra[:3]}"
     final = finalize_hf_folder(out, files)
-    write_hf_config(out, hf_config, dtype)
+    write_hf_config(out, mtp_dropped_config(hf_config), dtype)  # the MTP layers are not exported
     if assets_from is not None:
         copy_assets(assets_from, out)
     return final

@@ -12,9 +12,11 @@ class FamilySpec:
     """Switches a family fixes; `None` = free. Everything else (sizes, tying) comes from the config."""
 
     moe: bool
-    qk_layernorm: bool
-    add_qkv_bias: bool
+    qk_layernorm: bool | None
+    add_qkv_bias: bool | None
     norm_topk: bool | None = None
+    score_function: str = "softmax"  # sigmoid: DeepSeek's router, with the expert bias
+    multi_latent_attention: bool = False
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -26,6 +28,18 @@ FAMILIES: dict[str, FamilySpec] = {
     "qwen2": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=True),
     # Mixtral: softmax of the top-k logits, which is the renormalised top-k softmax.
     "mixtral": FamilySpec(moe=True, qk_layernorm=False, add_qkv_bias=False, norm_topk=True),
+    # DeepSeek-V3 (Kimi-K2, Moonlight, DeepSeek-R1): MLA (its q_a/kv_a layernorms are the
+    # qk_layernorm), sigmoid router with the expert bias, group-limited top-k, renormalised, scaled.
+    "deepseek_v3": FamilySpec(
+        moe=True,
+        qk_layernorm=True,
+        add_qkv_bias=False,
+        norm_topk=True,
+        score_function="sigmoid",
+        multi_latent_attention=True,
+    ),
+    # GLM-4.5: GQA with QKV biases, optional QK-norm, partial RoPE; DeepSeek's sigmoid router.
+    "glm4_moe": FamilySpec(moe=True, qk_layernorm=None, add_qkv_bias=None, norm_topk=True, score_function="sigmoid"),
 }
 
 
@@ -39,13 +53,52 @@ def check_family(model: ModelConfig) -> FamilySpec:
         raise ConfigError(f"{fam} is a mixture of experts: set model.num_experts")
     if not spec.moe and model.num_experts is not None:
         raise ConfigError(f"{fam} is dense: set model.num_experts = null (got {model.num_experts})")
-    if model.qk_layernorm != spec.qk_layernorm:
+    if spec.qk_layernorm is not None and model.qk_layernorm != spec.qk_layernorm:
         raise ConfigError(f"{fam} needs model.qk_layernorm = {str(spec.qk_layernorm).lower()}")
-    if model.add_qkv_bias != spec.add_qkv_bias:
+    if spec.add_qkv_bias is not None and model.add_qkv_bias != spec.add_qkv_bias:
         raise ConfigError(f"{fam} needs model.add_qkv_bias = {str(spec.add_qkv_bias).lower()}")
     if spec.norm_topk is not None and model.moe_router_norm_topk != spec.norm_topk:
         raise ConfigError(f"{fam} needs model.moe_router_norm_topk = {str(spec.norm_topk).lower()}")
+    _check_sigmoid_router(model, spec, fam)
+    if model.rope_scaling != "none" and not spec.multi_latent_attention:
+        raise ConfigError(
+            f"{fam}: model.rope_scaling = {model.rope_scaling!r} is only supported with MLA (deepseek_v3)"
+        )
+    if spec.multi_latent_attention and model.rotary_percent != 1.0:
+        raise ConfigError(f"{fam} rotates the whole qk_rope_head_dim: needs model.rotary_percent = 1.0")
     return spec
+
+
+def _check_sigmoid_router(model: ModelConfig, spec: FamilySpec, fam: str) -> None:
+    """Group-limited routing and shared experts belong to the sigmoid-router families only; the groups
+    must split the experts, and Megatron scores a group by its top (topk / group_topk) experts where
+    DeepSeek's and GLM's routers use the top 2, so that quotient must be 2."""
+    sigmoid_only = {
+        "model.moe_shared_expert_size": model.moe_shared_expert_size is not None,
+        "model.moe_router_num_groups": model.moe_router_num_groups is not None,
+        "model.moe_router_group_topk": model.moe_router_group_topk is not None,
+        "model.moe_router_scaling_factor": model.moe_router_scaling_factor != 1.0,
+    }
+    if spec.score_function != "sigmoid":
+        used = [key for key, set_ in sigmoid_only.items() if set_]
+        if used:
+            raise ConfigError(f"{fam} has no {used[0]} (sigmoid-router families only: deepseek_v3, glm4_moe)")
+        return
+    groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ConfigError("model.moe_router_num_groups and model.moe_router_group_topk are set together (or neither)")
+    if groups is None or group_topk is None:
+        return
+    experts = model.num_experts or 0
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(
+            f"model.moe_router_num_groups ({groups}) must split model.num_experts ({experts}) into groups of >= 2"
+        )
+    if group_topk >= groups or model.moe_router_topk // group_topk != 2:
+        raise ConfigError(
+            f"model.moe_router_group_topk ({group_topk}) must be < model.moe_router_num_groups ({groups}) with "
+            f"model.moe_router_topk ({model.moe_router_topk}) // it = 2 (groups are scored by their top-2 experts)"
+        )
 
 
 def moe_layer_pattern(model: ModelConfig) -> list[int]:
@@ -65,3 +118,30 @@ def moe_layer_pattern(model: ModelConfig) -> list[int]:
             f"({model.first_k_dense_layers}) leaves no MoE layer in model.num_layers ({model.num_layers})"
         )
     return pattern
+
+
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """(dense, expert) parameter counts of `model` (experts: the routed experts' weights, which EP and
+    ETP split; everything else, shared experts and routers included, is dense). For sizing arithmetic:
+    the vocabulary is counted unpadded."""
+    spec = check_family(model)
+    h, heads = model.hidden_size, model.num_attention_heads
+    if spec.multi_latent_attention:
+        q_head = model.qk_nope_head_dim + model.qk_rope_head_dim
+        q = h * heads * q_head if model.q_lora_rank is None else model.q_lora_rank * (h + 1 + heads * q_head)
+        kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+        kv += model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
+        attention = q + kv + heads * model.v_head_dim * h
+    else:
+        d = model.kv_channels or h // heads
+        qkv = (heads + 2 * model.num_query_groups) * d
+        attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (2 * d if model.qk_layernorm else 0)
+    pattern = moe_layer_pattern(model)
+    moe_layers = sum(pattern)
+    dense_mlp = 3 * h * model.ffn_hidden_size * (model.num_layers - moe_layers)
+    router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
+    shared = 3 * h * (model.moe_shared_expert_size or 0)
+    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    dense = embeddings + h + model.num_layers * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
+    experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
+    return dense, experts

@@ -22,6 +22,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -108,6 +110,10 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """The `model` config of an HF config.json dict; `overrides` set other ModelConfig fields."""
     family = family_of(hf, source)
+    if family in ("deepseek_v3", "glm4_moe"):
+        from megatron_rl.models.hf_config_sigmoid import sigmoid_model_fields
+
+        return _finish(sigmoid_model_fields(hf, family, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -142,6 +148,14 @@ def model_config_from_hf(
     )
     if family in ("qwen3_moe", "mixtral"):
         fields.update(_moe_fields(hf, family, source, layers))
+    return _finish(fields, hf, hf_path, source, overrides)
+
+
+def _finish(
+    fields: dict[str, Any], hf: dict[str, Any], hf_path: str | None, source: str, overrides: dict[str, Any]
+) -> ModelConfig:
+    """The ModelConfig of the derived `fields`, the checkpoint's dtype and the `overrides`, checked."""
+    fields["hf_path"] = hf_path
     dtype = _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or ""))
     if dtype is not None:
         fields["params_dtype"] = dtype
@@ -185,7 +199,12 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
     )
     if model.family in ("qwen3", "qwen3_moe"):
         hf["attention_bias"] = False
-    if model.family == "qwen3_moe":
+    if model.family in ("deepseek_v3", "glm4_moe"):
+        from megatron_rl.models.hf_config_sigmoid import sigmoid_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(sigmoid_hf_config(model))
+    elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,
             num_experts_per_tok=model.moe_router_topk,

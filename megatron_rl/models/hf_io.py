@@ -34,6 +34,7 @@ ASSET_PATTERNS = (
     "*.tiktoken",
 )
 INDEX_NAME = "model.safetensors.index.json"
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
 class HFCheckpoint:
@@ -62,6 +63,32 @@ class HFCheckpoint:
                 self.shapes[name] = tuple(entry["shape"])
                 self.dtypes[name] = entry["dtype"]
         self._maps: dict[Path, MappedSafetensors] = {}
+        self._derived: dict[str, tuple[str, int, slice]] = {}
+        self._fused_files: dict[str, Path] = {}
+
+    def split_fused_experts(self) -> None:
+        """Present transformers 5's fused experts (`...mlp.experts.gate_up_proj` [E, 2I, H], gate rows
+        first, and `...mlp.experts.down_proj` [E, H, I]) under the per-expert checkpoint names
+        (`...mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) that the mappings read."""
+        for name in [n for n in self.shapes if n.endswith(_FUSED)]:
+            prefix, kind = name.rsplit(".", 1)
+            shape = self.shapes.pop(name)
+            file, dtype = self.files.pop(name), self.dtypes.pop(name)
+            self._fused_files[name] = file
+            if len(shape) != 3:
+                raise ConversionError(f"{self.folder}: fused expert tensor {name!r} has shape {list(shape)}, not 3-D")
+            rows = shape[1] // 2
+            parts = (
+                {"gate_proj": slice(0, rows), "up_proj": slice(rows, 2 * rows)}
+                if kind == "gate_up_proj"
+                else {"down_proj": slice(0, shape[1])}
+            )
+            for expert in range(shape[0]):
+                for part, rows_of in parts.items():
+                    derived = f"{prefix}.{expert}.{part}.weight"
+                    self._derived[derived] = (name, expert, rows_of)
+                    self.files[derived], self.dtypes[derived] = file, dtype
+                    self.shapes[derived] = (rows_of.stop - rows_of.start, shape[2])
 
     def _check_index(self, files: list[Path]) -> None:
         index = self.folder / INDEX_NAME
@@ -79,7 +106,13 @@ class HFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor: a read-only view of its memory-mapped file (copy it before changing it)."""
-        file = self.files.get(name)
+        if name in self._derived:
+            fused, expert, rows = self._derived[name]
+            return self._read(fused)[expert, rows]
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        file = self.files.get(name) or self._fused_files.get(name)
         if file is None:
             raise ConversionError(f"tensor {name!r} is not in the checkpoint {self.folder}")
         if file not in self._maps:

@@ -36,7 +36,8 @@ class Rule:
 
     `shapes` gives each HF tensor's shape in symbols (see `HFMapping.dims`); `layers` limits a
     per-layer rule to dense or MoE layers; `requires` names the ModelConfig switch it needs
-    (`untied` = not `tie_word_embeddings`).
+    (`untied` = not `tie_word_embeddings`; `q_lora` / `no_q_lora`: MLA with or without a
+    query compression; `shared_experts`: `moe_shared_expert_size` set).
     """
 
     megatron: str
@@ -47,11 +48,22 @@ class Rule:
     requires: str | None = None
 
 
-_COMMON: tuple[Rule, ...] = (
+_BASE: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), (("V", "H"),), "vocab"),
     Rule("output_layer.weight", ("lm_head.weight",), (("V", "H"),), "vocab", requires="untied"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), (("H",),)),
     Rule(_L + "input_layernorm.weight", (_P + "input_layernorm.weight",), (("H",),)),
+    Rule(_L + "pre_mlp_layernorm.weight", (_P + "post_attention_layernorm.weight",), (("H",),)),
+    Rule(
+        _L + "mlp.linear_fc1.weight",
+        (_P + "mlp.gate_proj.weight", _P + "mlp.up_proj.weight"),
+        (("F", "H"), ("F", "H")),
+        "gate_up",
+        layers="dense",
+    ),
+    Rule(_L + "mlp.linear_fc2.weight", (_P + "mlp.down_proj.weight",), (("H", "F"),), layers="dense"),
+)
+_GQA: tuple[Rule, ...] = (
     Rule(
         _L + "self_attention.linear_qkv.weight",
         tuple(_P + f"self_attn.{x}_proj.weight" for x in "qkv"),
@@ -72,15 +84,39 @@ _COMMON: tuple[Rule, ...] = (
     Rule(
         _L + "self_attention.k_layernorm.weight", (_P + "self_attn.k_norm.weight",), (("D",),), requires="qk_layernorm"
     ),
-    Rule(_L + "pre_mlp_layernorm.weight", (_P + "post_attention_layernorm.weight",), (("H",),)),
+)
+_COMMON = _BASE + _GQA
+_A = _L + "self_attention."
+_HA = _P + "self_attn."
+# DeepSeek's MLA: every tensor is a copy (Megatron's per-head [nope, rope] and [nope, v] rows are HF's).
+_MLA: tuple[Rule, ...] = (
+    Rule(_A + "linear_q_proj.weight", (_HA + "q_proj.weight",), (("QH", "H"),), requires="no_q_lora"),
+    Rule(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), (("QA", "H"),), requires="q_lora"),
+    Rule(_A + "q_layernorm.weight", (_HA + "q_a_layernorm.weight",), (("QA",),), requires="q_lora"),
+    Rule(_A + "linear_q_up_proj.weight", (_HA + "q_b_proj.weight",), (("QH", "QA"),), requires="q_lora"),
+    Rule(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), (("KVA", "H"),)),
+    Rule(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), (("KVL",),)),
+    Rule(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), (("KVB", "KVL"),)),
+    Rule(_A + "linear_proj.weight", (_HA + "o_proj.weight",), (("H", "OV"),)),
+)
+# The sigmoid router's fp32 expert bias, and the shared experts (one SwiGLU MLP of width S).
+_SIGMOID_MOE: tuple[Rule, ...] = (
+    Rule(_L + "mlp.router.expert_bias", (_P + "mlp.gate.e_score_correction_bias",), (("E",),), layers="moe"),
     Rule(
-        _L + "mlp.linear_fc1.weight",
-        (_P + "mlp.gate_proj.weight", _P + "mlp.up_proj.weight"),
-        (("F", "H"), ("F", "H")),
+        _L + "mlp.shared_experts.linear_fc1.weight",
+        (_P + "mlp.shared_experts.gate_proj.weight", _P + "mlp.shared_experts.up_proj.weight"),
+        (("S", "H"), ("S", "H")),
         "gate_up",
-        layers="dense",
+        layers="moe",
+        requires="shared_experts",
     ),
-    Rule(_L + "mlp.linear_fc2.weight", (_P + "mlp.down_proj.weight",), (("H", "F"),), layers="dense"),
+    Rule(
+        _L + "mlp.shared_experts.linear_fc2.weight",
+        (_P + "mlp.shared_experts.down_proj.weight",),
+        (("H", "S"),),
+        layers="moe",
+        requires="shared_experts",
+    ),
 )
 
 
@@ -99,9 +135,13 @@ def _experts(router: str, expert: str, gate: str, up: str, down: str) -> tuple[R
     )
 
 
+_DEEPSEEK_EXPERTS = _experts(
+    "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"
+)
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "qwen3_moe": _COMMON
-    + _experts("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    "qwen3_moe": _COMMON + _DEEPSEEK_EXPERTS,
+    "deepseek_v3": _BASE + _MLA + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
+    "glm4_moe": _COMMON + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
     "qwen3": _COMMON,
     "qwen2": _COMMON,
     "mixtral": _COMMON
@@ -136,13 +176,26 @@ class HFMapping:
             "F": model.ffn_hidden_size,
             "M": model.moe_ffn_hidden_size,
             "E": model.num_experts or 0,
+            "S": model.moe_shared_expert_size or 0,
+            "QA": model.q_lora_rank or 0,
+            "QH": model.num_attention_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim),
+            "KVL": model.kv_lora_rank,
+            "KVA": model.kv_lora_rank + model.qk_rope_head_dim,
+            "KVB": model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim),
+            "OV": model.num_attention_heads * model.v_head_dim,
         }
 
     def _enabled(self, rule: Rule) -> bool:
         if rule.requires is None:
             return True
-        if rule.requires == "untied":
-            return not self.model.tie_word_embeddings
+        derived = {
+            "untied": not self.model.tie_word_embeddings,
+            "q_lora": self.model.q_lora_rank is not None,
+            "no_q_lora": self.model.q_lora_rank is None,
+            "shared_experts": self.model.moe_shared_expert_size is not None,
+        }
+        if rule.requires in derived:
+            return derived[rule.requires]
         return bool(getattr(self.model, rule.requires))
 
     def _applies(self, rule: Rule, layer: int | None) -> bool:

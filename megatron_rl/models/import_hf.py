@@ -12,6 +12,7 @@ missing or unexpected tensor (name), then a wrong shape (name and both shapes).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,11 +20,12 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.models.hf_config import ConversionError
+from megatron_rl.models.hf_config import ConversionError, read_hf_config
 from megatron_rl.models.hf_io import HFCheckpoint, check_tensors
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.init import iter_param_shards, take_shard
 
+log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
@@ -51,11 +53,18 @@ def check_config_against_checkpoint(
         raise _contradiction(
             source, "num_hidden_layers", model.num_layers, f"it has layers {min(layers)}..{max(layers)}"
         )
-    heads = f"{model.num_attention_heads} x {mapping.head_dim}"
-    shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
-    kv = f"{model.num_query_groups} x {mapping.head_dim}"
-    shape_check("num_key_value_heads x head_dim", dims["KV"], "model.layers.0.self_attn.k_proj.weight", 0, kv)
-    shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
+    if model.family == "deepseek_v3":
+        shape_check("q_lora_rank", dims["QA"], "model.layers.0.self_attn.q_a_proj.weight", 0)
+        shape_check("kv_lora_rank", dims["KVL"], "model.layers.0.self_attn.kv_a_layernorm.weight", 0)
+        heads = f"{model.num_attention_heads} x (qk_nope_head_dim + qk_rope_head_dim)"
+        shape_check("num_attention_heads", dims["QH"], "model.layers.0.self_attn.q_b_proj.weight", 0, heads)
+        shape_check("num_attention_heads", dims["QH"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
+    else:
+        heads = f"{model.num_attention_heads} x {mapping.head_dim}"
+        shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
+        kv = f"{model.num_query_groups} x {mapping.head_dim}"
+        shape_check("num_key_value_heads x head_dim", dims["KV"], "model.layers.0.self_attn.k_proj.weight", 0, kv)
+        shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
     if model.tie_word_embeddings and "lm_head.weight" in shapes:
         raise _contradiction(source, "tie_word_embeddings", "true", "it has an lm_head.weight unlike the embedding")
     dense = [i for i, moe in enumerate(mapping.moe_layers) if not moe]
@@ -65,7 +74,9 @@ def check_config_against_checkpoint(
         return
     first_moe = mapping.moe_layers.index(1)
     found = {int(m.group(2)) for n in shapes if (m := _EXPERT.match(n)) and int(m.group(1)) == first_moe}
-    key = "num_local_experts" if model.family == "mixtral" else "num_experts"
+    key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}.get(
+        model.family, "num_experts"
+    )
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
     width = "intermediate_size" if model.family == "mixtral" else "moe_intermediate_size"
@@ -77,6 +88,8 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
     """The checkpoint of `folder`, checked against `model` from the headers. (The one tensor ever
     read: an lm_head.weight stored next to tied embeddings, ignored when it equals them.)"""
     ckpt = HFCheckpoint(folder)
+    ckpt.split_fused_experts()
+    _drop_mtp_layers(ckpt, model, read_hf_config(folder))
     if model.tie_word_embeddings and "lm_head.weight" in ckpt.shapes and "model.embed_tokens.weight" in ckpt.shapes:
         head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
         if head.shape == embed.shape and torch.equal(head, embed):
@@ -84,6 +97,24 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
     check_config_against_checkpoint(model, ckpt.shapes, source or f"{folder}/config.json")
     check_tensors(ckpt, HFMapping(model).expected_hf_shapes(), f"the {model.family} model of config.json")
     return ckpt
+
+
+def _drop_mtp_layers(ckpt: HFCheckpoint, model: ModelConfig, hf: dict[str, Any]) -> None:
+    """Forget the multi-token-prediction layers (num_nextn_predict_layers, stored after the last
+    decoder layer): the policy is trained and served without them."""
+    mtp = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
+    if not mtp:
+        return
+    extra = range(model.num_layers, model.num_layers + mtp)
+    dropped = [n for n in ckpt.shapes if (m := _LAYER.match(n)) and int(m.group(1)) in extra]
+    for name in dropped:
+        del ckpt.shapes[name], ckpt.files[name], ckpt.dtypes[name]
+    if dropped:
+        log.info(
+            "%s: dropped the %d MTP layer(s) (num_nextn_predict_layers; %d tensors of layers %d..%d): not trained, "
+            "not exported",
+            ckpt.folder, mtp, len(dropped), extra[0], extra[-1],
+        )  # fmt: skip
 
 
 @torch.no_grad()

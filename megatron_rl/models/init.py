@@ -31,13 +31,17 @@ _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 _TE_FUSED_NORMS = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    ".self_attention.linear_q_up_proj.layer_norm_weight": ".self_attention.q_layernorm.weight",  # MLA
+    ".self_attention.linear_kv_up_proj.layer_norm_weight": ".self_attention.kv_layernorm.weight",
 }
+# Buffers that are model state: the sigmoid router's expert bias (fp32; HF's e_score_correction_bias).
+_STATE_BUFFERS = (".mlp.router.expert_bias",)
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 @dataclass(frozen=True)
 class ParamShard:
-    """One local parameter and its place in the global model."""
+    """One local parameter (or state buffer: the expert bias) and its place in the global model."""
 
     local_name: str
     global_name: str
@@ -84,6 +88,18 @@ def iter_param_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> Iter
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
+        for local_name, buffer in chunk.named_buffers():
+            if local_name.endswith(_STATE_BUFFERS):  # replicated on every rank, never split
+                yield ParamShard(
+                    local_name=local_name,
+                    global_name=_global_name(local_name, chunk, model.tie_word_embeddings),
+                    param=buffer,  # type: ignore[arg-type]
+                    partition_dim=None,
+                    shard_rank=0,
+                    shard_count=1,
+                    glu=False,
+                    is_expert=False,
+                )
         for local_name, param in chunk.named_parameters():
             if local_name.startswith("lora_adapters."):
                 continue  # low-rank adapters: models.lora places them itself

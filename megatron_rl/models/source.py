@@ -17,6 +17,8 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 
 # `model` fields that are not architecture: they keep the value of the run's config.
 TRAINING_CHOICES = (
+    "expert_bias_update_rate",
+    "freeze_expert_bias",
     "make_vocab_size_divisible_by",
     "moe_aux_loss_coeff",
     "moe_token_dispatcher",

@@ -221,6 +221,22 @@ def bind_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def unflag_missing_te_mla() -> None:
+    """Also needed on GPUs without Transformer Engine; a no-op when TE is installed."""
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not transformer_engine_importable():
+        mla.HAVE_TE = False
+
+
+def transformer_engine_importable() -> bool:
+    """Whether the `transformer_engine` package itself imports (Megatron's extensions import without it)."""
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        return False
+    return True
+
+
 def _patch_a2a_splits() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
@@ -337,6 +353,14 @@ PATCHES: tuple[Patch, ...] = (
         "NameError in the router GEMM without TE (upstream bug); bind it to None.",
         (f"{_MOE_UTILS}:router_gating_linear",),
         bind_missing_te_gemm,
+    ),
+    Patch(
+        "te_mla",
+        "multi_latent_attention sets HAVE_TE when Megatron's TE extensions import, which they do without "
+        "Transformer Engine (as mocks): MLA then calls isinstance(x, TELinear) on a mock, a TypeError; "
+        "clear the flag when transformer_engine does not import.",
+        ("megatron.core.transformer.multi_latent_attention:HAVE_TE",),
+        unflag_missing_te_mla,
     ),
     Patch(
         "a2a_splits",

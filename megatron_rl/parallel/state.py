@@ -88,6 +88,7 @@ def init_distributed(
         cpu_compat.apply_cpu_compat()
         device = torch.device("cpu")
     cpu_compat.bind_missing_te_gemm()
+    cpu_compat.unflag_missing_te_mla()
 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

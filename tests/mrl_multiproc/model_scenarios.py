@@ -7,7 +7,7 @@ import torch
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel.device import local_device
 
-from mrl_configs import layout, tiny_model
+from mrl_configs import SIGMOID_FAMILIES, hf_config, layout, save_random_hf_model, tiny_model, tiny_sigmoid_model
 from mrl_multiproc.model_helpers import assert_close, forward_logits, reference_logits, sample_batch, setup
 
 LOGIT_TOL = 1e-5
@@ -90,6 +90,38 @@ def families_match_hf(ctx) -> None:  # noqa: ANN001
         with torch.no_grad():
             expected = hf(input_ids=ids).logits
         assert_close(logits, expected, LOGIT_TOL, f"{model.family} (norm_topk={model.moe_router_norm_topk}) vs HF")
+        destroy_distributed(process_group=False)
+
+
+def sigmoid_families_match_hf(ctx) -> None:  # noqa: ANN001
+    """DeepSeek-V3 (MLA, yarn, grouped routing, shared experts) and GLM-4.5 (QKV biases, QK-norm, partial
+    RoPE) loaded from a random transformers folder with a non-zero expert bias: the Megatron model's
+    log-probs equal transformers' within 1e-5 (fp32), and the routing the bias decides matters (a zero
+    bias changes the log-probs by far more)."""
+    import transformers
+
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+
+    for family in SIGMOID_FAMILIES:
+        folder = save_random_hf_model(ctx.shared_dir / f"hf-{family}", hf_config(family, "split"), seed=5)
+        model = model_config_from_hf(read_hf_config(folder), params_dtype="fp32")
+        init_distributed(layout(), model)
+        chunks = build_model(model, layout())
+        load_hf_weights(chunks, model, open_hf_checkpoint(str(folder), model))
+        ids = sample_batch(model, seed=1)
+        logp = forward_logits(chunks, ids, model.vocab_size).log_softmax(-1)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
+        with torch.no_grad():
+            expected = hf(input_ids=ids).logits.log_softmax(-1)
+            assert_close(logp, expected, 1e-5, f"{family}: Megatron vs transformers log-probs")
+            for layer in hf.model.layers[model.first_k_dense_layers :]:
+                layer.mlp.gate.e_score_correction_bias.zero_()
+            unbiased = hf(input_ids=ids).logits.log_softmax(-1)
+        gap = (unbiased - expected).abs().max().item()
+        assert gap > 1e-2, f"{family}: the expert bias changes the log-probs by only {gap:.2e}"
         destroy_distributed(process_group=False)
 
 
@@ -182,6 +214,29 @@ def logits_pp2_tied(ctx) -> None:  # noqa: ANN001
     _equivalence(ctx, tiny_model("qwen3", tie_word_embeddings=True), layout(pp=2))
 
 
+def _sigmoid_equivalence(ctx, parallel: ParallelConfig, dispatchers: tuple[str, str] = ("alltoall",) * 2) -> None:  # noqa: ANN001
+    """`_equivalence` for each sigmoid-router family (deterministic weights: a non-zero expert bias)."""
+    from megatron_rl.parallel import destroy_distributed
+
+    for family, dispatcher in zip(SIGMOID_FAMILIES, dispatchers, strict=True):
+        _equivalence(ctx, tiny_sigmoid_model(family, moe_token_dispatcher=dispatcher), parallel)
+        destroy_distributed(process_group=False)
+
+
+def logits_sigmoid_tp2_sp(ctx) -> None:  # noqa: ANN001
+    """MLA's column-parallel down projections (gathered, then scattered back under SP), GLM's split QKV biases."""
+    _sigmoid_equivalence(ctx, layout(tp=2, sp=True))
+
+
+def logits_sigmoid_ep2(ctx) -> None:  # noqa: ANN001
+    """Grouped, biased routing with experts (and their groups) split over EP; both dispatchers."""
+    _sigmoid_equivalence(ctx, layout(ep=2), ("alltoall", "allgather"))
+
+
+def logits_sigmoid_pp2(ctx) -> None:  # noqa: ANN001
+    _sigmoid_equivalence(ctx, layout(pp=2))
+
+
 def bad_layouts_fail_before_build(ctx) -> None:  # noqa: ANN001
     """Impossible layouts raise ConfigError naming the keys, and leave no parallel state behind."""
     from megatron.core import parallel_state as ps
@@ -222,6 +277,10 @@ def logits_tp2_ep2(ctx) -> None:  # noqa: ANN001
 
 def logits_tp2_ep2_etp1(ctx) -> None:  # noqa: ANN001
     _equivalence(ctx, tiny_model("qwen3_moe"), layout(tp=2, ep=2, etp=1))
+
+
+def logits_sigmoid_tp2_ep2_etp1(ctx) -> None:  # noqa: ANN001
+    _sigmoid_equivalence(ctx, layout(tp=2, ep=2, etp=1))
 
 
 def logits_pp2_tp2(ctx) -> None:  # noqa: ANN001

@@ -47,7 +47,7 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
 
-from mrl_configs import layout, tiny_model
+from mrl_configs import SIGMOID_FAMILIES, layout, tiny_model, tiny_sigmoid_model
 from mrl_multiproc.model_helpers import forward_logits
 
 TEMPERATURE = 0.7
@@ -405,7 +405,95 @@ def check_layout_against_reference(
     actor.close()
 
 
+# --- sigmoid, grouped, biased routing (DeepSeek-V3, GLM-4.5) ---------------------------------
+
+
+class GateCapture:
+    """Forward hooks keeping every router's input and output (probs, routing map), per forward."""
+
+    def __init__(self, actor: MegatronActor) -> None:
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.handles = [router.register_forward_hook(self._hook(layer)) for layer, router in actor.routing.routers]
+
+    def _hook(self, layer: int):  # noqa: ANN202
+        def hook(module, args, output) -> None:  # noqa: ANN001
+            self.calls.append((layer, args[0].detach(), output[0].detach(), output[1].detach()))
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def check_sigmoid_gates(actor: MegatronActor, calls: list, scaling: float) -> int:
+    """Every routed token's gate weights are the sigmoid of the *current* router logits at the routed
+    experts, renormalised over them and times the routed scaling factor (computed here, by hand);
+    returns the tokens checked."""
+    routers = dict(actor.routing.routers)
+    checked = 0
+    for layer, hidden, probs, routing_map in calls:
+        weight = routers[layer].weight.detach().float()
+        scores = torch.sigmoid(hidden.reshape(-1, hidden.shape[-1]).float() @ weight.t())
+        chosen = torch.where(routing_map, scores, torch.zeros_like(scores))
+        expected = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+        gap = (probs.float() - expected).abs().max().item()
+        assert gap <= 1e-6, f"layer {layer}: gate weights differ from the renormalised current scores by {gap:.2e}"
+        assert int(routing_map.sum(dim=-1).min()) == actor.cfg.model.moe_router_topk
+        checked += routing_map.shape[0]
+    return checked
+
+
+def sigmoid_replay(parallel: ParallelConfig) -> None:
+    """Per family: R2 records the grouped, biased routing and replays it exactly (every token to the
+    recorded experts, log-probs bit for bit); after the router's weights and the expert bias move (so
+    that free routing changes), the replay still sends every token to the recorded experts with gates
+    from the current scores; R3 routes as the engine says."""
+    for family in SIGMOID_FAMILIES:
+        cfg = dataclasses.replace(actor_config(parallel), model=tiny_sigmoid_model(family, "split"))
+        validate(cfg)
+        actor = MegatronActor(cfg)
+        model = cfg.model
+        batch = make_batch(model.vocab_size)
+        assert all(float(r.expert_bias.abs().min()) > 0 for _, r in actor.routing.routers), "expert bias is zero"
+        out = actor.compute_log_probs(batch, record_routing=True)
+        replayed = actor.compute_log_probs(batch.with_fields(routed_experts=out.routed_experts), replay_routing=True)
+        assert diff(replayed.log_probs, out.log_probs) == 0.0, (
+            f"{family}: R2 replay at unchanged weights moved log-probs"
+        )
+        check_replayed_experts(actor, batch, out.routed_experts)
+
+        gen = torch.Generator().manual_seed(9)
+        with torch.no_grad():  # the same change on every rank (routers are replicated)
+            for _, router in actor.routing.routers:
+                router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=gen).to(router.weight))
+                router.expert_bias.add_(0.2 * torch.randn(router.expert_bias.shape, generator=gen))
+        moved = actor.compute_log_probs(batch, record_routing=True)
+        moe = list(MOE_LAYERS)
+        changed = sum(
+            int((a[:, moe].sort(-1).values != b[:, moe].sort(-1).values).any(-1).sum())
+            for a, b in zip(moved.routed_experts, out.routed_experts, strict=True)
+        )
+        assert changed > 0, f"{family}: the moved router routes every token as before: the check means nothing"
+        capture = GateCapture(actor)
+        try:
+            check_replayed_experts(actor, batch, out.routed_experts)
+        finally:
+            capture.close()
+        checked = check_sigmoid_gates(actor, capture.calls, model.moe_router_scaling_factor)
+        assert checked > 0 and model.moe_router_scaling_factor != 1.0
+
+        r3 = random_routing(model.num_layers, model.moe_router_topk, model.num_experts)
+        check_replayed_experts(actor, batch, r3)
+        actor.close()
+        destroy_distributed(process_group=False)
+
+
 # --- world size 1 --------------------------------------------------------------------------
+
+
+def w1_sigmoid_replay(ctx) -> None:  # noqa: ANN001
+    sigmoid_replay(layout())
 
 
 def w1_reference(ctx) -> None:  # noqa: ANN001
@@ -649,6 +737,11 @@ def w2_lora_pp2(ctx) -> None:  # noqa: ANN001
 
 def w2_tp2_sp(ctx) -> None:  # noqa: ANN001
     check_layout_against_reference(ctx, layout(tp=2, sp=True), direct_routing_check=True)
+
+
+def w2_sigmoid_replay_ep2(ctx) -> None:  # noqa: ANN001
+    """Grouped, biased routing replayed with the experts split over EP."""
+    sigmoid_replay(layout(ep=2))
 
 
 def w2_ep2_alltoall(ctx) -> None:  # noqa: ANN001

@@ -106,7 +106,7 @@ def roundtrip(ctx, family: str, convert_with: ParallelConfig, load_with: Paralle
 
 def w1_families(ctx) -> None:  # noqa: ANN001
     """Every family: logits of the converted model equal HF's; the way back is bit-identical."""
-    for family in ("qwen3_moe", "mixtral", "qwen3", "qwen2"):
+    for family in ("qwen3_moe", "mixtral", "qwen3", "qwen2", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(), layout(), "w1")
 
 
@@ -181,18 +181,18 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 
 def w2_tp2(ctx) -> None:  # noqa: ANN001
     """TP=2 (with SP): the MoE family and the one with QKV biases."""
-    for family in ("qwen3_moe", "qwen2"):
+    for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(ep=2), layout(ep=2), "ep2")
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2, including embeddings tied across the two stages (qwen3)."""
-    for family in ("qwen3", "qwen3_moe"):
+    for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
 
 
@@ -248,6 +248,8 @@ def w4_export_tp2_ep2(ctx) -> None:  # noqa: ANN001
 def w4_tp2_ep2(ctx) -> None:  # noqa: ANN001
     """HF -> Megatron -> HF under TP=2 x EP=2 (and expert-TP 1)."""
     roundtrip(ctx, "qwen3_moe", layout(tp=2, ep=2), layout(tp=2, ep=2, etp=1), "tp2ep2")
+    roundtrip(ctx, "deepseek_v3", layout(tp=2, ep=2, etp=1), layout(tp=2, ep=2), "tp2ep2")
+    roundtrip(ctx, "glm4_moe", layout(tp=2, ep=2), layout(tp=2, ep=2, etp=1), "tp2ep2")
 
 
 def w2_actor_loads_converted(ctx) -> None:  # noqa: ANN001

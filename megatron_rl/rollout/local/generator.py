@@ -81,7 +81,9 @@ class Generator:
         self.model, self.info = model, info
         self.adapters = LocalAdapters(model)  # LoRA adapters loaded through the LoRA endpoints
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
-        self.cache = SlotKVCache(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device)
+        self.cache = SlotKVCache(
+            info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device, value_dim=info.value_dim
+        )
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []
         self.weight_version = "default"

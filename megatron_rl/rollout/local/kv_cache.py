@@ -1,6 +1,7 @@
 """A slot-based KV cache shared by all running requests of the local engine.
 
-Every layer owns key and value buffers of shape [slots, kv_heads, capacity, head_dim]. A running
+Every layer owns key and value buffers of shape [slots, kv_heads, capacity, head_dim] (values of
+`value_dim` when it differs: MLA caches its latent as the "key" and the rotary key as the "value"). A running
 request owns one row (slot); rows 0..n-1 are always the live ones (a finished request's row is
 refilled by moving the last row into it), so a decode step reads plain views of the buffers.
 Before each forward the engine says which rows it runs and where each new token's K/V goes; the
@@ -19,8 +20,17 @@ class SlotKVCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        value_dim: int | None = None,
+    ):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.value_dim = value_dim or head_dim
         self.dtype, self.device = dtype, device
         self.slots, self.capacity = 0, 0
         self.keys: list[torch.Tensor] = []
@@ -40,8 +50,8 @@ class SlotKVCache:
             new_slots = max(new_slots, self.slots * 2)
         if new_cap > self.capacity and self.capacity:
             new_cap = max(new_cap, self.capacity * 2)
-        shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
-        for store in (self.keys, self.values):
+        for store, width in ((self.keys, self.head_dim), (self.values, self.value_dim)):
+            shape = (new_slots, self.kv_heads, new_cap, width)
             for i in range(self.num_layers):
                 fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if i < len(store):

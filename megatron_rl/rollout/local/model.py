@@ -11,7 +11,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral")
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,8 +22,8 @@ class ModelInfo:
     path: str
     family: str
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # heads of the KV cache (MLA: 1, its latent)
+    head_dim: int  # width of a cached key (MLA: kv_lora_rank)
     vocab_size: int
     max_positions: int
     eos_token_ids: tuple[int, ...]
@@ -32,6 +32,7 @@ class ModelInfo:
     top_k: int  # experts per token, 0 for dense models
     dtype: torch.dtype
     device: torch.device
+    value_dim: int = 0  # width of a cached value; 0 = head_dim (MLA: qk_rope_head_dim, the shared rotary key)
 
     @property
     def is_moe(self) -> bool:
@@ -84,12 +85,16 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
     moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
     num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads, value_dim = config.num_key_value_heads, 0
+    if family == "deepseek_v3":  # transformers caches MLA's compressed latent and rotary key, one "head"
+        kv_heads, head_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
     info = ModelInfo(
         path=str(folder),
         family=family,
         num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
+        value_dim=value_dim,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
         eos_token_ids=_eos_ids(folder, config),
