@@ -246,3 +246,12 @@ def test_adapter_sync_to_the_local_engine_without_peft_is_refused_naming_the_way
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else found(name, *a))
     with pytest.raises(ConfigError, match=r"needs peft.*megatron-rl\[lora\].*rollout.lora_sync = 'merged'"):
         lora_targets.check_local_engine_adapters(model)
+
+
+def test_lora_on_a_family_without_adapter_targets_is_refused_naming_the_family() -> None:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.lora_targets import check_target_modules
+
+    model = dataclasses.replace(tiny_model("qwen3_moe"), family="deepseek_v3", lora=LoraConfig(rank=4))
+    with pytest.raises(ConfigError, match=r"LoRA is not available for model.family = 'deepseek_v3' yet; families"):
+        check_target_modules(model)

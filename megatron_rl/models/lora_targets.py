@@ -64,7 +64,13 @@ def family_module_names(family: str) -> list[str]:
 
 
 def check_target_modules(model: ModelConfig) -> list[str]:
-    """`model.lora.target_modules` as a list, or ConfigError naming a module the family lacks."""
+    """`model.lora.target_modules` as a list, or ConfigError naming a module the family lacks (or the
+    family, when it has no adapters: MLA's projections and shared experts are not mapped yet)."""
+    if model.family not in LORA_TARGETS:
+        raise ConfigError(
+            f"model.lora.rank = {model.lora.rank}: LoRA is not available for model.family = {model.family!r} "
+            f"yet; families with LoRA: {sorted(LORA_TARGETS)}"
+        )
     allowed = family_module_names(model.family)
     names = [str(n) for n in model.lora.target_modules]
     for name in names:
