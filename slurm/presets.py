@@ -101,7 +101,7 @@ def preset_overrides(name: str) -> list[str]:
         raise ValueError(f"PRESET={name!r}; allowed: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
     model = model_config_from_hf(preset.hf_config, source=f"preset {name}", recompute=True)
-    skip = {"hf_path", "family"}
+    skip = {"hf_path", "family", "lora"}  # lora: the run's choice, not the checkpoint's shape
     out = [f"model.family={model.family}"]
     for key, value in vars(model).items():
         if key not in skip:
