@@ -8,7 +8,10 @@ and "split" (4 layers, width 64, vocabulary 300: splits over TP = 2, EP = 2 and 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +245,28 @@ def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.f
             buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     model.to(dtype).save_pretrained(folder)
     return folder
+
+
+@contextlib.contextmanager
+def actor_of_one(cfg: Any) -> Iterator[Any]:
+    """A `MegatronActor` of `cfg` in a world of this process alone (launch variables set, a free port),
+    torn down afterwards with the variables restored."""
+    from megatron_rl.parallel.launch import free_port
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.parallel import destroy_distributed
+
+    actor = MegatronActor(cfg)
+    try:
+        yield actor
+    finally:
+        actor.close()
+        destroy_distributed()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

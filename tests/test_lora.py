@@ -10,7 +10,6 @@ count is r (in + out) summed over the adapted modules.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,9 +17,8 @@ import torch
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.config import Config, LoraConfig, RolloutConfig, TrainConfig, preset
-from megatron_rl.parallel.launch import free_port
 
-from mrl_configs import layout, tiny_model
+from mrl_configs import actor_of_one, layout, tiny_model
 
 RANK, ALPHA = 4, 8.0
 LENGTHS = (12, 7, 15, 9)
@@ -40,22 +38,8 @@ def _config() -> Config:
 
 @pytest.fixture(scope="module")
 def actor() -> Iterator[object]:
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.parallel import destroy_distributed
-
-    actor = MegatronActor(_config())
-    try:
+    with actor_of_one(_config()) as actor:
         yield actor
-    finally:
-        actor.close()
-        destroy_distributed()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _batch(vocab: int) -> ActorBatch:

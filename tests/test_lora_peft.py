@@ -9,39 +9,25 @@ MoE adapter folder serves SGLang (per-expert names) and the merged folder, not p
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from megatron_rl.config import Config, LoraConfig, TrainConfig, preset
-from megatron_rl.parallel.launch import free_port
 
-from mrl_configs import layout, tiny_model
+from mrl_configs import actor_of_one, layout, tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def actor() -> Iterator[object]:
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.parallel import destroy_distributed
-
     model = dataclasses.replace(tiny_model("qwen3"), lora=LoraConfig(rank=4, alpha=8.0, target_modules=TARGETS))
-    actor = MegatronActor(Config(model=model, parallel=layout(), algorithm=preset("grpo"), train=TrainConfig(seed=4)))
-    try:
+    with actor_of_one(
+        Config(model=model, parallel=layout(), algorithm=preset("grpo"), train=TrainConfig(seed=4))
+    ) as actor:
         yield actor
-    finally:
-        actor.close()
-        destroy_distributed()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_exported_adapter_loads_in_peft_on_the_base_with_the_merged_logits(actor, tmp_path) -> None:  # noqa: ANN001

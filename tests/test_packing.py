@@ -10,7 +10,6 @@ padded one of 48 gives other micro-batches, so nothing is compared with itself.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -19,9 +18,8 @@ import torch
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
-from megatron_rl.parallel.launch import free_port
 
-from mrl_configs import layout, tiny_model
+from mrl_configs import actor_of_one, layout, tiny_model
 
 LENGTHS = (22, 7, 15, 11, 19, 9, 13, 17)
 PROMPTS = (5, 3, 6, 2, 4, 3, 5, 6)
@@ -49,22 +47,8 @@ def _config(micro_batch_tokens: int = 0) -> Config:
 @pytest.fixture(scope="module")
 def actor() -> Iterator[object]:
     """A world of one: the actor of `_config()` (padded), torn down afterwards."""
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.parallel import destroy_distributed
-
-    actor = MegatronActor(_config())
-    try:
+    with actor_of_one(_config()) as actor:
         yield actor
-    finally:
-        actor.close()
-        destroy_distributed()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _batch(vocab: int) -> ActorBatch:
