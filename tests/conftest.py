@@ -57,10 +57,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-# Both tiers run on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command). A
-# module is one unit of work, so that its module-scoped launches run once; modules that share a
-# session's straight run (`straight_runs`) are one unit. The e2e modules that take longest go first
-# (the e2e tier keeps this order: `-p no:randomly --no-loadscope-reorder`), so the workers end together.
+# The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command),
+# and so may the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; CI runs it in one process,
+# which is faster there). A module is one unit of work, so that its module-scoped fixtures are built
+# once; modules that share a session's straight run (`straight_runs`) are one unit. The e2e modules
+# that take longest go first, so that two workers end together.
 SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
 LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
 
