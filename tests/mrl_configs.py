@@ -270,3 +270,16 @@ def actor_of_one(cfg: Any) -> Iterator[Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def seeded_batch(vocab: int, lengths: tuple[int, ...], prompts: tuple[int, ...]) -> Any:
+    """An `ActorBatch` of random tokens (seed 0) with these sample and prompt lengths, one random
+    advantage per sample."""
+    from megatron_rl.actor.batch import ActorBatch
+
+    gen = torch.Generator().manual_seed(0)
+    return ActorBatch(
+        tokens=[torch.randint(0, vocab, (n,), generator=gen) for n in lengths],
+        prompt_lengths=list(prompts),
+        advantages=[torch.randn((), generator=gen) for _ in lengths],
+    )

@@ -18,7 +18,7 @@ import torch
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.config import Config, LoraConfig, RolloutConfig, TrainConfig, preset
 
-from mrl_configs import actor_of_one, layout, tiny_model
+from mrl_configs import actor_of_one, layout, seeded_batch, tiny_model
 
 RANK, ALPHA = 4, 8.0
 LENGTHS = (12, 7, 15, 9)
@@ -43,12 +43,7 @@ def actor() -> Iterator[object]:
 
 
 def _batch(vocab: int) -> ActorBatch:
-    gen = torch.Generator().manual_seed(0)
-    return ActorBatch(
-        tokens=[torch.randint(0, vocab, (n,), generator=gen) for n in LENGTHS],
-        prompt_lengths=list(PROMPTS),
-        advantages=[torch.randn((), generator=gen) for _ in LENGTHS],
-    )
+    return seeded_batch(vocab, LENGTHS, PROMPTS)
 
 
 def _random_adapters(actor, scale: float = 0.3) -> dict[str, torch.Tensor]:  # noqa: ANN001

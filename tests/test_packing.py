@@ -19,7 +19,7 @@ from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.micro_batches import TokenBudget
 from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
 
-from mrl_configs import actor_of_one, layout, tiny_model
+from mrl_configs import actor_of_one, layout, seeded_batch, tiny_model
 
 LENGTHS = (22, 7, 15, 11, 19, 9, 13, 17)
 PROMPTS = (5, 3, 6, 2, 4, 3, 5, 6)
@@ -52,12 +52,7 @@ def actor() -> Iterator[object]:
 
 
 def _batch(vocab: int) -> ActorBatch:
-    gen = torch.Generator().manual_seed(0)
-    return ActorBatch(
-        tokens=[torch.randint(0, vocab, (n,), generator=gen) for n in LENGTHS],
-        prompt_lengths=list(PROMPTS),
-        advantages=[torch.randn((), generator=gen) for _ in LENGTHS],
-    )
+    return seeded_batch(vocab, LENGTHS, PROMPTS)
 
 
 def _worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
