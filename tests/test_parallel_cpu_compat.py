@@ -6,8 +6,12 @@ that has moved or gone: re-verify that patch against the new source before anyth
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import megatron.core
 import pytest
+import torch
 
 from megatron_rl.parallel import cpu_compat
 
@@ -32,3 +36,16 @@ def test_version_pin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
     with pytest.warns(RuntimeWarning, match="megatron-core 0.99.0 is installed but .* verified on 0.16.1"):
         assert not cpu_compat.check_megatron_version()
+
+
+def test_without_cuda_megatrons_fused_functions_are_eager_and_inductor_is_not_imported() -> None:
+    """megatron_rl/eager_jit.py, in a fresh process: importing the package first makes Megatron's
+    `jit_fuser` its own no-op before the router takes it, so no decoration imports Inductor."""
+    code = (
+        "import sys, megatron_rl, megatron.core.jit as jit, megatron.core.transformer.moe.router as router; "
+        "print(router.jit_fuser is jit.noop_decorator, 'torch._inductor' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    eager = not torch.cuda.is_available()
+    assert done.stdout.split() == [str(eager), str(not eager)], done.stdout
