@@ -10,10 +10,11 @@ serving other weights (issue 15).
   the exit code and the log's tail; a stopped child (SIGSTOP) is reported every `stall_warning_s`.
 - Real runs on tiny_math's model (tests/test_trainer.py's setup, `rollout.max_concurrency=1`):
   SIGUSR1 to rank 0 alone of 2 ranks -> both stop after the same step with its checkpoint, exit 0,
-  and `--resume` gives the uninterrupted run's metrics; SIGTERM to a single process -> checkpoint,
-  exit 143, a quiet log; kill -9 of the engine mid-run -> every step done, `rollout/engine_restarts`
-  1, the restarted engine serves the trained weights (log-prob gap as small as before); an engine
-  serving another model -> the run stops on `rollout.max_logprob_gap` before training.
+  and `--resume` gives the uninterrupted run's metrics; kill -9 of the engine mid-run ->
+  `rollout/engine_restarts` 1, the restarted engine serves the trained weights (log-prob gap as small
+  as before), with distributed sync every step done, with disk sync then SIGTERM to the single
+  process -> the step's checkpoint, exit 143, a quiet log (one launch); an engine serving another
+  model -> the run stops on `rollout.max_logprob_gap` before training.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from megatron_rl.rollout.types import SamplingParams
 import tiny_model
 from mrl_runs import (
     RESUME_RUN,
+    STEP_TIMEOUT_S,
     RunCache,
     assert_resume_matches,
     command,
@@ -330,12 +332,46 @@ def test_sigusr1_to_rank0_stops_every_rank_at_a_checkpoint_and_resume_matches(
     assert leftovers(work) == []
 
 
+def engine_of(process: subprocess.Popen) -> psutil.Process:
+    return next(p for p in descendants(process.pid) if "serve" in p.cmdline())
+
+
+def assert_trained_weights_served(records: dict[int, dict], steps: list[int]) -> None:
+    """The engine's log-probs are the trainer's at every step, the restarted engine's included."""
+    gaps = [records[s]["logprob_gap/abs_max"] for s in steps]
+    assert all(gap <= 1e-4 for gap in gaps), gaps
+
+
 @pytest.mark.e2e
-def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -> None:
+def test_sigterm_during_an_engine_restart_checkpoints_the_step_and_exits_143_quietly(
+    work: Path, tmp_path: Path
+) -> None:
+    """One single-process run shows both: kill -9 of the engine after step 1 (disk sync: rank 0 reloads
+    the folder the engine served), then SIGTERM once the restart is under way: the step finishes on the
+    restarted engine with the trained weights, its checkpoint is saved, exit 143, a quiet log."""
     run_dir = tmp_path / "terminated"
-    code, text = stop_after_first_step(work, run_dir, signal.SIGTERM, ranks=1)
-    assert code == 143, text[-3000:]
-    k = steps_logged(run_dir)[-1]["step"]
+    log = run_dir.with_suffix(".log")
+    overrides = (*SIGNAL_RUN, "train.steps=4", "rollout.weight_sync=disk")  # 4: the stop is never the last step
+    process = start(command(work, run_dir, *overrides, ranks=1), log)
+    wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)  # the engine serves step 1's weights now
+    engine_of(process).kill()
+    wait_for(lambda: "restarting it (1 of" in log.read_text(), process, log)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(STEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_run(process)
+        pytest.fail(f"the run did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert process.returncode == 143, text[-3000:]
+    records = {r["step"]: r for r in steps_logged(run_dir)}
+    k = max(records)
+    assert sorted(records) == list(range(1, k + 1)) and 2 <= k < 4, sorted(records)
+    assert records[1]["rollout/engine_restarts"] == 0.0 and records[k]["rollout/engine_restarts"] == 1.0
+    assert "exited with code -9" in text and "restarting it (1 of rollout.max_engine_restarts = 3)" in text
+    assert "try 2 of" not in text  # noticed at once, not retried
+    assert_trained_weights_served(records, list(range(1, k + 1)))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{k:06d}"]
     assert (run_dir / "checkpoints" / f"step_{k:06d}" / "loop_state.pt").is_file()
     assert "received SIGTERM: stopping after the current step" in text
     # the custom reward's failures are warned about every step (its first one with a traceback): not noise
@@ -345,29 +381,22 @@ def test_sigterm_checkpoints_and_exits_143_quietly(work: Path, tmp_path: Path) -
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sync", ["disk", "distributed"])
-def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(
-    work: Path, tmp_path: Path, sync: str
-) -> None:
-    """disk: rank 0 reloads the folder the engine served; distributed (only every rank can send the
-    weights): the step's rollout is collected again after a sync from every rank at the step boundary."""
+def test_kill_9_of_the_engine_mid_run_restarts_it_with_the_trained_weights(work: Path, tmp_path: Path) -> None:
+    """Distributed sync (only every rank can send the weights): the step's rollout is collected again
+    after a sync from every rank at the step boundary; every step is done. (Disk sync: the SIGTERM test.)"""
     run_dir = tmp_path / "engine_killed"
     log = run_dir.with_suffix(".log")
-    process = start(command(work, run_dir, *SIGNAL_RUN, f"rollout.weight_sync={sync}", ranks=1), log)
+    process = start(command(work, run_dir, *SIGNAL_RUN, "rollout.weight_sync=distributed", ranks=1), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)  # the engine serves step 1's weights now
-    engine = next(p for p in descendants(process.pid) if "serve" in p.cmdline())
-    engine.kill()
+    engine_of(process).kill()
     text = finish(process, log)
     records = {r["step"]: r for r in read_metrics(run_dir)}
     assert sorted(records) == [1, 2, 3]
     assert records[1]["rollout/engine_restarts"] == 0.0 and records[3]["rollout/engine_restarts"] == 1.0
     assert "exited with code -9" in text and "restarting it (1 of rollout.max_engine_restarts = 3)" in text
     assert "try 2 of" not in text  # noticed at once, not retried
-    assert ("syncing from every rank, then collecting the step again" in text) == (sync == "distributed")
-    # the restarted engine got the synced weights back: its log-probs are the trainer's, as before the kill
-    assert all(records[s]["logprob_gap/abs_max"] <= 1e-4 for s in (1, 2, 3)), [
-        records[s]["logprob_gap/abs_max"] for s in (1, 2, 3)
-    ]
+    assert "syncing from every rank, then collecting the step again" in text
+    assert_trained_weights_served(records, [1, 2, 3])
     assert leftovers(work) == []
 
 
