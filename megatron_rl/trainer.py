@@ -39,7 +39,7 @@ from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.checkpoints import ResumeMode, RunFolder
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
-from megatron_rl.loop.driver import RolloutData, RolloutDriver
+from megatron_rl.loop.driver import RolloutData, RolloutDriver, spawn_engine_early
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
@@ -184,6 +184,10 @@ class Trainer:
             stack.callback(data.close)  # the reward workers, also when a later piece fails to start
         if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
             release_colocated_engines(cfg)
+        engine_log = run_folder.run_dir / "engine.log"
+        starting = spawn_engine_early(cfg, engine_log) if data is not None else None
+        if starting is not None:
+            stack.callback(starting.kill)  # a start-up that fails before the driver takes the engine
         actor = run_folder.start_actor(cfg)
         stack.callback(actor.close)
         reference = None
@@ -202,7 +206,7 @@ class Trainer:
         drivers: list[RolloutDriver] = []
 
         def start_driver(data: RolloutData) -> None:
-            driver = RolloutDriver(cfg, data, model_path=model_path, engine_log=run_folder.run_dir / "engine.log")
+            driver = RolloutDriver(cfg, data, model_path=model_path, engine_log=engine_log, starting=starting)
             stack.callback(driver.close)
             drivers.append(driver)
 

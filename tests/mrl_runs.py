@@ -112,13 +112,19 @@ def kill_run(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
+def wait_ended(process: subprocess.Popen, log: Path, what: str = "end", timeout: float = STEP_TIMEOUT_S) -> str:
+    """Wait for the run `process` to exit and return its log; kill it and fail, saying it did not `what`,
+    after `timeout` seconds (a hang guard)."""
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
         kill_run(process)
-        pytest.fail(f"the run did not end within {timeout} s:\n{log.read_text()[-3000:]}")
-    text = log.read_text()
+        pytest.fail(f"the run did not {what} within {timeout} s:\n{log.read_text()[-3000:]}")
+    return log.read_text()
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = STEP_TIMEOUT_S) -> str:
+    text = wait_ended(process, log, timeout=timeout)
     assert process.returncode == 0, text[-5000:]
     return text
 

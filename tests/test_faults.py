@@ -51,17 +51,16 @@ from megatron_rl.rollout.types import SamplingParams
 import tiny_model
 from mrl_runs import (
     RESUME_RUN,
-    STEP_TIMEOUT_S,
     RunCache,
     assert_resume_matches,
     command,
     descendants,
     finish,
-    kill_run,
     leftovers,
     no_leftovers,
     start,
     steps_logged,
+    wait_ended,
     wait_for,
     wait_until,
 )
@@ -303,12 +302,8 @@ def stop_after_first_step(
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     target = rank0_worker(process).pid if ranks > 1 else process.pid
     os.kill(target, sig)
-    try:
-        process.wait(240)
-    except subprocess.TimeoutExpired:
-        kill_run(process)
-        pytest.fail(f"the run did not stop on {sig.name}:\n{log.read_text()[-3000:]}")
-    return process.returncode, log.read_text()
+    text = wait_ended(process, log, f"stop on {sig.name}")
+    return process.returncode, text
 
 
 @pytest.mark.e2e
@@ -357,12 +352,7 @@ def test_sigterm_during_an_engine_restart_checkpoints_the_step_and_exits_143_qui
     engine_of(process).kill()
     wait_for(lambda: "restarting it (1 of" in log.read_text(), process, log)
     process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(STEP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_run(process)
-        pytest.fail(f"the run did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
-    text = log.read_text()
+    text = wait_ended(process, log, "stop on SIGTERM")
     assert process.returncode == 143, text[-3000:]
     records = {r["step"]: r for r in steps_logged(run_dir)}
     k = max(records)
@@ -431,12 +421,7 @@ def test_sft_stops_on_sigterm_with_a_checkpoint(assets: Path, tmp_path: Path) ->
     process = start(one_process_sft_command(assets, run_dir, "train.steps=200", "checkpoint.every=0"), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(240)
-    except subprocess.TimeoutExpired:
-        kill_run(process)
-        pytest.fail(f"sft did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
-    text = log.read_text()
+    text = wait_ended(process, log, "stop on SIGTERM")
     assert process.returncode == 143, text[-3000:]
     k = steps_logged(run_dir)[-1]["step"]
     assert k < 200 and f"sft: SIGTERM: stopped after step {k}" in text

@@ -20,7 +20,7 @@ import torch
 from megatron_rl.config import RolloutConfig
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
+from megatron_rl.rollout.local.launcher import LocalEngineProcess, spawn_local_engine, start_local_engine
 from megatron_rl.rollout.sglang import SGLangError
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -80,7 +80,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def workers(models: dict[str, str]) -> Iterator[list[LocalEngineProcess]]:
-    procs = [start_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV) for _ in range(2)]
+    starting = [spawn_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV) for _ in range(2)]
+    procs = [engine.wait() for engine in starting]  # the two load side by side
     try:
         yield procs
     finally:

@@ -77,21 +77,40 @@ class RolloutData:
         self.scorer.close()
 
 
+def spawn_engine_early(cfg: Config, engine_log: Path) -> Any:
+    """Rank 0's local engine spawned now, when the folder it serves is the policy's HF folder (known
+    before the actor starts): it loads its model while the actor is built, and `RolloutDriver(starting=...)`
+    waits for it. None for SGLang servers and for a policy exported at start-up (no HF folder)."""
+    from megatron_rl.rollout.engine import spawn_local, uses_local_engine
+
+    if not uses_local_engine(cfg.rollout) or cfg.model.hf_path is None:
+        return None
+    return spawn_local(cfg.rollout, cfg.model.hf_path, log_path=str(engine_log))
+
+
 class RolloutDriver:
     """Rank 0's rollout side: starts (or connects to) the engine on `model_path` and closes it."""
 
     def __init__(
-        self, cfg: Config, data: RolloutData, *, model_path: str | None, engine_log: Path, engine: Any = None
+        self,
+        cfg: Config,
+        data: RolloutData,
+        *,
+        model_path: str | None,
+        engine_log: Path,
+        engine: Any = None,
+        starting: Any = None,
     ) -> None:
         """`engine`: one already started (anything with the `RolloutEngine` methods the loop calls: generate,
-        close), instead of starting or connecting to the configured one."""
+        close), instead of starting or connecting to the configured one; `starting`: the local engine
+        `spawn_engine_early` spawned (waited for here)."""
         from megatron_rl.rollout.engine import RolloutEngine
 
         self.cfg = cfg
         self.data = data
         # `engine_log` is only used by a local engine; SGLang servers log where they were started
         self.engine: RolloutEngine = engine or RolloutEngine.from_config(
-            cfg.rollout, model_path=model_path, log_path=str(engine_log)
+            cfg.rollout, model_path=model_path, starting=starting, log_path=str(engine_log)
         )
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size

@@ -39,7 +39,13 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from megatron_rl.rollout.handoff import HANDOFF_WARN_S, MainThreadCalls
-from megatron_rl.rollout.local.launcher import API_KEY_ENV, LocalEngineProcess, start_local_engine
+from megatron_rl.rollout.local.launcher import (
+    API_KEY_ENV,
+    LocalEngineProcess,
+    StartingEngine,
+    spawn_local_engine,
+    start_local_engine,
+)
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
 
@@ -52,6 +58,20 @@ CLIENT_THREAD_JOIN_S = 10.0  # how long close() waits for the client thread to s
 def configured_api_key(rollout: Any) -> str | None:
     """The engines' key: `rollout.api_key`, else $MEGATRON_RL_ENGINE_API_KEY (the Slurm scripts' job key)."""
     return rollout.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def uses_local_engine(rollout: Any) -> bool:
+    return rollout.engine == "local" or not rollout.sglang_urls
+
+
+def spawn_local(rollout: Any, model_path: str | None, **local_kwargs: Any) -> StartingEngine:
+    """The local engine's child spawned with the run's key, not waited for (`from_config(starting=...)`
+    waits): it loads its model while the trainer starts the actor."""
+    if model_path is None:
+        raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")
+    # the engine this run starts requires a key: without one, any local process could post it weights
+    api_key = configured_api_key(rollout) or secrets.token_urlsafe(32)
+    return spawn_local_engine(model_path, host=rollout.host, port=rollout.port, api_key=api_key, **local_kwargs)
 
 
 def moe_layout(model_path: str) -> tuple[int, int] | None:
@@ -104,20 +124,19 @@ class RolloutEngine:
             self.run(client.load_model_layout())
 
     @classmethod
-    def from_config(cls, rollout: Any, model_path: str | None = None, **local_kwargs: Any) -> RolloutEngine:
-        """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none."""
+    def from_config(
+        cls, rollout: Any, model_path: str | None = None, starting: StartingEngine | None = None, **local_kwargs: Any
+    ) -> RolloutEngine:
+        """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none;
+        `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here)."""
         process = None
         restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None
         urls = list(rollout.sglang_urls)
         api_key = configured_api_key(rollout)
-        if rollout.engine == "local" or not urls:
-            if model_path is None:
-                raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")
-            # the engine this run starts requires a key: without one, any local process could post it weights
-            api_key = api_key or secrets.token_urlsafe(32)
-            process = start_local_engine(
-                model_path, host=rollout.host, port=rollout.port, api_key=api_key, **local_kwargs
-            )
+        if uses_local_engine(rollout):
+            starting = starting or spawn_local(rollout, model_path, **local_kwargs)
+            api_key = starting.api_key
+            process = starting.wait()
             urls = [process.url]
 
             def start_again(dead: LocalEngineProcess) -> LocalEngineProcess:

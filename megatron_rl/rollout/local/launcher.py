@@ -1,4 +1,5 @@
-"""Start the local engine (`megatron-rl serve`) as a child process and wait until it serves.
+"""Start the local engine (`megatron-rl serve`) as a child process and wait until it serves (or spawn
+it now and wait later: `spawn_local_engine`).
 
 The port reaches the parent through a file in a `megatron-rl-serve-*` temporary folder that is removed
 as soon as the engine serves (or fails to); without a `log_path` the engine's output goes to an
@@ -16,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 # the engines' key in the environment: what `megatron-rl serve` requires without --api-key, and what
 # the trainer sends without rollout.api_key (the Slurm scripts hand the job's key over so)
@@ -82,7 +83,61 @@ def _tail(log_path: str | None, log_file: IO[bytes] | None, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def start_local_engine(
+class StartingEngine:
+    """A `megatron-rl serve` child spawned and not yet waited for: `wait()` returns the running engine
+    once /health answers (or raises with the log's tail), `kill()` ends a start-up abandoned before
+    that. The engine loads its model while the caller starts other things."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        host: str,
+        api_key: str | None,
+        log_path: str | None,
+        log_file: IO[bytes] | None,
+        workdir: str,
+        timeout_s: float,
+    ) -> None:
+        self.process, self.host, self.api_key = process, host, api_key
+        self.log_path, self.log_file, self.workdir = log_path, log_file, workdir
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+        self._where = f"log {log_path}" if log_path else "its output"
+
+    def wait(self) -> LocalEngineProcess:
+        port_file = os.path.join(self.workdir, "port")
+        try:
+            while time.monotonic() < self.deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"local engine exited with code {self.process.returncode} ({self._where}):\n{self._end()}"
+                    )
+                if os.path.exists(port_file) and open(port_file).read().strip():
+                    url = f"http://{self.host}:{int(open(port_file).read())}"
+                    if _healthy(url, self.api_key):
+                        return LocalEngineProcess(self.process, url, self.log_path, self.log_file)
+                time.sleep(0.2)
+            self.kill()
+            raise TimeoutError(
+                f"local engine did not serve within {self.timeout_s:.0f} s ({self._where}):\n{self._end()}"
+            )
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """A no-op once the child has exited (stopped by the engine handle that took it)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _end(self) -> str:
+        tail = _tail(self.log_path, self.log_file, 20)
+        if self.log_file is not None:
+            self.log_file.close()
+        return tail
+
+
+def spawn_local_engine(
     model_path: str,
     host: str = "127.0.0.1",
     port: int | None = None,
@@ -93,33 +148,13 @@ def start_local_engine(
     log_path: str | None = None,
     timeout_s: float = 300.0,
     prefix: list[str] | None = None,
-) -> LocalEngineProcess:
-    """Launch the engine on `port` (None = a free one) and return once /health answers 200; `prefix`
-    runs it under a wrapper (`["taskset", "-c", "1"]`). `api_key` reaches it in its environment;
-    without one, `extra_args` must say `--no-auth` (the engine refuses to start otherwise)."""
+) -> StartingEngine:
+    """Spawn the engine on `port` (None = a free one) without waiting; `prefix` runs it under a wrapper
+    (`["taskset", "-c", "1"]`). `api_key` reaches it in its environment; without one, `extra_args` must
+    say `--no-auth` (the engine refuses to start otherwise). `timeout_s` counts from the spawn."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
-    try:
-        return _start(model_path, host, port, api_key, device, extra_args, env, log_path, timeout_s, workdir, prefix)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _start(
-    model_path: str,
-    host: str,
-    port: int | None,
-    api_key: str | None,
-    device: str,
-    extra_args: list[str] | None,
-    env: dict[str, str] | None,
-    log_path: str | None,
-    timeout_s: float,
-    workdir: str,
-    prefix: list[str] | None,
-) -> LocalEngineProcess:
-    port_file = os.path.join(workdir, "port")
     cmd = [*(prefix or []), sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
-    cmd += ["--port", str(port or 0), "--port-file", port_file, "--device", device]
+    cmd += ["--port", str(port or 0), "--port-file", os.path.join(workdir, "port"), "--device", device]
     child_env = {**os.environ, **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key:
@@ -136,29 +171,16 @@ def _start(
         )
     except BaseException:
         log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
         raise
-    log_file = None if log_path else log
     if log_path:
         log.close()
-    where = f"log {log_path}" if log_path else "its output"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = _tail(log_path, log_file, 20)
-            if log_file is not None:
-                log_file.close()
-            raise RuntimeError(f"local engine exited with code {process.returncode} ({where}):\n{tail}")
-        if os.path.exists(port_file) and open(port_file).read().strip():
-            url = f"http://{host}:{int(open(port_file).read())}"
-            if _healthy(url, api_key):
-                return LocalEngineProcess(process, url, log_path, log_file)
-        time.sleep(0.2)
-    process.kill()
-    process.wait()
-    tail = _tail(log_path, log_file, 20)
-    if log_file is not None:
-        log_file.close()
-    raise TimeoutError(f"local engine did not serve within {timeout_s:.0f} s ({where}):\n{tail}")
+    return StartingEngine(process, host, api_key, log_path, None if log_path else log, workdir, timeout_s)
+
+
+def start_local_engine(model_path: str, **kwargs: Any) -> LocalEngineProcess:
+    """`spawn_local_engine(model_path, **kwargs)`, then wait until it serves."""
+    return spawn_local_engine(model_path, **kwargs).wait()
 
 
 def _healthy(url: str, api_key: str | None) -> bool:
