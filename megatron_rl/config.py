@@ -207,6 +207,11 @@ class RolloutConfig:
         "versions); false = they are aborted and resubmitted",
     )
 
+    @property
+    def uses_local_engine(self) -> bool:
+        """The run starts the local engine: `engine = local`, or no `sglang_urls` to connect to."""
+        return self.engine == "local" or not self.sglang_urls
+
 
 @dataclass
 class AlgorithmConfig:

@@ -123,7 +123,7 @@ def reference_kl(
 def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) -> str | None:
     """The folder the engine starts from: the policy's HF folder; for a local engine and a policy
     without one, RUN_DIR/hf_start, exported here (collective) before the engine starts."""
-    if cfg.model.hf_path is None and (cfg.rollout.engine == "local" or not cfg.rollout.sglang_urls):
+    if cfg.model.hf_path is None and cfg.rollout.uses_local_engine:
         out = run_folder.run_dir / "hf_start"
         run_folder.export(actor, out)
         return str(out)
@@ -435,7 +435,7 @@ class Trainer:
         rollout = self.cfg.rollout
         engine = (
             f"the SGLang server(s) {', '.join(rollout.sglang_urls)}"
-            if rollout.sglang_urls and rollout.engine != "local"
+            if not rollout.uses_local_engine
             else f"the local engine (log {self.run_folder.run_dir / 'engine.log'})"
         )
         raise LogprobGapError(

@@ -123,7 +123,7 @@ def _check_stage_folders(cfg: Config) -> None:
 def _check_local_engine_port(cfg: Config) -> None:
     """The local engine's fixed `rollout.port` is free on `rollout.host` (asked on the rank that starts it)."""
     ro = cfg.rollout
-    if ro.port is None or (ro.sglang_urls and ro.engine != "local"):
+    if ro.port is None or not ro.uses_local_engine:
         return
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engine's server binds
@@ -194,8 +194,7 @@ def validate_run(
     if resolved.model.lora.rank > 0:
         check_target_modules(resolved.model)
         check_init_adapter(resolved.model)
-        local_engine = not resolved.rollout.sglang_urls or resolved.rollout.engine == "local"
-        if command == "train" and resolved.rollout.lora_sync == "adapter" and local_engine:
+        if command == "train" and resolved.rollout.lora_sync == "adapter" and resolved.rollout.uses_local_engine:
             check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)

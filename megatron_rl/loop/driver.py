@@ -81,9 +81,9 @@ def spawn_engine_early(cfg: Config, engine_log: Path) -> Any:
     """Rank 0's local engine spawned now, when the folder it serves is the policy's HF folder (known
     before the actor starts): it loads its model while the actor is built, and `RolloutDriver(starting=...)`
     waits for it. None for SGLang servers and for a policy exported at start-up (no HF folder)."""
-    from megatron_rl.rollout.engine import spawn_local, uses_local_engine
+    from megatron_rl.rollout.engine import spawn_local
 
-    if not uses_local_engine(cfg.rollout) or cfg.model.hf_path is None:
+    if not cfg.rollout.uses_local_engine or cfg.model.hf_path is None:
         return None
     return spawn_local(cfg.rollout, cfg.model.hf_path, log_path=str(engine_log))
 

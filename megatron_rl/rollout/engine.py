@@ -60,10 +60,6 @@ def configured_api_key(rollout: Any) -> str | None:
     return rollout.api_key or os.environ.get(API_KEY_ENV) or None
 
 
-def uses_local_engine(rollout: Any) -> bool:
-    return rollout.engine == "local" or not rollout.sglang_urls
-
-
 def spawn_local(rollout: Any, model_path: str | None, **local_kwargs: Any) -> StartingEngine:
     """The local engine's child spawned with the run's key, not waited for (`from_config(starting=...)`
     waits): it loads its model while the trainer starts the actor."""
@@ -133,7 +129,7 @@ class RolloutEngine:
         restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None
         urls = list(rollout.sglang_urls)
         api_key = configured_api_key(rollout)
-        if uses_local_engine(rollout):
+        if rollout.uses_local_engine:
             starting = starting or spawn_local(rollout, model_path, **local_kwargs)
             api_key = starting.api_key
             process = starting.wait()
