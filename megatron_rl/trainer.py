@@ -364,11 +364,11 @@ class Trainer:
         if not has_batch:
             return StepBatch(None, metrics)
         plan = held[0] if held else None
-        sent = WireBatch(plan.batch, plan.rewards, plan.versions) if plan is not None else None
+        sent = WireBatch(plan.batch, plan.rewards, plan.versions, plan.episodes) if plan is not None else None
         got, report = scatter_batch(
             sent, updates=self.cfg.train.updates_per_step, num_experts=self.cfg.model.num_experts
         )
-        return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions)
+        return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions, got.episodes)
 
     def _update(self, plan: StepBatch) -> dict[str, float]:
         """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
@@ -406,7 +406,7 @@ class Trainer:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
         referenced = time.perf_counter()
         if self.reference is not None:
-            batch = self._with_reference(batch, plan.rewards, masks, out)
+            batch = self._with_reference(batch, plan, masks, out)
         trained = time.perf_counter()
         history = self.actor.train(batch)
         done = time.perf_counter()
@@ -446,7 +446,7 @@ class Trainer:
         )
 
     def _with_reference(
-        self, batch: ActorBatch, rewards: torch.Tensor | None, masks: list[torch.Tensor], out: dict[str, float]
+        self, batch: ActorBatch, plan: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
     ) -> ActorBatch:
         """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
         advantages); KL(pi_old || pi_ref) metrics into `out`."""
@@ -457,9 +457,9 @@ class Trainer:
         kl_sums, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
         out.update(metrics)
         if alg.kl_in_reward:
-            if rewards is None:
+            if plan.rewards is None:
                 raise ValueError("algorithm.kl_in_reward: the step's batch came without its rewards")
-            advantages, reward_metrics = kl_penalized_advantages(self.cfg, rewards, kl_sums)
+            advantages, reward_metrics = kl_penalized_advantages(self.cfg, plan.rewards, kl_sums, plan.episodes)
             batch = batch.with_fields(advantages=advantages)
             out.update(reward_metrics)
         return batch

@@ -45,7 +45,8 @@ def make_wire(num_experts: int = 8, *, per_token_adv: bool = False, seed: int = 
         routed_experts=routed,
     )
     versions = [[3] * (r - 1) + [4] for r in resp]
-    return WireBatch(batch, torch.randn(len(LENGTHS), generator=gen), versions)
+    episodes = torch.arange(len(LENGTHS), dtype=torch.int64) // 2  # two sequences per episode (agent segments)
+    return WireBatch(batch, torch.randn(len(LENGTHS), generator=gen), versions, episodes)
 
 
 def through_the_wire(wire: WireBatch, num_experts: int) -> tuple[LightPacket, WireBatch]:
@@ -74,12 +75,13 @@ def test_every_field_comes_back_bit_for_bit_in_its_dtype(per_token_adv: bool) ->
     assert got.batch.tokens[0].dtype == torch.int64 and got.batch.response_mask[0].dtype == torch.bool
     assert got.batch.old_log_probs is None and got.batch.ref_log_probs is None
     assert torch.equal(got.rewards, wire.rewards) and got.versions == wire.versions
+    assert got.episodes.dtype == torch.int64 and torch.equal(got.episodes, wire.episodes)
     assert got.batch.routed_experts is None  # routing travels in per-rank shards
     # the fixed-size header, and the light part's bytes: tokens as int32, masks as uint8
     assert sent.header.shape == (HEADER_SLOTS,)
     tokens, responses = sum(LENGTHS), sum(n - p for n, p in zip(LENGTHS, PROMPTS, strict=True))
     adv = 4 * (responses if per_token_adv else len(LENGTHS))
-    fields = 4 * tokens + responses + adv + 4 * responses + 4 * len(LENGTHS) + 8 * responses
+    fields = 4 * tokens + responses + adv + 4 * responses + 4 * len(LENGTHS) + 8 * responses + 8 * len(LENGTHS)
     assert sent.nbytes == 8 * HEADER_SLOTS + 8 * 3 * len(LENGTHS) + fields
 
 
@@ -92,6 +94,7 @@ def test_without_optional_fields() -> None:
     assert (
         got.rewards is None
         and got.versions is None
+        and got.episodes is None
         and routed_layout(pack_light(bare, num_experts=None).header) is None
     )
 

@@ -191,6 +191,7 @@ def test_a_history_rewrite_starts_a_segment_counted_and_trained_on_its_own() -> 
     assert second.prompt_ids == rendered([{"role": "user", "content": "task-B, summary: thinking"}])
     assert second.output_ids == chars("Answer: 1") + [IM_END] and all(second.loss_mask)
     assert episode.trajectory is second and second.end_reason == "done"
+    assert second.earlier_segments == [first]  # trained too (the collector's tests below)
     metrics = episode_metrics([episode.trajectory])
     assert metrics["env/gateway_resets"] == 1.0 and metrics["env/end_done"] == 1.0
 
@@ -470,6 +471,107 @@ def test_the_collector_trains_agent_episodes_scored_by_the_reward_rule() -> None
     assert sorted(outcome.rewards.tolist()) == [-1.0, 1.0]
     lengths = sorted(batch.response_length(i) for i in range(2))
     assert lengths == [len(chars("Answer: 1")) + 1, len(chars("Answer: 56088")) + 1]
+
+
+_rewriters: list[int] = []
+
+
+async def rewriting_agent(base_url, api_key, row):
+    """The first episode to start rewrites its history twice: three segments, the second of two calls
+    (a user message between them); the others answer once."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+    async def ask(*turns):
+        roles = ["user", "assistant", "user"][: len(turns)]
+        messages = [{"role": role, "content": text} for role, text in zip(roles, turns, strict=True)]
+        return (await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content
+
+    if _rewriters:
+        await ask("seg-d")
+        return
+    _rewriters.append(1)
+    await ask("seg-a")
+    await ask("seg-b", await ask("seg-b"), "sure?")  # the rewrite, then one message extending it
+    await ask("seg-c")
+
+
+REWRITE_SCRIPT = {"seg-a": ["thinking"], "seg-b": ["more", "still"], "seg-c": ["Answer: 56088"], "seg-d": ["Answer: 1"]}
+
+
+def rewrite_step(**over: object):
+    """One collected step of `rewriting_agent`'s group (G = 2), scored by the reward rule on the row's
+    answer; the batch, the step, and the index of the rewriting episode (the one of three sequences)."""
+    _rewriters.clear()
+    base = {
+        "model.hf_path": "unused",
+        "data.train_path": "unused",
+        "rollout.n_samples_per_prompt": 2,
+        "train.prompts_per_step": 1,
+        "env.type": "agent",
+        "env.agent": "test_gateway:rewriting_agent",
+        "env.max_turns": 8,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])
+    col = RolloutCollector(
+        cfg, ScriptEngine(REWRITE_SCRIPT), TT, RewardScorer(cfg.reward), PromptSampler([task("task-R")], shuffle=False)
+    )
+    outcome = col.collect(step=0)
+    owner = outcome.episodes.tolist()
+    rewriter = max(set(owner), key=owner.count)
+    return outcome, owner, rewriter
+
+
+REWRITE_PROMPTS = [rendered([{"role": "user", "content": k}]) for k in ("seg-a", "seg-b", "seg-c")]
+REWRITE_OUTPUTS = [
+    chars("thinking") + [IM_END],
+    chars("more") + [IM_END] + USER_DELTA + chars("still") + [IM_END],
+    chars("Answer: 56088") + [IM_END],
+]
+
+
+def test_every_segment_of_a_rewritten_history_is_trained_with_its_episodes_reward_and_advantage() -> None:
+    outcome, owner, rewriter = rewrite_step()
+    batch = outcome.batch
+    other = 1 - rewriter
+    # episodes in group order, each one's sequences contiguous: the rewriter's three segments and the other's one
+    assert owner == sorted(owner) and sorted(owner) == sorted([rewriter] * 3 + [other])
+    mine = [i for i, e in enumerate(owner) if e == rewriter]
+    (theirs,) = [i for i, e in enumerate(owner) if e == other]
+    for i, prompt, out in zip(mine, REWRITE_PROMPTS, REWRITE_OUTPUTS, strict=True):
+        assert batch.tokens[i].tolist() == prompt + out and batch.prompt_lengths[i] == len(prompt)
+    seg_d = rendered([{"role": "user", "content": "seg-d"}])
+    assert batch.tokens[theirs].tolist() == seg_d + chars("Answer: 1") + [IM_END]
+    # loss masks: the generated tokens, not the user message between the second segment's calls
+    masks = [batch.response_mask[i].tolist() for i in mine]
+    assert masks[0] == [True] * 9 and masks[2] == [True] * 14
+    assert masks[1] == [True] * 5 + [False] * len(USER_DELTA) + [True] * 6
+    assert all(batch.response_mask[theirs].tolist())
+    # the reward rule scores the episode's last segment ("Answer: 56088" right, "Answer: 1" wrong); every
+    # sequence carries its episode's reward and its group advantage, (r - mean) / std of [1, -1]
+    rewards = outcome.rewards.tolist()
+    assert [rewards[i] for i in mine] == [1.0] * 3 and rewards[theirs] == -1.0
+    half = 2**-0.5
+    assert [float(batch.advantages[i]) for i in mine] == pytest.approx([half] * 3, rel=1e-5)
+    assert float(batch.advantages[theirs]) == pytest.approx(-half, rel=1e-5)
+    assert [len(v) for v in outcome.versions] == [int(m.sum()) for m in batch.response_mask]
+    metrics = outcome.metrics
+    assert metrics["env/gateway_resets"] == 2.0 and metrics["env/trained_sequences_per_episode"] == 2.0
+    assert metrics["groups/groups_used"] == 1.0 and metrics["reward/train_mean"] == 0.0
+    assert metrics["response/tokens"] == sum(map(len, REWRITE_OUTPUTS)) + len(chars("Answer: 1")) + 1
+
+
+def test_per_turn_credit_counts_an_episodes_turns_across_its_segments() -> None:
+    outcome, owner, rewriter = rewrite_step(**{"algorithm.turn_credit": "per_turn"})
+    batch = outcome.batch
+    mine = [i for i, e in enumerate(owner) if e == rewriter]
+    (theirs,) = [i for i, e in enumerate(owner) if e == 1 - rewriter]
+    half = 2**-0.5
+    # the rewriter's calls are its turns 0-3 (seg-a; seg-b's two; seg-c): only turn 0 has a peer in the
+    # group (the other episode's one turn); a turn no other episode reaches gets advantage 0
+    assert batch.advantages[mine[0]].tolist() == pytest.approx([half] * 9, rel=1e-5)
+    assert batch.advantages[mine[1]].tolist() == [0.0] * len(REWRITE_OUTPUTS[1])
+    assert batch.advantages[mine[2]].tolist() == [0.0] * 14
+    assert batch.advantages[theirs].tolist() == pytest.approx([-half] * 10, rel=1e-5)
 
 
 def test_row_is_json_for_a_command() -> None:

@@ -379,6 +379,16 @@ def test_reference_kl_and_kl_penalised_advantages_by_hand() -> None:
     assert [float(a) for a in advantages_of(cfg, rewards)] == [0.0, 0.0, -0.5, 0.5]  # without the penalty
     with pytest.raises(ValueError, match="kl_sums has shape"):
         kl_penalized_advantages(cfg, rewards, kl[:3])
+    # an agent episode of several sequences (episode 0: samples 0-2): its KL is their sum, its reward
+    # theirs; every sequence gets its episode's advantage. Episodes: R - 0.5 KL = [1 - 1.5, 0 - 0.5]
+    # (group 1) and [1 - 0.5, 1 - 0] (group 2) -> [0, 0], [-0.25, 0.25]
+    episodes = torch.tensor([0, 0, 0, 1, 2, 3])
+    seq_rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    seq_kl = torch.tensor([0.5, 1.0, 1.5, 1.0, 1.0, 0.0])
+    adv, m = kl_penalized_advantages(cfg, seq_rewards, seq_kl, episodes)
+    assert [float(a) for a in adv] == [0.0, 0.0, 0.0, 0.0, -0.25, 0.25]
+    assert m["reward/kl_penalty_mean"] == pytest.approx(0.5 * (3.0 + 1.0 + 1.0 + 0.0) / 4)
+    assert m["reward/kl_penalized_mean"] == pytest.approx((-0.5 - 0.5 + 0.5 + 1.0) / 4)
 
 
 HF_CONFIG = {

@@ -115,7 +115,7 @@ def scatter_batch(wire: WireBatch | None, *, updates: int, num_experts: int | No
         for r in range(1, world):
             received[r] += layout.nbytes(lengths, shares[dp_of[r]])
         routed = _scatter_routed(out, shares, dp_of, layout, device)
-        out = WireBatch(out.batch.with_fields(routed_experts=routed), out.rewards, out.versions)
+        out = WireBatch(out.batch.with_fields(routed_experts=routed), out.rewards, out.versions, out.episodes)
     return out, ScatterReport(tuple(received), sum(received), time.perf_counter() - began)
 
 

@@ -16,7 +16,8 @@ is tested in-process):
 
 A receiver allocates every buffer from the header and the index alone (`field_buffers`,
 `routed_buffer`), so nothing is pickled. `WireBatch` is what travels: the `ActorBatch`, the step's
-rewards [N] and the weight versions of each sample's trained tokens (asynchronous modes).
+rewards [N], the weight versions of each sample's trained tokens (asynchronous modes) and the
+episode of each sample (when an agent episode gave several sequences).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import Tensor
 from megatron_rl.actor.batch import ActorBatch
 
 MAGIC = 0x4D524C42  # "MRLB"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the episodes field
 
 # what a field holds per sample
 ABSENT, PER_SAMPLE, PER_TOKEN, PER_RESPONSE, COUNTED = range(5)
@@ -45,6 +46,7 @@ FIELDS: tuple[tuple[str, torch.dtype | None], ...] = (
     ("ref_log_probs", None),
     ("rewards", None),
     ("versions", torch.int64),
+    ("episodes", torch.int64),
 )
 _ACTOR_FIELDS = ("response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
 
@@ -71,12 +73,14 @@ class WireFormatError(ValueError):
 
 @dataclass
 class WireBatch:
-    """What a step sends its ranks: the actor batch, the rewards [N] (None: not kept), and per sample the
-    weight versions of its trained tokens (None: synchronous rollouts)."""
+    """What a step sends its ranks: the actor batch, the rewards [N] (None: not kept), per sample the
+    weight versions of its trained tokens (None: synchronous rollouts), and int64 [N] the episode
+    each sample is a sequence of (None: one sequence per episode)."""
 
     batch: ActorBatch
     rewards: Tensor | None = None
     versions: list[list[int]] | None = None
+    episodes: Tensor | None = None
 
 
 @dataclass
@@ -189,6 +193,12 @@ def _field_pieces(wire: WireBatch, name: str, responses: Sequence[int]) -> tuple
         if tuple(wire.rewards.shape) != (len(batch),):
             raise WireFormatError(f"rewards have shape {tuple(wire.rewards.shape)}, expected ({len(batch)},)")
         return PER_SAMPLE, [wire.rewards], wire.rewards.dtype
+    if name == "episodes":
+        if wire.episodes is None:
+            return ABSENT, [], torch.int64
+        if tuple(wire.episodes.shape) != (len(batch),):
+            raise WireFormatError(f"episodes have shape {tuple(wire.episodes.shape)}, expected ({len(batch)},)")
+        return PER_SAMPLE, [wire.episodes], torch.int64
     if name == "versions":
         if wire.versions is None:
             return ABSENT, [], torch.int64
@@ -274,7 +284,8 @@ def unpack_light(packet: LightPacket) -> WireBatch:
     )
     rewards = torch.stack(values["rewards"]) if "rewards" in values else None
     versions = [v.tolist() for v in values["versions"]] if "versions" in values else None
-    return WireBatch(batch, rewards, versions)
+    episodes = torch.stack(values["episodes"]) if "episodes" in values else None
+    return WireBatch(batch, rewards, versions, episodes)
 
 
 @dataclass(frozen=True)

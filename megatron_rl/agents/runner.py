@@ -9,8 +9,9 @@ Called on the trainer's main thread with an engine that hands calls to it (`engi
 dead local engine's restart), the episodes run on a thread of their own while it runs those calls.
 
 An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
-earlier segments are counted (`env/gateway_resets`), kept in `AgentEpisode.segments`, not trained
-on (a group's size is fixed). The reward the agent gives is kept in the trajectory's
+the earlier ones are counted (`env/gateway_resets`) and ride along in its `earlier_segments`: the
+collector trains each as a sequence of its own with the episode's reward and advantage (a group
+still counts episodes). `AgentEpisode.segments` lists them all. The reward the agent gives is kept in the trajectory's
 `meta_info["agent_reward"]`: the episode's score with `env.agent_reward` (the collector's
 `agent_rewards`), else the run's reward rule (`reward.*`) scores the trajectory's text as for any
 environment. An agent that raises, exits non-zero, runs past `env.agent_timeout_s`, returns a
@@ -55,7 +56,8 @@ class AgentError(RuntimeError):
 
 @dataclass
 class AgentEpisode:
-    """An episode's trajectory (what is trained), every segment, the agent's reward and error."""
+    """An episode's trajectory (its last segment, holding the earlier ones), every segment, the agent's
+    reward and error."""
 
     trajectory: Trajectory
     segments: list[Trajectory] = field(default_factory=list)
@@ -141,6 +143,7 @@ def _episode(row: Any, record: EpisodeRecord, reward: float | None, error: str |
         traj.meta_info = {**traj.meta_info, "agent_error": error or record.failure}
     else:
         traj.end_reason = record.limit or "done"
+        traj.earlier_segments = [s for s in segments[:-1] if s.output_ids]
         if reward is not None:
             traj.meta_info = {**traj.meta_info, "agent_reward": reward}
     return AgentEpisode(traj, segments, reward, error or record.failure)

@@ -182,13 +182,17 @@ class Trajectory(Sample):
     """A whole episode as one sample: `output_ids` is everything after the prompt (generated and
     observation tokens), `logprobs` the engine's on generated tokens and 0 on observations.
     Per output token: `loss_mask` (True = generated), `turn_of_token` (the turn it belongs to or
-    follows). `turn_rewards`: one per generated turn (the environment's, 0 when it gave none)."""
+    follows). `turn_rewards`: one per generated turn (the environment's, 0 when it gave none).
+    `earlier_segments`: an agent episode's segments before this one (a call through the gateway that
+    rewrote the history began each next one), trained as sequences of their own with this
+    trajectory's reward and advantage (`segments_of`)."""
 
     loss_mask: list[bool] = field(default_factory=list)
     turn_of_token: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     end_reason: str = ""
     events: Counter = field(default_factory=Counter)
+    earlier_segments: list[Trajectory] = field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -197,6 +201,11 @@ class Trajectory(Sample):
     @property
     def has_observations(self) -> bool:
         return not all(self.loss_mask)
+
+
+def segments_of(sample: Sample) -> list[Sample]:
+    """The sequences an episode trains, in order: its earlier segments, then the sample itself."""
+    return [*sample.earlier_segments, sample] if isinstance(sample, Trajectory) else [sample]
 
 
 @dataclass

@@ -36,6 +36,7 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
+from megatron_rl.envs import segments_of
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.types import Sample
 
@@ -105,8 +106,9 @@ def staleness_metrics(trainer_version: int, versions: Sequence[Sequence[int]]) -
 
 
 def too_stale(trainer_version: int, samples: Sequence[Sample], max_staleness: int) -> bool:
-    """Whether any output token of `samples` is more than `max_staleness` versions behind the trainer."""
-    oldest = min((v for s in samples for v in token_versions(s)), default=trainer_version)
+    """Whether any output token of `samples` (of any of their segments) is more than `max_staleness`
+    versions behind the trainer."""
+    oldest = min((v for s in samples for seq in segments_of(s) for v in token_versions(seq)), default=trainer_version)
     return trainer_version - oldest > max_staleness
 
 

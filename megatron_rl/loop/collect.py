@@ -43,7 +43,14 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.dynamic_sampling import filter_groups
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
-from megatron_rl.envs import Trajectory, TurnRenderer, environment_factory, episode_metrics, run_episodes
+from megatron_rl.envs import (
+    Trajectory,
+    TurnRenderer,
+    environment_factory,
+    episode_metrics,
+    run_episodes,
+    segments_of,
+)
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -76,12 +83,15 @@ class Group:
 @dataclass
 class StepBatch:
     """The batch to train on (None when no group was usable) and the rollout metrics of the step;
-    `rewards`: float32 [N], the shaped reward of each sample of `batch` (its advantages' input)."""
+    `rewards`: float32 [N], the shaped reward of each sample of `batch` (its episode's: its advantages'
+    input); `episodes`: int64 [N], the episode each sample is a sequence of, when an agent episode gave
+    several (`segments_of`), else None (sample i is episode i)."""
 
     batch: ActorBatch | None
     metrics: dict[str, float]
     rewards: torch.Tensor | None = None
     versions: list[list[int]] | None = None  # the weight version of each trained token, per sample of `batch`
+    episodes: torch.Tensor | None = None
 
 
 def advantages_of(cfg: Config, rewards: torch.Tensor) -> list[torch.Tensor]:
@@ -92,18 +102,31 @@ def advantages_of(cfg: Config, rewards: torch.Tensor) -> list[torch.Tensor]:
 
 
 def kl_penalized_advantages(
-    cfg: Config, rewards: torch.Tensor, kl_sums: torch.Tensor
+    cfg: Config, rewards: torch.Tensor, kl_sums: torch.Tensor, episodes: torch.Tensor | None = None
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """`algorithm.kl_in_reward`: group advantages of R_i - beta * KL_i, KL_i a response's summed
-    per-token KL to the reference (verl's `use_kl_in_reward` with the outcome advantage of GRPO)."""
+    per-token KL to the reference (verl's `use_kl_in_reward` with the outcome advantage of GRPO).
+    `episodes` [N] (`StepBatch.episodes`): the episode of each sequence; an episode's KL is the sum
+    over its sequences, and each of them gets the episode's advantage."""
     if kl_sums.shape != rewards.shape:
         raise ValueError(f"kl_sums has shape {tuple(kl_sums.shape)}, rewards has {tuple(rewards.shape)}")
-    penalty = cfg.algorithm.kl_coef * kl_sums.to(torch.float32)
+    rewards, kl_sums = rewards.to(torch.float32), kl_sums.to(torch.float32)
+    if episodes is not None:
+        if episodes.shape != rewards.shape:
+            raise ValueError(f"episodes has shape {tuple(episodes.shape)}, rewards has {tuple(rewards.shape)}")
+        owner = episodes.to(torch.long)
+        count = int(owner.max()) + 1 if owner.numel() else 0
+        rewards = torch.zeros(count).index_copy_(0, owner, rewards)  # a sequence carries its episode's reward
+        kl_sums = torch.zeros(count).index_add_(0, owner, kl_sums)
+    penalty = cfg.algorithm.kl_coef * kl_sums
     metrics = {
         "reward/kl_penalty_mean": float(penalty.mean()),
         "reward/kl_penalized_mean": float((rewards - penalty).mean()),
     }
-    return advantages_of(cfg, rewards.to(torch.float32) - penalty), metrics
+    advantages = advantages_of(cfg, rewards - penalty)
+    if episodes is not None:
+        advantages = [advantages[e] for e in episodes.tolist()]
+    return advantages, metrics
 
 
 class RolloutCollector:
@@ -172,10 +195,13 @@ class RolloutCollector:
         return groups, result.stats
 
     def to_batch(self, groups: Sequence[Group]) -> ActorBatch:
-        """The actor batch of `groups`: group advantages of the shaped rewards on every response token."""
+        """The actor batch of `groups`: one sequence per segment of each episode (`segments_of`: the
+        episode itself, or an agent's segments), each with its episode's group advantage of the shaped
+        rewards on every response token."""
         alg, ro = self.cfg.algorithm, self.cfg.rollout
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        samples = [s for g in groups for s in g.samples]
+        episodes = [s for g in groups for s in g.samples]
+        samples = [seq for s in episodes for seq in segments_of(s)]
         tokens = [torch.tensor(s.prompt_ids + s.output_ids, dtype=torch.long) for s in samples]
         mask = None
         if alg.overlong_filter or any(_observed(s) for s in samples):
@@ -193,18 +219,23 @@ class RolloutCollector:
             tokens=tokens,
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             response_mask=mask,
-            advantages=self.advantages(samples, rewards),
+            advantages=self.advantages(episodes, rewards),
             rollout_log_probs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
             routed_experts=routed,
         )
 
-    def advantages(self, samples: Sequence[Sample], rewards: torch.Tensor) -> list[torch.Tensor]:
-        """`algorithm.turn_credit`: outcome = one 0-dim advantage per trajectory; per_turn = [r_i]
-        per token, each token the advantage of its turn (`megatron_rl.algorithms.turn_credit`)."""
+    def advantages(self, episodes: Sequence[Sample], rewards: torch.Tensor) -> list[torch.Tensor]:
+        """The advantages of each sequence of `episodes` (`segments_of`), `rewards` [N] being the
+        episodes', computed over each group of episodes. `algorithm.turn_credit`: outcome = one 0-dim
+        advantage per episode, given to each of its sequences; per_turn = [r_i] per token, each token
+        the advantage of its turn (`megatron_rl.algorithms.turn_credit`), the turns of an episode
+        counted across its segments (its calls, in order)."""
         alg = self.cfg.algorithm
+        sequences = [segments_of(s) for s in episodes]
         if alg.turn_credit == "outcome":
-            return advantages_of(self.cfg, rewards)
-        turn_rewards = [s.turn_rewards if isinstance(s, Trajectory) else [0.0] for s in samples]
+            adv = advantages_of(self.cfg, rewards)
+            return [a for a, seqs in zip(adv, sequences, strict=True) for _ in seqs]
+        turn_rewards = [[r for seq in seqs for r in _turn_rewards(seq)] for seqs in sequences]
         per_turn = per_turn_advantages(
             turn_rewards,
             rewards,
@@ -214,9 +245,12 @@ class RolloutCollector:
             eps=alg.adv_eps,
         )
         out = []
-        for s, adv in zip(samples, per_turn, strict=True):
-            turn_of = s.turn_of_token if isinstance(s, Trajectory) else [0] * len(s.output_ids)
-            out.append(adv[torch.tensor(turn_of, dtype=torch.long)])
+        for seqs, adv in zip(sequences, per_turn, strict=True):
+            first_turn = 0
+            for seq in seqs:
+                turn_of = seq.turn_of_token if isinstance(seq, Trajectory) else [0] * len(seq.output_ids)
+                out.append(adv[torch.tensor(turn_of, dtype=torch.long) + first_turn])
+                first_turn += len(_turn_rewards(seq))
         return out
 
     def generate_round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
@@ -291,9 +325,11 @@ class RolloutCollector:
                 failed_groups,
                 stats.errors[0] if stats.errors else "no message",
             )
-        short = 0 < len(used) * g < self.min_samples
+        owner = [k for k, s in enumerate(s for grp in used for s in grp.samples) for _ in segments_of(s)]
+        short = 0 < len(owner) < self.min_samples
         group_metrics["groups/short_batch_dropped"] = 1.0 if short else 0.0
-        metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(generated)}
+        responses = [seq for s in generated for seq in segments_of(s)]
+        metrics = {**stats.metrics("reward/"), **group_metrics, **self._response_metrics(responses)}
         if cfg.env.type != "single_turn":
             metrics.update(episode_metrics([s for s in generated if isinstance(s, Trajectory)]))
         metrics["time/generate"] = seconds["generate"]
@@ -304,8 +340,18 @@ class RolloutCollector:
             return StepBatch(None, metrics)
         batch = self.to_batch(used)
         metrics["reward/train_mean"] = sum(r for grp in used for r in grp.rewards) / (len(used) * g)
+        if cfg.env.type == "agent":
+            metrics["env/trained_sequences_per_episode"] = len(owner) / (len(used) * g)
         rewards = torch.tensor([r for grp in used for r in grp.rewards], dtype=torch.float32)
-        return StepBatch(batch, metrics, rewards, [trained_versions(s) for grp in used for s in grp.samples])
+        sequences = [seq for grp in used for s in grp.samples for seq in segments_of(s)]
+        several = len(owner) > len(used) * g
+        return StepBatch(
+            batch,
+            metrics,
+            rewards[owner] if several else rewards,
+            [trained_versions(seq) for seq in sequences],
+            torch.tensor(owner, dtype=torch.int64) if several else None,
+        )
 
     def _response_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
         lengths = [len(s.output_ids) for s in samples]
@@ -382,6 +428,10 @@ def agent_rewards(cfg: Config, samples: Sequence[Sample]) -> RewardResult:
         errors=[f"env.agent_reward: {missing} agent(s) returned no reward"] if missing else [],
     )
     return RewardResult(rewards, correct, failed, [None] * len(samples), stats)
+
+
+def _turn_rewards(sample: Sample) -> list[float]:
+    return sample.turn_rewards if isinstance(sample, Trajectory) else [0.0]
 
 
 def _observed(sample: Sample) -> bool:
