@@ -17,6 +17,7 @@ End to end (`megatron-rl train`, one trainer rank, the local engine on the tiny_
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -225,8 +226,8 @@ def wait_for_producer(driver: RolloutDriver, engine: VersionedEngine) -> None:
             held and not producer.retry and (producer.allowance() <= 0 or len(producer.in_flight) >= producer.workers)
         )
 
-    with producer.cond:
-        assert producer.cond.wait_for(idle, timeout=30), (producer.in_flight, producer.allowance())
+    # the producer's state is the runtime loop's: the predicate is evaluated there
+    assert driver.runtime.run(producer.wait_until(idle, 30)), (producer.in_flight, producer.allowance())
 
 
 def run_steps(driver: RolloutDriver, engine: VersionedEngine, steps: range, uses: Uses) -> list[dict]:
@@ -422,22 +423,22 @@ def test_a_round_after_kept_groups_takes_the_slots_they_leave(tiny_data: Path) -
     cfg.train.prompts_per_step = 4  # bound (0 + 1 + 1) x 4 = 8 groups at version 0
     data = RolloutData.load(cfg)
     answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
-    producer = AsyncProducer(cfg, lambda job: list(answer), lambda: data.sampler.next(1)[0], BusyMeter())
-    try:
-        first = []
-        worker = threading.Thread(target=lambda: first.append(producer.take(6, 0)), daemon=True)
-        worker.start()
-        worker.join(60)
-        assert not worker.is_alive()
-        # 3 of the first round's 6 kept: 8 - 3 = 5 slots left for the next round, which asks for 6
-        second = []
-        worker = threading.Thread(target=lambda: second.append(producer.take(6, 3)), daemon=True)
-        worker.start()
-        worker.join(60)
-        assert not worker.is_alive(), "take(6) waited for a sixth group the bound never lets exist"
-    finally:
-        producer.close()
-    assert [len(first[0][1]), len(second[0][1])] == [6, 5]
+
+    async def group(job: object) -> list[Sample]:
+        return list(answer)
+
+    async def rounds() -> list[int]:
+        producer = AsyncProducer(cfg, group, lambda: data.sampler.next(1)[0], BusyMeter())
+        try:
+            _, first = await asyncio.wait_for(producer.take(6, 0), 60)
+            # 3 of the first round's 6 kept: 8 - 3 = 5 slots left for the next round, which asks for 6
+            # (a wait past 60 s: take(6) waited for a sixth group the bound never lets exist)
+            _, second = await asyncio.wait_for(producer.take(6, 3), 60)
+        finally:
+            await producer.stop()
+        return [len(first), len(second)]
+
+    assert asyncio.run(rounds()) == [6, 5]
 
 
 def test_a_round_that_no_group_can_reach_fails_naming_the_bound_and_one_in_flight_is_waited_for(
@@ -450,37 +451,40 @@ def test_a_round_that_no_group_can_reach_fails_naming_the_bound_and_one_in_fligh
     cfg = in_process_config(tiny_data)
     data = RolloutData.load(cfg)
     answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
-    release, checked = threading.Event(), threading.Event()
 
-    def slow_group(job: object) -> list[Sample]:
-        assert release.wait(60)
-        return list(answer)
+    async def scenario() -> tuple[int, list[bool]]:
+        release, checked = asyncio.Event(), asyncio.Event()
 
-    producer = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
-    starved = producer._starved
-    checks = []
+        async def slow_group(job: object) -> list[Sample]:
+            await release.wait()
+            return list(answer)
 
-    def counted() -> bool:
-        checks.append(starved())
-        if len(checks) >= 3:
-            checked.set()
-        return checks[-1]
+        producer = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
+        starved = producer._starved
+        checks: list[bool] = []
 
-    monkeypatch.setattr(producer, "_starved", counted)
-    try:
-        took = []
-        worker = threading.Thread(target=lambda: took.append(producer.take(1, 0)), daemon=True)
-        worker.start()
-        assert checked.wait(60)  # three checks while the group is in flight: none ends the wait
-        release.set()
-        worker.join(60)
-        assert not worker.is_alive() and len(took[0][1]) == 1 and not any(checks)
-    finally:
-        producer.close()
-    held = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
-    held.held = True  # nothing in flight and nothing may be submitted: the wait ends with an error
-    try:
-        with pytest.raises(RuntimeError, match=r"can never arrive .*staleness bound \d+, consumed 0, taken 0"):
-            held.take(1, 0)
-    finally:
-        held.close()
+        def counted() -> bool:
+            checks.append(starved())
+            if len(checks) >= 3:
+                checked.set()
+            return checks[-1]
+
+        monkeypatch.setattr(producer, "_starved", counted)
+        try:
+            took = asyncio.ensure_future(producer.take(1, 0))
+            await asyncio.wait_for(checked.wait(), 60)  # three checks while the group is in flight: none ends the wait
+            release.set()
+            _, grouped = await asyncio.wait_for(took, 60)
+        finally:
+            await producer.stop()
+        held = AsyncProducer(cfg, slow_group, lambda: data.sampler.next(1)[0], BusyMeter())
+        held.held = True  # nothing in flight and nothing may be submitted: the wait ends with an error
+        try:
+            with pytest.raises(RuntimeError, match=r"can never arrive .*staleness bound \d+, consumed 0, taken 0"):
+                await asyncio.wait_for(held.take(1, 0), 60)
+        finally:
+            await held.stop()
+        return len(grouped), checks
+
+    took, checks = asyncio.run(scenario())
+    assert took == 1 and len(checks) >= 3 and not any(checks)

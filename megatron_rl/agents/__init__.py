@@ -1,7 +1,7 @@
 """Black-box agents trained through an OpenAI-compatible gateway (`env.type=agent`)."""
 
 from megatron_rl.agents.gateway import MODEL, ChatRequest, EpisodeRecord, Gateway, RequestError, parse_request
-from megatron_rl.agents.runner import AgentEpisode, AgentError, row_json, run_agent_episodes
+from megatron_rl.agents.runner import AgentEpisode, AgentError, row_json, run_agent_episodes, run_agent_episodes_async
 
 __all__ = [
     "MODEL",
@@ -14,4 +14,5 @@ __all__ = [
     "parse_request",
     "row_json",
     "run_agent_episodes",
+    "run_agent_episodes_async",
 ]

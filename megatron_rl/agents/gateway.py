@@ -322,6 +322,12 @@ class Gateway:
         self._call(self._open(episode, index))
         return episode
 
+    async def open_episode_async(self, index: int) -> str:
+        """`open_episode` from another event loop."""
+        episode = uuid.uuid4().hex
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._open(episode, index), self._loop))
+        return episode
+
     async def _open(self, episode: str, index: int) -> None:
         self._episodes[episode] = EpisodeState(index)
 

@@ -5,8 +5,9 @@ a plain function runs on a thread) or `env.agent_command` (a shell command per e
 `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` in its environment and the row as JSON on
 stdin: `{"index", "prompt", "answer", "row"}`; a last stdout line `{"reward": x}` is its reward).
 Episodes run side by side, at most `max_concurrency` at once, each within `env.agent_timeout_s`.
-Called on the trainer's main thread with an engine that hands calls to it (`engine.handoff`: a
-dead local engine's restart), the episodes run on a thread of their own while it runs those calls.
+`run_agent_episodes_async` runs them on the running loop (the rollout runtime's); `run_agent_episodes`
+on a loop of its own: called on the trainer's main thread with an engine that hands calls to it
+(`engine.handoff`: a dead local engine's restart), on a thread beside it while it runs those calls.
 
 An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
 the earlier ones are counted (`env/gateway_resets`) and ride along in its `earlier_segments`: the
@@ -25,6 +26,7 @@ that limit: its trajectory is trained (`env/end_max_turns`, `env/end_max_total_t
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -160,9 +162,36 @@ def run_agent_episodes(
     return_routed_experts: bool = False,
     agent: Callable[..., Any] | None = None,
 ) -> list[AgentEpisode]:
-    """One agent episode per row, in order, through a gateway started for them (`agent`: the
-    function to run instead of `env.agent` / `env.agent_command`). `params(call, i)`: the sampling
-    of episode i's call."""
+    """`run_agent_episodes_async` from synchronous code, on an event loop of its own (beside the
+    trainer's main thread, which runs what the engine hands it meanwhile: `run_serving_handoff`)."""
+    work = functools.partial(
+        run_agent_episodes_async,
+        engine,
+        rows,
+        params,
+        renderer,
+        cfg,
+        max_concurrency=max_concurrency,
+        return_routed_experts=return_routed_experts,
+        agent=agent,
+    )
+    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(work()))
+
+
+async def run_agent_episodes_async(
+    engine: Any,
+    rows: Sequence[Any],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: EnvConfig,
+    *,
+    max_concurrency: int = 64,
+    return_routed_experts: bool = False,
+    agent: Callable[..., Any] | None = None,
+) -> list[AgentEpisode]:
+    """One agent episode per row, in order, each a coroutine on the running loop, through a gateway
+    started for them (on its own thread; `agent`: the function to run instead of `env.agent` /
+    `env.agent_command`). `params(call, i)`: the sampling of episode i's call."""
     if agent is None and cfg.agent:
         agent = agent_function(cfg)
     if agent is None and not cfg.agent_command:
@@ -177,10 +206,11 @@ def run_agent_episodes(
         max_concurrency=max_concurrency,
         return_routed_experts=return_routed_experts,
     )
-    with gateway:
-        return run_serving_handoff(
-            getattr(engine, "handoff", None), lambda: asyncio.run(_all(gateway, rows, cfg, agent, key, max_concurrency))
-        )
+    await asyncio.to_thread(gateway.start)
+    try:
+        return await _all(gateway, rows, cfg, agent, key, max_concurrency)
+    finally:
+        await asyncio.to_thread(gateway.close)
 
 
 async def _all(
@@ -190,7 +220,7 @@ async def _all(
 
     async def one(i: int, row: Any) -> AgentEpisode:
         async with slots:
-            episode = gateway.open_episode(i)
+            episode = await gateway.open_episode_async(i)
             url = gateway.base_url(episode)
             reward, error, timed_out = None, None, False
             try:
@@ -215,4 +245,4 @@ async def _all(
     return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
 
 
-__all__ = ["MODEL", "AgentEpisode", "AgentError", "run_agent_episodes", "row_json"]
+__all__ = ["MODEL", "AgentEpisode", "AgentError", "run_agent_episodes", "run_agent_episodes_async", "row_json"]

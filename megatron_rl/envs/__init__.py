@@ -9,7 +9,14 @@ from megatron_rl.envs.base import (
     environment_class,
     environment_factory,
 )
-from megatron_rl.envs.episodes import Trajectory, TurnRenderer, episode_metrics, run_episodes, segments_of
+from megatron_rl.envs.episodes import (
+    Trajectory,
+    TurnRenderer,
+    episode_metrics,
+    run_episodes,
+    run_episodes_async,
+    segments_of,
+)
 from megatron_rl.envs.tools import MalformedCall, ToolCall, ToolEnvironment, call_with_timeout, parse_tool_calls
 
 __all__ = [
@@ -29,5 +36,6 @@ __all__ = [
     "episode_metrics",
     "parse_tool_calls",
     "run_episodes",
+    "run_episodes_async",
     "segments_of",
 ]

@@ -278,17 +278,44 @@ def run_episodes(
     return_routed_experts: bool = False,
     stall_warning_s: float = 0.0,
 ) -> list[Trajectory]:
-    """One trajectory per (environment, data row), in order; `params(turn, i)` the sampling of
-    episode i's turn. `episode_metrics` gives their `env/*` metrics. A `step` running longer than
-    `stall_warning_s` (0 = never) is warned about, again after each further `stall_warning_s`."""
+    """`run_episodes_async` from synchronous code, on an event loop of its own (on a thread beside the
+    trainer's main thread, which runs what the engine hands it meanwhile: `run_serving_handoff`)."""
+    work = functools.partial(
+        run_episodes_async,
+        engine,
+        envs,
+        rows,
+        params,
+        renderer,
+        cfg,
+        return_routed_experts=return_routed_experts,
+        stall_warning_s=stall_warning_s,
+    )
+    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(work()))
+
+
+async def run_episodes_async(
+    engine: Any,
+    envs: Sequence[Environment],
+    rows: Sequence[Any],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: EnvConfig,
+    *,
+    return_routed_experts: bool = False,
+    stall_warning_s: float = 0.0,
+) -> list[Trajectory]:
+    """One trajectory per (environment, data row), in order, each episode a coroutine on the running
+    loop; `params(turn, i)` the sampling of episode i's turn. `episode_metrics` gives their `env/*`
+    metrics. A `step` running longer than `stall_warning_s` (0 = never) is warned about, again after
+    each further `stall_warning_s`."""
     episodes = []
     for env, row in zip(envs, rows, strict=True):
         messages = env.start(row)
         prompt_ids = list(row.input_ids) if messages is None else renderer.first_ids(messages)
         traj = Trajectory(prompt_ids=prompt_ids, output_ids=[], logprobs=[], finish_reason="stop")
         episodes.append(_Episode(env, prompt_ids, traj))
-    run = _EpisodeRun(engine, params, renderer, cfg, return_routed_experts, stall_warning_s)
-    run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(run.all(episodes)))
+    await _EpisodeRun(engine, params, renderer, cfg, return_routed_experts, stall_warning_s).all(episodes)
     return [ep.traj for ep in episodes]
 
 
@@ -352,9 +379,13 @@ class _EpisodeRun:
 
     async def all(self, episodes: list[_Episode]) -> None:
         steps = asyncio.Semaphore(self.cfg.max_concurrent_steps)
-        with ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate") as pool:
+        pool = ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate")
+        try:
             batches = _TurnBatches(self.engine, pool, self.return_routed_experts)
             await asyncio.gather(*(self.one(i, ep, batches, steps) for i, ep in enumerate(episodes)))
+        finally:
+            # not waiting: cancelled (the runtime closing), a /generate still running ends with the engine
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def one(self, i: int, ep: _Episode, batches: _TurnBatches, steps: asyncio.Semaphore) -> None:
         cfg = self.cfg

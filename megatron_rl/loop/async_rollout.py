@@ -6,12 +6,15 @@ engine's version before the first sync ("default" in SGLang and the local engine
 The trainer's version at the start of a step is the last synced one; a token's staleness is the
 trainer's version minus the version that generated it.
 
-- `one_step_off` (`OneStepOff`): while step t trains, one background thread collects batch t+1 with
+Both are scheduling policies of the rollout runtime (`megatron_rl.loop.runtime`), whose event loop
+runs their collections:
+
+- `one_step_off` (`OneStepOff`): while step t trains, the runtime collects batch t+1 with
   the weights step t started from; step t's weight sync waits for it, so which weights generated
   which sample never depends on timing (batches 1 and 2 both come from the start weights).
-- `fully_async` (`AsyncProducer`): a producer thread submits one group (a prompt's
-  `rollout.n_samples_per_prompt` trajectories) per free worker (max_concurrency / group size of
-  them) to the engine, as long as the groups trained, taken, buffered and in flight stay within
+- `fully_async` (`AsyncProducer`): a producer task submits one group (a prompt's
+  `rollout.n_samples_per_prompt` trajectories) per free worker slot (max_concurrency / group size of
+  them, each group a task) to the engine, as long as the groups trained, taken, buffered and in flight stay within
   (version + max_staleness + 1) x train.prompts_per_step (AReaL's bound, `StalenessBound`, numbers only);
   finished groups go into a
   FIFO buffer. The trainer takes its rounds of groups from the buffer, dropping (and resubmitting the
@@ -25,12 +28,13 @@ trainer's version minus the version that generated it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,12 +152,14 @@ class BusyMeter:
 
 
 class OneStepOff:
-    """The batch of the next step, collected by one background thread while this step trains."""
+    """The batch of the next step, collected on the rollout runtime's loop while this step trains.
 
-    def __init__(self, collect: Callable[[int], Any], handoff: MainThreadCalls | None = None) -> None:
-        self._collect = collect
+    `submit(step)` starts collecting step `step`'s batch on the runtime and gives its future; the
+    main thread waits for it through `handoff`, running what the collection hands it meanwhile."""
+
+    def __init__(self, submit: Callable[[int], Future], handoff: MainThreadCalls | None = None) -> None:
+        self._submit = submit
         self._handoff = handoff or MainThreadCalls()  # what the collection hands the main thread, run while it waits
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="one-step-off")
         self._future: Future | None = None
         self.ready: Any = None  # the next step's finished batch (a checkpoint holds it)
         self.ready_step: int | None = None
@@ -165,14 +171,14 @@ class OneStepOff:
         if self.ready is not None and self.ready_step == step:
             plan, self.ready, self.ready_step = self.ready, None, None
         else:
-            plan = self._collect(step)
+            plan = self._handoff.wait_future(self._submit(step))
         return plan, time.perf_counter() - began
 
     def start(self, step: int) -> None:
         """Begin collecting step `step`'s batch in the background."""
         if self._future is not None:
             raise RuntimeError("one_step_off: a background collection is still running")
-        self._future = self._pool.submit(self._collect, step)
+        self._future = self._submit(step)
         self.ready_step = step
 
     def wait(self) -> float:
@@ -190,10 +196,6 @@ class OneStepOff:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready, self.ready_step = state["ready"], state["ready_step"]
-
-    def close(self) -> None:
-        # not waiting: on an error the engine closes next, which ends a collection still running
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -241,16 +243,18 @@ class Finished:
 
 
 class AsyncProducer:
-    """The fully asynchronous producer (see the module doc). `generate(job)` returns one group's
-    samples (it runs on a worker thread); `next_prompt()` draws from the sampler (under the lock)."""
+    """The fully asynchronous producer (see the module doc), on the rollout runtime's event loop: every
+    method runs there (the coroutines, and `allowance`, `load_state_dict` before it starts), so its
+    state has one owner and no lock. `generate(job)` is the coroutine of one group's samples;
+    `next_prompt()` draws from the sampler. Its tasks: the producer (`_run`, one), which submits a
+    group per free worker slot, and one `_work` task per group in flight."""
 
     def __init__(
         self,
         cfg: Config,
-        generate: Callable[[Job], list[Sample]],
+        generate: Callable[[Job], Awaitable[list[Sample]]],
         next_prompt: Callable[[], Prompt],
         meter: BusyMeter,
-        handoff: MainThreadCalls | None = None,
     ) -> None:
         ro = cfg.rollout
         self.max_staleness = ro.max_staleness
@@ -259,10 +263,6 @@ class AsyncProducer:
         self._generate = generate
         self._next_prompt = next_prompt
         self._meter = meter
-        # the producer's state is guarded by the hand-off's condition: the main thread, waiting for groups,
-        # also runs what the workers hand it (an engine restart)
-        self._handoff = handoff or MainThreadCalls()
-        self.cond = self._handoff.cond
         self.bound = StalenessBound(ro.max_staleness, cfg.train.prompts_per_step)
         self.serial = 0
         self.buffer: deque[Finished] = deque()
@@ -273,17 +273,37 @@ class AsyncProducer:
         self.held = False
         self.error: BaseException | None = None
         self._stopping = False
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-producer")
-        self._thread: threading.Thread | None = None
+        self._changed: asyncio.Condition | None = None
+        self._task: asyncio.Task | None = None
+        self._works: set[asyncio.Task] = set()
 
-    # ---- the producer thread ----
+    @property
+    def changed(self) -> asyncio.Condition:
+        """Notified whenever the state changes (created on the loop that first asks)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until `predicate()` holds, at most `timeout` seconds; whether it holds."""
+        try:
+            async with asyncio.timeout(timeout), self.changed:
+                await self.changed.wait_for(predicate)
+        except TimeoutError:
+            pass
+        return predicate()
+
+    # ---- the producer task ----
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-            self._thread.start()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="rollout-producer")
 
     def allowance(self) -> int:
-        """Groups that may still be submitted under the staleness bound (caller holds the lock)."""
+        """Groups that may still be submitted under the staleness bound."""
         return self.bound.allowance(len(self.buffer) + len(self.in_flight))
 
     def _can_submit(self) -> bool:
@@ -294,52 +314,52 @@ class AsyncProducer:
             and (self.allowance() > 0 or bool(self.retry))
         )
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         while True:
-            with self.cond:
-                while not self._stopping and not self._can_submit():
-                    self.cond.wait()
-                if self._stopping:
-                    return
-                try:
-                    # a resubmission takes the place its group already had under the bound
-                    job = self.retry.popleft() if self.retry else Job(self._new_serial(), self._next_prompt())
-                except BaseException as err:  # the sampler failed: the trainer raises it
-                    self.error = err
-                    self.cond.notify_all()
-                    return
-                self.in_flight[job.serial] = job
-            self._pool.submit(self._work, job)
+            await self.wait_until(lambda: self._stopping or self._can_submit(), None)
+            if self._stopping:
+                return
+            try:
+                # a resubmission takes the place its group already had under the bound
+                job = self.retry.popleft() if self.retry else Job(self._new_serial(), self._next_prompt())
+            except BaseException as err:  # the sampler failed: the trainer raises it
+                self.error = err
+                await self._notify()
+                return
+            self.in_flight[job.serial] = job
+            work = asyncio.get_running_loop().create_task(self._work(job), name=f"rollout-group-{job.serial}")
+            self._works.add(work)
+            work.add_done_callback(self._works.discard)
 
     def _new_serial(self) -> int:
         self.serial += 1
         return self.serial
 
-    def _work(self, job: Job) -> None:
+    async def _work(self, job: Job) -> None:
         try:
             with self._meter.busy():
-                samples = self._generate(job)
+                samples = await self._generate(job)
+        except asyncio.CancelledError:
+            raise
         except BaseException as err:
-            with self.cond:
-                self.in_flight.pop(job.serial, None)
-                if not self._stopping:
-                    self.error = err
-                self.cond.notify_all()
+            self.in_flight.pop(job.serial, None)
+            if not self._stopping:
+                self.error = err
+            await self._notify()
             return
-        with self.cond:
-            if self.in_flight.pop(job.serial, None) is None:
-                return  # checkpoint restore or shutdown replaced it
-            if any(s.aborted for s in samples):
-                if job.attempt + 1 < self.max_attempts:
-                    self.retry.append(Job(job.serial, job.prompt, job.attempt + 1))
-                else:
-                    self.aborted_groups += 1
+        if self.in_flight.pop(job.serial, None) is None:
+            return  # checkpoint restore or shutdown replaced it
+        if any(s.aborted for s in samples):
+            if job.attempt + 1 < self.max_attempts:
+                self.retry.append(Job(job.serial, job.prompt, job.attempt + 1))
             else:
-                self.buffer.append(Finished(job, samples))
-            self.cond.notify_all()
+                self.aborted_groups += 1
+        else:
+            self.buffer.append(Finished(job, samples))
+        await self._notify()
 
-    # ---- the trainer's side (rank 0's main thread) ----
-    def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Sample]]]:
+    # ---- the trainer's side (a step's collection, on the runtime) ----
+    async def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Sample]]]:
         """The next `n` finished groups fresh enough to train on, or as many as the staleness bound leaves
         this round (fewer than `n` when it caps them), waiting for them; a stale one is dropped (its
         samples counted) and its prompt resubmitted. `counted`: the groups already taken this step that
@@ -347,90 +367,81 @@ class AsyncProducer:
         self.start()
         prompts: list[Prompt] = []
         grouped: list[list[Sample]] = []
-        with self.cond:
-            self.bound.taken = counted
-            n = self.bound.round_size(n, counted)  # a dropped stale group's prompt keeps its slot
-            self.cond.notify_all()
-            while len(grouped) < n:
-                while not self._handoff.wait_for(
-                    lambda: bool(self.buffer) or self.error is not None, STARVATION_CHECK_S
-                ):
-                    if self._starved():
-                        raise RuntimeError(
-                            f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
-                            f"arrive (none buffered or in flight, none may be submitted: {self.bound.describe()})"
-                        )
-                if self.error is not None:
-                    raise RuntimeError(f"rollout producer: {self.error}") from self.error
-                done = self.buffer.popleft()
-                if too_stale(self.bound.version, done.samples, self.max_staleness):
-                    self.dropped_stale += len(done.samples)
-                    self.retry.appendleft(Job(done.job.serial, done.job.prompt, done.job.attempt + 1))
-                else:
-                    prompts.append(done.job.prompt)
-                    grouped.append(done.samples)
-                    self.bound.taken += 1
-                self.cond.notify_all()
+        self.bound.taken = counted
+        n = self.bound.round_size(n, counted)  # a dropped stale group's prompt keeps its slot
+        await self._notify()
+        while len(grouped) < n:
+            while not await self.wait_until(lambda: bool(self.buffer) or self.error is not None, STARVATION_CHECK_S):
+                if self._starved():
+                    raise RuntimeError(
+                        f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
+                        f"arrive (none buffered or in flight, none may be submitted: {self.bound.describe()})"
+                    )
+            if self.error is not None:
+                raise RuntimeError(f"rollout producer: {self.error}") from self.error
+            done = self.buffer.popleft()
+            if too_stale(self.bound.version, done.samples, self.max_staleness):
+                self.dropped_stale += len(done.samples)
+                self.retry.appendleft(Job(done.job.serial, done.job.prompt, done.job.attempt + 1))
+            else:
+                prompts.append(done.job.prompt)
+                grouped.append(done.samples)
+                self.bound.taken += 1
+            await self._notify()
         return prompts, grouped
 
     def _starved(self) -> bool:
-        """Nothing buffered, nothing in flight and nothing the producer may submit (caller holds the lock)."""
-        producing = self._thread is not None and self._thread.is_alive() and self._can_submit()
+        """Nothing buffered, nothing in flight and nothing the producer may submit."""
+        producing = self._task is not None and not self._task.done() and self._can_submit()
         return not self.buffer and not self.in_flight and not producing
 
-    def settle(self, used: int) -> dict[str, float]:
+    async def settle(self, used: int) -> dict[str, float]:
         """The step's batch holds `used` groups: they count as consumed; the step's producer counts."""
-        with self.cond:
-            self.bound.consumed += used
-            self.bound.taken = 0
-            out = {
-                "async/dropped_stale": float(self.dropped_stale),
-                "async/buffer_groups": float(len(self.buffer)),
-                "async/aborted_groups_left_out": float(self.aborted_groups),
-            }
-            self.dropped_stale = self.aborted_groups = 0
-            self.cond.notify_all()
+        self.bound.consumed += used
+        self.bound.taken = 0
+        out = {
+            "async/dropped_stale": float(self.dropped_stale),
+            "async/buffer_groups": float(len(self.buffer)),
+            "async/aborted_groups_left_out": float(self.aborted_groups),
+        }
+        self.dropped_stale = self.aborted_groups = 0
+        await self._notify()
         return out
 
-    def synced(self, version: int) -> None:
-        with self.cond:
-            self.bound.version = version
-            self.cond.notify_all()
+    async def synced(self, version: int) -> None:
+        self.bound.version = version
+        await self._notify()
 
-    @contextlib.contextmanager
-    def held_state(self) -> Iterator[dict[str, Any]]:
-        """The producer's state for a checkpoint; no prompt is drawn while the block runs (the sampler's
+    async def hold(self) -> dict[str, Any]:
+        """The producer's state for a checkpoint; no prompt is drawn until `release` (the sampler's
         position saved with it stays consistent). In-flight groups are saved as prompts to resubmit."""
-        with self.cond:
-            self.held = True
-            state = {
-                "version": self.bound.version,
-                "consumed": self.bound.consumed,
-                "serial": self.serial,
-                "buffer": [(d.job, d.samples) for d in self.buffer],
-                "pending": [*self.in_flight.values(), *self.retry],
-            }
-        try:
-            yield state
-        finally:
-            with self.cond:
-                self.held = False
-                self.cond.notify_all()
+        self.held = True
+        return {
+            "version": self.bound.version,
+            "consumed": self.bound.consumed,
+            "serial": self.serial,
+            "buffer": [(d.job, d.samples) for d in self.buffer],
+            "pending": [*self.in_flight.values(), *self.retry],
+        }
+
+    async def release(self) -> None:
+        self.held = False
+        await self._notify()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self.cond:
-            if self._thread is not None:
-                raise RuntimeError("AsyncProducer.load_state_dict: the producer already runs")
-            self.bound.version = state["version"]
-            self.bound.consumed = state["consumed"]
-            self.serial = state["serial"]
-            self.buffer = deque(Finished(job, samples) for job, samples in state["buffer"])
-            self.retry = deque(sorted(state["pending"], key=lambda j: j.serial))
+        if self._task is not None:
+            raise RuntimeError("AsyncProducer.load_state_dict: the producer already runs")
+        self.bound.version = state["version"]
+        self.bound.consumed = state["consumed"]
+        self.serial = state["serial"]
+        self.buffer = deque(Finished(job, samples) for job, samples in state["buffer"])
+        self.retry = deque(sorted(state["pending"], key=lambda j: j.serial))
 
-    def close(self) -> None:
-        with self.cond:
-            self._stopping = True
-            self.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    async def stop(self) -> None:
+        """End the producer task and cancel the groups in flight (their requests end with the engine)."""
+        self._stopping = True
+        await self._notify()
+        tasks = [t for t in (self._task, *self._works) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

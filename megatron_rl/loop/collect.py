@@ -22,18 +22,19 @@ samples gets fewer mini-batches (the actor's `mini_batches`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.agents import run_agent_episodes
+from megatron_rl.agents import run_agent_episodes_async
 from megatron_rl.algorithms import (
     DynamicSamplingAccumulator,
     group_advantages,
@@ -48,14 +49,16 @@ from megatron_rl.envs import (
     TurnRenderer,
     environment_factory,
     episode_metrics,
-    run_episodes,
+    run_episodes_async,
     segments_of,
 )
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
+from megatron_rl.rollout.handoff import run_serving_handoff
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
@@ -65,7 +68,14 @@ def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
 
 
 # (n, step, round, informative groups kept so far) -> the round's prompts and their groups
-RoundSource = Callable[[int, int, int, int], tuple[list[Prompt], list[list[Sample]]]]
+RoundSource = Callable[[int, int, int, int], Awaitable[tuple[list[Prompt], list[list[Sample]]]]]
+
+
+def blocking(engine: Any, make: Callable[[], Awaitable[T]]) -> T:
+    """A rollout coroutine (`make()`) run from synchronous code on an event loop of its own: on the
+    trainer's main thread (the owner of `engine.handoff`), on a thread beside it while it runs what the
+    engine hands it (`run_serving_handoff`). The rollout runtime awaits the coroutines instead."""
+    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(make()))
 
 
 @dataclass
@@ -146,6 +156,10 @@ class RolloutCollector:
 
     # ---- pieces ----
     def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
+        """`generate_async` from synchronous code (`blocking`)."""
+        return blocking(self.engine, lambda: self.generate_async(prompts, step, round_))
+
+    async def generate_async(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
         """`rollout.n_samples_per_prompt` seeded trajectories per prompt, grouped by prompt.
 
         Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
@@ -160,7 +174,7 @@ class RolloutCollector:
             round_key = round_ if turn == 0 else f"{round_}.{turn}"
             return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
 
-        trajectories = episodes(
+        trajectories = await episodes_async(
             self.engine,
             rows,
             params,
@@ -253,18 +267,26 @@ class RolloutCollector:
                 first_turn += len(_turn_rewards(seq))
         return out
 
-    def generate_round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
+    async def generate_round(
+        self, n: int, step: int, round_: int, kept: int
+    ) -> tuple[list[Prompt], list[list[Sample]]]:
         """One generation round: the sampler's next `n` prompts and their groups (`kept`: the informative
         groups of the step so far, which an asynchronous source needs)."""
         prompts = self.sampler.next(n)
-        return prompts, self.generate(prompts, step, round_)
+        return prompts, await self.generate_async(prompts, step, round_)
 
     # ---- one step ----
     def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
+        """`collect_async` from synchronous code (`blocking`)."""
+        return blocking(self.engine, lambda: self.collect_async(step, source))
+
+    async def collect_async(self, step: int, source: RoundSource | None = None) -> StepBatch:
         """Generate, reward and filter until the step's batch is complete (see the module doc).
 
         `source(n, step, round, kept)` gives each round's prompts and groups: `generate_round` by
-        default; the fully asynchronous producer's buffer in `rollout.async_mode=fully_async`."""
+        default; the fully asynchronous producer's buffer in `rollout.async_mode=fully_async`. The
+        rewards are scored on a thread (`asyncio.to_thread`): the scorer blocks while its worker
+        processes or the reward server answer."""
         source = source or self.generate_round
         cfg, alg = self.cfg, self.cfg.algorithm
         g, target = cfg.rollout.n_samples_per_prompt, cfg.train.prompts_per_step
@@ -277,13 +299,13 @@ class RolloutCollector:
         used: list[Group] = []
         while True:
             began = time.perf_counter()
-            prompts, grouped = source(per_round, step, rounds, informative)
+            prompts, grouped = await source(per_round, step, rounds, informative)
             generated += [s for group in grouped for s in group]
             whole = [k for k, group in enumerate(grouped) if not any(s.aborted for s in group)]
             aborted_groups += len(grouped) - len(whole)
             prompts, grouped = [prompts[k] for k in whole], [grouped[k] for k in whole]
             scored = time.perf_counter()
-            groups, round_stats = self.score(prompts, grouped)
+            groups, round_stats = await asyncio.to_thread(self.score, prompts, grouped)
             seconds["generate"] += scored - began
             seconds["reward"] += time.perf_counter() - scored
             rounds += 1
@@ -375,10 +397,29 @@ def episodes(
     return_routed_experts: bool = False,
     make_env: Callable[[], Any] | None = None,
 ) -> list[Trajectory]:
-    """One episode per row: of the environment (`run_episodes`), or of the black-box agent through the
-    gateway (`env.type=agent`: `megatron_rl.agents`, at most rollout.max_concurrency at once)."""
+    """`episodes_async` from synchronous code (`blocking`)."""
+    return blocking(
+        engine,
+        lambda: episodes_async(
+            engine, rows, params, renderer, cfg, return_routed_experts=return_routed_experts, make_env=make_env
+        ),
+    )
+
+
+async def episodes_async(
+    engine: Any,
+    rows: Sequence[Prompt],
+    params: Callable[[int, int], SamplingParams],
+    renderer: TurnRenderer,
+    cfg: Config,
+    *,
+    return_routed_experts: bool = False,
+    make_env: Callable[[], Any] | None = None,
+) -> list[Trajectory]:
+    """One episode per row: of the environment (`run_episodes_async`), or of the black-box agent through
+    the gateway (`env.type=agent`: `megatron_rl.agents`, at most rollout.max_concurrency at once)."""
     if cfg.env.type == "agent":
-        agents = run_agent_episodes(
+        agents = await run_agent_episodes_async(
             engine,
             rows,
             params,
@@ -389,7 +430,7 @@ def episodes(
         )
         return [e.trajectory for e in agents]
     make_env = make_env or environment_factory(cfg.env)
-    return run_episodes(
+    return await run_episodes_async(
         engine,
         [make_env() for _ in rows],
         rows,
@@ -448,6 +489,13 @@ def _loss_mask(sample: Sample) -> torch.Tensor:
 def evaluate(
     engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
+    """`evaluate_async` from synchronous code (`blocking`)."""
+    return blocking(engine, lambda: evaluate_async(engine, prompts, tokenizer, scorer, cfg, step))
+
+
+async def evaluate_async(
+    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+) -> dict[str, float]:
     """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
     episode of the environment (`env.*`) per prompt."""
     temperature = cfg.eval.temperature
@@ -457,8 +505,8 @@ def evaluate(
         seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
-    samples = episodes(engine, prompts, params, TurnRenderer(tokenizer), cfg)
-    result = score_samples(cfg, scorer, tokenizer, samples, prompts)
+    samples = await episodes_async(engine, prompts, params, TurnRenderer(tokenizer), cfg)
+    result = await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
     return {

@@ -5,17 +5,17 @@ trainer ranks reach it through `megatron_rl.parallel.rank0.on_rank0` (see `megat
 The data is read first (`RolloutData.load`, before the slow actor start, so bad data fails at
 once); the driver is built from it once the engine's model folder exists, and starts the engine.
 
-`rollout.async_mode` decides where a step's batch comes from (`megatron_rl.loop.async_rollout`):
-`sync` collects it when the step asks; `one_step_off` hands over the batch a background thread
-collected during the previous step and starts the next one; `fully_async` takes it from the
-producer's buffer. Every step's record gets the `async/` metrics, `time/wait_batch` and
-`time/engine_idle`; `checkpoint_state` is what a checkpoint holds of the rollout side.
+The steps' batches, the evaluation and what a checkpoint holds of the rollout side come from the
+rollout runtime (`megatron_rl.loop.runtime.RolloutRuntime`: one event loop, every piece of rollout
+state, `rollout.async_mode` its scheduling policy): `sync` collects a batch when the step asks;
+`one_step_off` hands over the batch collected during the previous step and starts the next one;
+`fully_async` takes it from the producer's buffer. Every step's record gets the `async/` metrics,
+`time/wait_batch` and `time/engine_idle`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
-from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
-from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
+from megatron_rl.loop.async_rollout import AsyncProducer
+from megatron_rl.loop.collect import RolloutCollector, StepBatch
+from megatron_rl.loop.runtime import RolloutRuntime
 from megatron_rl.models.source import tokenizer_source
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.handoff import MainThreadCalls
-from megatron_rl.rollout.types import Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -115,116 +115,52 @@ class RolloutDriver:
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
         self.collector = RolloutCollector(cfg, self.engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
-        self.meter = BusyMeter()
-        # rollout threads hand engine restarts (and their weight resync) to this, the main, thread
+        # the engine hands restarts (and their weight resync) to this, the main, thread
         self.handoff = MainThreadCalls()
         self.engine.handoff = self.handoff
-        mode = cfg.rollout.async_mode
-        self.one_step_off = OneStepOff(self._collect, self.handoff) if mode == "one_step_off" else None
-        self.producer = (
-            AsyncProducer(cfg, self._generate_job, self._next_prompt, self.meter, self.handoff)
-            if mode == "fully_async"
-            else None
-        )
+        self.runtime = RolloutRuntime(cfg, self.collector, self.handoff, self._step_metrics)
 
-    # ---- where a round's groups come from ----
-    def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
-        if self.producer is not None:
-            return self.producer.take(n, kept)
-        with self.meter.busy():
-            return self.collector.generate_round(n, step, round_, kept)
+    def _step_metrics(self) -> dict[str, float]:
+        return {**self.data.metrics, "rollout/engine_restarts": float(self.engine.restarts)}  # so far in this process
 
-    def _generate_job(self, job: Job) -> list[Sample]:
-        """One fully asynchronous group, seeded by its serial number and attempt (not by the step it lands in)."""
-        return self.collector.generate([job.prompt], job.serial, f"async.{job.attempt}")[0]
-
-    def _next_prompt(self) -> Prompt:
-        return self.data.sampler.next(1)[0]
-
-    def _collect(self, step: int) -> StepBatch:
-        plan = self.collector.collect(step, self._round)
-        plan.metrics.update(self.data.metrics)
-        plan.metrics["rollout/engine_restarts"] = float(self.engine.restarts)  # so far in this process
-        return plan
+    @property
+    def producer(self) -> AsyncProducer | None:
+        return self.runtime.producer
 
     # ---- the trainer's calls ----
     def collect(self, step: int, version: int = 0) -> StepBatch:
         """The step's batch and its rollout metrics (with the data counts and the `async/` metrics);
         `version`: the trainer's weight version at the start of the step (the last one synced)."""
-        began = time.perf_counter()
-        if self.producer is not None:
-            self.producer.synced(version)
-        if self.one_step_off is not None:
-            plan, waited = self.one_step_off.take(step)
-            if step < self.cfg.train.steps:
-                self.one_step_off.start(step + 1)  # generates with the weights this step starts from
-        else:
-            plan = self._collect(step)
-            waited = time.perf_counter() - began
-        if self.producer is not None:
-            used = 0 if plan.batch is None else int(plan.metrics["groups/groups_used"])
-            plan.metrics.update(self.producer.settle(used))
-        else:
-            plan.metrics.update({"async/dropped_stale": 0.0, "async/buffer_groups": 0.0})
-        plan.metrics.update(staleness_metrics(version, plan.versions or []))
-        plan.metrics["time/wait_batch"] = waited
-        return plan
+        return self.runtime.collect(step, version)
 
     def finish_step(self) -> dict[str, float]:
         """Before the step's weight sync: `one_step_off` waits for the next batch (so that the sync never
         races its generation); the seconds waited and the engine's idle seconds of the step."""
-        waited = self.one_step_off.wait() if self.one_step_off is not None else 0.0
-        return {"time/wait_batch": waited, "time/engine_idle": self.meter.take_idle()}
+        return self.runtime.finish_step()
 
     @contextlib.contextmanager
     def checkpoint_state(self) -> Iterator[bytes]:
-        """What a checkpoint holds of the rollout side, pickled (samples and batches are dataclasses):
-        one_step_off's pre-generated batch; fully_async's buffer, the prompts in flight (resubmitted on
-        resume) and counters. No prompt is drawn while the block runs."""
-        mode = self.cfg.rollout.async_mode
-        if self.producer is not None:
-            with self.producer.held_state() as state:
-                yield pickle.dumps({"async_mode": mode, **state})
-        elif self.one_step_off is not None:
-            yield pickle.dumps({"async_mode": mode, **self.one_step_off.state_dict()})
-        else:
-            yield pickle.dumps({"async_mode": mode})
+        """What a checkpoint holds of the rollout side (`RolloutRuntime.checkpoint_state`)."""
+        with self.runtime.checkpoint_state() as state:
+            yield state
 
     def load_state_dict(self, saved_state: bytes) -> None:
-        """Continue from `checkpoint_state`'s bytes. A checkpoint of another asynchronous mode is refused
-        (its pre-generated batch or buffer would be lost or misread); one of `sync` holds nothing."""
-        state: dict[str, Any] = pickle.loads(saved_state)  # our own checkpoint file
-        mode, saved = self.cfg.rollout.async_mode, state.get("async_mode", "sync")
-        if saved == "sync":
-            return
-        if saved != mode:
-            raise ValueError(
-                f"rollout.async_mode = {mode!r} but the checkpoint was saved with {saved!r}, whose rollout state "
-                f"(pre-generated batch or buffer) this mode cannot continue; resume with rollout.async_mode={saved}"
-            )
-        if self.producer is not None:
-            self.producer.load_state_dict(state)
-        elif self.one_step_off is not None:
-            self.one_step_off.load_state_dict(state)
+        """Continue from `checkpoint_state`'s bytes (`RolloutRuntime.load_state_dict`)."""
+        self.runtime.load_state_dict(saved_state)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy of the served policy, with `time/eval`."""
         began = time.perf_counter()
-        data = self.data
-        with self.meter.busy():
-            scores = evaluate(self.engine, data.eval_prompts, data.tokenizer, data.scorer, self.cfg, step)
+        scores = self.runtime.evaluate(self.data.eval_prompts, step)
         scores["time/eval"] = time.perf_counter() - began
         return scores
 
     def close(self) -> None:
-        """Stop the producer threads, then the engine (the local engine's child process) or disconnect,
+        """Stop the rollout runtime, then the engine (the local engine's child process) or disconnect,
         then the reward worker processes (a collection still scoring gets failures, not new workers)."""
         try:
             self.handoff.close()  # a worker waiting for the main thread ends
-            if self.producer is not None:
-                self.producer.close()
-            if self.one_step_off is not None:
-                self.one_step_off.close()
+            self.runtime.close()
         finally:
             try:
                 self.engine.close()

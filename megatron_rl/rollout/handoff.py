@@ -1,13 +1,13 @@
 """Calls a rollout worker thread hands to the trainer's main thread.
 
 What belongs to the main thread (the weight sync's state: a restarted engine's resync) is never
-touched by the threads that generate (one_step_off's collector, fully_async's workers). A worker
-hands the call over with `call` and waits for its result; the main thread runs the calls handed to
-it wherever it waits for rollout work (`wait_for`), which is its next safe point. A call made on the
-main thread itself runs at once.
+touched by the threads that generate (the rollout runtime's generation threads). A worker hands the
+call over with `call` and waits for its result; the main thread runs the calls handed to it wherever
+it waits for rollout work (`wait_for`, `wait_future`: every call it makes into the rollout runtime),
+which is its next safe point. A call made on the main thread itself runs at once.
 
-`cond` is the lock and condition of that waiting: the fully asynchronous producer shares it (its
-buffer is what the main thread waits for), so a call handed over wakes a waiting main thread.
+`cond` is the lock and condition of that waiting: a call handed over, or the rollout work finishing,
+wakes the waiting main thread.
 """
 
 from __future__ import annotations
