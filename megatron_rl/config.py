@@ -130,7 +130,17 @@ class ParallelConfig:
     expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
     expert_tensor_parallel_size: int | None = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
     sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
-    context_parallel_size: int = _f(1, "CP: ranks sharing every sequence (needs Transformer Engine); 1 = off", ge=1)
+    context_parallel_size: int = _f(
+        1,
+        "CP: ranks sharing every sequence, 2 x CP load-balanced chunks each (needs Transformer Engine); 1 = off",
+        ge=1,
+    )
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = _f(
+        "p2p",
+        "CP: how Transformer Engine's attention exchanges keys and values: p2p (a ring, overlapped with "
+        "compute), all_gather, a2a (heads all-to-all; CP must divide the query groups); packed micro-batches "
+        "(train.micro_batch_tokens) need p2p",
+    )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
 
@@ -842,6 +852,18 @@ def _validate_parallel(cfg: Config) -> None:
         _require(
             model.num_experts % ep == 0,
             f"parallel.expert_model_parallel_size ({ep}) must divide model.num_experts ({model.num_experts})",
+        )
+    cp = par.context_parallel_size
+    if cp > 1:
+        _require(
+            cfg.train.micro_batch_tokens == 0 or par.cp_comm_type == "p2p",
+            f"parallel.cp_comm_type = {par.cp_comm_type!r} with train.micro_batch_tokens > 0: Transformer Engine's "
+            "context parallelism takes packed (THD) sequences with p2p only",
+        )
+        _require(
+            par.cp_comm_type != "a2a" or model.num_query_groups % (tp * cp) == 0,
+            f"parallel.cp_comm_type = 'a2a' needs parallel.tensor_model_parallel_size ({tp}) x "
+            f"parallel.context_parallel_size ({cp}) to divide model.num_query_groups ({model.num_query_groups})",
         )
     if par.sequence_parallel is False and tp > 1 and model.num_experts is not None:
         raise ConfigError(

@@ -198,13 +198,14 @@ def validate_run(
             check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)
+    # before the layout: on a machine without Transformer Engine, CP's one problem is that.
+    # A planner that says the trainers have GPUs speaks for their Transformer Engine too
+    check_context_parallel(
+        resolved.parallel, transformer_engine_available() if cuda_available is None else cuda_available
+    )
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)
     if command == "train":
         _check_rl_batch(resolved, layout.data_parallel_size)
     resolve_backend(resolved.parallel.backend, cuda_available)
-    # a planner that says the trainers have GPUs speaks for their Transformer Engine too
-    check_context_parallel(
-        resolved.parallel, transformer_engine_available() if cuda_available is None else cuda_available
-    )
     return resolved

@@ -54,6 +54,7 @@ WORLDS = {
         "w2_lora_tp2_sp",
         "w2_lora_ep2",
         "w2_lora_pp2",
+        "w2_cp_reductions",
     ],
     4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
 }

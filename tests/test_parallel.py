@@ -6,7 +6,6 @@ import pytest
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel import LaunchError, check_layout, read_launch_env, resolve_backend
-from megatron_rl.parallel.layout import check_context_parallel
 
 from mrl_configs import layout as _par
 
@@ -99,14 +98,6 @@ def test_bad_layouts_name_the_keys(
     with pytest.raises(ConfigError) as err:
         check_layout(parallel, world, model)
     assert needle in str(err.value)
-
-
-def test_context_parallel_needs_transformer_engine() -> None:
-    check_context_parallel(ParallelConfig(), transformer_engine=False)
-    with pytest.raises(ConfigError, match=r"^parallel.context_parallel_size = 2 needs Transformer Engine"):
-        check_context_parallel(ParallelConfig(context_parallel_size=2), transformer_engine=False)
-    with pytest.raises(ConfigError, match="context_parallel_size = 4: the actor does not split sequences over CP"):
-        check_context_parallel(ParallelConfig(context_parallel_size=4), transformer_engine=True)
 
 
 def test_backend_choice() -> None:

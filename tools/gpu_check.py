@@ -5,7 +5,11 @@ default 450 s: a single H200 finishes in under 8 minutes); each records status o
 with the reason, its seconds, the figures it printed (the benchmarks' JSON lines) and, when it
 failed, the tail of its output:
 
-- gpu_tests: the `gpu`-marked tests (pytest -m gpu), with passed/failed/skipped counts.
+- gpu_tests: the `gpu`-marked tests (pytest -m gpu) but the context-parallel one, with
+  passed/failed/skipped counts.
+- context_parallel: the actor under CP = 2 against CP = 1 (tests/test_actor_gpu.py::
+  test_actor_context_parallel, bf16): log-probs of padded and packed micro-batches, R2 replay, the
+  loss and gradient norm of a padded and a packed update; needs two GPUs (skipped, saying so, on one).
 - te_vs_local: Transformer Engine specs against Megatron's local specs on the same weights
   (`init_deterministic`): the actor's log-probs and entropy of one batch, fp32, max abs difference.
 - train_step_1b: bf16 train-step tokens/s and MFU of the ~1B Qwen3-MoE preset (tools/bench/train_step.py).
@@ -103,6 +107,16 @@ def _present(path: Path) -> Callable[[], str]:
     return check
 
 
+def _two_gpus() -> str:
+    why = _cuda()
+    if why:
+        return why
+    import torch
+
+    count = torch.cuda.device_count()
+    return "" if count >= 2 else f"context parallelism needs 2 GPUs (one NCCL rank each), found {count}"
+
+
 def _gpu_tests_parse(out: str, scratch: Path) -> dict:
     report = scratch / "gpu_tests.xml"
     return junit_counts(report) if report.exists() else {}
@@ -110,15 +124,21 @@ def _gpu_tests_parse(out: str, scratch: Path) -> dict:
 
 PY = sys.executable
 SGLANG_CHECK = REPO / "tools" / "gpu" / "sglang_sync_check.py"
+CP_TEST = "test_actor_context_parallel"
 STEPS = (
     Step(
         "gpu_tests",
         "the gpu-marked tests",
         180,
-        lambda s: [PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", f"--junitxml={s}/gpu_tests.xml"],
+        lambda s: [PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-k", f"not {CP_TEST}", "-p", "no:cacheprovider",
+                   f"--junitxml={s}/gpu_tests.xml"],
         _cuda,
         _gpu_tests_parse,
     ),
+    Step("context_parallel", "CP = 2 vs CP = 1, bf16: log-probs (padded, packed), R2 replay, loss, gradient norm", 150,
+         lambda s: [PY, "-m", "pytest", "-q", "-s", "tests/test_actor_gpu.py", "-k", CP_TEST, "-p", "no:cacheprovider",
+                    f"--junitxml={s}/gpu_tests.xml"],
+         _two_gpus, lambda out, s: {"figures": json_lines(out), **_gpu_tests_parse(out, s)}),
     Step("te_vs_local", "TE specs (padded and packed THD) vs local specs, same weights: log-probs", 90,
          lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _cuda),
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,

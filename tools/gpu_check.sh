@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-shot GPU check: the gpu-marked tests, TE vs local specs, the 1B train step (tokens/s, MFU),
+# The one-shot GPU check: the gpu-marked tests, CP2 vs CP1 (two GPUs), TE vs local specs, the 1B train step (tokens/s, MFU),
 # the log-prob path's memory at T = 32,768, the tensor-mode weight sync and, when present, the SGLang
 # sync check, within one time budget (default 450 s); prints one JSON summary. Each step is recorded
 # as ok, failed or skipped with the reason; without CUDA every step is skipped, saying so.

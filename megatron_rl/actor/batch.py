@@ -14,6 +14,12 @@ side keeps the [rows, max_len] layout, one sample per row (`target_mask`, `field
 per-sequence quantities (GSPO's sequence ratio, seq-mean-token-mean) stay row-wise:
 `MicroBatchInputs.to_rows` maps a per-position result of the model's layout onto it.
 
+Under context parallelism (`split_for_context`) every sample of a packed micro-batch starts at a
+multiple of 2 x CP (`build_inputs(..., align=2 * CP)`: each sample's segment padded to that), and a
+CP rank keeps its positions of the model's side only (`actor.context_parallel`: input ids, position
+ids, the head's targets); `to_rows` gathers a per-position result over the CP group first, so the
+loss side still sees whole rows.
+
 Routed experts follow SGLang's layout (`meta_info.routed_experts`): int32
 [n - 1, num_layers, top_k], the experts of the tokens at positions 0 .. n - 2 in every layer.
 """
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import Tensor
 
+from megatron_rl.actor.context_parallel import ContextSplit, gather_from_context, round_up
 from megatron_rl.actor.micro_batches import MicroBatch
 
 # Response-aligned float fields, in the order `policy_loss` takes them.
@@ -154,6 +161,16 @@ class Packing:
     index: Tensor
 
 
+@dataclass(frozen=True)
+class ContextInputs:
+    """This CP rank's part of the model's side of a micro-batch: `split` says which positions it holds;
+    `target` / `target_mask` [rows, split.local_length] are the head's targets at those positions."""
+
+    split: ContextSplit
+    target: Tensor
+    target_mask: Tensor
+
+
 @dataclass
 class MicroBatchInputs:
     """One micro-batch, ready for the model.
@@ -163,7 +180,9 @@ class MicroBatchInputs:
     longest row or more]: `target_mask` marks the target positions of the response tokens that
     enter the loss, `fields` holds the response-aligned values there. Padded, the shape may exceed
     the micro-batch's (uniform padding for pipeline stages without variable shapes): extra rows
-    are all padding. `head_target` / `head_mask` are the targets in the model's layout.
+    are all padding. `head_target` / `head_mask` are the targets in the model's layout. With
+    `context` (context parallelism), `input_ids` / `position_ids` and the head's targets hold this CP
+    rank's positions only (`split_for_context`).
     """
 
     micro_batch: MicroBatch
@@ -175,6 +194,7 @@ class MicroBatchInputs:
     routed_experts: list[Tensor] | None  # per sample (real row), SGLang layout
     prompt_lengths: tuple[int, ...]
     packing: Packing | None = None
+    context: ContextInputs | None = None
 
     @property
     def rows(self) -> int:
@@ -183,8 +203,13 @@ class MicroBatchInputs:
 
     @property
     def max_len(self) -> int:
-        """Positions of the model's input (T when packed)."""
-        return int(self.input_ids.shape[1])
+        """Positions of the model's input (T when packed), over all CP ranks together."""
+        return self.context.split.length if self.context is not None else int(self.input_ids.shape[1])
+
+    @property
+    def local_positions(self) -> Tensor | None:
+        """long [positions this CP rank holds] of the model's layout, in its local order; None without CP."""
+        return None if self.context is None else self.context.split.positions()
 
     @property
     def placements(self) -> tuple[tuple[int, int], ...]:
@@ -195,15 +220,22 @@ class MicroBatchInputs:
 
     @property
     def head_target(self) -> Tensor:
+        if self.context is not None:
+            return self.context.target
         return self.target if self.packing is None else self.packing.target
 
     @property
     def head_mask(self) -> Tensor:
+        if self.context is not None:
+            return self.context.target_mask
         return self.target_mask if self.packing is None else self.packing.target_mask
 
     def to_rows(self, values: Tensor) -> Tensor:
-        """A per-position result of the model's layout in the row layout (0 outside `target_mask`);
-        differentiable. Padded, the layouts are one."""
+        """A per-position result of the model's layout [rows, positions] in the row layout (0 outside
+        `target_mask`); differentiable. Under CP, `values` holds this rank's positions and is gathered
+        over the CP group first. Padded, the layouts are one."""
+        if self.context is not None:
+            values = gather_from_context(values, self.context.split, dim=1)
         if self.packing is None:
             return values
         return values.reshape(-1)[self.packing.index].where(self.target_mask, 0.0)
@@ -224,14 +256,20 @@ def build_inputs(
     pad_to: tuple[int, int] | None = None,
     with_fields: Sequence[str] = (),
     every_response_token: bool = False,
+    align: int = 1,
 ) -> MicroBatchInputs:
     """The tensors of one micro-batch of `batch` (indices of `micro_batch` index `batch`).
 
     `pad_to`: the model's input shape, (rows, max_len) or, packed, (1, T); None = the micro-batch's
     own. `every_response_token`: targets are all response tokens, ignoring `response_mask` (log-probs
-    for the caller); otherwise only those that enter the loss.
+    for the caller); otherwise only those that enter the loss. `align` (packed): every sample starts
+    at a multiple of it, its segment padded at its end (2 x CP under context parallelism).
     """
-    own = (1, micro_batch.real_tokens) if micro_batch.packed else (micro_batch.rows, micro_batch.max_len)
+    own = (
+        (1, packed_length(micro_batch.lengths, align))
+        if micro_batch.packed
+        else (micro_batch.rows, micro_batch.max_len)
+    )
     shape = own if pad_to is None else pad_to
     if shape[0] < own[0] or shape[1] < own[1] or (micro_batch.packed and shape[0] != 1):
         raise ValueError(f"pad_to {pad_to} does not hold the micro-batch (its own shape {own})")
@@ -258,7 +296,9 @@ def build_inputs(
     position_ids = torch.arange(max_len, dtype=torch.long).unsqueeze(0).expand(rows, max_len).contiguous()
     packing = None
     if micro_batch.packed:
-        packing, input_ids, position_ids = _pack_rows(micro_batch, input_ids, target, target_mask, shape[1], device)
+        packing, input_ids, position_ids = _pack_rows(
+            micro_batch, input_ids, target, target_mask, shape[1], device, align
+        )
     routed = None
     if batch.routed_experts is not None:
         routed = [batch.routed_experts[i] for i in micro_batch.indices]
@@ -281,13 +321,25 @@ def build_inputs(
     )
 
 
+def packed_length(lengths: Sequence[int], align: int = 1) -> int:
+    """Positions of the samples of `lengths` end to end, each starting at a multiple of `align`."""
+    return sum(round_up(n, align) for n in lengths)
+
+
 def _pack_rows(
-    micro_batch: MicroBatch, input_ids: Tensor, target: Tensor, target_mask: Tensor, total: int, device: torch.device
+    micro_batch: MicroBatch,
+    input_ids: Tensor,
+    target: Tensor,
+    target_mask: Tensor,
+    total: int,
+    device: torch.device,
+    align: int,
 ) -> tuple[Packing, Tensor, Tensor]:
     """The packed [1, total] layout of right-padded rows, with the index back to them."""
     lengths = list(micro_batch.lengths)
-    starts = [sum(lengths[:k]) for k in range(len(lengths))]
-    bounds = [*starts, sum(lengths)] + ([total] if total > sum(lengths) else [])
+    spans = [round_up(n, align) for n in lengths]
+    starts = [sum(spans[:k]) for k in range(len(spans))]
+    bounds = [*starts, sum(spans)] + ([total] if total > sum(spans) else [])
     width = input_ids.shape[1]
     keep = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [rows, width]
     index = torch.where(keep, torch.tensor(starts).unsqueeze(1) + torch.arange(width), 0)
@@ -308,3 +360,22 @@ def _pack_rows(
         index=index.to(device),
     )
     return packing, packed(input_ids), position_ids
+
+
+def split_for_context(inputs: MicroBatchInputs, size: int, rank: int) -> MicroBatchInputs:
+    """`inputs` as CP rank `rank` of `size` feeds the model: its positions of the input ids, position
+    ids and the head's targets (`actor.context_parallel`); the loss side (row layout) stays whole.
+    Every segment (the padded rows' length, or each packed segment) must be a multiple of 2 x `size`."""
+    if inputs.context is not None:
+        raise ValueError("split_for_context: these inputs are split already")
+    if size == 1:
+        return inputs
+    bounds = (0, inputs.max_len) if inputs.packing is None else tuple(inputs.packing.cu_seqlens.tolist())
+    split = ContextSplit(size, rank, bounds)
+    mine = split.positions().to(inputs.input_ids.device)
+
+    def local(t: Tensor) -> Tensor:
+        return t.index_select(1, mine)
+
+    context = ContextInputs(split, local(inputs.head_target), local(inputs.head_mask))
+    return replace(inputs, input_ids=local(inputs.input_ids), position_ids=local(inputs.position_ids), context=context)

@@ -15,6 +15,16 @@ so no [tokens, V/TP] tensor exists in forward or backward. `compute_log_probs` r
 entropy of every response token (and, recording, the routing in SGLang's layout) of the WHOLE
 batch on EVERY rank: owners fill their part of a zero buffer and one all-reduce sums it (exact:
 each value has a single contributor).
+
+Context parallelism (CP > 1, Transformer Engine's attention): every CP rank of a DP rank plans the
+same micro-batches; each is padded so that it splits into 2 x CP chunks (right-padded rows to a
+multiple of 2 x CP, packed samples each to one, `input_shapes`), and a CP rank feeds the model its
+positions only (`batch.split_for_context`: Megatron's load-balanced chunks, per packed sequence
+with the padded `cu_seqlens`). The head computes log-probs and entropy of those positions, and
+`MicroBatchInputs.to_rows` gathers them over the CP group, so the loss sees whole rows on every CP
+rank: every token mean, sequence count and GSPO's per-sequence ratio is the un-split one. One CP
+rank reports (`is_output_owner`); each back-propagates its positions' share, which Megatron's DDP
+sums over DP x CP (`optimizer.loss_scale` undoes its averaging).
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 
-from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs
+from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs, packed_length, split_for_context
+from megatron_rl.actor.context_parallel import round_up
 from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
 from megatron_rl.actor.micro_batches import (
     MicroBatch,
@@ -75,13 +86,22 @@ def dp_token_imbalance(lengths: Sequence[int]) -> float:
     return token_imbalance([sum(lengths[i] for i in share) for share in _dp_shares(lengths)])
 
 
+def context_align() -> int:
+    """What every sequence's length must be a multiple of for the CP split: 2 x CP, or 1 without CP."""
+    cp = ps.get_context_parallel_world_size()
+    return 2 * cp if cp > 1 else 1
+
+
 def input_shapes(micro_batches: Sequence[MicroBatch], config: Any) -> list[tuple[int, int]]:
-    """The model's input shape of each micro-batch, (rows, max_len) or, packed, (1, tokens): the length
-    a multiple of TP under sequence parallelism, and one shape for all when pipeline stages exchange
-    fixed-shape tensors (no `variable_seq_lengths`)."""
+    """The model's input shape of each micro-batch over all CP ranks, (rows, max_len) or, packed,
+    (1, tokens) with every sample padded to a multiple of 2 x CP (`context_align`): the length a
+    multiple of 2 x CP, and of TP x that under sequence parallelism (each CP rank's part splits over
+    TP), and one shape for all when pipeline stages exchange fixed-shape tensors (no
+    `variable_seq_lengths`)."""
     tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    own = [(1, mb.real_tokens) if mb.packed else (mb.rows, mb.max_len) for mb in micro_batches]
-    shapes = [(rows, -(-length // tp) * tp) for rows, length in own]
+    align = context_align()
+    own = [(1, packed_length(mb.lengths, align)) if mb.packed else (mb.rows, mb.max_len) for mb in micro_batches]
+    shapes = [(rows, round_up(length, tp * align)) for rows, length in own]
     if ps.get_pipeline_model_parallel_world_size() > 1 and not config.variable_seq_lengths:
         uniform = (max(r for r, _ in shapes), max(s for _, s in shapes))
         shapes = [uniform] * len(shapes)
@@ -96,11 +116,23 @@ def prepare_inputs(
     with_fields: Sequence[str] = (),
     every_response_token: bool = False,
 ) -> list[MicroBatchInputs]:
+    """The micro-batches' tensors as this rank feeds them to the model (its CP part, under CP)."""
     config = get_model_config(chunks[0])
     device = local_device()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     return [
-        build_inputs(
-            batch, mb, device, pad_to=shape, with_fields=with_fields, every_response_token=every_response_token
+        split_for_context(
+            build_inputs(
+                batch,
+                mb,
+                device,
+                pad_to=shape,
+                with_fields=with_fields,
+                every_response_token=every_response_token,
+                align=context_align(),
+            ),
+            cp,
+            cp_rank,
         )
         for mb, shape in zip(micro_batches, input_shapes(micro_batches, config), strict=True)
     ]
@@ -159,14 +191,21 @@ def hidden_states_out(model: torch.nn.Module) -> Iterator[None]:
 
 
 def packed_seq_params(mb: MicroBatchInputs) -> PackedSeqParams | None:
-    """Megatron's THD description of a packed micro-batch (None for a right-padded one)."""
+    """Megatron's THD description of a packed micro-batch (None for a right-padded one). Under CP the
+    bounds are those of the whole sequence (every sample padded to a multiple of 2 x CP), given as
+    `cu_seqlens_*_padded` too, as `get_thd_batch_on_this_cp_rank` gives them to Transformer
+    Engine: a sample's padding is part of its segment, after its tokens, so causal attention keeps
+    it out of every real token's result."""
     if mb.packing is None:
         return None
     p = mb.packing
+    padded = p.cu_seqlens if mb.context is not None else None
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=p.cu_seqlens,
         cu_seqlens_kv=p.cu_seqlens,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=p.max_seqlen,
         max_seqlen_kv=p.max_seqlen,
     )
@@ -214,14 +253,21 @@ def run_schedule(
                     "routing replay needs ActorBatch.routed_experts (R2: record them first; R3: the engine's)"
                 )
             routing.start_replay(
-                mb.routed_experts, mb.placements, mb.micro_batch.lengths, (mb.rows, mb.max_len), measure_routing
+                mb.routed_experts,
+                mb.placements,
+                mb.micro_batch.lengths,
+                (mb.rows, mb.max_len),
+                measure_routing,
+                context=mb.context.split if mb.context is not None else None,
             )
         elif routing_mode == "record":
             routing.start_recording()
         with hidden_states_out(model):
             output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=packed_seq_params(mb))
         if routing_mode == "record":
-            recorded.append(routing.take_recorded(mb.rows, mb.max_len))
+            recorded.append(
+                routing.take_recorded(mb.rows, mb.max_len, mb.context.split if mb.context is not None else None)
+            )
         elif routing_mode == "replay" and not forward_only:
             routing.replay_in_backward(output)
 
@@ -250,8 +296,15 @@ def run_schedule(
 
 
 def is_output_owner() -> bool:
-    """The one rank per pipeline replica whose last-stage results are shared (TP peers agree)."""
-    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    """The one rank per pipeline replica whose last-stage results are shared (TP peers agree, and so
+    do CP peers: the results are gathered over CP)."""
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and is_context_owner()
+
+
+def is_context_owner() -> bool:
+    """CP rank 0, or every rank without CP: the one of the CP peers (which hold the same gathered
+    results) that contributes them to a sum over all ranks."""
+    return ps.get_context_parallel_rank() == 0
 
 
 def share_response_values(batch: ActorBatch, owned: dict[int, Tensor]) -> list[Tensor]:
@@ -335,7 +388,7 @@ def compute_log_probs(
     out = LogProbResult(share_response_values(batch, logp), share_response_values(batch, ent))
     if routing_mode == "record":
         mine: dict[int, Tensor] = {}
-        if ps.get_tensor_model_parallel_rank() == 0:
+        if ps.get_tensor_model_parallel_rank() == 0 and is_context_owner():
             for mb, rec in zip(inputs, result.recorded, strict=True):
                 for i, n, (row, start) in zip(
                     mb.micro_batch.indices, mb.micro_batch.lengths, mb.placements, strict=True

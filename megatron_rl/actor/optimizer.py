@@ -1,9 +1,10 @@
 """Training state of the actor: DDP-wrapped model chunks, Megatron's (distributed) Adam, the LR schedule.
 
 Gradient convention: Megatron's DDP (with `calculate_per_token_loss` off) scales gradients by
-1/DP and the schedule divides each micro-batch loss by the number of micro-batches; the actor's
-loss function multiplies its loss by both (`loss_scale`), so the gradient is the SUM of the
-micro-batch gradients over all micro-batches and DP ranks, as `megatron_rl.losses` requires.
+1/(DP x CP) as it reduces them over DP x CP, and the schedule divides each micro-batch loss by the
+number of micro-batches; the actor's loss function multiplies its loss by both (`loss_scale`), so
+the gradient is the SUM of the micro-batch gradients over all micro-batches and DP ranks, as
+`megatron_rl.losses` requires (under CP each CP rank's gradient is its positions' share of it).
 
 LR schedule: Megatron's `OptimizerParamScheduler`, advanced as Megatron's own training loop does,
 once after each APPLIED optimizer step (`apply_update`: not before the step, not on a step the
@@ -126,5 +127,6 @@ def apply_update(state: TrainingState) -> tuple[bool, float | None, float]:
 
 
 def loss_scale(num_micro_batches: int) -> float:
-    """Factor on each micro-batch loss that turns Megatron's averaging into the sum (see module doc)."""
-    return float(num_micro_batches * ps.get_data_parallel_world_size())
+    """Factor on each micro-batch loss that turns Megatron's averaging into the sum (see module doc):
+    DDP averages gradients over DP x CP (every CP rank back-propagates its positions' share)."""
+    return float(num_micro_batches * ps.get_data_parallel_world_size(with_context_parallel=True))

@@ -9,8 +9,10 @@ of one model; Megatron is not patched.
 Layouts. Routing per sample is SGLang's `[n - 1, num_layers, top_k]` (positions 0 .. n - 2; see
 `actor.batch`). A router sees this rank's tokens of a micro-batch's [rows, max_len] input (right-
 padded rows, or one packed row: each sample from its first position on) flattened position-major
-(Megatron's [s, b, h] order), and with sequence parallelism only its contiguous slice of max_len /
-TP positions; each pipeline stage holds only its layers.
+(Megatron's [s, b, h] order): under context parallelism only the positions its CP rank holds
+(`actor.context_parallel`, in their local order), and with sequence parallelism only its
+contiguous slice of those / TP; each pipeline stage holds only its layers. Recorded routing is
+gathered over TP and CP back into the original positions.
 
 Replay. Positions without given routing (each sample's last token, padding, extra rows) are routed
 freely: a forward pre-hook on each router computes the free top-k (Megatron's own
@@ -34,6 +36,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
 
+from megatron_rl.actor.context_parallel import ContextSplit, gather_from_context
 from megatron_rl.parallel.device import local_device
 
 
@@ -54,26 +57,40 @@ def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[tuple[int, TopKRouter
 
 @dataclass(frozen=True)
 class TokenSlice:
-    """The positions [start, stop) of every row of a [rows, max_len] micro-batch that this rank routes."""
+    """The positions of every row of a [rows, max_len] micro-batch that this rank routes, in its
+    order: entries [start, stop) of `held` (the positions its CP rank holds; None = all, in order)."""
 
     rows: int
     max_len: int
     start: int
     stop: int
+    held: Tensor | None = None
 
     @property
     def tokens(self) -> int:
         return self.rows * (self.stop - self.start)
 
+    @property
+    def positions(self) -> Tensor:
+        """long [stop - start]: the routed positions of a row."""
+        if self.held is None:
+            return torch.arange(self.start, self.stop)
+        return self.held[self.start : self.stop].cpu()
 
-def token_slice(rows: int, max_len: int, tp_rank: int, tp_size: int, sequence_parallel: bool) -> TokenSlice:
-    """This rank's router tokens: all positions, or its sequence-parallel slice of them."""
+
+def token_slice(
+    rows: int, max_len: int, tp_rank: int, tp_size: int, sequence_parallel: bool, held: Tensor | None = None
+) -> TokenSlice:
+    """This rank's router tokens: all positions its CP rank holds (`held`; None = every one), or its
+    sequence-parallel slice of them."""
+    local = max_len if held is None else int(held.numel())
     if not sequence_parallel or tp_size == 1:
-        return TokenSlice(rows, max_len, 0, max_len)
-    if max_len % tp_size:
-        raise ValueError(f"sequence parallel needs max_len ({max_len}) divisible by TP ({tp_size})")
-    width = max_len // tp_size
-    return TokenSlice(rows, max_len, tp_rank * width, (tp_rank + 1) * width)
+        return TokenSlice(rows, max_len, 0, local, held)
+    if local % tp_size:
+        where = "" if held is None else " on this CP rank"
+        raise ValueError(f"sequence parallel needs max_len ({local}{where}) divisible by TP ({tp_size})")
+    width = local // tp_size
+    return TokenSlice(rows, max_len, tp_rank * width, (tp_rank + 1) * width, held)
 
 
 def given_routing(
@@ -94,7 +111,7 @@ def given_routing(
     for r, (row, start) in zip(routed, placements, strict=True):
         m = min(int(r.shape[0]), sl.max_len - start)
         full[row, start : start + m] = r[:m].cpu().index_select(1, layer_index).to(torch.long)
-    local = full[:, sl.start : sl.stop].transpose(0, 1)  # [s_local, rows, L_local, K]
+    local = full[:, sl.positions].transpose(0, 1)  # [s_local, rows, L_local, K]
     return [local[:, :, j].reshape(-1, top_k) for j in range(len(layers))]
 
 
@@ -104,7 +121,7 @@ def routed_token_mask(lengths: Sequence[int], placements: Sequence[tuple[int, in
     full = torch.zeros(sl.rows, sl.max_len, dtype=torch.bool)
     for n, (row, start) in zip(lengths, placements, strict=True):
         full[row, start : start + max(n - 1, 0)] = True
-    return full[:, sl.start : sl.stop].transpose(0, 1).reshape(-1)
+    return full[:, sl.positions].transpose(0, 1).reshape(-1)
 
 
 def check_routing_values(routed: Sequence[Tensor | None], layers: Sequence[int], num_experts: int) -> None:
@@ -147,13 +164,15 @@ class RoutingReplay:
 
     # --- layout -----------------------------------------------------------------------------
 
-    def token_slice(self, rows: int, max_len: int) -> TokenSlice:
+    def token_slice(self, rows: int, max_len: int, context: ContextSplit | None = None) -> TokenSlice:
+        """This rank's router tokens of a [rows, max_len] micro-batch split over CP by `context`."""
         return token_slice(
             rows,
             max_len,
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
             self.sequence_parallel,
+            None if context is None else context.positions(),
         )
 
     def _set_action(self, action: RouterReplayAction | None) -> None:
@@ -170,9 +189,10 @@ class RoutingReplay:
         self._given = [None] * len(self.routers)
         self._set_action(RouterReplayAction.RECORD)
 
-    def take_recorded(self, rows: int, max_len: int) -> Tensor:
-        """int32 [rows, max_len, L_local, K]: the routing of the last forward, all positions of every row."""
-        sl = self.token_slice(rows, max_len)
+    def take_recorded(self, rows: int, max_len: int, context: ContextSplit | None = None) -> Tensor:
+        """int32 [rows, max_len, L_local, K]: the routing of the last forward, all positions of every
+        row (gathered over TP under sequence parallelism, and over CP by `context`)."""
+        sl = self.token_slice(rows, max_len, context)
         width = sl.stop - sl.start
         parts = []
         for layer, router in self.routers:
@@ -185,11 +205,13 @@ class RoutingReplay:
             local = torch.stack(parts, dim=2)  # [s_local, rows, L_local, K]
         else:
             local = torch.zeros(width, rows, 0, self.top_k, dtype=torch.int32, device=local_device())
-        if width != max_len:
+        if width != (max_len if context is None else context.local_length):
             group = ps.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
             dist.all_gather(pieces, local.contiguous(), group=group)
             local = torch.cat(pieces, dim=0)
+        if context is not None:
+            local = gather_from_context(local, context, dim=0)
         return local.transpose(0, 1).cpu()
 
     # --- replay -----------------------------------------------------------------------------
@@ -201,11 +223,12 @@ class RoutingReplay:
         lengths: Sequence[int],
         shape: tuple[int, int],
         measure: bool,
+        context: ContextSplit | None = None,
     ) -> None:
-        """The next forward, of a [rows, max_len] `shape` input, replays `routed` (per sample, SGLang
-        layout, at (row, first position) `placements`; free routing elsewhere); with `measure`, count
-        the given tokens whose free routing differs."""
-        sl = self.token_slice(*shape)
+        """The next forward, of a [rows, max_len] `shape` input (split over CP by `context`), replays
+        `routed` (per sample, SGLang layout, at (row, first position) `placements`; free routing
+        elsewhere); with `measure`, count the given tokens whose free routing differs."""
+        sl = self.token_slice(*shape, context)
         self._given = given_routing(routed, placements, sl, self.layers, self.top_k)
         self._has = routed_token_mask(lengths, placements, sl)
         self._measure = measure

@@ -82,6 +82,8 @@ def transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=resolve_expert_tensor_parallel(parallel),
         sequence_parallel=resolve_sequence_parallel(parallel),
+        context_parallel_size=parallel.context_parallel_size,
+        cp_comm_type=parallel.cp_comm_type if parallel.context_parallel_size > 1 else None,
     )
     if model.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -192,12 +194,14 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
         "parallel.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
         "parallel.expert_model_parallel_size": parallel.expert_model_parallel_size,
         "parallel.expert_tensor_parallel_size": resolve_expert_tensor_parallel(parallel),
+        "parallel.context_parallel_size": parallel.context_parallel_size,
     }
     actual = {
         "parallel.tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "parallel.pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "parallel.expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "parallel.expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+        "parallel.context_parallel_size": ps.get_context_parallel_world_size(),
     }
     wrong = {k: (v, actual[k]) for k, v in expected.items() if actual[k] != v}
     if wrong:
@@ -224,6 +228,11 @@ def build_model(
     """
     _check_parallel_state(parallel)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    if parallel.context_parallel_size > 1 and not use_te:
+        raise ValueError(
+            f"parallel.context_parallel_size = {parallel.context_parallel_size} needs Transformer Engine's "
+            "attention; the local specs (use_transformer_engine=False) have no context parallelism"
+        )
     config = transformer_config(
         model,
         parallel,

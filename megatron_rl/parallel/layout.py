@@ -1,4 +1,4 @@
-"""Check a TP/PP/EP/ETP layout against the world size and the model, before anything is built.
+"""Check a TP/PP/CP/EP/ETP layout against the world size and the model, before anything is built.
 
 Only the world size is needed, not a process group: `megatron_rl.validation` makes the check with
 the launch's WORLD_SIZE before Megatron is imported, `init_distributed` again as it builds the groups.
@@ -24,6 +24,7 @@ class ParallelLayout:
     pipeline_model_parallel_size: int
     expert_model_parallel_size: int
     expert_tensor_parallel_size: int
+    context_parallel_size: int
     data_parallel_size: int
     expert_data_parallel_size: int
     sequence_parallel: bool
@@ -48,17 +49,14 @@ def _require(ok: bool, message: str) -> None:
 
 
 def check_context_parallel(parallel: ParallelConfig, transformer_engine: bool) -> None:
-    """`parallel.context_parallel_size` > 1 needs Transformer Engine's attention; the actor has no
-    context-parallel split of its sequences, so a layout with CP is refused either way."""
+    """`parallel.context_parallel_size` > 1 needs Transformer Engine's attention (Megatron's local
+    attention has no context-parallel exchange of keys and values), so it is refused without it."""
     cp = parallel.context_parallel_size
-    if cp == 1:
-        return
-    if not transformer_engine:
+    if cp > 1 and not transformer_engine:
         raise LayoutError(
             f"parallel.context_parallel_size = {cp} needs Transformer Engine (a CUDA GPU and transformer_engine); "
             "set it to 1 here"
         )
-    raise LayoutError(f"parallel.context_parallel_size = {cp}: the actor does not split sequences over CP ranks; set 1")
 
 
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:
@@ -68,6 +66,7 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
     (EP divides the experts, TP divides the heads, PP divides the layers, ...) plus the widths.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     ep, etp = parallel.expert_model_parallel_size, resolve_expert_tensor_parallel(parallel)
     sp = resolve_sequence_parallel(parallel)
     if model is not None:
@@ -83,9 +82,10 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
                 f"({model.moe_ffn_hidden_size})",
             )
     _require(
-        world_size % (tp * pp) == 0,
+        world_size % (tp * pp * cp) == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) x "
-        f"parallel.pipeline_model_parallel_size ({pp})",
+        f"parallel.pipeline_model_parallel_size ({pp})"
+        + (f" x parallel.context_parallel_size ({cp})" if cp > 1 else ""),
     )
     _require(
         world_size % (etp * ep * pp) == 0,
@@ -102,7 +102,8 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        data_parallel_size=world_size // (tp * pp),
+        context_parallel_size=cp,
+        data_parallel_size=world_size // (tp * pp * cp),
         expert_data_parallel_size=world_size // (etp * ep * pp),
         sequence_parallel=sp,
     )

@@ -42,16 +42,17 @@ def resolve_backend(requested: str, cuda_available: bool | None = None) -> str:
     return requested
 
 
-def _megatron_sizes(layout: ParallelLayout) -> tuple[int, int, int, int]:
+def _megatron_sizes(layout: ParallelLayout) -> tuple[int, int, int, int, int]:
     return (
         layout.tensor_model_parallel_size,
         layout.pipeline_model_parallel_size,
         layout.expert_model_parallel_size,
         layout.expert_tensor_parallel_size,
+        layout.context_parallel_size,
     )
 
 
-def _current_megatron_sizes() -> tuple[int, int, int, int]:
+def _current_megatron_sizes() -> tuple[int, int, int, int, int]:
     from megatron.core import parallel_state as ps
 
     return (
@@ -59,6 +60,7 @@ def _current_megatron_sizes() -> tuple[int, int, int, int]:
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_expert_model_parallel_world_size(),
         ps.get_expert_tensor_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
     )
 
 
@@ -70,7 +72,7 @@ def init_distributed(
     timeout_minutes: float = 30.0,
     env: LaunchEnv | None = None,
 ) -> ParallelContext:
-    """torch.distributed (once per process), then Megatron's TP/PP/EP/ETP/DP groups and RNG tracker.
+    """torch.distributed (once per process), then Megatron's TP/PP/CP/EP/ETP/DP groups and RNG tracker.
 
     The layout is resolved and checked against the world size (and `model`, when given) before any
     group or model exists, as the entry points' `megatron_rl.validation.validate_run` did already; a
@@ -78,8 +80,8 @@ def init_distributed(
     `destroy_distributed(process_group=False)` before a different layout.
     """
     env = env or read_launch_env()
-    layout = check_layout(parallel, env.world_size, model)
     check_context_parallel(parallel, transformer_engine_available())
+    layout = check_layout(parallel, env.world_size, model)
     backend = resolve_backend(parallel.backend)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
@@ -111,14 +113,15 @@ def init_distributed(
     if ps.model_parallel_is_initialized():
         if _current_megatron_sizes() != _megatron_sizes(layout):
             raise RuntimeError(
-                f"Megatron parallel state already holds (TP, PP, EP, ETP) = {_current_megatron_sizes()}, "
+                f"Megatron parallel state already holds (TP, PP, EP, ETP, CP) = {_current_megatron_sizes()}, "
                 f"not {_megatron_sizes(layout)}: call destroy_distributed(process_group=False) first"
             )
     else:
-        tp, pp, ep, etp = _megatron_sizes(layout)
+        tp, pp, ep, etp, cp = _megatron_sizes(layout)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=max(1, int(timeout_minutes)),

@@ -1193,3 +1193,93 @@ def w2_every_ranks_shard_is_in_the_manifest(ctx) -> None:  # noqa: ANN001
     shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
     assert shards == [f"{ACTOR_DIR}/__0_0.distcp", f"{ACTOR_DIR}/__1_0.distcp"], shards
     actor.close()
+
+
+def _cp_batch() -> ActorBatch:
+    gen = torch.Generator().manual_seed(11)
+    lengths, prompts = (13, 6, 9, 17, 4), (4, 2, 5, 3, 1)
+    return ActorBatch(
+        tokens=[torch.randint(0, 300, (n,), generator=gen) for n in lengths],
+        prompt_lengths=list(prompts),
+        response_mask=[torch.rand(n - p, generator=gen) > 0.2 for n, p in zip(lengths, prompts, strict=True)],
+        old_log_probs=[-torch.rand(n - p, generator=gen) for n, p in zip(lengths, prompts, strict=True)],
+        advantages=[torch.randn((), generator=gen) for _ in lengths],
+    )
+
+
+def _loss_and_grads(loss_fn, inputs, logp: torch.Tensor, ent: torch.Tensor):  # noqa: ANN001, ANN202
+    """(loss, metrics, d loss / d logp, d loss / d ent) of per-position values in the model's layout."""
+    from megatron_rl.actor.logprobs import LogProbs
+
+    logp, ent = logp.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, metrics = loss_fn(inputs, LogProbs(inputs.to_rows(logp), inputs.to_rows(ent)))
+    loss.backward()
+    return loss.detach(), metrics, logp.grad, ent.grad
+
+
+def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
+    """CP = 2 over gloo, the model's side left out (its attention needs Transformer Engine): the two
+    ranks hold their positions of per-position log-probs and entropy (as the head gives them), of a
+    right-padded and of a packed micro-batch; `to_rows` gathers them over the CP group and the actor's
+    loss function (`train_step`) runs on them. Loss and metrics (token and sequence counts, the GSPO
+    sequence ratio's sum) equal the un-split single-process values, in token-mean,
+    seq-mean-token-mean and GSPO with an entropy bonus, within 1e-6; each rank's gradient is the
+    un-split gradient at its positions (so DDP's sum over CP is the whole one), within 1e-6."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.batch import build_inputs, split_for_context
+    from megatron_rl.actor.context_parallel import round_up
+    from megatron_rl.actor.forward import is_context_owner
+    from megatron_rl.actor.micro_batches import MicroBatch
+    from megatron_rl.actor.train_step import _loss_fn, policy_token_loss
+    from megatron_rl.losses import LossSpec, global_normalizer
+    from megatron_rl.parallel import cpu_compat
+
+    cpu_compat.apply_cpu_compat()
+    ps.initialize_model_parallel(context_parallel_size=2)
+    rank = ps.get_context_parallel_rank()
+    assert ps.get_context_parallel_world_size() == 2 and is_context_owner() == (rank == 0)
+    batch = _cp_batch()
+    normalizer = global_normalizer([batch.loss_mask(i).view(1, -1) for i in range(len(batch))], token_norm=32)
+    specs = {
+        "token-mean": dataclasses.replace(preset("grpo"), loss_agg_mode="token-mean"),
+        "seq-mean-token-mean": preset("grpo"),
+        "gspo": dataclasses.replace(preset("gspo"), entropy_coef=0.01),
+    }
+    order = tuple(sorted(range(len(batch)), key=lambda i: -batch.lengths[i]))
+    for packed in (False, True):
+        mb = MicroBatch(order, tuple(batch.lengths[i] for i in order), packed)
+        shape = (1, sum(round_up(n, 4) for n in mb.lengths)) if packed else (mb.rows, round_up(mb.max_len, 4))
+        whole = build_inputs(
+            batch, mb, torch.device("cpu"), pad_to=shape, with_fields=("old_log_probs", "advantages"), align=4
+        )
+        mine = split_for_context(whole, 2, rank)
+        held = mine.context.split.positions()
+        gen = torch.Generator().manual_seed(5)
+        full_logp, full_ent = -torch.rand(shape, generator=gen) * 3, torch.rand(shape, generator=gen) * 2
+        for name, section in specs.items():
+            spec = LossSpec.from_section(section)
+            what = f"{'packed' if packed else 'padded'}, {name}"
+
+            loss_fn = _loss_fn(policy_token_loss(spec), normalizer, 1.0, spec.entropy_coef, spec.loss_agg_mode)
+            want_loss, want_metrics, want_g_logp, want_g_ent = _loss_and_grads(loss_fn, whole, full_logp, full_ent)
+            loss, metrics, g_logp, g_ent = _loss_and_grads(loss_fn, mine, full_logp[:, held], full_ent[:, held])
+            assert float((loss - want_loss).abs()) <= 1e-6, f"{what}: loss {float(loss)} vs {float(want_loss)}"
+            assert metrics.keys() == want_metrics.keys(), what
+            for key, value in metrics.items():
+                assert float((value - want_metrics[key]).abs()) <= 1e-6, f"{what}: {key} {value} vs {want_metrics[key]}"
+            for got, want, label in ((g_logp, want_g_logp, "log-prob"), (g_ent, want_g_ent, "entropy")):
+                if want is None:  # no entropy bonus: the entropy has no gradient, split or not
+                    assert got is None and spec.entropy_coef == 0, f"{what}: {label} gradient"
+                    continue
+                err = float((got - want[:, held]).abs().max())
+                assert err <= 1e-6, f"{what}: {label} gradient at this CP rank's positions off by {err}"
+                # the ranks' shares, put together, are the whole gradient: nothing twice, nothing lost
+                pieces = [torch.empty_like(got) for _ in range(2)]
+                dist.all_gather(pieces, got, group=ps.get_context_parallel_group())
+                total = mine.context.split.restore_order(pieces, dim=1)
+                assert float((total - want).abs().max()) <= 1e-6, f"{what}: {label} gradients of both ranks"
+            if name == "gspo":  # the sequence ratio: a mean over tokens that lie on both ranks
+                assert float(metrics["ratio_sum"]) != 0.0 and float(want_g_logp.abs().sum()) > 0, what
