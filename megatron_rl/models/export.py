@@ -115,17 +115,15 @@ def _full_params(
         full = _full_tensor(shard, ps.get_expert_tensor_parallel_group())
         if full is None:
             continue
-        if split:  # this EP rank's own experts
-            experts, first_ep = [full], ps.get_expert_model_parallel_rank()
-        else:
-            experts, first_ep = _gather_to_first(full, ps.get_expert_model_parallel_group()), 0
+        # this EP rank's own experts, or every EP rank's gathered on EP rank 0, in EP rank order
+        experts = [full] if split else _gather_to_first(full, ps.get_expert_model_parallel_group())
         if experts is None:
             continue
         match = _EXPERT_ID.search(shard.global_name)
         assert match is not None, shard.global_name
-        index = int(match.group(1))  # the local index (EP rank 0's local index == global id)
+        index = int(match.group(1))  # this EP rank's global id of the expert
         for offset, tensor in enumerate(experts):
-            expert = (first_ep + offset) * local_experts + index
+            expert = index + offset * local_experts
             name = (
                 shard.global_name[: match.start()]
                 + f".mlp.experts.local_experts.{expert}."

@@ -4,7 +4,8 @@ Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's 
 response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
 updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
 /update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
-session as SGLang 0.5.21+ requires; begin, on a server that is not paused, waits for the generations
+session as SGLang 0.5.21+ requires; several trainer senders at once, each with its own group, keyed
+by `group_name` as SGLang keys them; begin, on a server that is not paused, waits for the generations
 in flight to end, as SGLang's writer lock does), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 
