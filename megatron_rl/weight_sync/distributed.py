@@ -61,9 +61,10 @@ class DistributedSync(FromSenders):
         super().__init__(*args, **kwargs)
         self.backend = "nccl" if params_device(self.chunks).type == "cuda" else "gloo"
         if self.backend == "nccl" and self.cfg.rollout.colocate:
+            super().close()
             raise WeightSyncError(
-                "rollout.weight_sync = distributed with rollout.colocate = true on GPUs: trainer rank 0 and the "
-                "engine's first TP rank share a GPU, and NCCL refuses a communicator holding one GPU twice; use "
+                "rollout.weight_sync = distributed with rollout.colocate = true on GPUs: a trainer sender and an "
+                "engine rank share a GPU, and NCCL refuses a communicator holding one GPU twice; use "
                 "rollout.weight_sync=tensor (engines on rank 0's node) or rollout.weight_sync=disk"
             )
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
