@@ -135,6 +135,25 @@ def io_struct_classes(*names: str) -> dict[str, type]:
     return {name: namespace[name] for name in names}
 
 
+def as_request(cls: type, body: dict, extra: frozenset[str] = frozenset()) -> object:
+    """`body` read as SGLang's request struct `cls`: every key a field (but `extra`), every required
+    field there, every value of the field's type (a msgspec round trip type-checks)."""
+    import base64
+
+    import msgspec
+
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    assert set(body) - extra <= set(fields), sorted(set(body) - set(fields))
+    required = {n for n, f in fields.items() if f.required}
+    assert required <= set(body), sorted(required - set(body))
+    values = {k: v for k, v in body.items() if k not in extra}
+    if "serialized_named_tensors" in values:  # Base64Bytes: the server decodes the strings to bytes
+        values["serialized_named_tensors"] = [
+            base64.b64decode(p, validate=True) for p in values["serialized_named_tensors"]
+        ]
+    return msgspec.json.decode(msgspec.json.encode(cls(**values)), type=cls)
+
+
 def _has(relpath: str) -> bool:
     try:
         source(relpath)

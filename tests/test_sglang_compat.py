@@ -174,3 +174,50 @@ def test_admin_paths_are_the_endpoints_sglang_guards_with_the_admin_key() -> Non
                     admin.add(d.args[0].value)
     called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(sglang)))
     assert sglang.ADMIN_PATHS == called & admin, (sorted(sglang.ADMIN_PATHS ^ (called & admin)), sorted(admin))
+
+
+def test_multi_sender_update_payloads_are_sglangs() -> None:
+    """Two senders (pipeline stages 0 and 1) updating two servers of TP 2: each sender's group bodies
+    and update bodies read as SGLang's own request classes; each group has its own name and its
+    sender's store, and the engine ranks 1..4 of every group are the servers' TP ranks. And what the
+    design rests on, read in the wheel: SGLang keys its groups by `group_name`, receives every
+    update from rank 0 of the group it names, ranks an engine's TP rank at `rank_offset + tp_rank`,
+    and queues the control requests (one sender's update never interleaves with another's)."""
+    pytest.importorskip("msgspec", reason="SGLang's request classes are msgspec Structs")
+    from megatron_rl.rollout.sglang import distributed_update_body, init_group_bodies
+
+    classes = sglang_wheel.io_struct_classes("InitWeightsUpdateGroupReqInput", "UpdateWeightsFromDistributedReqInput")
+    servers, tp = 2, 2
+    world = 1 + servers * tp
+    senders = {"megatron-rl-7-pp0-ep0-1": ("10.0.0.1", 29600), "megatron-rl-9-pp1-ep0-1": ("10.0.0.2", 29611)}
+    for name, (address, port) in senders.items():
+        bodies = init_group_bodies(address, port, world, name, "nccl", tp, servers)
+        parsed = [sglang_wheel.as_request(classes["InitWeightsUpdateGroupReqInput"], b) for b in bodies]
+        assert {(p.master_address, p.master_port, p.group_name, p.world_size) for p in parsed} == {
+            (address, port, name, world)
+        }
+        engine_ranks = sorted(p.rank_offset + k for p in parsed for k in range(tp))
+        assert engine_ranks == list(range(1, world)), engine_ranks
+        update = distributed_update_body(
+            ["model.layers.2.mlp.gate.weight"], ["bfloat16"], [[8, 64]], name, weight_version=None, flush_cache=False
+        )
+        got = sglang_wheel.as_request(classes["UpdateWeightsFromDistributedReqInput"], update)
+        assert (got.group_name, got.names, got.shapes, got.flush_cache, got.weight_version) == (
+            name,
+            ["model.layers.2.mlp.gate.weight"],
+            [[8, 64]],
+            False,
+            None,
+        )
+    last = distributed_update_body(["lm_head.weight"], ["bfloat16"], [[256, 64]], "megatron-rl-7-pp0-ep0-1", "5")
+    got = sglang_wheel.as_request(classes["UpdateWeightsFromDistributedReqInput"], last)
+    assert (got.weight_version, got.flush_cache, got.load_format) == ("5", True, None)
+
+    updater = sglang_wheel.source("srt/model_executor/model_runner_components/weight_updater.py").read_text()
+    assert "self._model_update_group[group_name] = init_custom_process_group(" in updater
+    assert "rank = rank_offset + self.tp_rank" in updater
+    receives = re.findall(r"broadcast\(\s*\w+,\s*src=(\d+),\s*group=self\._model_update_group\[group_name\]", updater)
+    assert receives and set(receives) == {"0"}, receives
+    control = sglang_wheel.source("srt/managers/tokenizer_control_mixin.py").read_text()
+    assert '("update_weights_from_distributed", UpdateWeightsFromDistributedReqOutput)' in control
+    assert 'mode = spec[2] if len(spec) > 2 else "queueing"' in control

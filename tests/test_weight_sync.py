@@ -1,6 +1,7 @@
 """Weight sync from the Megatron actor to the local engine, all three modes, one gloo launch per world size
-(tests/mrl_multiproc/scenarios_weight_sync.py): after every sync the engine's log-probs of its own samples
-equal the actor's (<= 1e-4), routing agrees off near-ties, R3 replay dispatches exactly the engine's
+(tests/mrl_multiproc/scenarios_weight_sync.py): after every sync the engine's tensors equal the trainer's
+bit for bit, every tensor was sent once, by a sender (PP stage, EP rank) that holds it, and the engine's
+log-probs of its own samples equal the actor's (<= 1e-4), routing agrees off near-ties, R3 replay dispatches exactly the engine's
 experts; refused updates name the tensor and leave the old weights serving; with fully_async partial
 rollouts a sync under running requests retracts and continues them, each token's version and log-prob right;
 without partial rollouts a distributed sync pauses them with mode "abort" for the whole transfer.

@@ -253,3 +253,64 @@ def test_prefetched_raises_where_the_export_failed_and_drains_after_an_early_sto
     assert walked == list(range(6))
     with pytest.raises(ValueError, match="depth must be >= 1"):
         next(prefetched(iter([1]), depth=0))
+
+
+def test_senders_one_per_stage_and_ep_rank_with_rank0_first() -> None:
+    from megatron_rl.weight_sync.senders import Sender, check_senders
+
+    # PP2 x EP2 on 8 ranks: stage 0's EP ranks on ranks 0 and 2, stage 1's on 4 and 6
+    roles = [(0, 0, "a"), None, (0, 1, "a"), None, (1, 0, "b"), None, (1, 1, "b"), None]
+    assert check_senders(roles, stages=2) == [
+        Sender(0, 0, 0, "a"),
+        Sender(2, 0, 1, "a"),
+        Sender(4, 1, 0, "b"),
+        Sender(6, 1, 1, "b"),
+    ]
+    with pytest.raises(RuntimeError, match=r"stage 0, EP rank 1 has two export senders, ranks 2 and 3"):
+        check_senders([(0, 0, "a"), None, (0, 1, "a"), (0, 1, "a")], stages=1)
+    with pytest.raises(RuntimeError, match="every stage of 2"):
+        check_senders([(0, 0, "a"), (0, 1, "a")], stages=2)
+    with pytest.raises(RuntimeError, match="global rank 0 sending for stage 0"):
+        check_senders([None, (0, 0, "a")], stages=1)
+
+
+def test_tensor_mode_refuses_a_sender_off_the_engines_machine() -> None:
+    from megatron_rl.weight_sync.senders import Sender
+    from megatron_rl.weight_sync.tensor import off_engine_host
+
+    assert off_engine_host([Sender(0, 0, 0, "n1"), Sender(1, 1, 0, "n1")]) is None
+    problem = off_engine_host([Sender(0, 0, 0, "n1"), Sender(8, 1, 0, "n2")])
+    assert problem is not None and "stage 1, EP rank 0 is global rank 8 on 'n2'" in problem
+    assert "rollout.weight_sync=distributed or disk" in problem
+
+
+def test_safetensors_overwritten_in_place_only_at_the_same_size(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    import builtins
+    import os
+
+    from megatron_rl.models import safetensors_io
+    from megatron_rl.models.hf_io import finalize_hf_folder
+    from megatron_rl.models.safetensors_io import MappedSafetensors, write_safetensors
+
+    modes: list[str] = []
+
+    def recording_open(file, mode="r", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        modes.append(mode)
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io, "open", recording_open, raising=False)
+    path = tmp_path / "part-pp000-00000.safetensors"
+    write_safetensors(path, {"a": torch.zeros(4, 3), "b": torch.ones(5)}, in_place=True)  # nothing there yet
+    size = os.path.getsize(path)
+    write_safetensors(path, {"a": torch.full((4, 3), 2.0), "b": torch.arange(5.0)}, in_place=True)
+    write_safetensors(path, {"a": torch.full((4, 3), 3.0), "b": torch.arange(5.0)})  # not asked: truncated
+    assert modes == ["wb", "r+b", "wb"] and os.path.getsize(path) == size
+    write_safetensors(path, {"a": torch.full((4, 3), 2.0), "b": torch.arange(5.0)}, in_place=True)
+    got = MappedSafetensors(path)
+    assert torch.equal(got.get("a"), torch.full((4, 3), 2.0)) and torch.equal(got.get("b"), torch.arange(5.0))
+    write_safetensors(path, {"a": torch.ones(2, 3)}, in_place=True)  # another size: written anew
+    assert modes[-1] == "wb" and torch.equal(MappedSafetensors(path).get("a"), torch.ones(2, 3))
+    (tmp_path / "part-pp001-00000.safetensors").write_bytes(b"stale")  # an earlier layout's file
+    final = finalize_hf_folder(tmp_path, [(path.name, ["a"], 24)], rename=False)
+    assert final == [path.name] and sorted(p.name for p in tmp_path.glob("*.safetensors")) == [path.name]
+    assert '"a": "part-pp000-00000.safetensors"' in (tmp_path / "model.safetensors.index.json").read_text()

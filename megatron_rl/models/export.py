@@ -4,11 +4,18 @@
         send(bucket)                                                   # [(hf_name, tensor), ...]
 
 Every rank walks its parameters in the same order and takes part in the gathers: TP shards
-(and expert-TP shards) go to TP rank 0, experts of all EP ranks to EP rank 0 (named by their
-global id), and only data-parallel replica 0 takes part. The ranks that end up holding tensors,
-and the only ones the generator yields on, are the *senders*: the first rank of each pipeline
-stage (`is_export_sender`), each with its own stage's tensors; other ranks hold no gathered
-tensor and get an empty generator that must still be run to its end (it joins the collectives).
+(and expert-TP shards) go to TP rank 0, and only data-parallel replica 0 takes part. Experts are
+named by their global id. The ranks that end up holding tensors, and the only ones the generator
+yields on, are the *senders* (`is_export_sender`): the first rank of each pipeline stage, with its
+stage's dense tensors, and
+
+- by default (`ep_senders=False`: the converter) that same rank with every expert of the stage,
+  gathered from all EP ranks;
+- with `ep_senders=True` (weight sync) the first rank of each expert-parallel rank with that EP
+  rank's own experts, nothing gathered across EP: each expert leaves from where it lives.
+
+Other ranks hold no gathered tensor and get an empty generator that must still be run to its end
+(it joins the collectives).
 
 Tensors are full HF checkpoint tensors on the parameters' device, contiguous, vocabulary padding
 removed. No copy is made where none is needed: a tensor may be the parameter itself or a view of
@@ -46,17 +53,24 @@ def _dense_sender() -> bool:
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
-def _expert_sender() -> bool:
+def _expert_sender(any_ep_rank: bool = False) -> bool:
+    """The first rank of EP rank 0 (or, with `any_ep_rank`, of this rank's EP rank)."""
     return (
         ps.get_expert_tensor_parallel_rank() == 0
-        and ps.get_expert_model_parallel_rank() == 0
+        and (any_ep_rank or ps.get_expert_model_parallel_rank() == 0)
         and ps.get_expert_data_parallel_rank() == 0
     )
 
 
-def is_export_sender() -> bool:
-    """Whether `export_hf_weights` yields tensors on this rank (the first rank of its pipeline stage)."""
-    return _dense_sender()
+def splits_experts(ep_senders: bool) -> bool:
+    """Whether each EP rank sends its own experts (`ep_senders` and expert parallelism in use)."""
+    return ep_senders and ps.get_expert_model_parallel_world_size() > 1
+
+
+def is_export_sender(ep_senders: bool = False) -> bool:
+    """Whether `export_hf_weights(..., ep_senders=ep_senders)` yields tensors on this rank (see the
+    module docstring)."""
+    return _dense_sender() or (splits_experts(ep_senders) and _expert_sender(any_ep_rank=True))
 
 
 def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
@@ -77,13 +91,16 @@ def _full_tensor(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | 
     return gather_full(shard, group)
 
 
-def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor, bool]]:
+def _full_params(
+    chunks: list[torch.nn.Module], model: ModelConfig, ep_senders: bool
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """(global Megatron name, full tensor, whether it is an expert's) of this stage, yielded on the
-    stage's sender only."""
+    senders only (see the module docstring)."""
     dense_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_replica = ps.get_expert_data_parallel_rank() == 0
     ep_size = ps.get_expert_model_parallel_world_size()
     local_experts = (model.num_experts or 0) // ep_size
+    split = splits_experts(ep_senders)
     for shard in iter_param_shards(chunks, model):
         if shard.local_name.endswith("output_layer.weight") and shard.global_name != "output_layer.weight":
             continue  # the tied output layer of the last stage is a copy of the first stage's embedding
@@ -98,14 +115,15 @@ def _full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> Iterator[
         full = _full_tensor(shard, ps.get_expert_tensor_parallel_group())
         if full is None:
             continue
-        experts = _gather_to_first(full, ps.get_expert_model_parallel_group())
+        # this EP rank's own experts, or every EP rank's gathered on EP rank 0, in EP rank order
+        experts = [full] if split else _gather_to_first(full, ps.get_expert_model_parallel_group())
         if experts is None:
             continue
         match = _EXPERT_ID.search(shard.global_name)
         assert match is not None, shard.global_name
-        index = int(match.group(1))  # EP rank 0's local index == global id
-        for ep_rank, tensor in enumerate(experts):
-            expert = ep_rank * local_experts + index
+        index = int(match.group(1))  # this EP rank's global id of the expert
+        for offset, tensor in enumerate(experts):
+            expert = index + offset * local_experts
             name = (
                 shard.global_name[: match.start()]
                 + f".mlp.experts.local_experts.{expert}."
@@ -121,8 +139,9 @@ def export_hf_weights(
     *,
     bucket_mb: float = 512,
     dtype: torch.dtype | None = None,
+    ep_senders: bool = False,
 ) -> Iterator[Bucket]:
-    """Buckets of (HF checkpoint name, full tensor) of this pipeline stage, on its sender (see the
+    """Buckets of (HF checkpoint name, full tensor) of this pipeline stage, on its senders (see the
     module docstring); `dtype` casts every tensor. Run it to the end on every rank."""
     if model.num_experts is not None and _dense_sender() != _expert_sender():
         raise RuntimeError(
@@ -132,7 +151,7 @@ def export_hf_weights(
     mapping = HFMapping(model)
     limit = int(bucket_mb * 2**20)
     open_buckets: dict[bool, tuple[Bucket, int]] = {False: ([], 0), True: ([], 0)}  # by is_expert
-    for megatron_name, full, expert in _full_params([unwrap_model(c) for c in chunks], model):
+    for megatron_name, full, expert in _full_params([unwrap_model(c) for c in chunks], model, ep_senders):
         for name, tensor in mapping.to_hf(megatron_name, full):
             if dtype is not None:
                 tensor = tensor.to(dtype)
@@ -159,26 +178,38 @@ def save_hf_folder(
     bucket_mb: float = 512,
     max_shard_mb: float = 5000,
     progress: Callable[[int], None] | None = None,
+    ep_senders: bool = False,
+    in_place: bool = False,
 ) -> list[str]:
-    """Write the model as a Hugging Face folder `out` (existing, empty; shared by all ranks):
-    sharded safetensors, index, `hf_config` as config.json, generation/tokenizer files of
-    `assets_from`. Collective; each stage's sender writes its own tensors, rank 0 names the files
-    and writes the index. Returns the safetensors file names (on every rank)."""
+    """Write the model as a Hugging Face folder `out` (existing; shared by all ranks): sharded
+    safetensors, index, `hf_config` as config.json, generation/tokenizer files of `assets_from`.
+    Collective; each sender (`is_export_sender(ep_senders)`) writes its own tensors, rank 0 names
+    the files and writes the index. Returns the safetensors file names (on every rank).
+
+    `in_place` (weight sync): the files keep the names their senders gave them
+    (`part-pp<stage>[-ep<rank>]-<k>.safetensors`, listed in the index), a file of the same size
+    already there is overwritten in place (its page-cache pages reused), and safetensors files of
+    an earlier layout are removed. Otherwise (`out` empty) they are renamed to
+    `model-0000i-of-0000n.safetensors` as Hugging Face names them."""
     out = Path(out)
     stage = ps.get_pipeline_model_parallel_rank()
-    writer = ShardedSafetensorsWriter(out, f"part-pp{stage:03d}", int(max_shard_mb * 2**20))
-    for bucket in export_hf_weights(chunks, model, bucket_mb=bucket_mb, dtype=dtype):
+    ep = ps.get_expert_model_parallel_rank() if splits_experts(ep_senders) else None
+    prefix = f"part-pp{stage:03d}" + ("" if ep is None else f"-ep{ep:03d}")
+    writer = ShardedSafetensorsWriter(out, prefix, int(max_shard_mb * 2**20), overwrite=in_place)
+    for bucket in export_hf_weights(chunks, model, bucket_mb=bucket_mb, dtype=dtype, ep_senders=ep_senders):
         for name, tensor in bucket:
             writer.add(name, tensor)
         if progress is not None:
             progress(len(bucket))
     writer.flush()
-    written: list[tuple[int, list]] = [(-1, [])] * dist.get_world_size()
-    dist.all_gather_object(written, (stage, writer.files) if is_export_sender() else (-1, []))
-    files = [f for _, stage_files in sorted(w for w in written if w[0] >= 0) for f in stage_files]
+    written: list[tuple[tuple[int, int] | None, list]] = [(None, [])] * dist.get_world_size()
+    dist.all_gather_object(written, ((stage, ep or 0), writer.files) if is_export_sender(ep_senders) else (None, []))
+    files = [f for _, sender_files in sorted(w for w in written if w[0] is not None) for f in sender_files]
     result: list[Any] = [None]
     if dist.get_rank() == 0:
-        result[0] = _finish_folder(out, files, model, hf_config, assets_from, dtype or _param_dtype(chunks))
+        result[0] = _finish_folder(
+            out, files, model, hf_config, assets_from, dtype or _param_dtype(chunks), rename=not in_place
+        )
     dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], str):
         raise RuntimeError(result[0])
@@ -196,6 +227,7 @@ def _finish_folder(
     hf_config: dict[str, Any],
     assets_from: str | os.PathLike | None,
     dtype: torch.dtype,
+    rename: bool,
 ) -> list[str] | str:
     """Rank 0's part of `save_hf_folder`: the final file names, or an error message for all ranks."""
     names = [n for _, file_names, _ in files for n in file_names]
@@ -203,7 +235,7 @@ def _finish_folder(
     if sorted(names) != sorted(expected):
         missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
         return f"export wrote a wrong tensor set: missing {missing[:3]}, unexpected {extra[:3]}"
-    final = finalize_hf_folder(out, files)
+    final = finalize_hf_folder(out, files, rename=rename)
     write_hf_config(out, mtp_dropped_config(hf_config), dtype)  # the MTP layers are not exported
     if assets_from is not None:
         copy_assets(assets_from, out)

@@ -188,8 +188,9 @@ class ShardedSafetensorsWriter:
     """Writes tensors into `{prefix}-{k}.safetensors` files of at most `max_shard_bytes` (a larger
     tensor gets a file of its own); keeps only the current file's tensors in memory."""
 
-    def __init__(self, folder: str | Path, prefix: str, max_shard_bytes: int) -> None:
+    def __init__(self, folder: str | Path, prefix: str, max_shard_bytes: int, overwrite: bool = False) -> None:
         self.folder, self.prefix, self.max_bytes = Path(folder), prefix, max_shard_bytes
+        self.overwrite = overwrite  # a file of the same size already there is overwritten in place
         self.files: list[tuple[str, list[str], int]] = []  # (file name, tensor names, bytes)
         self._pending: dict[str, torch.Tensor] = {}
         self._bytes = 0
@@ -209,26 +210,34 @@ class ShardedSafetensorsWriter:
         if not self._pending:
             return
         file = f"{self.prefix}-{len(self.files):05d}.safetensors"
-        write_safetensors(self.folder / file, self._pending)
+        write_safetensors(self.folder / file, self._pending, in_place=self.overwrite)
         self.files.append((file, list(self._pending), self._bytes))
         self._pending, self._bytes = {}, 0
 
 
-def finalize_hf_folder(folder: str | Path, files: Iterable[tuple[str, list[str], int]]) -> list[str]:
+def finalize_hf_folder(
+    folder: str | Path, files: Iterable[tuple[str, list[str], int]], rename: bool = True
+) -> list[str]:
     """Rename the written files to `model.safetensors` (one) or `model-0000i-of-0000n.safetensors`
-    plus the index, in the given order; returns the final file names."""
+    plus the index, in the given order; returns the final file names. `rename=False`: the files
+    keep their names, the index lists them, and any other safetensors file in `folder` (an earlier
+    layout's) is removed."""
     folder = Path(folder)
     files = list(files)
-    if len(files) == 1:
+    if not rename:
+        keep = {file for file, _, _ in files}
+        for stale in folder.glob("*.safetensors"):
+            if stale.name not in keep:
+                stale.unlink()
+        final = [file for file, _, _ in files]
+    elif len(files) == 1:
         os.replace(folder / files[0][0], folder / "model.safetensors")
         return ["model.safetensors"]
-    weight_map: dict[str, str] = {}
-    final: list[str] = []
-    for i, (file, names, _) in enumerate(files):
-        new = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        os.replace(folder / file, folder / new)
-        final.append(new)
-        weight_map.update(dict.fromkeys(names, new))
+    else:
+        final = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+        for (file, _, _), new in zip(files, final, strict=True):
+            os.replace(folder / file, folder / new)
+    weight_map = {name: new for (_, names, _), new in zip(files, final, strict=True) for name in names}
     index = {"metadata": {"total_size": sum(b for _, _, b in files)}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return final

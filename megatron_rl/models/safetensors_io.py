@@ -132,9 +132,11 @@ class MappedSafetensors:
 
 
 def write_safetensors(
-    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, in_place: bool = False
 ) -> int:
-    """Write `tensors` (any device; views allowed) as one safetensors file; returns the data bytes."""
+    """Write `tensors` (any device; views allowed) as one safetensors file; returns the data bytes.
+    `in_place`: a file of exactly this size already at `path` is overwritten without truncating it
+    (its page-cache pages are written again instead of new ones allocated; about half the cost)."""
     ordered = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())  # keeps every tensor aligned
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -153,7 +155,9 @@ def write_safetensors(
         cpu.append(data)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
+    size = 8 + len(encoded) + offset
+    reuse = in_place and os.path.isfile(path) and os.path.getsize(path) == size
+    with open(path, "r+b" if reuse else "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for data in cpu:

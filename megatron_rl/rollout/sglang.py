@@ -711,16 +711,13 @@ class SGLangClient:
         backend: str = "nccl",
         ranks_per_server: int = 1,
     ) -> list[dict]:
-        """Ask every server to join the group; server i's first rank is 1 + i * ranks_per_server."""
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        offsets = [{"rank_offset": 1 + i * ranks_per_server} for i in range(len(self.urls))]
-        return await self._update("/init_weights_update_group", body, retry=False, per_server=offsets)
+        """Ask every server to join the group `group_name`, hosted by its rank 0 (the sender) at
+        `master_address:master_port`; server i's first rank is 1 + i * ranks_per_server. A server
+        holds one such group per sender, each under its own name (`init_group_bodies`)."""
+        bodies = init_group_bodies(
+            master_address, master_port, world_size, group_name, backend, ranks_per_server, len(self.urls)
+        )
+        return await self._update("/init_weights_update_group", {}, retry=False, per_server=bodies)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict]:
         return await self._update("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
@@ -736,17 +733,10 @@ class SGLangClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> list[dict]:
-        """Announce the tensors the trainer (rank 0) is about to broadcast, in this order."""
-        body = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "weight_version": weight_version,
-            "load_format": "flattened_bucket" if flattened_bucket else None,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
+        """Announce the tensors rank 0 of group `group_name` (a sender) is about to broadcast, in this order."""
+        body = distributed_update_body(
+            names, dtypes, shapes, group_name, weight_version, flattened_bucket, flush_cache, abort_all_requests
+        )
         return await self._update("/update_weights_from_distributed", body, retry=False)
 
     async def update_weights_from_tensor(
@@ -808,6 +798,54 @@ class SGLangClient:
         return await self._json(
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, server=self.urls[0]
         )
+
+
+def init_group_bodies(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    ranks_per_server: int,
+    servers: int,
+) -> list[dict[str, Any]]:
+    """SGLang's InitWeightsUpdateGroupReqInput body for each of `servers` servers: the group's rank
+    0 (a trainer sender) hosts the store at `master_address:master_port`; server i's TP rank k is
+    rank 1 + i * ranks_per_server + k (SGLang adds the TP rank to `rank_offset`)."""
+    return [
+        {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1 + i * ranks_per_server,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        for i in range(servers)
+    ]
+
+
+def distributed_update_body(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    weight_version: str | None = None,
+    flattened_bucket: bool = False,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+) -> dict[str, Any]:
+    """SGLang's UpdateWeightsFromDistributedReqInput body: the tensors rank 0 of `group_name` broadcasts."""
+    return {
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "group_name": group_name,
+        "weight_version": weight_version,
+        "load_format": "flattened_bucket" if flattened_bucket else None,
+        "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests,
+    }
 
 
 def lora_load_body(lora_name: str, lora_path: str) -> dict[str, Any]:

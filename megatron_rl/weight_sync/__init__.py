@@ -8,25 +8,28 @@ and calls the exporter (`megatron_rl/models/export.py`).
     sync.release_engine_memory()                    # colocated, optional: after rollout, before training
     sync.close()                                    # every rank
 
-`engine` is the `RolloutEngine` on global rank 0, the only rank that talks to the engine. Other
+`engine` is the `RolloutEngine` on global rank 0, the controller (pause, session, version). Other
 ranks may pass None. Modes (`rollout.weight_sync`):
 
-- `disk`: each stage's sender writes safetensors into `rollout.sync_dir` (default
-  `logging.run_dir/weights`) / v-<version>, then `/update_weights_from_disk` (`disk.py`).
-- `distributed`: buckets broadcast over a group of rank 0 and every engine rank, built once (gloo
-  on CPU, nccl on GPU; `distributed.py`).
-- `tensor`: colocated; buckets by shared-memory / CUDA-IPC handle through
-  `/update_weights_from_tensor`, with generation paused (`tensor.py`).
+- `disk`: each export sender writes its safetensors into one of two folders of `rollout.sync_dir`
+  (default `logging.run_dir/weights`), the one the engine does not serve, overwriting it in place;
+  then `/update_weights_from_disk` (`disk.py`).
+- `distributed`: each export sender broadcasts its buckets over its own group with every engine
+  rank, built once (gloo on CPU, nccl on GPU; `distributed.py`).
+- `tensor`: colocated; each export sender posts its buckets by shared-memory / CUDA-IPC handle
+  through `/update_weights_from_tensor`, with generation paused (`tensor.py`).
 
+The export senders are the first rank of each pipeline stage and, with EP, of each expert-parallel
+rank, each with the tensors it holds (`senders.py`); in the distributed and tensor modes each talks
+to the engines with a client of its own, so no weight byte goes through another trainer rank.
 Distributed and tensor syncs run inside SGLang's weight-update session (0.5.21+; `base.py`).
 Colocated memory (release at start-up, CUDA cache, optimizer offload): `memory.py`.
 
-With PP > 1, disk mode writes from every stage. The other two modes first gather each stage's
-buckets on rank 0, point to point (`buckets.py`). Every rank gets the same `SyncReport`, or the
-same `WeightSyncError`, and a refused update names the tensor. The engine validates each request
-whole. So a refused disk update, or a refused first bucket, leaves the old weights serving. After
-a later bucket is refused, the earlier buckets are already loaded. The version stays the old one,
-because it only goes with the last bucket.
+Every rank gets the same `SyncReport`, or the same `WeightSyncError`, and a refused update names
+the tensor. The engine validates each request whole. So a refused disk update, or a refused first
+bucket, leaves the old weights serving. After a later bucket is refused, the earlier buckets are
+already loaded. The version stays the old one, because it only goes with the controller's last
+bucket, sent once every sender has finished.
 """
 
 from __future__ import annotations

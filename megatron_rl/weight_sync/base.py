@@ -1,11 +1,12 @@
 """What every weight-sync mode shares: the report, the error, and the collective frame of `sync`.
 
 `sync(version)` is collective: every trainer rank calls it. Global rank 0 (the *controller*,
-which is also the export sender of pipeline stage 0) is the only rank that talks to the engine.
-An engine error does not stop the transfer midway, because every rank must still run the
-exporter's collectives to the end. The error is remembered, later engine calls are skipped,
-and at the end rank 0 shares the outcome. So every rank returns the same `SyncReport` or raises
-the same `WeightSyncError`.
+which is also the export sender of pipeline stage 0) prepares the engine (pause, session) and
+checks the version; in the disk mode it alone talks to the engine, in the distributed and tensor
+modes every export sender posts its own buckets (`senders.py`). An engine error does not stop the
+transfer midway, because every rank must still run the exporter's collectives to the end. The
+error is remembered, later engine calls are skipped, and at the end rank 0 shares the outcome. So
+every rank returns the same `SyncReport` or raises the same `WeightSyncError`.
 
 The distributed and tensor modes run inside SGLang's weight-update session (`/begin_weight_update`
 before the first bucket, `/end_weight_update` after the last, also after an error; servers without
@@ -105,6 +106,13 @@ def shared_outcome(value: Any) -> Any:
     return box[0]
 
 
+def all_outcomes(value: Any) -> list[Any]:
+    """Every rank's `value`, by global rank, on every rank (collective)."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 class WeightSync(ABC):
     """Pushes the actor's current weights to the rollout engine; see the module docstring."""
 
@@ -149,8 +157,8 @@ class WeightSync(ABC):
 
     @property
     def client(self) -> SGLangClient:
-        """The engine's `SGLangClient` (rank 0 only)."""
-        assert self.engine is not None, "only global rank 0 talks to the engine"
+        """The engine's `SGLangClient` (rank 0, and the export senders of the distributed and tensor modes)."""
+        assert self.engine is not None, "this rank does not talk to the engine"
         return self.engine.client
 
     # ---- the collective frame ----
@@ -169,6 +177,7 @@ class WeightSync(ABC):
             dist.barrier()
         if self.is_controller:
             self._prepare_engine()
+        self._start_senders()
         try:
             nbytes = self._transfer(version)
         finally:  # e.g. generation paused for the transfer continues even after an unexpected exception
@@ -186,10 +195,13 @@ class WeightSync(ABC):
             log.info("weight sync (%s): %.1f MB in %.3f s, version %s", self.mode, nbytes / 1e6, seconds, version)
         return SyncReport(self.mode, nbytes, seconds, version)
 
+    def _start_senders(self) -> None:  # noqa: B027 - only modes with several senders need it
+        """Every rank, after the controller prepared the engine and before the transfer."""
+
     @abstractmethod
     def _transfer(self, version: str) -> int:
-        """Move the weights (every rank takes part; rank 0 talks to the engine and skips that once
-        `self._error` is set); returns the weight bytes sent (rank 0)."""
+        """Move the weights (every rank takes part; the ranks that talk to the engine skip that once
+        `self._error` is set); returns the weight bytes sent (rank 0: every sender's)."""
 
     def _prepare_engine(self) -> None:
         """Rank 0, before the transfer: pause generation (see `InFlight`), bring back released

@@ -1,18 +1,23 @@
-"""`rollout.weight_sync = disk`: a Hugging Face folder per version, then `/update_weights_from_disk`.
+"""`rollout.weight_sync = disk`: a Hugging Face folder per sync, then `/update_weights_from_disk`.
 
-Every rank runs `save_hf_folder`. Each stage's export sender writes its own safetensors files,
-rank 0 writes the index and config.json, and the call ends with a collective, so when it returns
-the folder is complete. Only then does rank 0 ask every engine to load it (pausing generation
-just for the load when partial rollouts need it: `base.InFlight`). The folder is
-`rollout.sync_dir` (default `logging.run_dir/weights`) / `v-<version>`, and that folder must be
-visible to every sender and every engine. The folder the engine serves from is kept; the one
-before it is deleted after a successful update, and a refused one at once.
+Every rank runs `save_hf_folder`. Each export sender (one per pipeline stage and, with EP, per
+expert-parallel rank) writes its own safetensors files, rank 0 writes the index and config.json,
+and the call ends with a collective, so when it returns the folder is complete. Only then does
+rank 0 ask every engine to load it (pausing generation just for the load when partial rollouts need
+it: `base.InFlight`). The folders must be visible to every sender and every engine.
+
+Two folders take turns, `rollout.sync_dir` (default `logging.run_dir/weights`) / `slot-0` and
+`slot-1`: a sync writes into the one the engine does not serve, overwriting the files of the sync
+before the last one in place (same names, same sizes: their page-cache pages are reused, about half
+the cost of new files), and the engine serves from it once its load has succeeded. So the engine
+never reads a folder being written: the folder it serves (which a restarted engine loads again,
+`resync_restarted_engine`) stays complete until the next load has succeeded, and a refused load
+leaves the engine on the old folder. What a crash leaves: the folder being written may be half
+written (the other one is complete); neither is a checkpoint, and a resumed run writes them anew.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +25,7 @@ from megatron_rl.models.export import save_hf_folder
 from megatron_rl.models.hf_config import hf_config_from_model
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
 
-
-def version_folder_name(version: str) -> str:
-    """`v-<version>` with anything outside [A-Za-z0-9._-] replaced by '_'."""
-    return "v-" + re.sub(r"[^A-Za-z0-9._-]", "_", version)
+SLOTS = ("slot-0", "slot-1")
 
 
 class DiskSync(WeightSync):
@@ -36,6 +38,11 @@ class DiskSync(WeightSync):
         self.root = Path(rollout.sync_dir or Path(self.cfg.logging.run_dir) / "weights").resolve()
         self.hf_config = hf_config_from_model(self.model)
         self._serving: Path | None = None
+
+    def next_folder(self) -> Path:
+        """The slot the next sync writes: the one the engine does not serve."""
+        folders = [self.root / slot for slot in SLOTS]
+        return folders[1] if self._serving == folders[0] else folders[0]
 
     def resync_restarted_engine(self) -> None:
         """The folder the engine served before it died, loaded again (rank 0 alone)."""
@@ -50,19 +57,19 @@ class DiskSync(WeightSync):
             raise WeightSyncError(self._error)
 
     def _transfer(self, version: str) -> int:
-        folder = self.root / version_folder_name(version)
+        folder = self.next_folder()
         problem = None
         if self.is_controller:
             try:
-                if folder.exists():
-                    shutil.rmtree(folder)
-                folder.mkdir(parents=True)
+                folder.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 problem = f"cannot prepare the sync folder {folder} (rollout.sync_dir): {err}"
         problem = shared_outcome(problem)
         if problem is not None:
             raise WeightSyncError(problem)
-        save_hf_folder(self.chunks, self.model, folder, self.hf_config, bucket_mb=self.bucket_mb)
+        save_hf_folder(
+            self.chunks, self.model, folder, self.hf_config, bucket_mb=self.bucket_mb, ep_senders=True, in_place=True
+        )
         if not self.is_controller:
             return 0
         nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -76,9 +83,5 @@ class DiskSync(WeightSync):
             )
             self._continue()
         if self._error is None:
-            if self._serving is not None and self._serving != folder:
-                shutil.rmtree(self._serving, ignore_errors=True)
             self._serving = folder
-        elif folder != self._serving:
-            shutil.rmtree(folder, ignore_errors=True)
         return nbytes

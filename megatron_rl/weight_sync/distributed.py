@@ -1,13 +1,16 @@
-"""`rollout.weight_sync = distributed`: broadcast buckets over a process group joined by the engines.
+"""`rollout.weight_sync = distributed`: each sender broadcasts its buckets over a group of its own.
 
-The group is built once, when the sync is made, the way SGLang builds its side
-(`rollout/wire.py: init_weights_update_group`). Global rank 0 is rank 0 of the group, and engine
-server i holds ranks 1 + i * rollout.engine_gpus onwards. The backend is nccl when the model is
-on a GPU and gloo otherwise. For every bucket, rank 0 first posts `/update_weights_from_distributed`
-(names, dtypes, shapes) asynchronously, then broadcasts. A bucket of one dtype goes as one
-flattened uint8 buffer; otherwise it goes tensor by tensor. With PP > 1 the other stages'
-buckets reach rank 0 first (`buckets.rank0_buckets`). The new version and the cache flush go
-with the last bucket only.
+Every export sender (`senders.py`: one per pipeline stage and, with EP, per expert-parallel rank)
+builds its own weight-update group with every engine rank, once, when the sync is made, the way
+SGLang builds its side (`rollout/wire.py: init_weights_update_group`): the sender is rank 0 of its
+group (it hosts the rendezvous store), engine server i holds ranks 1 + i * rollout.engine_gpus
+onwards, and the group is named after the sender (`megatron-rl-<pid>-pp<stage>-ep<rank>-<n>`), so an
+engine holds one group per sender, as SGLang keys them by `group_name`. The backend is nccl when the
+model is on a GPU and gloo otherwise. For every bucket, the sender first posts
+`/update_weights_from_distributed` (names, dtypes, shapes, its group's name) asynchronously, then
+broadcasts. A bucket of one dtype goes as one flattened uint8 buffer over NCCL; otherwise it goes
+tensor by tensor. The new version and the cache flush go with the controller's last bucket, after
+every sender is done (`senders.FromSenders`).
 
 After any failure the group is dropped and the next sync builds a new one. A refusal does not
 tell whether the engine took the broadcast (the local engine receives, then validates) or never
@@ -29,12 +32,11 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout.wire import destroy_weights_update_group, init_weights_update_group
-from megatron_rl.weight_sync.base import ENGINE_ERRORS, WeightSync, WeightSyncError, shared_outcome
-from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
-from megatron_rl.weight_sync.packing import Bucket, broadcasts_flat, with_last
-from megatron_rl.weight_sync.prefetch import prefetched
+from megatron_rl.weight_sync.base import ENGINE_ERRORS, WeightSyncError, all_outcomes
+from megatron_rl.weight_sync.packing import Bucket, broadcasts_flat
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.send import broadcast_named_tensors, tensor_specs
+from megatron_rl.weight_sync.senders import FromSenders, params_device
 
 log = logging.getLogger("megatron_rl.weight_sync")
 _GROUP_IDS = itertools.count(1)  # group names stay unique within a process
@@ -51,34 +53,38 @@ def _refusal(reply: Future, wait_s: float) -> str | None:
     return None
 
 
-class DistributedSync(WeightSync):
+class DistributedSync(FromSenders):
     mode = "distributed"
     needs_session = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.senders = stage_senders()
         self.backend = "nccl" if params_device(self.chunks).type == "cuda" else "gloo"
         if self.backend == "nccl" and self.cfg.rollout.colocate:
+            super().close()
             raise WeightSyncError(
-                "rollout.weight_sync = distributed with rollout.colocate = true on GPUs: trainer rank 0 and the "
-                "engine's first TP rank share a GPU, and NCCL refuses a communicator holding one GPU twice; use "
+                "rollout.weight_sync = distributed with rollout.colocate = true on GPUs: a trainer sender and an "
+                "engine rank share a GPU, and NCCL refuses a communicator holding one GPU twice; use "
                 "rollout.weight_sync=tensor (engines on rank 0's node) or rollout.weight_sync=disk"
             )
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._abandoned: list[dist.ProcessGroup] = []
-        problem = self._connect() if self.is_controller else None
-        problem = shared_outcome(problem)
+        problems = all_outcomes(self._connect() if self.is_sender else None)
+        problem = next((p for p in problems if p is not None), None)
         if problem is not None:
+            if self.is_sender:
+                self._drop_group(pending=True)  # another sender's group failed: this one is not used
+            super().close()
             raise WeightSyncError(problem)
 
     def _connect(self) -> str | None:
-        """Rank 0: build the weight-update group with every engine; an error message or None."""
+        """A sender: build its weight-update group with every engine; an error message or None."""
+        assert self.sender is not None
         urls = self.client.urls
         world_size = 1 + len(urls) * self.engine_ranks
-        name = f"megatron-rl-{os.getpid()}-{next(_GROUP_IDS)}"
+        name = f"megatron-rl-{os.getpid()}-pp{self.sender.stage}-ep{self.sender.ep_rank}-{next(_GROUP_IDS)}"
         try:
             address = reachable_address(urls[0])
             port = free_port(address)
@@ -102,19 +108,11 @@ class DistributedSync(WeightSync):
         log.info("weight-update group %r: %d ranks (%s) at %s:%d", name, world_size, self.backend, address, port)
         return None
 
-    def _transfer(self, version: str) -> int:
-        if self.is_controller and self._group is None and self._error is None:
+    def _before_sending(self) -> None:
+        if self._group is None:
             problem = self._connect()
             if problem is not None:
                 self._fail(problem)
-        total = 0
-        buckets = rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)
-        if self.is_controller:  # bucket k + 1 is gathered while bucket k goes to the engine
-            buckets = prefetched(buckets, device=params_device(self.chunks))
-        for bucket, last in with_last(buckets):
-            if self._error is None:
-                total += self._send(bucket, version if last else None)
-        return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
         names, dtypes, shapes = tensor_specs(bucket)
@@ -134,7 +132,10 @@ class DistributedSync(WeightSync):
                 abort_all_requests=self.in_flight.abort_all_requests,
             )
         )
-        what = f"bucket of {len(bucket)} tensors from {names[0]!r} to {', '.join(self.client.urls)}"
+        what = (
+            f"bucket of {len(bucket)} tensors from {names[0]!r} (group {self._group_name!r}) to "
+            f"{', '.join(self.client.urls)}"
+        )
         try:
             sent = broadcast_named_tensors(self._group, bucket, flattened, reply, timeout_s=self.timeout_s)
         except (RuntimeError, TimeoutError) as err:
@@ -164,9 +165,10 @@ class DistributedSync(WeightSync):
         else:
             destroy_weights_update_group(group)
 
-    def _forget_engine(self) -> None:
+    def _drop_engine_state(self) -> None:
         self._drop_group(pending=True)  # the dead peer would never answer a destroy; the next sync joins anew
 
     def close(self) -> None:
-        if self.is_controller:
+        if self.is_sender:
             self._drop_group(pending=False)
+        super().close()

@@ -1,19 +1,21 @@
 """`rollout.weight_sync = tensor` (colocated): tensors by handle through `/update_weights_from_tensor`.
 
-Rank 0 pauses generation (mode "abort", or "retract" for partial rollouts: `base.InFlight`), brings
-back released weights and opens the weight-update session. It packs each bucket into a flattened
-buffer (`packing.pack_bucket`; a new one per bucket
-on a GPU, because SGLang answers once its copies are queued and a reused buffer could be overwritten
-under them; one reused shared-memory buffer on the CPU, see `packing.PackBuffers`) and posts
-`{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer` does, one
-serialisation per engine TP rank, as SGLang's own `Engine` does (each rank opens its own handle;
-CUDA IPC counts references per serialisation). A CPU buffer goes through shared memory and serves
-every rank. On a GPU, engine server i's TP rank k runs on GPU i * rollout.engine_gpus + k of rank
-0's node (slurm/jobplan.py places colocated engines so), and its payload is a copy of the bucket on
-that GPU, named by UUID: each engine process opens memory of its own GPU only. So the engine must
-run on the same machine. The new version and the cache flush go with the last bucket. Afterwards
-rank 0 closes the session, resumes the rest of the released memory and continues generation (also
-after an error). With PP > 1 the other stages' buckets reach rank 0 first (`buckets.rank0_buckets`).
+The controller (rank 0) pauses generation (mode "abort", or "retract" for partial rollouts:
+`base.InFlight`), brings back released weights and opens the weight-update session. Then every
+export sender (`senders.py`: one per pipeline stage and, with EP, per expert-parallel rank) hands
+over its own buckets: it packs each into a flattened buffer of its own (`packing.pack_bucket`; a new
+one per bucket on a GPU, because SGLang answers once its copies are queued and a reused buffer could
+be overwritten under them; one reused shared-memory buffer on the CPU, see `packing.PackBuffers`)
+and posts `{"flattened_tensor", "metadata"}` serialised as SGLang's `MultiprocessingSerializer`
+does, one serialisation per engine TP rank, as SGLang's own `Engine` does (each rank opens its own
+handle; CUDA IPC counts references per serialisation). A CPU buffer goes through shared memory and
+serves every rank. On a GPU, engine server i's TP rank k runs on GPU i * rollout.engine_gpus + k of
+the node (slurm/jobplan.py places colocated engines so), and its payload is a copy of the bucket on
+that GPU, named by UUID: each engine process opens memory of its own GPU only. Handles open only on
+the machine that made them, so every sender must run on the engines' machine (rank 0's): checked
+when the sync is made. The new version and the cache flush go with the controller's last bucket,
+after every sender is done. Afterwards rank 0 closes the session, resumes the rest of the released
+memory and continues generation (also after an error).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
-from megatron_rl.weight_sync.buckets import params_device, rank0_buckets, stage_senders
-from megatron_rl.weight_sync.packing import Bucket, PackBuffers, pack_bucket, with_last
-from megatron_rl.weight_sync.prefetch import prefetched
+from megatron_rl.weight_sync.base import WeightSyncError, all_outcomes
+from megatron_rl.weight_sync.packing import Bucket, PackBuffers, pack_bucket
 from megatron_rl.weight_sync.send import serialize_named_tensors
+from megatron_rl.weight_sync.senders import FromSenders, Sender, params_device
 
 
 def payload_devices(device: torch.device, servers: int, engine_gpus: int) -> list[list[torch.device]]:
@@ -38,8 +39,8 @@ def payload_devices(device: torch.device, servers: int, engine_gpus: int) -> lis
     if visible < needed:
         raise WeightSyncError(
             f"rollout.weight_sync = tensor: {servers} colocated server(s) x rollout.engine_gpus = {engine_gpus} run on "
-            f"GPUs 0-{needed - 1} of this node, but trainer rank 0 sees {visible} GPU(s) (CUDA_VISIBLE_DEVICES): "
-            "it must see every GPU of its node to hand each engine rank a buffer on its own GPU"
+            f"GPUs 0-{needed - 1} of this node, but this export sender sees {visible} GPU(s) (CUDA_VISIBLE_DEVICES): "
+            "every sender must see every GPU of its node to hand each engine rank a buffer on its own GPU"
         )
     return [[torch.device("cuda", i * engine_gpus + k) for k in range(engine_gpus)] for i in range(servers)]
 
@@ -65,36 +66,40 @@ def rank_payloads(
     return payloads, shm_names
 
 
-class TensorSync(WeightSync):
+def off_engine_host(senders: list[Sender]) -> str | None:
+    """Why the tensor mode cannot run with these senders (one on another machine than rank 0, where
+    the colocated engines run), or None."""
+    away = [s for s in senders if s.host != senders[0].host]
+    if not away:
+        return None
+    s = away[0]
+    return (
+        f"rollout.weight_sync = tensor: the export sender of pipeline stage {s.stage}, EP rank {s.ep_rank} is global "
+        f"rank {s.rank} on {s.host!r}, not on the engines' machine {senders[0].host!r} (rank 0's); tensor handles "
+        "open only on the machine that made them: use rollout.weight_sync=distributed or disk across machines"
+    )
+
+
+class TensorSync(FromSenders):
     mode = "tensor"
     needs_session = True
     pauses_for_transfer = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.senders = stage_senders()
         self.engine_ranks = int(self.cfg.rollout.engine_gpus)
         self._devices: list[list[torch.device]] = []
         self._buffers = PackBuffers()
-        problem = None
-        if self.is_controller:
+        problem = off_engine_host(self.senders)
+        if problem is None and self.is_sender:
             try:
                 self._devices = payload_devices(params_device(self.chunks), len(self.client.urls), self.engine_ranks)
             except WeightSyncError as err:
                 problem = str(err)
-        problem = shared_outcome(problem)
+        problem = next((p for p in all_outcomes(problem) if p is not None), None)
         if problem is not None:
+            super().close()
             raise WeightSyncError(problem)
-
-    def _transfer(self, version: str) -> int:
-        total = 0
-        buckets = rank0_buckets(self.chunks, self.model, self.senders, self.bucket_mb)
-        if self.is_controller:  # bucket k + 1 is gathered while bucket k goes to the engine
-            buckets = prefetched(buckets, device=params_device(self.chunks))
-        for bucket, last in with_last(buckets):
-            if self._error is None:
-                total += self._send(bucket, version if last else None)
-        return total
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
         payloads, shm_names = rank_payloads(bucket, self._devices, self._buffers)

@@ -314,9 +314,14 @@ def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], 
         if mode == "tensor":
             sync.release_engine_memory()  # colocated: the sync must bring weights and KV cache back
         version = f"{mode}-{step}"
-        report = sync.sync(version)
+        with recorded_sends(sync) as sent:
+            report = sync.sync(version)
     finally:
         sync.close()
+    if mode == "disk":
+        check_disk_files(cfg, sync._serving, version)
+    else:
+        check_each_sender_sent_what_it_holds(actor, cfg, sent)
     assert (report.mode, report.weight_version) == (mode, version), report
     expected = weight_bytes(cfg)
     if mode == "disk":  # files: the tensors plus safetensors headers
@@ -328,6 +333,95 @@ def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], 
     assert {s["version"] for s in fresh} == {version}, [s["version"] for s in fresh]
     check_invariant(actor, fresh, f"{mode} sync, layout {actor.cfg.parallel}")
     return fresh
+
+
+@contextlib.contextmanager
+def recorded_sends(sync) -> Iterator[list[str]]:  # noqa: ANN001
+    """The names of the tensors this rank's sender posts during the block (distributed and tensor modes)."""
+    sent: list[str] = []
+    send = getattr(sync, "_send", None)
+    if send is None:
+        yield sent
+        return
+
+    def recording(bucket, version):  # noqa: ANN001, ANN202
+        sent.extend(name for name, _ in bucket)
+        return send(bucket, version)
+
+    sync._send = recording
+    try:
+        yield sent
+    finally:
+        del sync._send
+
+
+def check_each_sender_sent_what_it_holds(actor, cfg: Config, sent: list[str]) -> None:  # noqa: ANN001
+    """Every HF tensor was posted exactly once, across the senders; each by a rank that holds it (its
+    pipeline stage's layers, embedding or head; its EP rank's experts; dense tensors only from the
+    stage's first TP / data-parallel rank); with PP or EP > 1, more than one rank sent."""
+    import re
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_rl.models.hf_mapping import HFMapping
+
+    layers = {
+        int(m.layer_number) - 1 for chunk in actor.chunks for m in chunk.modules() if isinstance(m, TransformerLayer)
+    }
+    ep, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    local = (cfg.model.num_experts or 0) // ep_size
+    dense_sender = (
+        ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    for name in sent:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        if layer is not None:
+            assert int(layer.group(1)) in layers, f"rank {dist.get_rank()} sent {name}, its layers are {sorted(layers)}"
+        elif name.startswith("model.embed_tokens"):
+            assert ps.is_pipeline_first_stage(), f"rank {dist.get_rank()} sent {name} off the first stage"
+        else:
+            assert ps.is_pipeline_last_stage(), f"rank {dist.get_rank()} sent {name} off the last stage"
+        if expert is not None:
+            assert ep * local <= int(expert.group(1)) < (ep + 1) * local, f"EP rank {ep} sent {name}"
+        else:
+            assert dense_sender, f"rank {dist.get_rank()} is not its stage's first rank but sent {name}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sent)
+    names = [n for mine in everyone for n in mine]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"sent more than once: {twice[:4]}"
+    assert sorted(names) == sorted(HFMapping(cfg.model).expected_hf_shapes()), "not every tensor was sent"
+    if ps.get_pipeline_model_parallel_world_size() > 1 or ep_size > 1:
+        assert sum(1 for mine in everyone if mine) > 1, "one rank sent everything"
+
+
+def check_disk_files(cfg: Config, serving, version: str) -> None:  # noqa: ANN001
+    """The folder the engine now serves (rank 0): each sender's own files (by stage and EP rank,
+    experts of that EP rank only), every tensor once in the index, no other safetensors file."""
+    import json
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.hf_mapping import HFMapping
+
+    if dist.get_rank() != 0:
+        return
+    ep_size = ps.get_expert_model_parallel_world_size()
+    local = (cfg.model.num_experts or 0) // ep_size
+    weight_map = json.loads((serving / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(HFMapping(cfg.model).expected_hf_shapes()), version
+    assert sorted(p.name for p in serving.glob("*.safetensors")) == sorted(set(weight_map.values())), version
+    for name, file in weight_map.items():
+        sender = re.fullmatch(r"part-pp(\d{3})(?:-ep(\d{3}))?-\d{5}\.safetensors", file)
+        assert sender is not None, file
+        assert (sender.group(2) is not None) == (ep_size > 1), file
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        if expert is not None and ep_size > 1:
+            ep = int(sender.group(2))
+            assert ep * local <= int(expert.group(1)) < (ep + 1) * local, (name, file)
 
 
 def run_modes(ctx, parallel: ParallelConfig, modes: tuple[str, ...]) -> tuple:  # noqa: ANN001
@@ -350,7 +444,7 @@ def run_modes(ctx, parallel: ParallelConfig, modes: tuple[str, ...]) -> tuple:  
 def corrupt_export(name: str, kind: str) -> Iterator[None]:
     """Make the exporter rename ("name") or cut a row off ("shape") the tensor `name`."""
     import megatron_rl.models.export as export_module
-    import megatron_rl.weight_sync.buckets as buckets_module
+    import megatron_rl.weight_sync.senders as senders_module
 
     original = export_module.export_hf_weights
 
@@ -363,11 +457,11 @@ def corrupt_export(name: str, kind: str) -> Iterator[None]:
                 out.append((n, t))
             yield out
 
-    export_module.export_hf_weights = buckets_module.export_hf_weights = corrupted
+    export_module.export_hf_weights = senders_module.export_hf_weights = corrupted
     try:
         yield
     finally:
-        export_module.export_hf_weights = buckets_module.export_hf_weights = original
+        export_module.export_hf_weights = senders_module.export_hf_weights = original
 
 
 def expect_refused(sync, version: str, pattern: str) -> None:  # noqa: ANN001
@@ -448,7 +542,9 @@ def w1_refused_updates(ctx) -> None:  # noqa: ANN001
         sync.sync("group-1")
         if engine is not None:
             engine.run(engine.client.destroy_weights_update_group(sync._group_name))
-        expect_refused(sync, "group-2", r"no group 'megatron-rl-\d+-\d+'; call /init_weights_update_group first")
+        expect_refused(
+            sync, "group-2", r"no group 'megatron-rl-\d+-pp0-ep0-\d+'; call /init_weights_update_group first"
+        )
         train_step(actor, rollout(engine, cfg, seed=98))
         sync.sync("group-3")
     assert engine_version(engine) == "group-3"
@@ -513,14 +609,14 @@ def w2_tp2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
-    """EP=2 (and DP=2): experts of both EP ranks named by their global id."""
-    _, _, engine, _ = run_modes(ctx, layout(ep=2), ("disk", "distributed"))
+    """EP=2 (and DP=2): each EP rank sends its own experts, named by their global id; all three modes."""
+    _, _, engine, _ = run_modes(ctx, layout(ep=2), ("disk", "distributed", "tensor"))
     if engine is not None:
         engine.close()
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
-    """PP=2: disk writes from both stages; distributed and tensor gather stage 1's buckets on rank 0.
+    """PP=2: each stage sends its own buckets in every mode (its own files, group or handles).
     A tensor of stage 1 refused mid-stream: the error reaches both ranks, the version stays, the
     group stays usable, and the next sync restores the invariant."""
     from megatron_rl.weight_sync import make_weight_sync

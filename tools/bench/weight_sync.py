@@ -11,7 +11,7 @@ the rate. On GPUs the engine takes the last GPU (--engine-device); NCCL cannot p
 the engine of the distributed mode on one GPU.
 
     python tools/bench/weight_sync.py [--hidden 256] [--layers 4] [--experts 8] [--bucket-mb 64] [--repeats 5]
-    torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2          # stage 1 gathered on rank 0
+    torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2          # each stage sends its own (--ep 2: each EP rank)
     python tools/bench/weight_sync.py --unchanged-lr 1e-6                  # bf16 bytes one step leaves unchanged
 """
 

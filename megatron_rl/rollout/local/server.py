@@ -4,7 +4,8 @@ Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's 
 response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
 updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
 /update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
-session as SGLang 0.5.21+ requires; begin, on a server that is not paused, waits for the generations
+session as SGLang 0.5.21+ requires; several trainer senders at once, each with its own group, keyed
+by `group_name` as SGLang keys them; begin, on a server that is not paused, waits for the generations
 in flight to end, as SGLang's writer lock does), /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 
@@ -81,6 +82,7 @@ GENERATE_BYTES_PER_PROMPT = 64 << 10
 # A weight update announces every tensor (name, dtype, shape, offsets: a few hundred bytes each, never
 # the data itself: the tensor payload carries handles, the distributed one only metadata).
 UPDATE_BYTES_PER_TENSOR = 1 << 10
+HOST_BUCKETS_KEPT = 16
 CONTROL_BODY_BYTES = 1 << 20  # every other endpoint: a few fields (and /update_weights_from_disk a path)
 _WEIGHT_PATHS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
 
@@ -110,9 +112,10 @@ class LocalServer:
         self._generation_ended = asyncio.Condition()
         self.group_init_timeout_s = GROUP_INIT_TIMEOUT_S
         self.read_timeout_s = READ_TIMEOUT_S
-        # The last host bucket received: while it is referenced, torch maps a trainer buffer that is
-        # sent again (weight_sync.packing.PackBuffers reuses one) from its cache, without new page faults.
-        self._last_host_bucket: torch.Tensor | None = None
+        # The last host bucket of each sender (by its shared-memory segments): while it is referenced,
+        # torch maps a trainer buffer that is sent again (weight_sync.packing.PackBuffers reuses one per
+        # sender) from its cache, without new page faults. At most HOST_BUCKETS_KEPT senders' buffers.
+        self._host_buckets: dict[tuple[str, ...], torch.Tensor] = {}
         self.body_limits = body_limits(info, engine.generator.max_running, len(engine.layout.targets))
 
     def app(self) -> web.Application:
@@ -443,7 +446,12 @@ class LocalServer:
             raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
         named = _named_tensors(obj, load_format == "flattened_bucket")
         flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
-        self._last_host_bucket = flat if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" else None
+        if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and shm_names:
+            key = tuple(shm_names)
+            self._host_buckets.pop(key, None)
+            self._host_buckets[key] = flat
+            while len(self._host_buckets) > HOST_BUCKETS_KEPT:
+                del self._host_buckets[next(iter(self._host_buckets))]
         return await self._apply(
             UpdateOptions.parse(body), lambda e: apply_named_tensors(e.layout, named), "update_weights_from_tensor"
         )
