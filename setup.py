@@ -51,5 +51,5 @@ setup(
         # model.lora with rollout.lora_sync=adapter: the local engine serves the adapters through peft
         "lora": ["peft>=0.17"],
     },
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:entry"]},
 )

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import gc
 import hashlib
 import json
 import logging
@@ -618,13 +619,19 @@ class RunFolder:
         from megatron_rl.actor.actor import MegatronActor
 
         if self.resume_from is None:
-            return MegatronActor(cfg)
-        actor = MegatronActor(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=None)))
-        try:
-            actor.load(self.resume_from / ACTOR_DIR)
-        except BaseException:
-            actor.close()
-            raise
+            actor = MegatronActor(cfg)
+        else:
+            actor = MegatronActor(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=None)))
+            try:
+                actor.load(self.resume_from / ACTOR_DIR)
+            except BaseException:
+                actor.close()
+                raise
+        # What exists now (the imported modules, the model, the optimizer) lives as long as the process:
+        # kept out of the garbage collector's scans, Megatron's gc.collect() at every checkpoint save
+        # (its distributed optimizer's sharded state) walks only what the run made since, not millions
+        # of objects (0.4 s a save on a CPU rank).
+        gc.freeze()
         return actor
 
     def restore_sampler(self, sampler: PromptSampler) -> None:

@@ -7,6 +7,8 @@ filters of `megatron_rl/console.py` are installed here, before the subcommand's 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import importlib
 import sys
 
@@ -61,5 +63,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def pace_garbage_collector() -> None:
+    """Garbage collection for a process that imports torch, Megatron and transformers (each rank and
+    engine of a run: `entry`)."""
+    # Those imports make millions of long-lived objects, and the collector's default pace (a young
+    # collection every 700 allocations, promoting into ever larger full scans) spends about 0.5 s of
+    # a rank's start on them: collect young objects 14x less often.
+    gc.set_threshold(10_000, 10, 10)
+    # At exit the interpreter's collections walk that heap again (about 1 s of CPU a process, after
+    # the work has ended); nothing needs collecting then, and atexit handlers still run.
+    atexit.register(gc.freeze)
+
+
+def entry() -> None:
+    """The process's entry (the `megatron-rl` script, `python -m megatron_rl.cli`): `main`, then exit
+    with its code."""
+    pace_garbage_collector()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

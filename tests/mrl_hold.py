@@ -29,4 +29,4 @@ def hold_after(step: int) -> None:
 
 if __name__ == "__main__":
     hold_after(int(sys.argv.pop(1)))
-    sys.exit(cli.main())
+    cli.entry()

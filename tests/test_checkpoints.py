@@ -2,8 +2,8 @@
 checkpoints with a manifest, resume past a damaged one, the writable check at start-up.
 
 The save path runs for real in a gloo world of one, with an actor whose `save` writes shard files
-the way a distributed checkpoint does (several files in `actor/`); one test runs `megatron-rl sft`
-for real and resumes past a truncated Megatron shard.
+the way a distributed checkpoint does (several files in `actor/`); resuming `megatron-rl sft` past a
+truncated Megatron shard is shown on tests/test_sft.py's resume run.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics
 
 import mrl_configs
-import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_math"
@@ -260,39 +259,3 @@ def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path
         return
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder \(PermissionError"):
         RunFolder(config(tmp_path / "run", ckpt_dir=locked / "ckpts"), rank=0, resume=False)
-
-
-# ---- the real save path: a Megatron shard truncated ----
-
-
-@pytest.mark.e2e
-def test_sft_resume_skips_a_checkpoint_with_a_truncated_megatron_shard(tmp_path: Path) -> None:
-    assets = tmp_path / "assets"
-    assert prepare.main(["--out", str(assets), "--sft-rows", "64"]) == 0
-    run_dir = tmp_path / "run"
-
-    def sft(steps: int, *extra: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml")]
-        cmd += [f"model.hf_path={assets / 'model'}", f"data.train_path={assets / 'data' / 'sft.jsonl'}"]
-        cmd += ["data.eval_path=null", "parallel.expert_model_parallel_size=1", f"logging.run_dir={run_dir}"]
-        cmd += [f"train.steps={steps}", "train.prompts_per_step=4", "train.lr_warmup_steps=1", "checkpoint.every=1"]
-        cmd += ["checkpoint.keep_last=3", "checkpoint.export_hf=false", "logging.progress=false", *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-
-    first = sft(2)
-    assert first.returncode == 0, first.stderr[-4000:]
-    root = run_dir / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002"]
-    shards = sorted((checkpoint_dir(root, 2) / ACTOR_DIR).glob("*.distcp"))
-    assert shards, sorted(p.name for p in (checkpoint_dir(root, 2) / ACTOR_DIR).iterdir())
-    os.truncate(shards[0], shards[0].stat().st_size // 2)
-    again = sft(2)
-    assert again.returncode == 2 and "--resume" in again.stderr and "--force" in again.stderr
-    resumed = sft(3, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"{shards[0]} holds" in resumed.stderr and "truncated" in resumed.stderr
-    assert f"resuming from {checkpoint_dir(root, 1)} (step 1)" in resumed.stderr
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
-    assert resume_point(root)[1].step == 3  # type: ignore[index]
-    assert not list(root.glob("*.tmp"))

@@ -217,21 +217,29 @@ def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
 
 
 @pytest.mark.e2e
-def test_sft_resume_matches_an_uninterrupted_run(assets: Path, tmp_path: Path) -> None:
+def test_sft_resume_skips_a_truncated_shard_and_matches_an_uninterrupted_run(assets: Path, tmp_path: Path) -> None:
+    from megatron_rl.checkpoints import ACTOR_DIR, checkpoint_dir, resume_point
     from megatron_rl.metrics import read_metrics
 
     straight = tmp_path / "straight"
     assert "resuming from scratch: no checkpoint" in _sft_one_process(assets, straight)
-    # the run as if killed after step 1's checkpoint: later checkpoints gone, later records still in metrics.jsonl
+    # the run as if killed while writing step 3's checkpoint, after a disk fault cut step 2's first
+    # Megatron shard in half: the resume skips step 2 (its manifest names the shard's size) for step 1
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
-    for step in (2, 3):
-        shutil.rmtree(resumed / "checkpoints" / f"step_{step:06d}")
-    assert f"resuming from {resumed / 'checkpoints' / 'step_000001'} (step 1)" in _sft_one_process(assets, resumed)
+    root = resumed / "checkpoints"
+    shutil.rmtree(checkpoint_dir(root, 3))
+    shards = sorted((checkpoint_dir(root, 2) / ACTOR_DIR).glob("*.distcp"))
+    assert shards, sorted(p.name for p in (checkpoint_dir(root, 2) / ACTOR_DIR).iterdir())
+    os.truncate(shards[0], shards[0].stat().st_size // 2)
+    out = _sft_one_process(assets, resumed)
+    assert f"{shards[0]} holds" in out and "truncated" in out
+    assert f"resuming from {checkpoint_dir(root, 1)} (step 1)" in out
 
     def sft_metrics(run_dir: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k == "step" or k.startswith("sft/")} for r in read_metrics(run_dir)]
 
     assert [r["step"] for r in sft_metrics(resumed)] == [1, 2, 3]
     assert sft_metrics(resumed) == sft_metrics(straight)
-    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in (1, 2, 3)]
+    assert resume_point(root)[1].step == 3  # type: ignore[index]
+    assert not list(root.glob("*.tmp"))

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.cli import pace_garbage_collector
 from megatron_rl.parallel.launch import free_port
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -308,4 +309,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    pace_garbage_collector()  # as every process of a run
     sys.exit(main())
