@@ -207,7 +207,13 @@ def assert_resume_matches(
     resumed = train(work, run_dir, *overrides, resume=True, ranks=ranks)
     assert f"resuming from {run_dir / 'checkpoints'}" in run_dir.with_suffix(".log").read_text()
     assert [r["step"] for r in resumed] == [r["step"] for r in reference]
-    assert comparable(resumed) == comparable(reference)
+    differences = [
+        f"step {a['step']} {key}: resumed {a.get(key)} != straight {b.get(key)}"
+        for a, b in zip(comparable(resumed), comparable(reference), strict=True)
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key)
+    ]
+    assert not differences, "\n".join(differences)
     return reference, resumed
 
 

@@ -40,7 +40,7 @@ class DiskSync(WeightSync):
         self._serving: Path | None = None
 
     def next_folder(self) -> Path:
-        """The slot the next sync writes: the one the engine does not serve."""
+        """The slot the next sync writes: the one the engine does not serve (the controller's view)."""
         folders = [self.root / slot for slot in SLOTS]
         return folders[1] if self._serving == folders[0] else folders[0]
 
@@ -57,14 +57,15 @@ class DiskSync(WeightSync):
             raise WeightSyncError(self._error)
 
     def _transfer(self, version: str) -> int:
-        folder = self.next_folder()
-        problem = None
+        folder, problem = self.next_folder(), None
         if self.is_controller:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 problem = f"cannot prepare the sync folder {folder} (rollout.sync_dir): {err}"
-        problem = shared_outcome(problem)
+        # the controller alone knows which folder the engine serves (its loads' outcomes): every sender
+        # writes the one it picked
+        folder, problem = shared_outcome((folder, problem))
         if problem is not None:
             raise WeightSyncError(problem)
         save_hf_folder(

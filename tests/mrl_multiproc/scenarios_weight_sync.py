@@ -304,16 +304,22 @@ def check_engine_weights_equal(actor, engine, cfg: Config, what: str) -> None:  
 
 
 def sync_round(ctx, actor, engine, cfg: Config, mode: str, samples: list[dict], step: int) -> list[dict]:  # noqa: ANN001
-    """Train one step on `samples`, sync in `mode`, sample again and check the invariant; returns the new samples."""
+    """Train one step on `samples`, sync in `mode`, sample again and check the invariant; returns the new samples.
+    Disk syncs twice with one `DiskSync`, a step apart, so the second writes the other of the two folders."""
     from megatron_rl.weight_sync import make_weight_sync
 
     cfg = with_mode(cfg, mode)
     train_step(actor, samples)
     sync = make_weight_sync(cfg, engine, actor, bucket_mb=BUCKET_MB)
+    version = f"{mode}-{step}"
     try:
         if mode == "tensor":
             sync.release_engine_memory()  # colocated: the sync must bring weights and KV cache back
-        version = f"{mode}-{step}"
+        if mode == "disk":  # a first sync, then a step, then the checked one into the other folder
+            sync.sync(f"{version}-first")
+            check_disk_files(cfg, sync._serving, version)
+            check_engine_weights_equal(actor, engine, cfg, f"first disk sync, layout {actor.cfg.parallel}")
+            train_step(actor, samples)
         with recorded_sends(sync) as sent:
             report = sync.sync(version)
     finally:
