@@ -57,18 +57,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-# The suite runs in one pytest-xdist session on two workers (`-n 2 --dist loadgroup`, the README's
-# test command). Every e2e test is in one unit of work, so one worker runs the launches one after
-# another (each launch already keeps both cores busy much of the time: two launches side by side
-# thrash), while the other worker runs the in-process tests, a module per unit (its module-scoped
-# fixtures are built once), in the cores' idle time between and during the launches. xdist hands the
-# largest unit out first, so the e2e unit starts at once.
-E2E_UNIT = "e2e"
+# The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command),
+# and so may the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; CI runs it in one process,
+# which is faster there). A module is one unit of work, so that its module-scoped fixtures are built
+# once; modules that share a session's straight run (`straight_runs`) are one unit. The e2e modules
+# that take longest go first, so that two workers end together.
+SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
+LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
 
 
 def work_unit(item: pytest.Item) -> str:
-    """The xdist group of a test: the e2e unit for a test that launches, else its module's name."""
-    return E2E_UNIT if "e2e" in item.keywords else item.path.stem
+    """The xdist group of a test: its module's name, or the unit of modules sharing a launch."""
+    module = item.path.stem
+    return SHARED_UNITS.get(module, module)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers, and before xdist reads the groups
@@ -80,6 +81,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order within is kept
 
 
 @pytest.fixture

@@ -54,9 +54,9 @@ def test_an_unmarked_test_cannot_launch_one() -> None:
         subprocess.Popen([PY, "-m", "megatron_rl.cli", "serve", "--model", "nowhere"])
 
 
-def test_every_launching_test_is_in_the_one_e2e_unit_and_others_in_their_modules() -> None:
-    def unit(module: str, *markers: str) -> str:
-        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py", keywords=set(markers)))
+def test_modules_that_share_a_straight_run_are_one_unit_of_work_and_others_their_own() -> None:
+    def unit(module: str) -> str:
+        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py"))
 
-    assert unit("test_trainer", "e2e") == unit("test_slurm", "e2e") == unit("test_faults", "e2e") == "e2e"
-    assert unit("test_faults") == "test_faults" and unit("test_async") == "test_async"
+    assert unit("test_trainer") == unit("test_faults") != unit("test_async")
+    assert unit("test_async") == "test_async" and unit("test_slurm") == "test_slurm"
