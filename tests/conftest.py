@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.cli import pace_garbage_collector
+
 import mrl_runs
+
+pace_garbage_collector()  # the test processes import torch, Megatron and transformers as a run's do
 
 # What an unmarked test may not launch: a command naming one of these (argv items, or words of a
 # shell string); for megatron_rl.cli, only the subcommands that start a training or an engine.
