@@ -26,7 +26,6 @@ that limit: its trajectory is trained (`env/end_max_turns`, `env/end_max_total_t
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 import logging
@@ -44,7 +43,7 @@ from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import agent_function
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.envs.tools import on_daemon_thread
-from megatron_rl.rollout.handoff import run_serving_handoff
+from megatron_rl.rollout.handoff import blocking
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -162,20 +161,20 @@ def run_agent_episodes(
     return_routed_experts: bool = False,
     agent: Callable[..., Any] | None = None,
 ) -> list[AgentEpisode]:
-    """`run_agent_episodes_async` from synchronous code, on an event loop of its own (beside the
-    trainer's main thread, which runs what the engine hands it meanwhile: `run_serving_handoff`)."""
-    work = functools.partial(
-        run_agent_episodes_async,
+    """`run_agent_episodes_async` from synchronous code (`megatron_rl.rollout.handoff.blocking`)."""
+    return blocking(
         engine,
-        rows,
-        params,
-        renderer,
-        cfg,
-        max_concurrency=max_concurrency,
-        return_routed_experts=return_routed_experts,
-        agent=agent,
+        lambda: run_agent_episodes_async(
+            engine,
+            rows,
+            params,
+            renderer,
+            cfg,
+            max_concurrency=max_concurrency,
+            return_routed_experts=return_routed_experts,
+            agent=agent,
+        ),
     )
-    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(work()))
 
 
 async def run_agent_episodes_async(

@@ -46,7 +46,7 @@ import numpy as np
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import Environment, Observation, Turn
 from megatron_rl.envs.tools import on_daemon_thread, tool_response
-from megatron_rl.rollout.handoff import run_serving_handoff
+from megatron_rl.rollout.handoff import blocking
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -278,20 +278,20 @@ def run_episodes(
     return_routed_experts: bool = False,
     stall_warning_s: float = 0.0,
 ) -> list[Trajectory]:
-    """`run_episodes_async` from synchronous code, on an event loop of its own (on a thread beside the
-    trainer's main thread, which runs what the engine hands it meanwhile: `run_serving_handoff`)."""
-    work = functools.partial(
-        run_episodes_async,
+    """`run_episodes_async` from synchronous code (`megatron_rl.rollout.handoff.blocking`)."""
+    return blocking(
         engine,
-        envs,
-        rows,
-        params,
-        renderer,
-        cfg,
-        return_routed_experts=return_routed_experts,
-        stall_warning_s=stall_warning_s,
+        lambda: run_episodes_async(
+            engine,
+            envs,
+            rows,
+            params,
+            renderer,
+            cfg,
+            return_routed_experts=return_routed_experts,
+            stall_warning_s=stall_warning_s,
+        ),
     )
-    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(work()))
 
 
 async def run_episodes_async(

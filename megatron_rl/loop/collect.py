@@ -54,7 +54,7 @@ from megatron_rl.envs import (
 )
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
-from megatron_rl.rollout.handoff import run_serving_handoff
+from megatron_rl.rollout.handoff import blocking
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,6 @@ def sampling_seed(base: int, step: int, round_: int | str, index: int) -> int:
 
 # (n, step, round, informative groups kept so far) -> the round's prompts and their groups
 RoundSource = Callable[[int, int, int, int], Awaitable[tuple[list[Prompt], list[list[Sample]]]]]
-
-
-def blocking(engine: Any, make: Callable[[], Awaitable[T]]) -> T:
-    """A rollout coroutine (`make()`) run from synchronous code on an event loop of its own: on the
-    trainer's main thread (the owner of `engine.handoff`), on a thread beside it while it runs what the
-    engine hands it (`run_serving_handoff`). The rollout runtime awaits the coroutines instead."""
-    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(make()))
 
 
 @dataclass

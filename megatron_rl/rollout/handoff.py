@@ -12,11 +12,12 @@ wakes the waiting main thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -125,3 +126,10 @@ def run_serving_handoff(handoff: MainThreadCalls | None, work: Callable[[], T]) 
         return work()
     with ThreadPoolExecutor(1, thread_name_prefix="rollout-work") as pool:
         return handoff.wait_future(pool.submit(work))
+
+
+def blocking(engine: Any, make: Callable[[], Awaitable[T]]) -> T:
+    """A rollout coroutine (`make()`) run from synchronous code on an event loop of its own: on the
+    trainer's main thread (the owner of `engine.handoff`), on a thread beside it while it runs what the
+    engine hands it (`run_serving_handoff`). The rollout runtime awaits the coroutines instead."""
+    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(make()))
