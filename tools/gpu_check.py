@@ -33,6 +33,7 @@ its summary is the same shape; --dry-run skips every step (the plan only).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -100,11 +101,17 @@ def _cuda() -> str:
     return "" if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
 
 
-def _present(path: Path) -> Callable[[], str]:
+def _present(path: Path, module: str) -> Callable[[], str]:
     def check() -> str:
-        return _cuda() or ("" if path.exists() else f"{path.relative_to(REPO)} is not in this tree")
+        if not path.exists():
+            return f"{path.relative_to(REPO)} is not in this tree"
+        return _cuda() or ("" if importlib.util.find_spec(module) else f"{module} is not installed")
 
     return check
+
+
+def _transformer_engine() -> str:
+    return _cuda() or ("" if importlib.util.find_spec("transformer_engine") else "Transformer Engine is not installed")
 
 
 def _two_gpus() -> str:
@@ -140,7 +147,7 @@ STEPS = (
                     f"--junitxml={s}/gpu_tests.xml"],
          _two_gpus, lambda out, s: {"figures": json_lines(out), **_gpu_tests_parse(out, s)}),
     Step("te_vs_local", "TE specs (padded and packed THD) vs local specs, same weights: log-probs", 90,
-         lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _cuda),
+         lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _transformer_engine),
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--warmup", "1", "--iters", "2"], _cuda),
@@ -155,7 +162,7 @@ STEPS = (
          lambda s: [PY, str(REPO / "tools/bench/weight_sync.py"), "--modes", "tensor", "--hidden", "1024", "--layers",
                     "4", "--experts", "16", "--repeats", "3", "--bucket-mb", "512", "--workdir", str(s)], _cuda),
     Step("sglang_sync", "tools/gpu/sglang_sync_check.py (SGLang weight-sync check)", 90,
-         lambda s: [PY, str(SGLANG_CHECK)], _present(SGLANG_CHECK)),
+         lambda s: [PY, str(SGLANG_CHECK)], _present(SGLANG_CHECK, "sglang")),
 )  # fmt: skip
 
 
@@ -168,7 +175,9 @@ def run_step(step: Step, left_s: float, scratch: Path, dry_run: bool) -> dict:
     if why:
         return {**record, "status": "skipped", "reason": why, "seconds": 0.0}
     limit = min(step.timeout_s, left_s)
-    env = dict(os.environ, PYTHONPATH=str(REPO), **step.env)
+    # the tree first, then whatever the caller's PYTHONPATH already holds (a --target install of the deps, say)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, **step.env)
     start = time.monotonic()
     try:
         proc = subprocess.run(step.command(scratch), capture_output=True, text=True, timeout=limit, cwd=REPO, env=env)
