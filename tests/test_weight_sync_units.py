@@ -3,7 +3,11 @@ look-ahead, and the rendezvous helpers."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from megatron_rl.weight_sync import send
 from megatron_rl.weight_sync.packing import ALIGN, PackBuffers, broadcasts_flat, pack_bucket, with_last
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.tensor import payload_devices, rank_payloads
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_with_last_looks_one_item_ahead() -> None:
@@ -127,10 +133,18 @@ def test_cuda_payload_names_the_device_by_uuid_and_rebuilds_on_it() -> None:
     assert shm_names == []  # CUDA IPC handles, no shared-memory file
     (payload,) = row
     assert wire.cuda_device_uuid(0).encode() in base64.b64decode(payload)  # SGLang's patch_torch form
-    got = wire.deserialize_named_tensors(payload)
-    named = wire.unflatten_tensors(got["flattened_tensor"], list(got["metadata"]))
-    assert got["flattened_tensor"].device == torch.device("cuda", 0)
-    assert torch.equal(named[0][1], bucket[0][1]) and torch.equal(named[1][1], bucket[1][1])
+    # CUDA IPC opens a handle only in another process (the engine's), never in the one that made it
+    rebuild = (
+        "import json, sys; from megatron_rl.rollout import wire; got = wire.deserialize_named_tensors(sys.stdin.read());"
+        "named = wire.unflatten_tensors(got['flattened_tensor'], list(got['metadata']));"
+        "print(json.dumps([str(got['flattened_tensor'].device), {n: t.float().tolist() for n, t in named}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", rebuild], input=payload, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    device, values = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert device == "cuda:0" and values == {"a": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "b": [1.0, 1.0, 1.0]}
     assert wire.cuda_device_index(wire.cuda_device_uuid(0)) == 0 and wire.cuda_device_index(0) == 0
     with pytest.raises(Exception, match="no visible GPU has this UUID"):
         wire.cuda_device_index("GPU-00000000-0000-0000-0000-000000000000")
@@ -142,7 +156,7 @@ def test_payload_devices_refuse_engine_gpus_rank0_cannot_see() -> None:
 
     visible = torch.cuda.device_count()
     assert payload_devices(torch.device("cuda", 0), 1, visible)[0] == [torch.device("cuda", k) for k in range(visible)]
-    with pytest.raises(WeightSyncError, match=rf"trainer rank 0 sees {visible} GPU\(s\)"):
+    with pytest.raises(WeightSyncError, match=rf"this export sender sees {visible} GPU\(s\)"):
         payload_devices(torch.device("cuda", 0), 1, visible + 1)
 
 

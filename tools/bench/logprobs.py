@@ -191,7 +191,8 @@ def _run_child(args: argparse.Namespace, path: str, code: Path, vocab: int | Non
     from megatron_rl.parallel.launch import free_port
 
     launch = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    env = dict(os.environ, PYTHONPATH=str(code), MASTER_PORT=str(free_port()), **launch)
+    pythonpath = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, MASTER_PORT=str(free_port()), **launch)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=code)
     if proc.returncode != 0:
         raise RuntimeError(f"{path} path ({code}) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
