@@ -51,5 +51,6 @@ test_scenario = scenario_test(WORLDS)
 
 @pytest.mark.gpu
 def test_gpu_world_1() -> None:
-    for result in run_module_scenarios("model_scenarios", 1, GPU_WORLD_1).values():
-        result.check()
+    results = run_module_scenarios("model_scenarios", 1, GPU_WORLD_1)
+    failed = [r for r in results.values() if r.status != "passed"]
+    assert not failed, "\n".join(f"{r.name}: {r.detail}" for r in failed)

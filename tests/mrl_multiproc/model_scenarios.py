@@ -13,6 +13,12 @@ from mrl_multiproc.model_helpers import assert_close, forward_logits, reference_
 LOGIT_TOL = 1e-5
 
 
+def hf_tolerance() -> float:
+    """Megatron vs transformers, fp32: on the CPU both sum in one order; on a GPU cuBLAS picks other
+    kernels for the two models' differently shaped products (1.8e-5 measured on an H200)."""
+    return 5e-5 if local_device().type == "cuda" else LOGIT_TOL
+
+
 def _check_full_params(chunks: list[torch.nn.Module], model: ModelConfig, seed: int = 0) -> None:
     """Gathered parameters are exactly the deterministic global tensors: every shard sits where
     Megatron's layout puts it (TP dims, SwiGLU halves, experts over EP, layers over PP)."""
@@ -89,14 +95,14 @@ def families_match_hf(ctx) -> None:  # noqa: ANN001
         load_megatron_params(hf, gather_full_params(chunks, model), model)
         with torch.no_grad():
             expected = hf(input_ids=ids).logits
-        assert_close(logits, expected, LOGIT_TOL, f"{model.family} (norm_topk={model.moe_router_norm_topk}) vs HF")
+        assert_close(logits, expected, hf_tolerance(), f"{model.family} (norm_topk={model.moe_router_norm_topk}) vs HF")
         destroy_distributed(process_group=False)
 
 
 def sigmoid_families_match_hf(ctx) -> None:  # noqa: ANN001
     """DeepSeek-V3 (MLA, yarn, grouped routing, shared experts) and GLM-4.5 (QKV biases, QK-norm, partial
     RoPE) loaded from a random transformers folder with a non-zero expert bias: the Megatron model's
-    log-probs equal transformers' within 1e-5 (fp32), and the routing the bias decides matters (a zero
+    log-probs equal transformers' within 1e-5 (fp32; 5e-5 on a GPU), and the routing the bias decides matters (a zero
     bias changes the log-probs by far more)."""
     import transformers
 
@@ -116,7 +122,7 @@ def sigmoid_families_match_hf(ctx) -> None:  # noqa: ANN001
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
         with torch.no_grad():
             expected = hf(input_ids=ids).logits.log_softmax(-1)
-            assert_close(logp, expected, 1e-5, f"{family}: Megatron vs transformers log-probs")
+            assert_close(logp, expected, hf_tolerance(), f"{family}: Megatron vs transformers log-probs")
             for layer in hf.model.layers[model.first_k_dense_layers :]:
                 layer.mlp.gate.e_score_correction_bias.zero_()
             unbiased = hf(input_ids=ids).logits.log_softmax(-1)
