@@ -24,7 +24,15 @@ pace_garbage_collector()  # the test processes import torch, Megatron and transf
 
 # What an unmarked test may not launch: a command naming one of these (argv items, or words of a
 # shell string); for megatron_rl.cli, only the subcommands that start a training or an engine.
-LAUNCHERS = {"torch.distributed.run", "torchrun", "mrl_multiproc.launcher", "sbatch", "srun", "sglang_router"}
+LAUNCHERS = {
+    "torch.distributed.run",
+    "torchrun",
+    "mrl_ranks.py",
+    "mrl_multiproc.launcher",
+    "sbatch",
+    "srun",
+    "sglang_router",
+}
 CLI_LAUNCHES = {"train", "sft", "serve"}
 
 

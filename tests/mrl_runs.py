@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from megatron_rl.metrics import TIMING_PREFIXES, read_metrics
+from megatron_rl.parallel.launch import free_port
 
 STEP_TIMEOUT_S = 240
 GOOD_ROWS = 8  # train.prompts_per_step 4 x 2 steps: one epoch, every row once
@@ -73,17 +74,31 @@ def build_work(root: Path, family: str = "qwen3_moe") -> Path:
     return root
 
 
+def rank_launcher(ranks: int, launcher: str = "mrl_ranks") -> list[str]:
+    """The command that starts `ranks` ranks of the python arguments after it: tests/mrl_ranks.py, or
+    torchrun itself where a test is about torchrun's behaviour."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [sys.executable, str(Path(__file__).with_name("mrl_ranks.py")), str(ranks), str(free_port())]
+
+
 def command(
-    work: Path, run_dir: Path, *overrides: str, ranks: int = 2, resume: bool = False, hold_after: int | None = None
+    work: Path,
+    run_dir: Path,
+    *overrides: str,
+    ranks: int = 2,
+    resume: bool = False,
+    hold_after: int | None = None,
+    launcher: str = "mrl_ranks",
 ) -> list[str]:
-    """`megatron-rl train` of `work`'s run on `ranks` ranks; `hold_after`: through tests/mrl_hold.py,
-    every rank stops once that step's checkpoint is saved."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    """`megatron-rl train` of `work`'s run on `ranks` ranks (`rank_launcher`); `hold_after`: through
+    tests/mrl_hold.py, every rank stops once that step's checkpoint is saved."""
+    launcher_cmd = rank_launcher(ranks, launcher)
     if ranks == 1:
-        launcher = [sys.executable]
+        launcher_cmd = [sys.executable]
         overrides = ("parallel.expert_model_parallel_size=1", *overrides)
     entry = ["-m", "megatron_rl.cli"] if hold_after is None else ["-m", "mrl_hold", str(hold_after)]
-    cmd = [*launcher, *entry, "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
+    cmd = [*launcher_cmd, *entry, "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]
     return cmd + list(overrides) + (["--resume"] if resume else [])
 
 

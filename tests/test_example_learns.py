@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from megatron_rl.metrics import read_metrics
 
 import prepare
+from mrl_runs import rank_launcher
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
@@ -31,8 +31,8 @@ MIN_GAIN = 0.10
 TIMEOUT_S = 600
 
 
-def _torchrun(*args: str, log: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def _launch(*args: str, log: Path) -> None:
+    cmd = rank_launcher(2)
     cmd += ["-m", "megatron_rl.cli", *args, "logging.progress=false", "logging.tensorboard=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as handle:
@@ -47,7 +47,7 @@ def warm_start(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     assets = root / "assets"
     rows = ["--sft-rows", str(SFT_STEPS * SFT_ROWS), "--sft-correct-fraction", "0.4"]  # as run.sh
     assert prepare.main(["--out", str(assets), *rows]) == 0
-    _torchrun(
+    _launch(
         "sft",
         str(EXAMPLE / "sft.yaml"),
         f"model.hf_path={assets / 'model'}",
@@ -66,7 +66,7 @@ def warm_start(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_rl_raises_heldout_accuracy(warm_start: tuple[Path, Path], tmp_path: Path) -> None:
     assets, policy = warm_start
     run = tmp_path / "rl"
-    _torchrun(
+    _launch(
         "train",
         str(EXAMPLE / "rl.yaml"),
         f"model.hf_path={policy}",

@@ -1,6 +1,6 @@
 """`megatron-rl sft`: examples and loss by hand, config errors, and one 2-rank (EP=2) run of the CLI.
 
-The launch runs the real command under torchrun on the tiny_math assets (few rows, few steps) and
+The launch runs the real command on 2 ranks (tests/mrl_ranks.py) on the tiny_math assets (few rows, few steps) and
 checks it against `transformers`: the first step's loss is the token-mean NLL of the starting HF
 model on that step's rows (same rows, prompt masked, EOS included, normalised over both ranks).
 """
@@ -26,6 +26,7 @@ from megatron_rl.sft import cross_entropy_loss, load_sft_examples, sft_batch
 
 import tiny_model
 import tiny_tokenizer
+from mrl_runs import rank_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_math"
@@ -123,7 +124,7 @@ def sft_run(assets: Path) -> tuple[Path, Path, list[str]]:
         "rollout.n_samples_per_prompt=2",
         "logging.progress=false",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = rank_launcher(2)
     cmd += ["-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -154,7 +154,8 @@ def test_all_wrong_task_stops_at_the_round_limit_and_a_signal_leaves_no_process(
 ) -> None:
     run_dir = tmp_path / "all_wrong"
     log = tmp_path / "all_wrong.log"
-    process = start(command(work, run_dir, *ALL_WRONG, ranks=ranks), log)
+    # under torchrun: SIGTERM to its agent is what a user's Ctrl-C or a scheduler's stop sends
+    process = start(command(work, run_dir, *ALL_WRONG, ranks=ranks, launcher="torchrun"), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     first = steps_logged(run_dir)[0]
     assert (first["groups/rounds"], first["groups/target_missed"], first["groups/groups_used"]) == (2.0, 1.0, 0.0)
