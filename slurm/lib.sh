@@ -74,8 +74,12 @@ group_alive() {
   ps -eo pid=,pgid=,stat= | awk -v g="$1" '($1 == g || $2 == g) && $3 !~ /^Z/ {found = 1} END {exit !found}'
 }
 
-# The id (JOB.STEP) of this job's running step named NAME, if any.
-step_id() { squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk -v n="$1" '$2 == n {print $1; exit}'; }
+# The id (JOB.STEP) of this job's running step named NAME, if any; none outside a job (squeue would
+# wait its message timeout for a controller that may not exist).
+step_id() {
+  [[ -n ${SLURM_JOB_ID:-} ]] || return 0
+  squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk -v n="$1" '$2 == n {print $1; exit}'
+}
 
 # Stop every step, the newest first (the trainer before the servers it uses): SIGTERM to the step's
 # tasks (srun itself would turn a SIGTERM into SIGKILL for them), SIGKILL after STOP_GRACE seconds.
