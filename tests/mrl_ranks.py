@@ -64,8 +64,14 @@ def main(argv: list[str]) -> int:
         print("usage: python tests/mrl_ranks.py N PORT ARGS...", file=sys.stderr)
         return 2
     ranks = launch(int(argv[0]), int(argv[1]), argv[2:])
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: [p.send_signal(signum) for p in ranks if p.poll() is None])
+        signal.signal(sig, forward)
     return supervise(ranks)
 
 

@@ -93,9 +93,8 @@ def command(
 ) -> list[str]:
     """`megatron-rl train` of `work`'s run on `ranks` ranks (`rank_launcher`); `hold_after`: through
     tests/mrl_hold.py, every rank stops once that step's checkpoint is saved."""
-    launcher_cmd = rank_launcher(ranks, launcher)
+    launcher_cmd = [sys.executable] if ranks == 1 else rank_launcher(ranks, launcher)
     if ranks == 1:
-        launcher_cmd = [sys.executable]
         overrides = ("parallel.expert_model_parallel_size=1", *overrides)
     entry = ["-m", "megatron_rl.cli"] if hold_after is None else ["-m", "mrl_hold", str(hold_after)]
     cmd = [*launcher_cmd, *entry, "train", str(work / "rl.yaml"), f"logging.run_dir={run_dir}"]

@@ -101,17 +101,20 @@ def _cuda() -> str:
     return "" if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
 
 
+def _cuda_and(module: str, name: str) -> str:
+    """ "" when CUDA is present and `module` importable, else why not."""
+    return _cuda() or ("" if importlib.util.find_spec(module) else f"{name} is not installed")
+
+
 def _present(path: Path, module: str) -> Callable[[], str]:
     def check() -> str:
-        if not path.exists():
-            return f"{path.relative_to(REPO)} is not in this tree"
-        return _cuda() or ("" if importlib.util.find_spec(module) else f"{module} is not installed")
+        return f"{path.relative_to(REPO)} is not in this tree" if not path.exists() else _cuda_and(module, module)
 
     return check
 
 
 def _transformer_engine() -> str:
-    return _cuda() or ("" if importlib.util.find_spec("transformer_engine") else "Transformer Engine is not installed")
+    return _cuda_and("transformer_engine", "Transformer Engine")
 
 
 def _logprob_tokens() -> int:
