@@ -32,36 +32,14 @@ class ContextParallelAttention(MLADotProductAttention):
     """Local core attention of one CP rank's positions: q, k, v [s / CP, b, heads, dim] (right-padded
     rows) or [t / CP, heads, dim] with `packed_seq_params` (THD)."""
 
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        k_channels: int | None = None,
-        v_channels: int | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-    ) -> None:
+    def __init__(self, config: Any, pg_collection: Any, **kwargs: Any) -> None:
+        """`MLADotProductAttention`'s arguments, which Megatron's attention passes by name."""
         # DotProductAttention refuses CP because it sees only this rank's keys; this class gathers
         # them first, so its parent is built from a copy of the config that says CP 1.
         local = copy.copy(config)
         local.context_parallel_size = 1
-        super().__init__(
-            local,
-            layer_number,
-            attn_mask_type,
-            attention_type,
-            attention_dropout=attention_dropout,
-            softmax_scale=softmax_scale,
-            k_channels=k_channels,
-            v_channels=v_channels,
-            cp_comm_type=cp_comm_type,
-            pg_collection=pg_collection,
-        )
-        self.cp_group = pg_collection.cp  # Megatron's Attention always passes its groups, CP among them
+        super().__init__(local, pg_collection=pg_collection, **kwargs)
+        self.cp_group = pg_collection.cp  # Megatron's Attention passes its groups, CP among them
 
     def forward(
         self,

@@ -114,9 +114,7 @@ def _context_group() -> dist.ProcessGroup:
 
 class _GatherFromContext(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup, sum_grad: bool
-    ) -> Tensor:
+    def forward(ctx, local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup, sum_grad: bool) -> Tensor:
         pieces = [torch.empty_like(local) for _ in range(split.size)]
         dist.all_gather(pieces, local.contiguous(), group=group)
         ctx.split, ctx.dim, ctx.group, ctx.sum_grad = split, dim, group, sum_grad

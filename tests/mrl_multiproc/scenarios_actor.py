@@ -1221,8 +1221,8 @@ def _loss_and_grads(loss_fn, inputs, logp: torch.Tensor, ent: torch.Tensor):  # 
 
 
 def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
-    """CP = 2 over gloo, the model's side left out (its attention needs Transformer Engine): the two
-    ranks hold their positions of per-position log-probs and entropy (as the head gives them), of a
+    """CP = 2 over gloo, the model's side left out (scenarios_cp.py runs the model): the two ranks
+    hold their positions of per-position log-probs and entropy (as the head gives them), of a
     right-padded and of a packed micro-batch; `to_rows` gathers them over the CP group and the actor's
     loss function (`train_step`) runs on them. Loss and metrics (token and sequence counts, the GSPO
     sequence ratio's sum) equal the un-split single-process values, in token-mean,
