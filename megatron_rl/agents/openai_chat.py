@@ -107,8 +107,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _chars(message: dict[str, Any]) -> int:
-    """The characters of a parsed message: its strings, each tool call's name and arguments (as JSON text)."""
-    size = sum(len(value) for value in message.values() if isinstance(value, str))
+    """The characters of a parsed message: content, name, tool-call id, each tool call's id, name and
+    arguments (as JSON text)."""
+    size = sum(len(value) for key, value in message.items() if key != "role" and isinstance(value, str))
     for call in message.get("tool_calls", ()):
         args = call["function"]["arguments"]
         size += len(call["id"]) + len(call["function"]["name"])
