@@ -3,8 +3,7 @@
 A black-box agent (any program that speaks OpenAI's chat API) is trained by pointing it at
 `Gateway.base_url(episode)`: `http://127.0.0.1:PORT/episodes/<episode-id>/v1`, so each call is
 tied to its episode's trajectory. Endpoints: `GET {base}/models` and `POST {base}/chat/completions`
-(`messages`, `tools`, `temperature`, `max_tokens` / `max_completion_tokens`, `stop`, `logprobs`;
-unknown fields ignored; `stream` and `n` > 1 refused). Every request needs
+(its fields and bounds: `openai_chat.py`; the body at most `MAX_BODY_BYTES`). Every request needs
 `Authorization: Bearer KEY`, compared in constant time.
 
 Token in, token out: an episode's first call is the chat template's rendering of its messages
