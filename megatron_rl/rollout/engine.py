@@ -5,8 +5,9 @@ the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so 
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
 address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
-workers it lists. Partial rollouts need the version of every token: servers that cannot give it
-(SGLang < 0.5.19) are refused here (`SGLangClient.require_token_versions`). Any client coroutine can also be run with `run` or started with `submit`
+workers it lists. Servers older than what the run's options need (`sglang_versions`: per-token versions
+for partial rollouts, LoRA adapters from tensors or on the experts) are refused here, naming their version.
+Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
 
 Supervision of the local engine child: a request that cannot connect while the child has exited
@@ -47,6 +48,7 @@ from megatron_rl.rollout.local.launcher import (
     start_local_engine,
 )
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
+from megatron_rl.rollout.sglang_versions import require_versions, version_needs
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 T = TypeVar("T")
@@ -121,10 +123,17 @@ class RolloutEngine:
 
     @classmethod
     def from_config(
-        cls, rollout: Any, model_path: str | None = None, starting: StartingEngine | None = None, **local_kwargs: Any
+        cls,
+        rollout: Any,
+        model_path: str | None = None,
+        starting: StartingEngine | None = None,
+        *,
+        model: Any = None,
+        **local_kwargs: Any,
     ) -> RolloutEngine:
         """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none;
-        `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here)."""
+        `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here);
+        `model`: the run's model section, whose LoRA adapters may need a newer SGLang (`sglang_versions`)."""
         process = None
         restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None
         urls = list(rollout.sglang_urls)
@@ -161,8 +170,7 @@ class RolloutEngine:
         try:
             if process is None:
                 engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
-            if rollout.async_mode == "fully_async" and rollout.partial_rollout:
-                engine.run(client.require_token_versions())
+            engine.run(require_versions(client, version_needs(rollout, model)))
         except BaseException:
             engine.close()
             raise

@@ -18,9 +18,8 @@
   (a server started with `--admin-api-key` accepts only that key there: `ADMIN_PATHS`).
 - `/model_info` and `/server_info`, falling back to the deprecated `/get_model_info` and
   `/get_server_info` (which SGLang 0.5.23 answers with a warning in its log every time) on a 404.
-- `require_token_versions()` (partial rollouts): per-token versions arrived in SGLang 0.5.19; a
-  server that reports an older version is refused at once, and a reply without
-  `meta_info.weight_versions` is an error instead of every token taking the reply's one version.
+- `token_versions_required` (partial rollouts, set by `sglang_versions.require_versions`): a reply
+  without `meta_info.weight_versions` is an error instead of every token taking the reply's one version.
 - An sglang-router address: `use_router` (the trainer's engine calls it at start-up) asks each
   address for `GET /workers`, which sglang-router answers with its worker list and a server with
   404. A router then takes every /generate (it balances them), while `urls`, the servers that
@@ -37,7 +36,6 @@ import asyncio
 import base64
 import itertools
 import logging
-import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,7 +144,7 @@ def token_versions(spans: Any, version: str | None, n_tokens: int, where: str, u
     )
 
 
-def _dotted(release: tuple[int, ...]) -> str:
+def dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release))
 
 
@@ -186,7 +184,7 @@ class SGLangClient:
         self.replies = 0  # HTTP replies received (any status): the stall watch sees progress by it
         self._unreachable: dict[str, tuple[int, float]] = {}  # connection errors in a row, since when
         self.dropped: list[str] = []  # servers dropped from the pool as unreachable
-        self.server_versions: dict[str, str] = {}  # what each server reports (`require_token_versions`)
+        self.server_versions: dict[str, str] = {}  # what each server reports (`sglang_versions`)
         self.token_versions_required = False  # a reply without meta_info.weight_versions is an error
         self._old_info_paths: set[str] = set()  # servers without /model_info and /server_info (404)
 
@@ -515,7 +513,7 @@ class SGLangClient:
             runs = ", ".join(f"{u}: {v}" for u, v in self.server_versions.items()) or "unknown versions"
             raise SGLangError(
                 f"{where}: no meta_info.weight_versions in the reply, and rollout.partial_rollout = true needs "
-                f"the weight version of every token (SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}; the servers "
+                f"the weight version of every token (SGLang >= {dotted(TOKEN_VERSIONS_SINCE)}; the servers "
                 f"report {runs}); upgrade them or set rollout.partial_rollout=false",
                 server=url,
             )
@@ -612,23 +610,6 @@ class SGLangClient:
                     raise
                 self._old_info_paths.add(url)
         return await self._json("GET", f"/get_{name}", server=url)
-
-    async def require_token_versions(self) -> None:
-        """Partial rollouts: every reply must give each token's version (`meta_info.weight_versions`).
-        Raises SGLangError naming a server that reports an SGLang version without them (< 0.5.19)."""
-        for url in self.urls:
-            info = await self.get_server_info(url)
-            version = str(info.get("version")) if isinstance(info, dict) else "unknown"
-            self.server_versions[url] = version
-            release = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-            if release and tuple(int(n) for n in release.groups()) < TOKEN_VERSIONS_SINCE:
-                raise SGLangError(
-                    f"{url} runs SGLang {version}, whose replies give one weight version for the whole response: "
-                    f"rollout.partial_rollout = true needs the version of every token (meta_info.weight_versions, "
-                    f"SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}); upgrade the servers or set rollout.partial_rollout=false",
-                    server=url,
-                )
-        self.token_versions_required = True
 
     # ---- weight updates (every server; each reply must say success) ----
     async def _update(self, path: str, body: dict, retry: bool, per_server: list[dict] | None = None) -> list[dict]:
