@@ -187,6 +187,9 @@ class SGLangClient:
         self.server_versions: dict[str, str] = {}  # what each server reports (`sglang_versions`)
         self.token_versions_required = False  # a reply without meta_info.weight_versions is an error
         self._old_info_paths: set[str] = set()  # servers without /model_info and /server_info (404)
+        # cleared by the engine's owner from a restart until its resync: every /generate attempt waits for it
+        self.weights_current: asyncio.Event | None = None
+        self.waiting_for_weights = 0  # /generate attempts waiting for it now
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -289,9 +292,11 @@ class SGLangClient:
         what: str = "",
         timeout_s: float | None = None,
         direct: bool = False,
+        gated: bool = False,
     ) -> tuple[str, int, str]:
         """Send one request (to `server`, or the least busy one: a server itself with `direct`, else
-        the router when there is one); returns (server, status, body text)."""
+        the router when there is one); returns (server, status, body text). `gated`: each attempt,
+        retries included, first waits for `weights_current`."""
         await self.start()
         assert self._session is not None
         tries = self.max_retries + 1 if retry else 1
@@ -302,6 +307,8 @@ class SGLangClient:
         admin = self.admin_api_key is not None and path in ADMIN_PATHS
         headers = {"Authorization": f"Bearer {self.admin_api_key}"} if admin else None
         for attempt in range(tries):
+            if gated:
+                await self._await_weights_current(label)
             url = server or self._pick(failed, direct)
             self._in_flight[url] = self._in_flight.get(url, 0) + 1
             try:
@@ -348,6 +355,22 @@ class SGLangClient:
             dropped = f"; dropped before as unreachable: {', '.join(self.dropped)}" if self.dropped else ""
             gone = f"; no rollout server is reachable (none of {', '.join(self.urls)} answered{dropped})"
         raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}{gone}", server=url)
+
+    async def _await_weights_current(self, label: str) -> None:
+        """Hold an attempt while the engine's weights are not current, for at most `timeout_s`."""
+        gate = self.weights_current
+        if gate is None or gate.is_set():
+            return
+        self.waiting_for_weights += 1
+        try:
+            await asyncio.wait_for(gate.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise SGLangError(
+                f"{label}: the restarted engine's weights were not current within {self.timeout_s:.0f} s "
+                "(rollout.request_timeout_s): its resync did not end"
+            ) from None
+        finally:
+            self.waiting_for_weights -= 1
 
     def _connection_failed(self, url: str, error: str) -> None:
         """Count a connection error of `url`; once it has failed `max_retries + 1` times in a row over
@@ -430,7 +453,7 @@ class SGLangClient:
         async with self._slots:
             try:
                 url, _, text = await self._call(
-                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts
+                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts, gated=True
                 )
             except SGLangError as err:
                 if "timed out" in str(err) and err.server:
