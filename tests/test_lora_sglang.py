@@ -14,7 +14,7 @@ import pytest
 import sglang_wheel
 import torch
 
-from megatron_rl.rollout.sglang import lora_load_body, lora_tensors_body
+from megatron_rl.rollout.sglang_weights import lora_load_body, lora_tensors_body
 
 CLASSES = ("LoadLoRAAdapterReqInput", "LoadLoRAAdapterFromTensorsReqInput", "UnloadLoRAAdapterReqInput")
 
