@@ -1,4 +1,4 @@
-"""What resuming trusts (`megatron_rl.checkpoints`): every file's checksum, computed while writing and
+"""What resuming trusts (`megatron_rl.checkpoints`, `megatron_rl.run_folder`): every file's checksum, computed while writing and
 verified at resume; `--resume` / `--resume-if-any` never start a damaged run over; one run per run
 folder (the lock); a torn metrics line; one-line save failures; the asynchronous mode of a
 checkpoint refused before the actor starts.
@@ -27,19 +27,12 @@ import pytest
 from test_checkpoints import ShardWritingActor
 
 from megatron_rl import checkpoints
-from megatron_rl.checkpoints import (
-    ACTOR_DIR,
-    LOCK_FILE,
-    RESUME_IF_ANY,
-    CheckpointWriteError,
-    RunFolder,
-    RunLock,
-    checkpoint_dir,
-    resume_point,
-)
+from megatron_rl.checkpoints import ACTOR_DIR, CheckpointWriteError, checkpoint_dir, resume_point
 from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, RolloutConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics, truncate_metrics
+from megatron_rl.models import write_errors
+from megatron_rl.run_folder import LOCK_FILE, RESUME_IF_ANY, RunFolder, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,6 +83,34 @@ def test_a_same_size_bit_flip_in_a_shard_is_named_and_the_previous_checkpoint_ta
     assert folder.resume_from == checkpoint_dir(root, 1) and folder.start_step == 1
     warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert len(warned) == 1 and f"{victim}: its SHA-256 differs" in warned[0], warned
+
+
+@pytest.mark.parametrize("manifest", ["removed", "empty", "without the shard's entry"])
+def test_a_missing_or_partial_manifest_is_damage_and_the_previous_checkpoint_taken(
+    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, manifest: str
+) -> None:
+    """Every checkpoint is written with a full manifest: a bit flip in a shard whose manifest is gone,
+    empty or silent about it is not trained on."""
+    root = save_steps(tmp_path / "run", [1, 2])
+    step2 = checkpoint_dir(root, 2)
+    victim = step2 / ACTOR_DIR / "__0_0.distcp"
+    flip_a_bit(victim)
+    manifest_path = step2 / "manifest.json"
+    content = json.loads(manifest_path.read_text())
+    if manifest == "removed":
+        manifest_path.unlink()
+    else:
+        content["files"] = {} if manifest == "empty" else {k: v for k, v in content["files"].items() if "__0_0" not in k}
+        manifest_path.write_text(json.dumps(content))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
+        folder = RunFolder(config(tmp_path / "run"), rank=0, resume=True)
+    folder.close()
+    assert folder.resume_from == checkpoint_dir(root, 1) and folder.start_step == 1
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    named = f"{manifest_path} is missing" if manifest == "removed" else f"is not in {manifest_path}"
+    assert len(warned) == 1 and named in warned[0], warned
+    if manifest == "without the shard's entry":
+        assert f"{victim} is not in" in warned[0]
 
 
 def test_the_manifest_refuses_a_shard_its_writer_did_not_hash(tmp_path: Path, world_of_one: None) -> None:
@@ -280,7 +301,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_free_by
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1216 vs 1098")
 
     monkeypatch.setattr(checkpoints, "save_loop_state", torn_zip)
-    monkeypatch.setattr(checkpoints, "_free_bytes", lambda _: 4096)
+    monkeypatch.setattr(write_errors, "free_bytes", lambda _: 4096)
     with pytest.raises(CheckpointWriteError, match=r"no space left to write the checkpoint \(4096 bytes free"):
         folder.save_checkpoint(ShardWritingActor(), 1, sampler)  # type: ignore[arg-type]
     folder.close()

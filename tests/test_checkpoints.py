@@ -1,4 +1,4 @@
-"""The run folder and its checkpoints (`megatron_rl.checkpoints`): no run overwritten, atomic
+"""The run folder and its checkpoints (`megatron_rl.run_folder`, `megatron_rl.checkpoints`): no run overwritten, atomic
 checkpoints with a manifest, resume past a damaged one, the writable check at start-up.
 
 The save path runs for real in a gloo world of one, with an actor whose `save` writes shard files
@@ -21,10 +21,8 @@ import torch
 
 from megatron_rl.checkpoints import (
     ACTOR_DIR,
-    LOCK_FILE,
     LOOP_STATE_FILE,
     MANIFEST_FILE,
-    RunFolder,
     checkpoint_dir,
     prune_checkpoints,
     resume_point,
@@ -32,6 +30,7 @@ from megatron_rl.checkpoints import (
 from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics
+from megatron_rl.run_folder import LOCK_FILE, RunFolder
 
 import mrl_configs
 
@@ -195,24 +194,12 @@ def _damage(folder: Path, how: str) -> Path:
     return victim
 
 
-@pytest.mark.parametrize(
-    ("how", "manifest"),
-    [
-        ("missing shard", True),
-        ("truncated shard", True),
-        ("truncated loop state", True),
-        ("truncated loop state", False),
-    ],
-    ids=["missing shard", "truncated shard", "truncated loop state", "truncated loop state, no manifest (older code)"],
-)
+@pytest.mark.parametrize("how", ["missing shard", "truncated shard", "truncated loop state"])
 def test_resume_falls_back_past_a_damaged_newest_checkpoint_naming_the_file(
-    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, how: str, manifest: bool
+    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     root = save_steps(tmp_path, [1, 2]).ckpt_root
     newest = checkpoint_dir(root, 2)
-    if not manifest:
-        for step in (1, 2):
-            (checkpoint_dir(root, step) / MANIFEST_FILE).unlink()
     victim = _damage(newest, how)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
         folder = RunFolder(config(tmp_path), rank=0, resume=True)

@@ -31,7 +31,7 @@ from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.forward import LogProbHead, packed_seq_params, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.actor.micro_batches import TokenBudget
-from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, RunFolder, checkpoint_dir
+from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, checkpoint_dir
 from megatron_rl.config import (
     CheckpointConfig,
     Config,
@@ -46,6 +46,7 @@ from megatron_rl.config import (
 from megatron_rl.data import PromptSampler
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
+from megatron_rl.run_folder import RunFolder
 
 from mrl_configs import SIGMOID_FAMILIES, layout, tiny_model, tiny_sigmoid_model
 from mrl_multiproc.model_helpers import forward_logits
@@ -1128,10 +1129,10 @@ def _damage(step_dir: Path, how: str) -> Path:
             f.seek(shard.stat().st_size // 3)
             f.write(os.urandom(4096))
         return shard
-    # no manifest (older code, or removed) and a truncated shard
+    # no manifest (removed) and a truncated shard: the missing manifest is the damage named
     (step_dir / MANIFEST_FILE).unlink()
     os.truncate(shard, shard.stat().st_size // 2)
-    return shard
+    return step_dir / MANIFEST_FILE
 
 
 def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: ANN001
