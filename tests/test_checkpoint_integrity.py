@@ -13,12 +13,14 @@ actor's gloo launches (`w1_shards_hashed_while_written_and_damage_falls_back`,
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,17 @@ from test_checkpoints import ShardWritingActor
 
 from megatron_rl import checkpoints
 from megatron_rl.checkpoints import ACTOR_DIR, CheckpointWriteError, checkpoint_dir, resume_point
-from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, RolloutConfig
+from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, RolloutConfig, TrainConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics, truncate_metrics
 from megatron_rl.models import write_errors
-from megatron_rl.run_folder import LOCK_FILE, RESUME_IF_ANY, RunFolder, RunLock
+from megatron_rl.run_folder import LOCK_FILE, RESUME_IF_ANY, RunFolder, RunFolderError, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def quiet_logging(run_dir: Path) -> LoggingConfig:
+    return LoggingConfig(run_dir=str(run_dir), tensorboard=False, progress=False)
 
 
 def config(run_dir: Path, *, keep_last: int = 0, async_mode: str = "sync") -> Config:
@@ -100,7 +106,9 @@ def test_a_missing_or_partial_manifest_is_damage_and_the_previous_checkpoint_tak
     if manifest == "removed":
         manifest_path.unlink()
     else:
-        content["files"] = {} if manifest == "empty" else {k: v for k, v in content["files"].items() if "__0_0" not in k}
+        content["files"] = (
+            {} if manifest == "empty" else {k: v for k, v in content["files"].items() if "__0_0" not in k}
+        )
         manifest_path.write_text(json.dumps(content))
     with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
         folder = RunFolder(config(tmp_path / "run"), rank=0, resume=True)
@@ -193,6 +201,55 @@ def test_resume_if_any_continues_from_a_checkpoint(tmp_path: Path, world_of_one:
     assert folder.resume_from == checkpoint_dir(root, 2) and folder.start_step == 2
 
 
+@pytest.mark.parametrize("killed", ["after the step-0 record", "during the first save"])
+def test_a_requeue_of_a_run_killed_before_its_first_checkpoint_starts_afresh(
+    tmp_path: Path, world_of_one: None, killed: str
+) -> None:
+    """A Slurm requeue (--resume-if-any) of a run killed between its step-0 evaluation record and its
+    first checkpoint (or during it: a `.tmp` folder) starts from step 0 and drops those records;
+    records past the first checkpoint's step, a finished checkpoint or plain --resume are still refused."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    steps = [0] if killed == "after the step-0 record" else [0, 1, 2]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "eval/acc": 0.1}) + "\n" for n in steps))
+    if killed == "during the first save":
+        (run_dir / "checkpoints" / "step_000002.tmp" / ACTOR_DIR).mkdir(parents=True)
+    cfg = dataclasses.replace(
+        config(run_dir),
+        checkpoint=CheckpointConfig(every=2),
+        train=TrainConfig(steps=4),
+        logging=quiet_logging(run_dir),
+    )
+    with pytest.raises(ConfigError, match=r"^--resume: no checkpoint in .* holds \d step records"):
+        RunFolder(cfg, rank=0, resume=True)
+    folder = RunFolder(cfg, rank=0, resume=RESUME_IF_ANY)
+    assert folder.resume_from is None and folder.start_step == 0 and folder.dropped_records == len(steps)
+    folder.open_log(desc="rl").close()
+    folder.close()
+    assert read_metrics(run_dir) == []
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": n}) + "\n" for n in (0, 1, 2, 3)))
+    with pytest.raises(ConfigError, match=r"^--resume-if-any: no checkpoint in .* holds 4 step records"):
+        RunFolder(cfg, rank=0, resume=RESUME_IF_ANY)
+
+
+def test_a_damaged_middle_line_of_the_step_records_is_refused_at_resume_naming_it(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """NUL bytes in a middle line of metrics.jsonl (two runs that wrote it at once): --resume is refused
+    in one line naming the file and the line, before the actor starts, and nothing is changed."""
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, [1, 2])
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_bytes(b'{"step": 1}\n\x00\x00\x00{"step": 2}\n{"step": 3}\n')
+    before = tree(run_dir)
+    for resume in (True, RESUME_IF_ANY):
+        with pytest.raises(ConfigError) as err:
+            RunFolder(config(run_dir), rank=0, resume=resume)
+        assert str(err.value).startswith(f"{'--resume' if resume is True else '--resume-if-any'}: {metrics}:2: not a")
+        assert "\n" not in str(err.value) and "repair or delete that line" in str(err.value)
+        assert tree(run_dir) == before
+
+
 def test_an_empty_metrics_file_of_a_run_stopped_during_its_start_up_lets_a_plain_retry_proceed(
     tmp_path: Path,
 ) -> None:
@@ -260,6 +317,43 @@ def test_force_locks_the_new_run_folder_and_leaves_no_lock_in_the_old_one(tmp_pa
     assert (run_dir / LOCK_FILE).is_file() and not (tmp_path / "run.old-1" / LOCK_FILE).exists()
     folder.close()
     assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_lock_file_removed_mid_run_stops_the_run_before_its_next_record_or_checkpoint(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """The lock file removed while the stage runs (a second launch can then lock a new one): the run
+    stops before it writes its next record, checkpoint or export, naming the lock; it leaves the
+    other launch's lock file alone."""
+    run_dir = tmp_path / "run"
+    folder = RunFolder(dataclasses.replace(config(run_dir), logging=quiet_logging(run_dir)), rank=0, resume=False)
+    log = folder.open_log(desc="rl")
+    log.log({"step": 1})
+    lock = run_dir / LOCK_FILE
+    lock.unlink()
+    removed = rf"^{re.escape(str(lock))} was removed while this run \(pid {os.getpid()}\) held it: another launch"
+    with pytest.raises(RunFolderError, match=removed + r".*stopped before the record of step 2, which was not written"):
+        log.log({"step": 2})
+    second = RunLock(run_dir)  # the second launch
+    with pytest.raises(RunFolderError, match=r"was replaced while this run .* stopped before the checkpoint of step 2"):
+        folder.save_checkpoint(ShardWritingActor(), 2, PromptSampler(list(range(4)), seed=1))  # type: ignore[arg-type]
+    with pytest.raises(RunFolderError, match=r"stopped before the export to"):
+        folder.export(None, run_dir / "hf")  # type: ignore[arg-type]
+    log.close()
+    folder.close()
+    assert read_metrics(run_dir) == [{"step": 1}] and list(folder.ckpt_root.iterdir()) == []
+    assert not (run_dir / "hf").exists() and lock.is_file()  # the second launch's lock stays
+    second.release()
+
+
+def test_a_lock_file_that_is_a_folder_is_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        RunFolder(config(run_dir), rank=0, resume=False)
+    message = str(err.value)
+    assert message.startswith(f"logging.run_dir = {str(run_dir)!r}: its lock file {run_dir / LOCK_FILE} cannot be")
+    assert "IsADirectoryError" in message and f"remove {run_dir / LOCK_FILE}" in message and "\n" not in message
 
 
 # ---- metrics.jsonl ----

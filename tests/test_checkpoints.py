@@ -8,6 +8,7 @@ truncated Megatron shard is shown on tests/test_sft.py's resume run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,7 +28,15 @@ from megatron_rl.checkpoints import (
     prune_checkpoints,
     resume_point,
 )
-from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig
+from megatron_rl.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+)
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics
 from megatron_rl.run_folder import LOCK_FILE, RunFolder
@@ -246,3 +255,33 @@ def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path
         return
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder \(PermissionError"):
         RunFolder(config(tmp_path / "run", ckpt_dir=locked / "ckpts"), rank=0, resume=False)
+
+
+def test_an_unusable_sync_dir_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
+    """The disk sync's folder is checked with the run folder, before anything slow: a file is refused by
+    the validation, a folder that cannot be written by the run folder (not after the first step)."""
+    from megatron_rl.validation import validate_run
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+
+    def sync_config(sync_dir: Path, weight_sync: str = "disk") -> Config:
+        rollout = RolloutConfig(sync_dir=str(sync_dir), weight_sync=weight_sync)  # type: ignore[arg-type]
+        return dataclasses.replace(config(tmp_path / "run", hf_path=str(tmp_path)), rollout=rollout)
+
+    with pytest.raises(ConfigError, match=r"^rollout.sync_dir = .* is under .*a_file, which is a file"):
+        validate_run(dataclasses.replace(sync_config(blocker / "w"), data=DataConfig(train_path="x.jsonl")), "train")
+    unwritable = r"^rollout.sync_dir: .* is not a writable folder \(({}): [^)]*\); the run could send the engine no weights"
+    with pytest.raises(ConfigError, match=unwritable.format("FileExistsError|NotADirectoryError")):
+        RunFolder(sync_config(blocker / "w"), rank=0, resume=False, syncs_weights=True)
+    RunFolder(sync_config(blocker / "w"), rank=0, resume=False).close()  # SFT sends no weights
+    RunFolder(sync_config(blocker / "w", "tensor"), rank=0, resume=False, syncs_weights=True).close()  # no folder
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    elif Path("/sys/kernel").is_dir():
+        locked = Path("/sys/kernel")  # sysfs: no new files, also for root
+    else:
+        return
+    with pytest.raises(ConfigError, match=unwritable.format("PermissionError")):
+        RunFolder(sync_config(locked / "w"), rank=0, resume=False, syncs_weights=True)

@@ -351,12 +351,12 @@ class RunFolder:
 
     def export(self, actor: MegatronActor, out: Path) -> None:
         """The actor's policy as a Hugging Face folder at `out` (collective), replacing what is there."""
+        self.check_lock(f"the export to {out}")
         from megatron_rl.models.export import save_hf_folder
         from megatron_rl.models.hf_io import prepare_output_dir
         from megatron_rl.models.lora import merged_weights
         from megatron_rl.models.source import assets_folder, hf_config_for_export
 
-        self.check_lock(f"the export to {out}")
         if self.rank == 0:
             prepare_output_dir(out, force=True)
         dist.barrier()
