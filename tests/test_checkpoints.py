@@ -271,7 +271,9 @@ def test_an_unusable_sync_dir_fails_at_start_up_naming_the_key(tmp_path: Path) -
 
     with pytest.raises(ConfigError, match=r"^rollout.sync_dir = .* is under .*a_file, which is a file"):
         validate_run(dataclasses.replace(sync_config(blocker / "w"), data=DataConfig(train_path="x.jsonl")), "train")
-    unwritable = r"^rollout.sync_dir: .* is not a writable folder \(({}): [^)]*\); the run could send the engine no weights"
+    unwritable = (
+        r"^rollout.sync_dir: .* is not a writable folder \(({}): [^)]*\); the run could send the engine no weights"
+    )
     with pytest.raises(ConfigError, match=unwritable.format("FileExistsError|NotADirectoryError")):
         RunFolder(sync_config(blocker / "w"), rank=0, resume=False, syncs_weights=True)
     RunFolder(sync_config(blocker / "w"), rank=0, resume=False).close()  # SFT sends no weights
