@@ -5,8 +5,8 @@ checkpoint refused before the actor starts.
 
 Most tests run in-process with an actor that writes shard files the way a distributed checkpoint
 does (tests/test_checkpoints.py's); the real Megatron save path (every shard's SHA-256 against its
-bytes, on one rank and on two; a bit flip, one byte of `.metadata`, 4 KiB of garbage, a truncated
-shard without manifest: each one warning naming the file, and step 1 taken and loaded) runs in the
+bytes, on one rank and on two; a bit flip, one byte of `.metadata`, 4 KiB of garbage, a shard removed
+with its manifest entry: each one warning naming the file, and step 1 taken and loaded) runs in the
 actor's gloo launches (`w1_shards_hashed_while_written_and_damage_falls_back`,
 `w2_every_ranks_shard_is_in_the_manifest` in tests/mrl_multiproc/scenarios_actor.py).
 """

@@ -270,7 +270,11 @@ def test_an_unusable_sync_dir_fails_at_start_up_naming_the_key(tmp_path: Path) -
         return dataclasses.replace(config(tmp_path / "run", hf_path=str(tmp_path)), rollout=rollout)
 
     with pytest.raises(ConfigError, match=r"^rollout.sync_dir = .* is under .*a_file, which is a file"):
-        validate_run(dataclasses.replace(sync_config(blocker / "w"), data=DataConfig(train_path="x.jsonl")), "train")
+        validate_run(
+            dataclasses.replace(sync_config(blocker / "w"), data=DataConfig(train_path="x.jsonl")),
+            "train",
+            world_size=1,
+        )
     unwritable = (
         r"^rollout.sync_dir: .* is not a writable folder \(({}): [^)]*\); the run could send the engine no weights"
     )

@@ -1116,7 +1116,7 @@ def _flip_a_bit(path: Path, offset: int) -> None:
 
 
 def _damage(step_dir: Path, how: str) -> Path:
-    """Damage that keeps the file's size (the last one a size check would see, had it a manifest)."""
+    """Damage a size check against the manifest does not see; the file the warning names."""
     shard = sorted((step_dir / ACTOR_DIR).glob("*.distcp"))[0]
     if how == "bit flip in a shard":
         _flip_a_bit(shard, shard.stat().st_size // 2)
@@ -1129,10 +1129,12 @@ def _damage(step_dir: Path, how: str) -> Path:
             f.seek(shard.stat().st_size // 3)
             f.write(os.urandom(4096))
         return shard
-    # no manifest (removed) and a truncated shard: the missing manifest is the damage named
-    (step_dir / MANIFEST_FILE).unlink()
-    os.truncate(shard, shard.stat().st_size // 2)
-    return step_dir / MANIFEST_FILE
+    # a shard removed with its manifest entry: the manifest is silent, the actor's .metadata names it
+    manifest = json.loads((step_dir / MANIFEST_FILE).read_text())
+    del manifest["files"][shard.relative_to(step_dir).as_posix()]
+    (step_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
+    shard.unlink()
+    return shard
 
 
 def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: ANN001
@@ -1146,7 +1148,13 @@ def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: 
     handler = _Warnings()
     logging.getLogger("megatron_rl.checkpoints").addHandler(handler)
     try:
-        for how in ("bit flip in a shard", "one byte of .metadata", "4 KiB of garbage in a shard", "no manifest"):
+        damages = (
+            "bit flip in a shard",
+            "one byte of .metadata",
+            "4 KiB of garbage in a shard",
+            "shard and entry gone",
+        )
+        for how in damages:
             run_dir = ctx.shared_dir / "integrity" / how.replace(" ", "_")
             shutil.copytree(ctx.shared_dir / "integrity" / "run", run_dir)
             victim = _damage(checkpoint_dir(run_dir / "checkpoints", 2), how)
