@@ -239,6 +239,15 @@ def test_leftover_staging_folders_are_ignored_then_cleaned_and_pruning_keeps_the
 # ---- the writable check ----
 
 
+def unwritable_folder(tmp_path: Path) -> Path | None:
+    """A folder in which no file can be made (None where there is none to be had)."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        return locked
+    return Path("/sys/kernel") if Path("/sys/kernel").is_dir() else None  # sysfs: no new files, also for root
+
+
 def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -246,12 +255,8 @@ def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path
         RunFolder(config(tmp_path / "run", ckpt_dir=blocker / "ckpts"), rank=0, resume=False)
     with pytest.raises(ConfigError, match=r"^logging.run_dir: .* is not a writable folder"):
         RunFolder(config(blocker), rank=0, resume=False)
-    if os.geteuid() != 0:
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-    elif Path("/sys/kernel").is_dir():
-        locked = Path("/sys/kernel")  # sysfs: no new files, also for root
-    else:
+    locked = unwritable_folder(tmp_path)
+    if locked is None:
         return
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder \(PermissionError"):
         RunFolder(config(tmp_path / "run", ckpt_dir=locked / "ckpts"), rank=0, resume=False)
@@ -282,12 +287,8 @@ def test_an_unusable_sync_dir_fails_at_start_up_naming_the_key(tmp_path: Path) -
         RunFolder(sync_config(blocker / "w"), rank=0, resume=False, syncs_weights=True)
     RunFolder(sync_config(blocker / "w"), rank=0, resume=False).close()  # SFT sends no weights
     RunFolder(sync_config(blocker / "w", "tensor"), rank=0, resume=False, syncs_weights=True).close()  # no folder
-    if os.geteuid() != 0:
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-    elif Path("/sys/kernel").is_dir():
-        locked = Path("/sys/kernel")  # sysfs: no new files, also for root
-    else:
+    locked = unwritable_folder(tmp_path)
+    if locked is None:
         return
     with pytest.raises(ConfigError, match=unwritable.format("PermissionError")):
         RunFolder(sync_config(locked / "w"), rank=0, resume=False, syncs_weights=True)
