@@ -5,8 +5,8 @@ Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`
 seconds with a `ConfigError` naming the key path and the allowed values. In order:
 
 1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's),
-   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir` are not files) and the
-   local engine's `rollout.port` (free);
+   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir`, the RL loop's disk sync
+   `rollout.sync_dir` are not files) and the local engine's `rollout.port` (free);
 2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`)
    and the safetensors headers of `model.hf_path` (and `algorithm.ref_path`) against their files'
    sizes (a truncated file is named with the tensor cut off);
@@ -113,9 +113,13 @@ def _check_sft_needs(cfg: Config) -> None:
         raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
 
 
-def _check_stage_folders(cfg: Config) -> None:
-    """The run folder and the checkpoint folder are folders (or can be made), not files."""
-    for key, value in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+def _check_stage_folders(cfg: Config, command: Command) -> None:
+    """The run folder, the checkpoint folder and the RL loop's disk sync folder are folders (or can
+    be made), not files."""
+    folders = [("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)]
+    if command == "train" and cfg.rollout.weight_sync == "disk":
+        folders.append(("rollout.sync_dir", cfg.rollout.sync_dir))
+    for key, value in folders:
         if value is None:
             continue
         path = Path(value)
@@ -173,10 +177,10 @@ def _check_command_needs(cfg: Config, command: Command) -> None:
     """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
     if command == "train":
         _check_rl_loop_needs(cfg)
-        _check_stage_folders(cfg)
+        _check_stage_folders(cfg, command)
     elif command == "sft":
         _check_sft_needs(cfg)
-        _check_stage_folders(cfg)
+        _check_stage_folders(cfg, command)
     elif command != "convert":
         raise ValueError(f"command {command!r}; allowed: {list(get_args(Command))}")
 
