@@ -188,8 +188,8 @@ class RolloutConfig:
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
     lora_sync: Literal["adapter", "merged"] = _f(
         "adapter",
-        "with model.lora.rank > 0: adapter = only the adapters, through the engine's LoRA endpoints "
-        "(weight_sync disk or tensor); merged = the adapters merged into the base, full weights by weight_sync",
+        "with model.lora.rank > 0: adapter = only the adapters, through the engine's LoRA endpoints (weight_sync "
+        "disk or tensor; not with fully_async); merged = the adapters merged into the base, full weights by weight_sync",
     )
     sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
     bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)
@@ -755,7 +755,6 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
     _validate_env(cfg)
-    _validate_lora(cfg)
 
 
 def uses_reference(alg: AlgorithmConfig) -> bool:
@@ -972,19 +971,6 @@ def _validate_env(cfg: Config) -> None:
     _require(
         env.tool_url is None or str(env.tool_url).startswith(("http://", "https://")),
         f"env.tool_url = {env.tool_url!r} must start with http:// or https://",
-    )
-
-
-def _validate_lora(cfg: Config) -> None:
-    lora, ro = cfg.model.lora, cfg.rollout
-    if lora.rank == 0:
-        return
-    _require(bool(lora.target_modules), "model.lora.target_modules is empty: name at least one module (e.g. q_proj)")
-    _require(
-        not (ro.lora_sync == "adapter" and ro.weight_sync == "distributed"),
-        "rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters from a "
-        "folder (/load_lora_adapter) or from tensors (/load_lora_adapter_from_tensors), never over a process "
-        "group; use rollout.weight_sync = 'disk' or 'tensor', or rollout.lora_sync = 'merged'",
     )
 
 

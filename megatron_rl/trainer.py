@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
-from megatron_rl.checkpoints import ResumeMode, RunFolder
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import RolloutData, RolloutDriver, spawn_engine_early
@@ -47,6 +46,7 @@ from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.rank0 import RankZeroError, on_rank0
 from megatron_rl.parallel.signals import StoppedBySignal, StopRequest, exit_code, stop_at_step_boundary
 from megatron_rl.rewards import RewardFailureError
+from megatron_rl.run_folder import ResumeMode, RunFolder
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class Trainer:
 
         cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
-        run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
+        run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force, syncs_weights=True)
         stack.callback(run_folder.close)  # its lock, released last
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if data is not None:

@@ -5,8 +5,8 @@ Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`
 seconds with a `ConfigError` naming the key path and the allowed values. In order:
 
 1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's),
-   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir` are not files) and the
-   local engine's `rollout.port` (free);
+   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir`, the RL loop's disk sync
+   `rollout.sync_dir` are not files) and the local engine's `rollout.port` (free);
 2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`)
    and the safetensors headers of `model.hf_path` (and `algorithm.ref_path`) against their files'
    sizes (a truncated file is named with the tensor cut off);
@@ -15,9 +15,9 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
 5. the torch.distributed backend against the device;
-6. with LoRA (`model.lora.rank > 0`), the target modules against the family and `model.lora.init_path`
-   against the base, its rank and targets, and for adapter-only sync to the local engine no routed-expert
-   targets (`megatron_rl.models.lora_targets`).
+6. with LoRA (`model.lora.rank > 0`), the target modules against the family, `rollout.lora_sync` against
+   the weight sync and the async mode, `model.lora.init_path` against the base, its rank and targets, and
+   for adapter-only sync to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
 
 It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
@@ -33,7 +33,12 @@ from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
-from megatron_rl.models.lora_targets import check_init_adapter, check_local_engine_adapters, check_target_modules
+from megatron_rl.models.lora_targets import (
+    check_init_adapter,
+    check_local_engine_adapters,
+    check_lora_sync,
+    check_target_modules,
+)
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.launch import read_launch_env
@@ -107,9 +112,13 @@ def _check_sft_needs(cfg: Config) -> None:
         raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
 
 
-def _check_stage_folders(cfg: Config) -> None:
-    """The run folder and the checkpoint folder are folders (or can be made), not files."""
-    for key, value in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+def _check_stage_folders(cfg: Config, command: Command) -> None:
+    """The run folder, the checkpoint folder and the RL loop's disk sync folder are folders (or can
+    be made), not files."""
+    folders = [("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)]
+    if command == "train" and cfg.rollout.weight_sync == "disk":
+        folders.append(("rollout.sync_dir", cfg.rollout.sync_dir))
+    for key, value in folders:
         if value is None:
             continue
         path = Path(value)
@@ -167,10 +176,10 @@ def _check_command_needs(cfg: Config, command: Command) -> None:
     """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
     if command == "train":
         _check_rl_loop_needs(cfg)
-        _check_stage_folders(cfg)
+        _check_stage_folders(cfg, command)
     elif command == "sft":
         _check_sft_needs(cfg)
-        _check_stage_folders(cfg)
+        _check_stage_folders(cfg, command)
     elif command != "convert":
         raise ValueError(f"command {command!r}; allowed: {list(get_args(Command))}")
 
@@ -192,6 +201,7 @@ def validate_run(
     validate(resolved)
     if resolved.model.lora.rank > 0:
         check_target_modules(resolved.model)
+        check_lora_sync(resolved)
         check_init_adapter(resolved.model)
         if command == "train" and resolved.rollout.lora_sync == "adapter" and resolved.rollout.uses_local_engine:
             check_local_engine_adapters(resolved.model)

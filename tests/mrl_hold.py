@@ -10,21 +10,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from megatron_rl import checkpoints, cli
+from megatron_rl import cli, run_folder
 
 HOLD_S = 600.0  # past every test's timeout: the test kills the run first
 
 
 def hold_after(step: int) -> None:
-    save = checkpoints.RunFolder.save_checkpoint
+    save = run_folder.RunFolder.save_checkpoint
 
-    def save_then_hold(self: checkpoints.RunFolder, actor: Any, at: int, *args: Any, **kwargs: Any) -> Path:
+    def save_then_hold(self: run_folder.RunFolder, actor: Any, at: int, *args: Any, **kwargs: Any) -> Path:
         folder = save(self, actor, at, *args, **kwargs)
         if at == step:
             threading.Event().wait(HOLD_S)
         return folder
 
-    checkpoints.RunFolder.save_checkpoint = save_then_hold
+    run_folder.RunFolder.save_checkpoint = save_then_hold
 
 
 if __name__ == "__main__":

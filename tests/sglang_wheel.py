@@ -107,6 +107,41 @@ def safe_unpickler() -> type[pickle.Unpickler]:
     return namespace["SafeUnpickler"]
 
 
+def constant(relpath: str, name: str) -> Any:
+    """The literal value of the module-level assignment `name = ...` in `sglang/<relpath>`."""
+    tree = ast.parse(source(relpath).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"sglang {VERSION}'s {relpath} no longer assigns {name}")
+
+
+def _definition(relpath: str, name: str, owner: str | None) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    body = ast.parse(source(relpath).read_text(encoding="utf-8")).body
+    if owner is not None:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == owner), [])
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"sglang {VERSION}'s {relpath} no longer defines {owner + '.' if owner else ''}{name}")
+
+
+def function_source(relpath: str, name: str, owner: str | None = None) -> str:
+    """The source of function `name` of `sglang/<relpath>` (a method of class `owner`)."""
+    return ast.unparse(_definition(relpath, name, owner))
+
+
+def function(relpath: str, name: str, owner: str | None = None, namespace: dict[str, Any] | None = None) -> Any:
+    """The function `name` of `sglang/<relpath>` (a method of class `owner`, taken as a plain function),
+    executed on its own in `namespace` (with typing's names and torch)."""
+    import typing
+
+    scope = {**{n: getattr(typing, n) for n in typing.__all__}, "torch": torch, **(namespace or {})}
+    node = _definition(relpath, name, owner)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), f"sglang/{relpath}", "exec"), scope)
+    return scope[name]
+
+
 def io_struct_classes(*names: str) -> dict[str, type]:
     """Request classes of SGLang's `srt/managers/io_struct.py` (msgspec Structs on `BaseReq`), executed
     on their own: their fields and annotations as the wheel has them, their methods unused."""

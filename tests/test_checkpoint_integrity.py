@@ -1,24 +1,26 @@
-"""What resuming trusts (`megatron_rl.checkpoints`): every file's checksum, computed while writing and
+"""What resuming trusts (`megatron_rl.checkpoints`, `megatron_rl.run_folder`): every file's checksum, computed while writing and
 verified at resume; `--resume` / `--resume-if-any` never start a damaged run over; one run per run
 folder (the lock); a torn metrics line; one-line save failures; the asynchronous mode of a
 checkpoint refused before the actor starts.
 
 Most tests run in-process with an actor that writes shard files the way a distributed checkpoint
 does (tests/test_checkpoints.py's); the real Megatron save path (every shard's SHA-256 against its
-bytes, on one rank and on two; a bit flip, one byte of `.metadata`, 4 KiB of garbage, a truncated
-shard without manifest: each one warning naming the file, and step 1 taken and loaded) runs in the
+bytes, on one rank and on two; a bit flip, one byte of `.metadata`, 4 KiB of garbage, a shard removed
+with its manifest entry: each one warning naming the file, and step 1 taken and loaded) runs in the
 actor's gloo launches (`w1_shards_hashed_while_written_and_damage_falls_back`,
 `w2_every_ranks_shard_is_in_the_manifest` in tests/mrl_multiproc/scenarios_actor.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -27,21 +29,18 @@ import pytest
 from test_checkpoints import ShardWritingActor
 
 from megatron_rl import checkpoints
-from megatron_rl.checkpoints import (
-    ACTOR_DIR,
-    LOCK_FILE,
-    RESUME_IF_ANY,
-    CheckpointWriteError,
-    RunFolder,
-    RunLock,
-    checkpoint_dir,
-    resume_point,
-)
-from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, RolloutConfig
+from megatron_rl.checkpoints import ACTOR_DIR, CheckpointWriteError, checkpoint_dir, resume_point
+from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, RolloutConfig, TrainConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics, truncate_metrics
+from megatron_rl.models import write_errors
+from megatron_rl.run_folder import LOCK_FILE, RESUME_IF_ANY, RunFolder, RunFolderError, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def quiet_logging(run_dir: Path) -> LoggingConfig:
+    return LoggingConfig(run_dir=str(run_dir), tensorboard=False, progress=False)
 
 
 def config(run_dir: Path, *, keep_last: int = 0, async_mode: str = "sync") -> Config:
@@ -90,6 +89,36 @@ def test_a_same_size_bit_flip_in_a_shard_is_named_and_the_previous_checkpoint_ta
     assert folder.resume_from == checkpoint_dir(root, 1) and folder.start_step == 1
     warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert len(warned) == 1 and f"{victim}: its SHA-256 differs" in warned[0], warned
+
+
+@pytest.mark.parametrize("manifest", ["removed", "empty", "without the shard's entry"])
+def test_a_missing_or_partial_manifest_is_damage_and_the_previous_checkpoint_taken(
+    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, manifest: str
+) -> None:
+    """Every checkpoint is written with a full manifest: a bit flip in a shard whose manifest is gone,
+    empty or silent about it is not trained on."""
+    root = save_steps(tmp_path / "run", [1, 2])
+    step2 = checkpoint_dir(root, 2)
+    victim = step2 / ACTOR_DIR / "__0_0.distcp"
+    flip_a_bit(victim)
+    manifest_path = step2 / "manifest.json"
+    content = json.loads(manifest_path.read_text())
+    if manifest == "removed":
+        manifest_path.unlink()
+    else:
+        content["files"] = (
+            {} if manifest == "empty" else {k: v for k, v in content["files"].items() if "__0_0" not in k}
+        )
+        manifest_path.write_text(json.dumps(content))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
+        folder = RunFolder(config(tmp_path / "run"), rank=0, resume=True)
+    folder.close()
+    assert folder.resume_from == checkpoint_dir(root, 1) and folder.start_step == 1
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    named = f"{manifest_path} is missing" if manifest == "removed" else f"is not in {manifest_path}"
+    assert len(warned) == 1 and named in warned[0], warned
+    if manifest == "without the shard's entry":
+        assert f"{victim} is not in" in warned[0]
 
 
 def test_the_manifest_refuses_a_shard_its_writer_did_not_hash(tmp_path: Path, world_of_one: None) -> None:
@@ -172,6 +201,55 @@ def test_resume_if_any_continues_from_a_checkpoint(tmp_path: Path, world_of_one:
     assert folder.resume_from == checkpoint_dir(root, 2) and folder.start_step == 2
 
 
+@pytest.mark.parametrize("killed", ["after the step-0 record", "during the first save"])
+def test_a_requeue_of_a_run_killed_before_its_first_checkpoint_starts_afresh(
+    tmp_path: Path, world_of_one: None, killed: str
+) -> None:
+    """A Slurm requeue (--resume-if-any) of a run killed between its step-0 evaluation record and its
+    first checkpoint (or during it: a `.tmp` folder) starts from step 0 and drops those records;
+    records past the first checkpoint's step, a finished checkpoint or plain --resume are still refused."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    steps = [0] if killed == "after the step-0 record" else [0, 1, 2]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "eval/acc": 0.1}) + "\n" for n in steps))
+    if killed == "during the first save":
+        (run_dir / "checkpoints" / "step_000002.tmp" / ACTOR_DIR).mkdir(parents=True)
+    cfg = dataclasses.replace(
+        config(run_dir),
+        checkpoint=CheckpointConfig(every=2),
+        train=TrainConfig(steps=4),
+        logging=quiet_logging(run_dir),
+    )
+    with pytest.raises(ConfigError, match=r"^--resume: no checkpoint in .* holds \d step records"):
+        RunFolder(cfg, rank=0, resume=True)
+    folder = RunFolder(cfg, rank=0, resume=RESUME_IF_ANY)
+    assert folder.resume_from is None and folder.start_step == 0 and folder.dropped_records == len(steps)
+    folder.open_log(desc="rl").close()
+    folder.close()
+    assert read_metrics(run_dir) == []
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": n}) + "\n" for n in (0, 1, 2, 3)))
+    with pytest.raises(ConfigError, match=r"^--resume-if-any: no checkpoint in .* holds 4 step records"):
+        RunFolder(cfg, rank=0, resume=RESUME_IF_ANY)
+
+
+def test_a_damaged_middle_line_of_the_step_records_is_refused_at_resume_naming_it(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """NUL bytes in a middle line of metrics.jsonl (two runs that wrote it at once): --resume is refused
+    in one line naming the file and the line, before the actor starts, and nothing is changed."""
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, [1, 2])
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_bytes(b'{"step": 1}\n\x00\x00\x00{"step": 2}\n{"step": 3}\n')
+    before = tree(run_dir)
+    for resume in (True, RESUME_IF_ANY):
+        with pytest.raises(ConfigError) as err:
+            RunFolder(config(run_dir), rank=0, resume=resume)
+        assert str(err.value).startswith(f"{'--resume' if resume is True else '--resume-if-any'}: {metrics}:2: not a")
+        assert "\n" not in str(err.value) and "repair or delete that line" in str(err.value)
+        assert tree(run_dir) == before
+
+
 def test_an_empty_metrics_file_of_a_run_stopped_during_its_start_up_lets_a_plain_retry_proceed(
     tmp_path: Path,
 ) -> None:
@@ -241,6 +319,43 @@ def test_force_locks_the_new_run_folder_and_leaves_no_lock_in_the_old_one(tmp_pa
     assert not (run_dir / LOCK_FILE).exists()
 
 
+def test_a_lock_file_removed_mid_run_stops_the_run_before_its_next_record_or_checkpoint(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """The lock file removed while the stage runs (a second launch can then lock a new one): the run
+    stops before it writes its next record, checkpoint or export, naming the lock; it leaves the
+    other launch's lock file alone."""
+    run_dir = tmp_path / "run"
+    folder = RunFolder(dataclasses.replace(config(run_dir), logging=quiet_logging(run_dir)), rank=0, resume=False)
+    log = folder.open_log(desc="rl")
+    log.log({"step": 1})
+    lock = run_dir / LOCK_FILE
+    lock.unlink()
+    removed = rf"^{re.escape(str(lock))} was removed while this run \(pid {os.getpid()}\) held it: another launch"
+    with pytest.raises(RunFolderError, match=removed + r".*stopped before the record of step 2, which was not written"):
+        log.log({"step": 2})
+    second = RunLock(run_dir)  # the second launch
+    with pytest.raises(RunFolderError, match=r"was replaced while this run .* stopped before the checkpoint of step 2"):
+        folder.save_checkpoint(ShardWritingActor(), 2, PromptSampler(list(range(4)), seed=1))  # type: ignore[arg-type]
+    with pytest.raises(RunFolderError, match=r"stopped before the export to"):
+        folder.export(None, run_dir / "hf")  # type: ignore[arg-type]
+    log.close()
+    folder.close()
+    assert read_metrics(run_dir) == [{"step": 1}] and list(folder.ckpt_root.iterdir()) == []
+    assert not (run_dir / "hf").exists() and lock.is_file()  # the second launch's lock stays
+    second.release()
+
+
+def test_a_lock_file_that_is_a_folder_is_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(ConfigError) as err:
+        RunFolder(config(run_dir), rank=0, resume=False)
+    message = str(err.value)
+    assert message.startswith(f"logging.run_dir = {str(run_dir)!r}: its lock file {run_dir / LOCK_FILE} cannot be")
+    assert "IsADirectoryError" in message and f"remove {run_dir / LOCK_FILE}" in message and "\n" not in message
+
+
 # ---- metrics.jsonl ----
 
 
@@ -280,7 +395,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_free_by
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1216 vs 1098")
 
     monkeypatch.setattr(checkpoints, "save_loop_state", torn_zip)
-    monkeypatch.setattr(checkpoints, "_free_bytes", lambda _: 4096)
+    monkeypatch.setattr(write_errors, "free_bytes", lambda _: 4096)
     with pytest.raises(CheckpointWriteError, match=r"no space left to write the checkpoint \(4096 bytes free"):
         folder.save_checkpoint(ShardWritingActor(), 1, sampler)  # type: ignore[arg-type]
     folder.close()

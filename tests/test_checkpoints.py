@@ -1,4 +1,4 @@
-"""The run folder and its checkpoints (`megatron_rl.checkpoints`): no run overwritten, atomic
+"""The run folder and its checkpoints (`megatron_rl.run_folder`, `megatron_rl.checkpoints`): no run overwritten, atomic
 checkpoints with a manifest, resume past a damaged one, the writable check at start-up.
 
 The save path runs for real in a gloo world of one, with an actor whose `save` writes shard files
@@ -8,6 +8,7 @@ truncated Megatron shard is shown on tests/test_sft.py's resume run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,17 +22,24 @@ import torch
 
 from megatron_rl.checkpoints import (
     ACTOR_DIR,
-    LOCK_FILE,
     LOOP_STATE_FILE,
     MANIFEST_FILE,
-    RunFolder,
     checkpoint_dir,
     prune_checkpoints,
     resume_point,
 )
-from megatron_rl.config import CheckpointConfig, Config, ConfigError, LoggingConfig, ModelConfig
+from megatron_rl.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+)
 from megatron_rl.data import PromptSampler
 from megatron_rl.metrics import read_metrics
+from megatron_rl.run_folder import LOCK_FILE, RunFolder
 
 import mrl_configs
 
@@ -195,24 +203,12 @@ def _damage(folder: Path, how: str) -> Path:
     return victim
 
 
-@pytest.mark.parametrize(
-    ("how", "manifest"),
-    [
-        ("missing shard", True),
-        ("truncated shard", True),
-        ("truncated loop state", True),
-        ("truncated loop state", False),
-    ],
-    ids=["missing shard", "truncated shard", "truncated loop state", "truncated loop state, no manifest (older code)"],
-)
+@pytest.mark.parametrize("how", ["missing shard", "truncated shard", "truncated loop state"])
 def test_resume_falls_back_past_a_damaged_newest_checkpoint_naming_the_file(
-    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, how: str, manifest: bool
+    tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     root = save_steps(tmp_path, [1, 2]).ckpt_root
     newest = checkpoint_dir(root, 2)
-    if not manifest:
-        for step in (1, 2):
-            (checkpoint_dir(root, step) / MANIFEST_FILE).unlink()
     victim = _damage(newest, how)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.checkpoints"):
         folder = RunFolder(config(tmp_path), rank=0, resume=True)
@@ -243,6 +239,15 @@ def test_leftover_staging_folders_are_ignored_then_cleaned_and_pruning_keeps_the
 # ---- the writable check ----
 
 
+def unwritable_folder(tmp_path: Path) -> Path | None:
+    """A folder in which no file can be made (None where there is none to be had)."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        return locked
+    return Path("/sys/kernel") if Path("/sys/kernel").is_dir() else None  # sysfs: no new files, also for root
+
+
 def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -250,12 +255,40 @@ def test_an_unusable_checkpoint_folder_fails_at_start_up_naming_the_key(tmp_path
         RunFolder(config(tmp_path / "run", ckpt_dir=blocker / "ckpts"), rank=0, resume=False)
     with pytest.raises(ConfigError, match=r"^logging.run_dir: .* is not a writable folder"):
         RunFolder(config(blocker), rank=0, resume=False)
-    if os.geteuid() != 0:
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-    elif Path("/sys/kernel").is_dir():
-        locked = Path("/sys/kernel")  # sysfs: no new files, also for root
-    else:
+    locked = unwritable_folder(tmp_path)
+    if locked is None:
         return
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is not a writable folder \(PermissionError"):
         RunFolder(config(tmp_path / "run", ckpt_dir=locked / "ckpts"), rank=0, resume=False)
+
+
+def test_an_unusable_sync_dir_fails_at_start_up_naming_the_key(tmp_path: Path) -> None:
+    """The disk sync's folder is checked with the run folder, before anything slow: a file is refused by
+    the validation, a folder that cannot be written by the run folder (not after the first step)."""
+    from megatron_rl.validation import validate_run
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+
+    def sync_config(sync_dir: Path, weight_sync: str = "disk") -> Config:
+        rollout = RolloutConfig(sync_dir=str(sync_dir), weight_sync=weight_sync)  # type: ignore[arg-type]
+        return dataclasses.replace(config(tmp_path / "run", hf_path=str(tmp_path)), rollout=rollout)
+
+    with pytest.raises(ConfigError, match=r"^rollout.sync_dir = .* is under .*a_file, which is a file"):
+        validate_run(
+            dataclasses.replace(sync_config(blocker / "w"), data=DataConfig(train_path="x.jsonl")),
+            "train",
+            world_size=1,
+        )
+    unwritable = (
+        r"^rollout.sync_dir: .* is not a writable folder \(({}): [^)]*\); the run could send the engine no weights"
+    )
+    with pytest.raises(ConfigError, match=unwritable.format("FileExistsError|NotADirectoryError")):
+        RunFolder(sync_config(blocker / "w"), rank=0, resume=False, syncs_weights=True)
+    RunFolder(sync_config(blocker / "w"), rank=0, resume=False).close()  # SFT sends no weights
+    RunFolder(sync_config(blocker / "w", "tensor"), rank=0, resume=False, syncs_weights=True).close()  # no folder
+    locked = unwritable_folder(tmp_path)
+    if locked is None:
+        return
+    with pytest.raises(ConfigError, match=unwritable.format("PermissionError")):
+        RunFolder(sync_config(locked / "w"), rank=0, resume=False, syncs_weights=True)

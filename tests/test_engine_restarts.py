@@ -4,14 +4,17 @@ several rollout threads at once, and the hand-off of the restart and its resync 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.handoff import HandoffClosedError, MainThreadCalls
-from megatron_rl.rollout.sglang import EngineDiedError
+from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 WORKERS = 3
@@ -40,6 +43,7 @@ class DyingClient:
     routed_experts_layout = (1, 1)
     dead_reason = None
     replies = 0
+    waiting_for_weights = 0
 
     def __init__(self) -> None:
         self.waiting = 0
@@ -157,3 +161,116 @@ def test_threads_waiting_on_one_stall_give_one_warning_per_interval(caplog: pyte
         "(http://127.0.0.1:30000: 2)"
     )
     assert warnings[1].startswith("no reply from the rollout engine for 120 s")
+
+
+class ScriptedServer:
+    """One address for the engine child before and after a restart (own thread and loop, raw HTTP): the
+    old child holds the request of prompt [1] until `drop_held` and drops every connection; the new
+    child answers, recording for each request whether the resync had ended when it arrived."""
+
+    def __init__(self) -> None:
+        self.restarted = False
+        self.resynced = False
+        self.held_arrived = threading.Event()
+        self.arrivals: list[tuple[list[int], bool]] = []  # at the new child: (prompt, resync ended)
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._drop = asyncio.Event()
+            server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="scripted-engine", daemon=True)
+        self._thread.start()
+        assert started.wait(30)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = next(
+            int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length")
+        )
+        body = json.loads(await reader.readexactly(length))
+        if not self.restarted:  # the old child: gone
+            if body["input_ids"] == [1]:
+                self.held_arrived.set()
+                await asyncio.wait_for(self._drop.wait(), 30)
+            writer.close()
+            return
+        self.arrivals.append((body["input_ids"], self.resynced))
+        meta = {"finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-1.0, 7, None]]}
+        reply = json.dumps({"text": "", "output_ids": [7], "meta_info": meta}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n")
+        writer.write(b"Content-Length: %d\r\n\r\n%s" % (len(reply), reply))
+        await writer.drain()
+        writer.close()
+
+    def drop_held(self) -> None:
+        self._loop.call_soon_threadsafe(self._drop.set)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+class Child:
+    """A local engine child at `url`: the old one has exited (code -9); the new one runs."""
+
+    def __init__(self, url: str, exited: bool) -> None:
+        self.url, self.port, self.exited = url, int(url.rsplit(":", 1)[1]), exited
+        self.process = self
+        self.pid, self.log_path = 1, "engine.log"
+
+    def wait(self, timeout: float) -> int:
+        if not self.exited:
+            raise subprocess.TimeoutExpired("engine", timeout)
+        return -9
+
+    def stopped(self) -> bool:
+        return False
+
+    def log_tail(self) -> str:
+        return ""
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_request_retrying_across_a_restart_reaches_the_engine_only_after_its_resync() -> None:
+    """Request R is on the old child when it dies; request Q sees the death and restarts it. R's
+    connection error comes only once the new child runs (so R is retried, not restarted), and its
+    retry must wait until the resync has ended."""
+    server = ScriptedServer()
+    client = SGLangClient([server.url], max_retries=2, backoff_s=0.01, routed_experts_layout=(1, 1))
+    new_child = Child(server.url, exited=False)
+
+    def restart(dead: Child) -> Child:
+        server.restarted = True
+        return new_child
+
+    engine = RolloutEngine(client, Child(server.url, exited=True), restart=restart, max_restarts=1)  # type: ignore[arg-type]
+
+    def resync() -> None:  # the connection of R drops now, while the new child runs and is not resynced
+        server.drop_held()
+        deadline = time.monotonic() + 30  # a hang guard
+        # R held at the gate (an attribute code without the gate lacks), or R retried and arrived
+        while not (getattr(client, "waiting_for_weights", 0) or any(p == [1] for p, _ in server.arrivals)):
+            assert time.monotonic() < deadline, "R was neither retried nor held"
+            time.sleep(0.005)
+        server.resynced = True
+
+    engine.resync = resync
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(engine.generate, [[1]], PARAMS)
+            assert server.held_arrived.wait(30)
+            restarting = pool.submit(engine.generate, [[2]], PARAMS)
+            samples = held.result(60) + restarting.result(60)
+    finally:
+        engine.close()
+        server.close()
+    assert engine.restarts == 1 and [s.output_ids for s in samples] == [[7], [7]]
+    assert sorted(server.arrivals) == [([1], True), ([2], True)]  # nothing reached the new child before its resync

@@ -209,8 +209,30 @@ def test_checkpoint_holds_the_adapters_and_their_optimizer_and_resumes_exactly(a
 
         with pytest.raises(ConversionError, match="the adapters were trained with base_sha256"):
             load_adapter_weights(actor.state.model, tmp_path / "ckpt", other)
+        _check_another_alpha_and_no_lora_are_refused(actor, tmp_path / "ckpt")
     finally:
         load_adapters(actor.lora, start)
+
+
+def _check_another_alpha_and_no_lora_are_refused(actor, ckpt) -> None:  # noqa: ANN001
+    """Another alpha (a 4x scale of the learned update) is refused as another rank is; a run without
+    LoRA is told the checkpoint holds adapters, not that a base tensor is missing; nothing is loaded."""
+    from megatron_rl.actor.checkpoint import load_checkpoint
+    from megatron_rl.models.hf_config import ConversionError
+    from megatron_rl.models.lora import gather_adapters
+    from megatron_rl.models.lora_checkpoint import load_adapter_weights
+
+    before = gather_adapters(actor.lora)
+    alpha = actor.lora_base["alpha"]
+    with pytest.raises(ConversionError, match=rf"trained with alpha = {alpha!r} .*this run has {4 * alpha!r}"):
+        load_adapter_weights(actor.state.model, ckpt, {**actor.lora_base, "alpha": 4 * alpha})
+    rank, targets = actor.lora_base["rank"], actor.lora_base["target_modules"]
+    with pytest.raises(ConversionError) as err:
+        load_checkpoint(actor.state, ckpt, lora=None)
+    assert str(err.value).startswith(f"{ckpt}: the checkpoint holds LoRA adapters (rank {rank}, alpha {alpha}, ")
+    assert f"targets {targets}" in str(err.value) and "this run has none (model.lora.rank = 0)" in str(err.value)
+    after = gather_adapters(actor.lora)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_adapter_sync_to_the_local_engine_without_peft_is_refused_naming_the_way_out(monkeypatch) -> None:  # noqa: ANN001

@@ -7,6 +7,7 @@ Skipped only when the sglang-router package (its binary) is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,12 +18,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config import Config, RolloutConfig
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local.launcher import LocalEngineProcess, spawn_local_engine, start_local_engine
 from megatron_rl.rollout.sglang import SGLangError
 from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.weight_sync.memory import release_colocated_engines
 
 from mrl_configs import make_tiny_model
 
@@ -165,12 +167,13 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
         lost.stop()
 
 
-def test_routed_experts_and_aborts_go_to_the_workers_not_the_router(
+def test_routed_experts_aborts_and_memory_release_go_to_the_workers_not_the_router(
     workers: list[LocalEngineProcess], models: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """sglang-router 0.3.2 rebuilds /generate bodies without `return_routed_experts` and answers
-    /abort_request with 404: an R3 request goes to a worker directly, and the abort of a request that
-    timed out through the router goes to the worker (where it was waiting), not to the router."""
+    /abort_request and /release_memory_occupation with an empty 404: an R3 request goes to a worker
+    directly, the abort of a request that timed out through the router goes to the worker (where it
+    was waiting), and a colocated run's start-up release goes to the workers the router lists."""
     worker = workers[0]  # alive in every test of the module
     router = Router([worker.url])
     try:
@@ -191,6 +194,11 @@ def test_routed_experts_and_aborts_go_to_the_workers_not_the_router(
             state = _get(worker.url + "/get_server_info")["internal_states"][0]
             assert state["waiting"] == 0 and state["running"] == 0, state
             engine.run(client.continue_generation())
+            colocated = dataclasses.replace(_rollout(router.url), colocate=True)
+            assert release_colocated_engines(Config(rollout=colocated))
+            with pytest.raises(SGLangError, match="weights are released; call /resume_memory_occupation"):
+                engine.run(client.update_weights_from_disk(models["A"]))  # released: no weights until resumed
+            engine.run(client.resume_memory_occupation())
         finally:
             engine.close()
     finally:

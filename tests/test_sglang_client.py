@@ -169,3 +169,29 @@ def test_model_info_before_the_deprecated_alias_and_the_admin_key_on_control_end
         assert admin.seen[-2:] == [("/pause_generation", f"Bearer {ADMIN}"), ("/generate", f"Bearer {KEY}")]
     finally:
         admin.close()
+
+
+def test_lora_adapter_sync_refuses_servers_too_old_for_its_adapters(servers: dict[str, FakeSGLang]) -> None:
+    from megatron_rl.config import LoraConfig, ModelConfig
+
+    experts = ModelConfig(num_experts=4, lora=LoraConfig(rank=4))  # the default targets adapt the experts too
+    attention = ModelConfig(num_experts=4, lora=LoraConfig(rank=4, target_modules=["q_proj"]))
+
+    def rollout(version: str, **keys: object) -> RolloutConfig:
+        return RolloutConfig(engine="sglang", sglang_urls=[servers[version].url], api_key=KEY, **keys)
+
+    with pytest.raises(
+        SGLangError,
+        match=r"runs SGLang 0\.5\.9, which serves no adapter on MoE layers: model.lora.target_modules "
+        r"\['down_proj', 'gate_proj', 'up_proj'\] with rollout.lora_sync = 'adapter' needs .* SGLang >= 0\.5\.10; "
+        r"upgrade the servers or set rollout.lora_sync = 'merged'",
+    ):
+        RolloutEngine.from_config(rollout("0.5.9"), model=experts)
+    with pytest.raises(
+        SGLangError,
+        match=r"0\.5\.9, which loads adapters from tensors only as one serialized_tensors string .*0\.5\.17",
+    ):
+        RolloutEngine.from_config(rollout("0.5.9", weight_sync="tensor"), model=attention)
+    RolloutEngine.from_config(rollout("0.5.9"), model=attention).close()  # disk, attention only: any version
+    RolloutEngine.from_config(rollout("0.5.9", lora_sync="merged"), model=experts).close()  # full weights
+    RolloutEngine.from_config(rollout("0.5.18", weight_sync="tensor"), model=experts).close()

@@ -160,7 +160,7 @@ def test_admin_paths_are_the_endpoints_sglang_guards_with_the_admin_key() -> Non
     AuthLevel.ADMIN_OPTIONAL (only --admin-api-key opens it when set) gets `admin_api_key`, and no other."""
     import ast
 
-    from megatron_rl.rollout import sglang
+    from megatron_rl.rollout import sglang, sglang_weights
 
     tree = ast.parse(sglang_wheel.source("srt/entrypoints/http_server.py").read_text())
     admin: set[str] = set()
@@ -172,7 +172,7 @@ def test_admin_paths_are_the_endpoints_sglang_guards_with_the_admin_key() -> Non
             for d in node.decorator_list:
                 if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant):
                     admin.add(d.args[0].value)
-    called = set(re.findall(r'"(/[a-z_]+)"', inspect.getsource(sglang)))
+    called = {p for m in (sglang, sglang_weights) for p in re.findall(r'"(/[a-z_]+)"', inspect.getsource(m))}
     assert sglang.ADMIN_PATHS == called & admin, (sorted(sglang.ADMIN_PATHS ^ (called & admin)), sorted(admin))
 
 
@@ -184,7 +184,7 @@ def test_multi_sender_update_payloads_are_sglangs() -> None:
     update from rank 0 of the group it names, ranks an engine's TP rank at `rank_offset + tp_rank`,
     and queues the control requests (one sender's update never interleaves with another's)."""
     pytest.importorskip("msgspec", reason="SGLang's request classes are msgspec Structs")
-    from megatron_rl.rollout.sglang import distributed_update_body, init_group_bodies
+    from megatron_rl.rollout.sglang_weights import distributed_update_body, init_group_bodies
 
     classes = sglang_wheel.io_struct_classes("InitWeightsUpdateGroupReqInput", "UpdateWeightsFromDistributedReqInput")
     servers, tp = 2, 2

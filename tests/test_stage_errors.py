@@ -16,6 +16,7 @@ from megatron_rl.config import ModelConfig
 from megatron_rl.models.hf_config import hf_config_from_model
 from megatron_rl.parallel.rank0 import RankZeroError
 from megatron_rl.rewards import RewardFailureError
+from megatron_rl.run_folder import RunFolderError
 from megatron_rl.trainer import LogprobGapError
 
 GAP = "the engine's log-probs differ from the trainer's by 0.3 per token on average"
@@ -98,3 +99,27 @@ def test_ctrl_c_is_a_quiet_exit_130_on_every_rank(
     assert _run(command, run_config) == 130
     err = capsys.readouterr().err
     assert err == (f"{name}: interrupted (SIGINT): stopped at once, nothing saved\n" if rank == 0 else "")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("command", [train_command, sft_command])
+def test_a_run_folder_lost_mid_run_ends_either_stage_with_one_error_line_from_rank_0(
+    rank: int,
+    command,
+    run_config: Path,
+    launched_as,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`RunFolder.check_lock` raises on every rank alike (tests/test_checkpoint_integrity.py shows when)."""
+    lost = "RUN_DIR/.run.lock was removed while this run (pid 7) held it: stopped before the record of step 3"
+
+    def stop(cfg, *, resume: bool, force: bool) -> None:
+        raise RunFolderError(lost)
+
+    monkeypatch.setattr("megatron_rl.trainer.run_training", stop)
+    monkeypatch.setattr("megatron_rl.sft.stage.run_sft", stop)
+    launched_as(rank)
+    name = "train" if command is train_command else "sft"
+    assert _run(command, run_config) == 1
+    assert capsys.readouterr().err == (f"{name}: error: {lost}\n" if rank == 0 else "")

@@ -22,6 +22,7 @@ from megatron_rl.checkpoints import (
     prune_checkpoints,
     restore_rng,
     save_loop_state,
+    write_manifest,
 )
 from megatron_rl.config import Config, ConfigError, load_config, loss_spec, preset, uses_reference
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
@@ -320,7 +321,8 @@ def test_loop_state_round_trip_latest_and_pruning(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         folder = checkpoint_dir(tmp_path, step)
         folder.mkdir()
-        save_loop_state(folder, LoopState(step=step, sampler={"position": step}, rollout_seed=7, rng=rng))
+        state = LoopState(step=step, sampler={"position": step}, rollout_seed=7, rng=rng)
+        write_manifest(folder, step, {"loop_state.pt": save_loop_state(folder, state)})
     checkpoint_dir(tmp_path, 4).mkdir()  # a save that was killed half-way: no loop_state.pt
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     state = load_loop_state(latest_checkpoint(tmp_path))
@@ -489,7 +491,7 @@ class FileActor:
 
 
 def _run_trainer(cfg: Config, trained: set[int], *, resume: bool) -> tuple[Any, VersionRecordingDriver, Any]:
-    from megatron_rl.checkpoints import RunFolder
+    from megatron_rl.run_folder import RunFolder
     from megatron_rl.trainer import Trainer
 
     run_folder = RunFolder(cfg, rank=0, resume=resume)

@@ -197,6 +197,17 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             ],
             expected="rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters",
         ),
+        "train: adapter-only LoRA sync under fully_async": dict(
+            entry="cli",
+            argv=[
+                "train",
+                config,
+                "model.lora.rank=4",
+                "rollout.async_mode=fully_async",
+                "model.lora.target_modules=[q_proj]",
+            ],
+            expected="rollout.lora_sync = 'adapter' with rollout.async_mode = 'fully_async': SGLang keeps a running",
+        ),
         "planner: an RL-loop need": dict(
             entry="planner", argv=[*plan, "8", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR
         ),

@@ -29,12 +29,13 @@ from megatron_rl.actor.optimizer import TrainingState
 from megatron_rl.models.checkpoint_io import (
     load_model_weights,
     model_sharded_state_dict,
+    read_common_state,
     running_layout,
     sharding_metadata,
     write_checkpoint,
 )
 from megatron_rl.models.lora_checkpoint import COMMON_KEY as LORA_COMMON_KEY
-from megatron_rl.models.lora_checkpoint import adapter_entries, load_adapter_weights
+from megatron_rl.models.lora_checkpoint import adapter_entries, check_adapters, load_adapter_weights
 
 
 def rng_state() -> dict[str, Any]:
@@ -180,7 +181,11 @@ def load_checkpoint(
     master copy is refreshed from them; its moments, the schedule and the step stay). Returns
     {"step": of the checkpoint, "saved_layout", "weights_only", "optimizer_loaded", "rng_restored"}.
     """
-    common = load_model_weights(state.model, path) if lora is None else load_adapter_weights(state.model, path, lora)
+    if lora is None:
+        check_adapters(path, read_common_state(path), None)  # a LoRA checkpoint: named, not a missing tensor
+        common = load_model_weights(state.model, path)
+    else:
+        common = load_adapter_weights(state.model, path, lora)
     weights_only = bool(common.get("weights_only", False))
     with_optimizer = load_optimizer and not weights_only
     same_layout = not weights_only and common["layout"] == running_layout()

@@ -19,7 +19,7 @@ from megatron_rl.parallel.launch import LaunchError, read_launch_env
 from megatron_rl.validation import Command, validate_run
 
 if TYPE_CHECKING:
-    from megatron_rl.checkpoints import ResumeMode
+    from megatron_rl.run_folder import ResumeMode
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> None:
@@ -67,9 +67,9 @@ def run_stage(
     run_errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error or a
-    checkpoint that could not be written, 1 with one line from rank 0 on one of `run_errors` (raised on
-    every rank alike), 130 on Ctrl-C."""
+    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error or
+    files (a checkpoint, the weight sync's) that could not be written, 1 with one line from rank 0 on
+    one of `run_errors` or a run folder lost while running (raised on every rank alike), 130 on Ctrl-C."""
     try:
         return _run_stage(args, command, run, run_errors)
     except KeyboardInterrupt:
@@ -86,11 +86,12 @@ def _run_stage(
 ) -> int:
     import torch.distributed as dist
 
-    from megatron_rl.checkpoints import RESUME_IF_ANY, CheckpointWriteError
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
+    from megatron_rl.models.write_errors import StorageWriteError
     from megatron_rl.parallel.launch import ensure_launch_env
     from megatron_rl.parallel.signals import remember_stop_signals
+    from megatron_rl.run_folder import RESUME_IF_ANY, RunFolderError
 
     verbose = bool(getattr(args, "verbose", False))
     remember_stop_signals()  # a SIGUSR1 during the slow start-up must not kill the process
@@ -105,9 +106,9 @@ def _run_stage(
         run(cfg, resume, getattr(args, "force", False))
     except ConfigError as err:
         return _error("config error: ", err, verbose)
-    except (DataError, ConversionError, CheckpointWriteError) as err:
+    except (DataError, ConversionError, StorageWriteError) as err:
         return _error(f"{command}: error: ", err, verbose)
-    except run_errors as err:
+    except (*run_errors, RunFolderError) as err:
         if _rank0():
             _error(f"{command}: error: ", err, verbose)
         return 1

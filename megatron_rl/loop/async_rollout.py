@@ -23,7 +23,7 @@ runs their collections:
   prompts_per_step groups can ask for more than the bound ever lets exist), so it never waits for a
   group the producer may not submit. A group
   with an aborted response (an engine error, or a weight sync with `rollout.partial_rollout=false`) is
-  resubmitted, up to `rollout.max_retries` times, then left out (`groups/aborted`).
+  resubmitted, up to `rollout.max_retries` times, then left out (`async/aborted_groups_left_out`).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class RolloutDriver:
         self.data = data
         # `engine_log` is only used by a local engine; SGLang servers log where they were started
         self.engine: RolloutEngine = engine or RolloutEngine.from_config(
-            cfg.rollout, model_path=model_path, starting=starting, log_path=str(engine_log)
+            cfg.rollout, model_path=model_path, starting=starting, model=cfg.model, log_path=str(engine_log)
         )
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size

@@ -32,7 +32,7 @@ Threads and tasks, and what each may touch:
   its own event-loop thread), a plain environment `step` on a daemon thread of its own (at most
   `env.max_concurrent_steps` at once), a plain agent function's thread, the reward scoring
   (`asyncio.to_thread`: the scorer blocks on its worker processes or the reward server), and the
-  agent gateway's server thread with its generation pool (`megatron_rl.agents.gateway`).
+  agent gateway's server thread, its render threads and generation pool (`megatron_rl.agents`).
 
 A generation thread that sees the local engine die restarts it through the engine handle, which
 serialises restarts and hands the restart and its resync to the main thread (`handoff`), waiting

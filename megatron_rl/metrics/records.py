@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,12 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _parsed_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _parsed_lines(path: Path, warn: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """Each record line of `path` with its JSON object. A last line that does not parse (half-written
-    by a crash or a full disk) is left out with a warning; a bad line before it is a ValueError."""
-    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    by a crash or a full disk) is left out, with a warning when `warn`; a bad line before it is a
+    ValueError naming the file and the line."""
+    text = path.read_text(encoding="utf-8", errors="replace")  # a bad byte: a line that does not parse
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     parsed = []
     for i, (number, line) in enumerate(lines):
         try:
@@ -71,21 +73,23 @@ def _parsed_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
         except json.JSONDecodeError as err:
             if i < len(lines) - 1:
                 raise ValueError(f"{path}:{number}: not a JSON line: {err}") from None
+            if not warn:
+                continue
             logger.warning(
                 "%s:%d: a torn last line (half-written record, %d bytes) is left out", path, number, len(line)
             )
     return parsed
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, *, warn: bool = True) -> list[dict[str, Any]]:
     """The records of RUN_DIR/metrics.jsonl, in file order (NaN/inf strings back as floats; a torn
-    last line left out with a warning)."""
+    last line left out, with a warning when `warn`)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run folder?)")
     return [
         {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in record.items()}
-        for _, record in _parsed_lines(path)
+        for _, record in _parsed_lines(path, warn)
     ]
 
 
@@ -95,7 +99,7 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return 0
-    total = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    total = sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
     kept = [line for line, record in _parsed_lines(path) if record.get("step", 0) <= last_step]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     return total - len(kept)
@@ -115,8 +119,12 @@ class MetricsLogger:
         progress: bool = True,
         append: bool = False,
         desc: str = "rl",
+        guard: Callable[[int], None] | None = None,
     ) -> None:
+        """`guard(step)`: called on every rank before the record of `step` is written; it may raise to
+        keep it from being written (the run folder's lock check, collective)."""
         self.enabled = enabled
+        self.guard = guard
         self.file = None
         self.writer: Any = None
         self.bar: Any = None
@@ -138,9 +146,11 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any], *, advance: bool = True) -> None:
         """Append one record (it must hold "step"); `advance` moves the progress bar by one step."""
+        step = int(record["step"])
+        if self.guard is not None:
+            self.guard(step)
         if not self.enabled:
             return
-        step = int(record["step"])
         assert self.file is not None
         self.file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
         self.file.flush()

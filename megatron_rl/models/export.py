@@ -196,23 +196,41 @@ def save_hf_folder(
     ep = ps.get_expert_model_parallel_rank() if splits_experts(ep_senders) else None
     prefix = f"part-pp{stage:03d}" + ("" if ep is None else f"-ep{ep:03d}")
     writer = ShardedSafetensorsWriter(out, prefix, int(max_shard_mb * 2**20), overwrite=in_place)
+    failed: OSError | None = None  # a write that failed (a full disk): the export's collectives go on, unwritten
     for bucket in export_hf_weights(chunks, model, bucket_mb=bucket_mb, dtype=dtype, ep_senders=ep_senders):
-        for name, tensor in bucket:
-            writer.add(name, tensor)
+        try:
+            for name, tensor in bucket if failed is None else ():
+                writer.add(name, tensor)
+        except OSError as err:
+            failed = err
         if progress is not None:
             progress(len(bucket))
-    writer.flush()
-    written: list[tuple[tuple[int, int] | None, list]] = [(None, [])] * dist.get_world_size()
-    dist.all_gather_object(written, ((stage, ep or 0), writer.files) if is_export_sender(ep_senders) else (None, []))
-    files = [f for _, sender_files in sorted(w for w in written if w[0] is not None) for f in sender_files]
+    try:
+        if failed is None:
+            writer.flush()
+    except OSError as err:
+        failed = err
+    written: list[tuple[tuple[int, int] | None, list, OSError | None]] = [(None, [], None)] * dist.get_world_size()
+    sender = (stage, ep or 0) if is_export_sender(ep_senders) else None
+    dist.all_gather_object(written, (sender, writer.files if sender else [], failed))
+    failures = [w[2] for w in written if w[2] is not None]
+    if failures:  # every rank raises the first one
+        raise failures[0]
+    senders = sorted((w for w in written if w[0] is not None), key=lambda w: w[0])
+    files = [f for _, sender_files, _ in senders for f in sender_files]
     result: list[Any] = [None]
     if dist.get_rank() == 0:
-        result[0] = _finish_folder(
-            out, files, model, hf_config, assets_from, dtype or _param_dtype(chunks), rename=not in_place
-        )
+        try:
+            result[0] = _finish_folder(
+                out, files, model, hf_config, assets_from, dtype or _param_dtype(chunks), rename=not in_place
+            )
+        except OSError as err:
+            result[0] = err
     dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], str):
         raise RuntimeError(result[0])
+    if isinstance(result[0], OSError):
+        raise result[0]
     return result[0]
 
 

@@ -58,6 +58,32 @@ def adapter_entries(model_state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_state.items() if k.startswith(ADAPTER_KEY_PREFIX)}
 
 
+def check_adapters(path: str | os.PathLike, common: dict[str, Any], base: dict[str, Any] | None) -> None:
+    """ConversionError when the checkpoint `path` (its common state `common`) and this run disagree on
+    LoRA: adapters in one and not the other, or another base, rank, alpha or set of targets than
+    `base` (this run's `base_record`; None: a run without LoRA)."""
+    saved = common.get(COMMON_KEY)
+    if saved is None and base is None:
+        return
+    if base is None:
+        raise ConversionError(
+            f"{path}: the checkpoint holds LoRA adapters (rank {saved.get('rank')}, alpha {saved.get('alpha')}, "
+            f"targets {saved.get('target_modules')}, base {saved.get('base_path')}) and this run has none "
+            "(model.lora.rank = 0): load it with the same model.lora settings"
+        )
+    if saved is None:
+        raise ConversionError(
+            f"{path}: not a LoRA checkpoint (the whole model, no adapters) and this run trains LoRA adapters "
+            f"(model.lora.rank = {base.get('rank')}): load it with model.lora.rank = 0"
+        )
+    for key in ("base_sha256", "rank", "alpha", "target_modules"):
+        if saved.get(key) != base.get(key):
+            raise ConversionError(
+                f"{path}: the adapters were trained with {key} = {saved.get(key)!r} (base {saved.get('base_path')}), "
+                f"this run has {base.get(key)!r} (base {base.get('base_path')})"
+            )
+
+
 @torch.no_grad()
 def load_adapter_weights(
     chunks: list[torch.nn.Module], path: str | os.PathLike, base: dict[str, Any]
@@ -65,17 +91,9 @@ def load_adapter_weights(
     """Load the adapters of the LoRA checkpoint `path` into `chunks` (collective); its common state.
 
     ConversionError when `path` holds no adapters (a full checkpoint) or adapts another base or
-    another rank or set of targets than `base` (this run's `base_record`)."""
+    another rank, alpha or set of targets than `base` (this run's `base_record`)."""
     common = read_common_state(path)
-    saved = common.get(COMMON_KEY)
-    if saved is None:
-        raise ConversionError(f"{path}: not a LoRA checkpoint (no adapters); model.lora.rank > 0 resumes adapters")
-    for key in ("base_sha256", "rank", "target_modules"):
-        if saved.get(key) != base.get(key):
-            raise ConversionError(
-                f"{path}: the adapters were trained with {key} = {saved.get(key)!r} (base {saved.get('base_path')}), "
-                f"this run has {base.get(key)!r} (base {base.get('base_path')})"
-            )
+    check_adapters(path, common, base)
     adapters = adapter_entries(model_chunk(chunks).sharded_state_dict(metadata=sharding_metadata()))
     loaded = dist_checkpointing.load({"model": adapters}, str(path))["model"]
     for key, tensor in adapters.items():

@@ -1,4 +1,5 @@
-"""Which Megatron linear (and which part of its rows) each PEFT module name of a family is.
+"""Which Megatron linear (and which part of its rows) each PEFT module name of a family is, and the
+rules of a LoRA run's configuration (`check_*`, run by `validation.validate_run`).
 
 Torch-free: the validation reads it before Megatron is imported. Megatron fuses q, k and v into
 `linear_qkv` (rows grouped per KV head, `models.hf_mapping`'s `qkv` rule) and gate and up into
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import ConfigError, ModelConfig
+from megatron_rl.config import Config, ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,52 @@ def check_target_modules(model: ModelConfig) -> list[str]:
         )
     allowed = family_module_names(model.family)
     names = [str(n) for n in model.lora.target_modules]
+    if not names:
+        raise ConfigError("model.lora.target_modules is empty: name at least one module (e.g. q_proj)")
     for name in names:
         if name not in allowed:
             raise ConfigError(
                 f"model.lora.target_modules: {name!r} is no module of model.family = {model.family!r}; allowed: {allowed}"
             )
     return names
+
+
+def routed_expert_targets(model: ModelConfig) -> list[str]:
+    """The names of `model.lora.target_modules` that adapt the routed experts (none for a dense model)."""
+    names = set(check_target_modules(model))
+    if model.num_experts is None:
+        return []
+    return sorted({t.peft_name for t in LORA_TARGETS[model.family] if t.linear.startswith("mlp.experts")} & names)
+
+
+def sglang_target_modules(model: ModelConfig) -> list[str]:
+    """`model.lora.target_modules` as SGLang names them (its `--lora-target-modules` accepts only
+    `SUPPORTED_LORA_TARGET_MODULES`): a module by its role in the layer, e.g. Mixtral's `w1`, `w3`,
+    `w2` are `gate_proj`, `up_proj`, `down_proj` (SGLang renames those tensors itself on load)."""
+    names = set(check_target_modules(model))
+    role = {(t.linear, t.slot): t.peft_name for t in LORA_TARGETS["qwen3_moe"]}
+    return sorted({role[(t.linear, t.slot)] for t in LORA_TARGETS[model.family] if t.peft_name in names})
+
+
+def check_lora_sync(cfg: Config) -> None:
+    """ConfigError for a `rollout.lora_sync` that cannot run with the rest of the rollout section."""
+    ro = cfg.rollout
+    if ro.lora_sync != "adapter":
+        return
+    if ro.weight_sync == "distributed":
+        raise ConfigError(
+            "rollout.lora_sync = 'adapter' with rollout.weight_sync = 'distributed': SGLang loads adapters from a "
+            "folder (/load_lora_adapter) or from tensors (/load_lora_adapter_from_tensors), never over a process "
+            "group; use rollout.weight_sync = 'disk' or 'tensor', or rollout.lora_sync = 'merged'"
+        )
+    if ro.async_mode == "fully_async":
+        raise ConfigError(
+            "rollout.lora_sync = 'adapter' with rollout.async_mode = 'fully_async': SGLang keeps a running request "
+            "on its old adapter to its end but labels its later tokens with the new weight version (staleness "
+            "would be under-reported), and unloading an old adapter waits for its requests; use "
+            "rollout.lora_sync = 'merged' (full weights, paused and versioned as without LoRA), or "
+            "rollout.async_mode = 'one_step_off'"
+        )
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -120,9 +161,8 @@ def check_local_engine_adapters(model: ModelConfig) -> None:
     """ConfigError when adapter-only sync would give the local engine routed-expert adapters (it serves
     adapters through PEFT on transformers, whose MoE families hold their experts as fused 3-D parameters
     that PEFT's target_modules cannot reach), or when peft is not installed."""
-    names = set(check_target_modules(model))
-    routed = sorted({t.peft_name for t in LORA_TARGETS[model.family] if t.linear.startswith("mlp.experts")} & names)
-    if routed and model.num_experts is not None:
+    routed = routed_expert_targets(model)
+    if routed:
         raise ConfigError(
             f"model.lora.target_modules {routed} adapt the routed experts, which the local engine cannot serve as "
             "adapters (PEFT on transformers' fused experts) with rollout.lora_sync = 'adapter'; use "

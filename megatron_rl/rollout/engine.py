@@ -5,8 +5,9 @@ the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so 
 asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
 address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
 (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
-workers it lists. Partial rollouts need the version of every token: servers that cannot give it
-(SGLang < 0.5.19) are refused here (`SGLangClient.require_token_versions`). Any client coroutine can also be run with `run` or started with `submit`
+workers it lists. Servers older than what the run's options need (`sglang_versions`: per-token versions
+for partial rollouts, LoRA adapters from tensors or on the experts) are refused here, naming their version.
+Any client coroutine can also be run with `run` or started with `submit`
 (e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
 
 Supervision of the local engine child: a request that cannot connect while the child has exited
@@ -15,8 +16,10 @@ restarts the child on the same port from the model folder, calls `resync` (the t
 sync pushes the current weights), sends the unfinished requests again and goes on; the finished
 ones are kept. One restart runs at a time: the restart and its resync run on the trainer's main
 thread (`handoff`, when the driver gives one: a worker thread that saw the death hands them over
-and waits), and every thread that saw the same death sends its requests again once it is done;
-no request is sent between a restart and its resync. After `rollout.max_engine_restarts` restarts
+and waits), and every thread that saw the same death sends its requests again once it is done.
+No request reaches a restarted engine before its resync: the client's `weights_current` (an asyncio
+event on its loop) is cleared before the new child starts and set when the resync has ended, and
+every /generate attempt, retries included, waits for it (at most `rollout.request_timeout_s`). After `rollout.max_engine_restarts` restarts
 the next death stops the run, with the exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
 the trainer waits, a warning gives the requests in flight (and whether the child is stopped, e.g.
 by SIGSTOP). Closing cancels what is still pending on the client's loop first (an interrupted
@@ -38,7 +41,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from megatron_rl.rollout.handoff import HANDOFF_WARN_S, MainThreadCalls
+from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.local.launcher import (
     API_KEY_ENV,
     LocalEngineProcess,
@@ -47,6 +50,7 @@ from megatron_rl.rollout.local.launcher import (
     start_local_engine,
 )
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
+from megatron_rl.rollout.sglang_versions import require_versions, version_needs
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 T = TypeVar("T")
@@ -111,8 +115,8 @@ class RolloutEngine:
         # where restarts and resyncs run (the driver's); None: on the thread that saw the death
         self.handoff: MainThreadCalls | None = None
         self._restart_lock = threading.Lock()
-        self._ready = threading.Event()  # cleared from a restart until its resync is done
-        self._ready.set()
+        client.weights_current = asyncio.Event()  # cleared from a restart until its resync is done
+        client.weights_current.set()
         if local_process is not None:
             client.dead_reason = self._dead_reason
         self.run(client.start())
@@ -121,10 +125,17 @@ class RolloutEngine:
 
     @classmethod
     def from_config(
-        cls, rollout: Any, model_path: str | None = None, starting: StartingEngine | None = None, **local_kwargs: Any
+        cls,
+        rollout: Any,
+        model_path: str | None = None,
+        starting: StartingEngine | None = None,
+        *,
+        model: Any = None,
+        **local_kwargs: Any,
     ) -> RolloutEngine:
         """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none;
-        `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here)."""
+        `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here);
+        `model`: the run's model section, whose LoRA adapters may need a newer SGLang (`sglang_versions`)."""
         process = None
         restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None
         urls = list(rollout.sglang_urls)
@@ -161,8 +172,7 @@ class RolloutEngine:
         try:
             if process is None:
                 engine.run(client.use_router())  # an sglang-router: generate through it, sync its workers
-            if rollout.async_mode == "fully_async" and rollout.partial_rollout:
-                engine.run(client.require_token_versions())
+            engine.run(require_versions(client, version_needs(rollout, model)))
         except BaseException:
             engine.close()
             raise
@@ -204,6 +214,8 @@ class RolloutEngine:
         state = ""
         if self.local_process is not None and self.local_process.stopped():
             state = f"; the local engine process {self.local_process.process.pid} is stopped (SIGSTOP?)"
+        if self.client.waiting_for_weights:
+            state += f"; {self.client.waiting_for_weights} wait for the restarted engine's resync"
         log.warning(
             "no reply from the rollout engine for %.0f s (rollout.stall_warning_s): %d request(s) in flight (%s)%s",
             quiet_s,
@@ -239,7 +251,6 @@ class RolloutEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         done: dict[int, Sample] = {}
         while True:
-            self._wait_ready()
             serving = self.local_process
             todo = [i for i in range(len(prompts)) if i not in done]
             finished: dict[int, Sample] = {}
@@ -262,10 +273,6 @@ class RolloutEngine:
                 else:
                     self.handoff.call(restart, "restarting the rollout engine")
 
-    def _wait_ready(self) -> None:
-        while not self._ready.wait(HANDOFF_WARN_S):
-            log.warning("waiting for the restarted rollout engine's weights (its resync)")
-
     def _restart_dead_engine(self, err: EngineDiedError, dead: LocalEngineProcess | None, unfinished: int) -> None:
         """Start the local engine again in place of `dead` and give it the current weights, unless
         another thread's report of the same death did already; raises `EngineDiedError` with the
@@ -273,11 +280,24 @@ class RolloutEngine:
         with self._restart_lock:
             if dead is not None and dead is not self.local_process:
                 return  # restarted meanwhile: send again
-            self._ready.clear()
+            self._set_weights_current(False)
             try:
                 self._restart_locked(err, unfinished)
             finally:
-                self._ready.set()
+                self._set_weights_current(True)
+
+    def _set_weights_current(self, current: bool) -> None:
+        """Set or clear the client's `weights_current` on its loop, and wait until that is done."""
+        gate = self.client.weights_current
+        assert gate is not None
+
+        async def flip() -> None:
+            if current:
+                gate.set()
+            else:
+                gate.clear()
+
+        self.submit(flip()).result(CLIENT_THREAD_JOIN_S)
 
     def _restart_locked(self, err: EngineDiedError, unfinished: int) -> None:
         dead = self.local_process

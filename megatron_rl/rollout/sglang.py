@@ -15,12 +15,14 @@
   error into `EngineDiedError` at once, without retries, when the server's process has exited.
 - Control endpoints (pause, continue, abort, flush, memory, weight updates and the weight-update
   session of SGLang >= 0.5.21, feature-detected) go to every server, with `admin_api_key` when set
-  (a server started with `--admin-api-key` accepts only that key there: `ADMIN_PATHS`).
+  (a server started with `--admin-api-key` accepts only that key there: `ADMIN_PATHS`); the weight
+  updates and LoRA adapter calls are `sglang_weights.WeightUpdates`, this client's base.
+- `weights_current` (set by the owner of a local engine child, `RolloutEngine`): an asyncio event on
+  the client's loop that every /generate attempt, retries included, waits for (at most `timeout_s`).
 - `/model_info` and `/server_info`, falling back to the deprecated `/get_model_info` and
   `/get_server_info` (which SGLang 0.5.23 answers with a warning in its log every time) on a 404.
-- `require_token_versions()` (partial rollouts): per-token versions arrived in SGLang 0.5.19; a
-  server that reports an older version is refused at once, and a reply without
-  `meta_info.weight_versions` is an error instead of every token taking the reply's one version.
+- `token_versions_required` (partial rollouts, set by `sglang_versions.require_versions`): a reply
+  without `meta_info.weight_versions` is an error instead of every token taking the reply's one version.
 - An sglang-router address: `use_router` (the trainer's engine calls it at start-up) asks each
   address for `GET /workers`, which sglang-router answers with its worker list and a server with
   404. A router then takes every /generate (it balances them), while `urls`, the servers that
@@ -37,7 +39,6 @@ import asyncio
 import base64
 import itertools
 import logging
-import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +46,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from megatron_rl.rollout.sglang_errors import BadRequestError, EngineDiedError, SGLangError, UnauthorizedError
+from megatron_rl.rollout.sglang_weights import WeightUpdates
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,26 +78,6 @@ ADMIN_PATHS = frozenset(
     }
 )
 TOKEN_VERSIONS_SINCE = (0, 5, 19)  # SGLang's meta_info.weight_versions: the version of every output token
-
-
-class SGLangError(RuntimeError):
-    """A request that failed for good; the message names the server, the endpoint and the request."""
-
-    def __init__(self, message: str, server: str = "", status: int | None = None):
-        super().__init__(message)
-        self.server, self.status = server, status
-
-
-class BadRequestError(SGLangError):
-    """HTTP 400: the server refused the request (the message is the server's)."""
-
-
-class UnauthorizedError(SGLangError):
-    """HTTP 401: missing or wrong API key."""
-
-
-class EngineDiedError(SGLangError):
-    """The server's process has exited (a local engine child): the message gives its exit code."""
 
 
 def _server_message(text: str) -> str:
@@ -146,11 +129,11 @@ def token_versions(spans: Any, version: str | None, n_tokens: int, where: str, u
     )
 
 
-def _dotted(release: tuple[int, ...]) -> str:
+def dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release))
 
 
-class SGLangClient:
+class SGLangClient(WeightUpdates):
     """Talks to one or more SGLang-compatible servers; create and close it inside one event loop."""
 
     def __init__(
@@ -186,9 +169,12 @@ class SGLangClient:
         self.replies = 0  # HTTP replies received (any status): the stall watch sees progress by it
         self._unreachable: dict[str, tuple[int, float]] = {}  # connection errors in a row, since when
         self.dropped: list[str] = []  # servers dropped from the pool as unreachable
-        self.server_versions: dict[str, str] = {}  # what each server reports (`require_token_versions`)
+        self.server_versions: dict[str, str] = {}  # what each server reports (`sglang_versions`)
         self.token_versions_required = False  # a reply without meta_info.weight_versions is an error
         self._old_info_paths: set[str] = set()  # servers without /model_info and /server_info (404)
+        # cleared by the engine's owner from a restart until its resync: every /generate attempt waits for it
+        self.weights_current: asyncio.Event | None = None
+        self.waiting_for_weights = 0  # /generate attempts waiting for it now
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -291,9 +277,11 @@ class SGLangClient:
         what: str = "",
         timeout_s: float | None = None,
         direct: bool = False,
+        gated: bool = False,
     ) -> tuple[str, int, str]:
         """Send one request (to `server`, or the least busy one: a server itself with `direct`, else
-        the router when there is one); returns (server, status, body text)."""
+        the router when there is one); returns (server, status, body text). `gated`: each attempt,
+        retries included, first waits for `weights_current`."""
         await self.start()
         assert self._session is not None
         tries = self.max_retries + 1 if retry else 1
@@ -304,6 +292,8 @@ class SGLangClient:
         admin = self.admin_api_key is not None and path in ADMIN_PATHS
         headers = {"Authorization": f"Bearer {self.admin_api_key}"} if admin else None
         for attempt in range(tries):
+            if gated:
+                await self._await_weights_current(label)
             url = server or self._pick(failed, direct)
             self._in_flight[url] = self._in_flight.get(url, 0) + 1
             try:
@@ -350,6 +340,22 @@ class SGLangClient:
             dropped = f"; dropped before as unreachable: {', '.join(self.dropped)}" if self.dropped else ""
             gone = f"; no rollout server is reachable (none of {', '.join(self.urls)} answered{dropped})"
         raise SGLangError(f"{label} failed after {tries} tries; last server {url}: {last}{gone}", server=url)
+
+    async def _await_weights_current(self, label: str) -> None:
+        """Hold an attempt while the engine's weights are not current, for at most `timeout_s`."""
+        gate = self.weights_current
+        if gate is None or gate.is_set():
+            return
+        self.waiting_for_weights += 1
+        try:
+            await asyncio.wait_for(gate.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise SGLangError(
+                f"{label}: the restarted engine's weights were not current within {self.timeout_s:.0f} s "
+                "(rollout.request_timeout_s): its resync did not end"
+            ) from None
+        finally:
+            self.waiting_for_weights -= 1
 
     def _connection_failed(self, url: str, error: str) -> None:
         """Count a connection error of `url`; once it has failed `max_retries + 1` times in a row over
@@ -432,7 +438,7 @@ class SGLangClient:
         async with self._slots:
             try:
                 url, _, text = await self._call(
-                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts
+                    "POST", "/generate", body, what=f"rid={rid}", direct=return_routed_experts, gated=True
                 )
             except SGLangError as err:
                 if "timed out" in str(err) and err.server:
@@ -515,7 +521,7 @@ class SGLangClient:
             runs = ", ".join(f"{u}: {v}" for u, v in self.server_versions.items()) or "unknown versions"
             raise SGLangError(
                 f"{where}: no meta_info.weight_versions in the reply, and rollout.partial_rollout = true needs "
-                f"the weight version of every token (SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}; the servers "
+                f"the weight version of every token (SGLang >= {dotted(TOKEN_VERSIONS_SINCE)}; the servers "
                 f"report {runs}); upgrade them or set rollout.partial_rollout=false",
                 server=url,
             )
@@ -612,255 +618,3 @@ class SGLangClient:
                     raise
                 self._old_info_paths.add(url)
         return await self._json("GET", f"/get_{name}", server=url)
-
-    async def require_token_versions(self) -> None:
-        """Partial rollouts: every reply must give each token's version (`meta_info.weight_versions`).
-        Raises SGLangError naming a server that reports an SGLang version without them (< 0.5.19)."""
-        for url in self.urls:
-            info = await self.get_server_info(url)
-            version = str(info.get("version")) if isinstance(info, dict) else "unknown"
-            self.server_versions[url] = version
-            release = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-            if release and tuple(int(n) for n in release.groups()) < TOKEN_VERSIONS_SINCE:
-                raise SGLangError(
-                    f"{url} runs SGLang {version}, whose replies give one weight version for the whole response: "
-                    f"rollout.partial_rollout = true needs the version of every token (meta_info.weight_versions, "
-                    f"SGLang >= {_dotted(TOKEN_VERSIONS_SINCE)}); upgrade the servers or set rollout.partial_rollout=false",
-                    server=url,
-                )
-        self.token_versions_required = True
-
-    # ---- weight updates (every server; each reply must say success) ----
-    async def _update(self, path: str, body: dict, retry: bool, per_server: list[dict] | None = None) -> list[dict]:
-        async def one(i: int, url: str) -> dict:
-            payload = {**body, **(per_server[i] if per_server else {})}
-            try:
-                reply = await self._json("POST", path, payload, server=url, retry=retry)
-            except BadRequestError as err:
-                raise BadRequestError(f"{path} on {url} failed: {err}", url, 400) from None
-            if not isinstance(reply, dict) or not reply.get("success", False):
-                raise SGLangError(f"{path} on {url} failed: {reply}", server=url)
-            return reply
-
-        return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))
-
-    async def begin_weight_update(self) -> list[bool]:
-        """Open a weight-update session on every server: SGLang >= 0.5.21 refuses distributed and
-        tensor updates outside one (and, over NCCL, without joining the broadcast). True where a
-        session was opened; False where the server has no such endpoint (HTTP 404: SGLang 0.5.9 to
-        0.5.20, which needs none). A session left open (a trainer that died mid-sync) is closed
-        and opened again. `end_weight_update` closes what this opened."""
-
-        async def one(url: str) -> bool:
-            for attempt in range(2):
-                try:
-                    reply = await self._json("POST", "/begin_weight_update", {}, server=url, retry=False)
-                except BadRequestError as err:
-                    if attempt == 0 and "already open" in str(err):
-                        log.warning("%s had a weight-update session open; closing it first", url)
-                        await self._json("POST", "/end_weight_update", {}, server=url, retry=False)
-                        continue
-                    raise
-                except SGLangError as err:
-                    if err.status == 404:
-                        return False
-                    raise
-                if not isinstance(reply, dict) or not reply.get("success", False):
-                    raise SGLangError(f"/begin_weight_update on {url} failed: {reply}", server=url)
-                self._sessions.add(url)
-                return True
-            raise AssertionError("unreachable")
-
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
-
-    async def end_weight_update(self) -> None:
-        """Close the sessions `begin_weight_update` opened (each server's, even if another fails)."""
-        urls = [u for u in self.urls if u in self._sessions]
-        self._sessions -= set(urls)
-        replies = await asyncio.gather(
-            *(self._json("POST", "/end_weight_update", {}, server=u, retry=False) for u in urls),
-            return_exceptions=True,
-        )
-        for url, reply in zip(urls, replies, strict=True):
-            if isinstance(reply, BaseException):
-                raise reply
-            if not isinstance(reply, dict) or not reply.get("success", False):
-                raise SGLangError(f"/end_weight_update on {url} failed: {reply}", server=url)
-
-    async def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-    ) -> list[dict]:
-        body = {
-            "model_path": model_path,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        return await self._update("/update_weights_from_disk", body, retry=True)
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        ranks_per_server: int = 1,
-    ) -> list[dict]:
-        """Ask every server to join the group `group_name`, hosted by its rank 0 (the sender) at
-        `master_address:master_port`; server i's first rank is 1 + i * ranks_per_server. A server
-        holds one such group per sender, each under its own name (`init_group_bodies`)."""
-        bodies = init_group_bodies(
-            master_address, master_port, world_size, group_name, backend, ranks_per_server, len(self.urls)
-        )
-        return await self._update("/init_weights_update_group", {}, retry=False, per_server=bodies)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict]:
-        return await self._update("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: str | None = None,
-        flattened_bucket: bool = False,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-    ) -> list[dict]:
-        """Announce the tensors rank 0 of group `group_name` (a sender) is about to broadcast, in this order."""
-        body = distributed_update_body(
-            names, dtypes, shapes, group_name, weight_version, flattened_bucket, flush_cache, abort_all_requests
-        )
-        return await self._update("/update_weights_from_distributed", body, retry=False)
-
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str] | list[list[str]],
-        load_format: str | None = None,
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        shm_names: list[str] | None = None,
-    ) -> list[dict]:
-        """`serialized_named_tensors`: one payload per TP rank (`megatron_rl/weight_sync/send.py` writes
-        them), the same for every server, or one such list per server (in `urls` order). `shm_names`:
-        the shared-memory segments they refer to (the local engine maps no other; SGLang ignores it)."""
-        body = {
-            "shm_names": list(shm_names or []),
-            "load_format": load_format,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if serialized_named_tensors and all(isinstance(p, list) for p in serialized_named_tensors):
-            if len(serialized_named_tensors) != len(self.urls):
-                raise ValueError(
-                    f"update_weights_from_tensor: {len(serialized_named_tensors)} payload lists for {len(self.urls)} servers"
-                )
-            per_server = [{"serialized_named_tensors": p} for p in serialized_named_tensors]
-            return await self._update("/update_weights_from_tensor", body, retry=False, per_server=per_server)
-        body["serialized_named_tensors"] = serialized_named_tensors
-        return await self._update("/update_weights_from_tensor", body, retry=False)
-
-    # ---- LoRA adapters (every server; SGLang's LoRAUpdateOutput replies say success) ----
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[dict]:
-        """Every server loads the PEFT folder `lora_path` (visible to it) as adapter `lora_name`."""
-        return await self._update("/load_lora_adapter", lora_load_body(lora_name, lora_path), retry=True)
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        config_dict: dict[str, Any],
-        serialized_named_tensors: list[str],
-        shm_names: list[str] | None = None,
-    ) -> list[dict]:
-        """Every server loads adapter `lora_name` from one serialised (name, tensor) list per TP rank
-        (`weight_sync/send.py`) and its PEFT config; `shm_names` as for `update_weights_from_tensor`."""
-        body = lora_tensors_body(lora_name, config_dict, serialized_named_tensors)
-        body["shm_names"] = list(shm_names or [])
-        return await self._update("/load_lora_adapter_from_tensors", body, retry=False)
-
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> list[dict]:
-        """Every server reports `new_version` from now on (its weights unchanged: e.g. a new adapter)."""
-        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
-        return await self._update("/update_weight_version", body, retry=True)
-
-    async def unload_lora_adapter(self, lora_name: str) -> list[dict]:
-        return await self._update("/unload_lora_adapter", {"lora_name": lora_name}, retry=True)
-
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
-        return await self._json(
-            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, server=self.urls[0]
-        )
-
-
-def init_group_bodies(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-    ranks_per_server: int,
-    servers: int,
-) -> list[dict[str, Any]]:
-    """SGLang's InitWeightsUpdateGroupReqInput body for each of `servers` servers: the group's rank
-    0 (a trainer sender) hosts the store at `master_address:master_port`; server i's TP rank k is
-    rank 1 + i * ranks_per_server + k (SGLang adds the TP rank to `rank_offset`)."""
-    return [
-        {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": 1 + i * ranks_per_server,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        for i in range(servers)
-    ]
-
-
-def distributed_update_body(
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    group_name: str,
-    weight_version: str | None = None,
-    flattened_bucket: bool = False,
-    flush_cache: bool = True,
-    abort_all_requests: bool = False,
-) -> dict[str, Any]:
-    """SGLang's UpdateWeightsFromDistributedReqInput body: the tensors rank 0 of `group_name` broadcasts."""
-    return {
-        "names": names,
-        "dtypes": dtypes,
-        "shapes": shapes,
-        "group_name": group_name,
-        "weight_version": weight_version,
-        "load_format": "flattened_bucket" if flattened_bucket else None,
-        "flush_cache": flush_cache,
-        "abort_all_requests": abort_all_requests,
-    }
-
-
-def lora_load_body(lora_name: str, lora_path: str) -> dict[str, Any]:
-    """SGLang's LoadLoRAAdapterReqInput body."""
-    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": False}
-
-
-def lora_tensors_body(
-    lora_name: str, config_dict: dict[str, Any], serialized_named_tensors: list[str]
-) -> dict[str, Any]:
-    """SGLang's LoadLoRAAdapterFromTensorsReqInput body (the tensors: one base64 payload per TP rank)."""
-    return {
-        "lora_name": lora_name,
-        "config_dict": config_dict,
-        "serialized_named_tensors": list(serialized_named_tensors),
-        "pinned": False,
-        "load_format": None,
-    }

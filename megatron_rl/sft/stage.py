@@ -38,8 +38,8 @@ from megatron_rl.parallel.signals import StoppedBySignal, exit_code, stop_at_ste
 from megatron_rl.validation import validate_run
 
 if TYPE_CHECKING:
-    from megatron_rl.checkpoints import ResumeMode
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.run_folder import ResumeMode
 
 
 class _Evaluator:
@@ -77,16 +77,16 @@ class _Evaluator:
 def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
     """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
     With `resume`, continue from the newest complete checkpoint (refused without one; with
-    `checkpoints.RESUME_IF_ANY` a folder that holds no run starts from scratch); with `force`, a run
-    folder that holds a run is moved aside (`checkpoints.RunFolder`).
+    `run_folder.RESUME_IF_ANY` a folder that holds no run starts from scratch); with `force`, a run
+    folder that holds a run is moved aside (`run_folder.RunFolder`).
 
     Returns the last step's metrics and the paths written (every rank), and the last evaluation
     (rank 0, when `data.eval_path` is set)."""
-    from megatron_rl.checkpoints import RunFolder
     from megatron_rl.data import PromptSampler, load_tokenizer
     from megatron_rl.metrics import summarize_updates
     from megatron_rl.models.source import tokenizer_source
     from megatron_rl.parallel import destroy_distributed, read_launch_env
+    from megatron_rl.run_folder import RunFolder
     from megatron_rl.sft.data import load_sft_examples, sft_batch
     from megatron_rl.sft.loss import cross_entropy_loss
 

@@ -14,6 +14,8 @@ never reads a folder being written: the folder it serves (which a restarted engi
 `resync_restarted_engine`) stays complete until the next load has succeeded, and a refused load
 leaves the engine on the old folder. What a crash leaves: the folder being written may be half
 written (the other one is complete); neither is a checkpoint, and a resumed run writes them anew.
+A write that fails there (a full disk) stops the run on every rank with one line naming the folder
+and the free bytes (`StorageWriteError`), before the step's record and checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 from megatron_rl.models.export import save_hf_folder
 from megatron_rl.models.hf_config import hf_config_from_model
+from megatron_rl.models.write_errors import StorageWriteError, write_failure
+from megatron_rl.run_folder import sync_folder
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError, shared_outcome
 
 SLOTS = ("slot-0", "slot-1")
@@ -34,8 +38,7 @@ class DiskSync(WeightSync):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        rollout = self.cfg.rollout
-        self.root = Path(rollout.sync_dir or Path(self.cfg.logging.run_dir) / "weights").resolve()
+        self.root = sync_folder(self.cfg)
         self.hf_config = hf_config_from_model(self.model)
         self._serving: Path | None = None
 
@@ -68,9 +71,20 @@ class DiskSync(WeightSync):
         folder, problem = shared_outcome((folder, problem))
         if problem is not None:
             raise WeightSyncError(problem)
-        save_hf_folder(
-            self.chunks, self.model, folder, self.hf_config, bucket_mb=self.bucket_mb, ep_senders=True, in_place=True
-        )
+        try:
+            save_hf_folder(
+                self.chunks,
+                self.model,
+                folder,
+                self.hf_config,
+                bucket_mb=self.bucket_mb,
+                ep_senders=True,
+                in_place=True,
+            )
+        except OSError as err:  # raised on every rank alike; the engine keeps serving the other folder
+            raise StorageWriteError(
+                write_failure(folder, err, "the weights for the engine", "rollout.sync_dir")
+            ) from err
         if not self.is_controller:
             return 0
         nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))

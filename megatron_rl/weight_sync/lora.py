@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config
 from megatron_rl.models.builder import DTYPES
 from megatron_rl.models.lora import LoraState, gather_adapters, merged_weights
+from megatron_rl.models.lora_targets import sglang_target_modules
 from megatron_rl.models.peft_format import adapter_config, write_adapter_folder
+from megatron_rl.run_folder import sync_folder
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError
 from megatron_rl.weight_sync.send import serialize_named_tensors
 
@@ -58,8 +59,10 @@ class AdapterSync(WeightSync):
         assert actor.lora is not None
         self.lora = actor.lora
         self.via = cfg.rollout.weight_sync
-        self.root = Path(cfg.rollout.sync_dir or Path(cfg.logging.run_dir) / "weights").resolve()
-        self.config = adapter_config(cfg.model, cfg.model.hf_path)
+        self.root = sync_folder(cfg)
+        # the target modules as SGLang names them (Mixtral's w1/w3/w2: gate_proj/up_proj/down_proj); the tensors
+        # keep their PEFT names, which SGLang renames itself
+        self.config = adapter_config(cfg.model, cfg.model.hf_path, target_modules=sglang_target_modules(cfg.model))
         self.dtype = DTYPES[cfg.model.params_dtype]
         self.engine_ranks = int(cfg.rollout.engine_gpus)
         self._loaded: list[str] = []  # adapter names on the engine, oldest first

@@ -81,8 +81,9 @@ def empty_cuda_cache() -> None:
 
 def release_colocated_engines(cfg: Config) -> bool:
     """Rank 0, before the trainer builds its model and optimizer: ask running colocated SGLang servers
-    (`rollout.colocate`, `rollout.sglang_urls`) to release their memory. Whether it applies (the same
-    on every rank: the next weight sync must then resume the engines, so the trainer syncs at once)."""
+    (`rollout.colocate`, `rollout.sglang_urls`; an sglang-router's workers, which it lists: the router
+    answers the memory endpoints with an empty 404) to release their memory. Whether it applies (the
+    same on every rank: the next weight sync must then resume the engines, so the trainer syncs at once)."""
     if not colocated_engines_released(cfg):
         return False
     ro = cfg.rollout
@@ -95,6 +96,7 @@ def release_colocated_engines(cfg: Config) -> bool:
             admin_api_key=ro.admin_api_key,
         ) as client:
             await client.wait_healthy(timeout_s=ro.request_timeout_s)
+            await client.use_router()
             await client.release_memory_occupation(list(MEMORY_TAGS))
 
     asyncio.run(release())

@@ -31,7 +31,7 @@ from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.forward import LogProbHead, packed_seq_params, plan_for_rank, prepare_inputs, run_schedule
 from megatron_rl.actor.micro_batches import TokenBudget
-from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, RunFolder, checkpoint_dir
+from megatron_rl.checkpoints import ACTOR_DIR, MANIFEST_FILE, CheckpointWriteError, checkpoint_dir
 from megatron_rl.config import (
     CheckpointConfig,
     Config,
@@ -46,6 +46,7 @@ from megatron_rl.config import (
 from megatron_rl.data import PromptSampler
 from megatron_rl.models.checkpoint_io import save_model_weights
 from megatron_rl.parallel import destroy_distributed
+from megatron_rl.run_folder import RunFolder
 
 from mrl_configs import SIGMOID_FAMILIES, layout, tiny_model, tiny_sigmoid_model
 from mrl_multiproc.model_helpers import forward_logits
@@ -1118,7 +1119,7 @@ def _flip_a_bit(path: Path, offset: int) -> None:
 
 
 def _damage(step_dir: Path, how: str) -> Path:
-    """Damage that keeps the file's size (the last one a size check would see, had it a manifest)."""
+    """Damage a size check against the manifest does not see; the file the warning names."""
     shard = sorted((step_dir / ACTOR_DIR).glob("*.distcp"))[0]
     if how == "bit flip in a shard":
         _flip_a_bit(shard, shard.stat().st_size // 2)
@@ -1131,9 +1132,11 @@ def _damage(step_dir: Path, how: str) -> Path:
             f.seek(shard.stat().st_size // 3)
             f.write(os.urandom(4096))
         return shard
-    # no manifest (older code, or removed) and a truncated shard
-    (step_dir / MANIFEST_FILE).unlink()
-    os.truncate(shard, shard.stat().st_size // 2)
+    # a shard removed with its manifest entry: the manifest is silent, the actor's .metadata names it
+    manifest = json.loads((step_dir / MANIFEST_FILE).read_text())
+    del manifest["files"][shard.relative_to(step_dir).as_posix()]
+    (step_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
+    shard.unlink()
     return shard
 
 
@@ -1148,7 +1151,13 @@ def w1_shards_hashed_while_written_and_damage_falls_back(ctx) -> None:  # noqa: 
     handler = _Warnings()
     logging.getLogger("megatron_rl.checkpoints").addHandler(handler)
     try:
-        for how in ("bit flip in a shard", "one byte of .metadata", "4 KiB of garbage in a shard", "no manifest"):
+        damages = (
+            "bit flip in a shard",
+            "one byte of .metadata",
+            "4 KiB of garbage in a shard",
+            "shard and entry gone",
+        )
+        for how in damages:
             run_dir = ctx.shared_dir / "integrity" / how.replace(" ", "_")
             shutil.copytree(ctx.shared_dir / "integrity" / "run", run_dir)
             victim = _damage(checkpoint_dir(run_dir / "checkpoints", 2), how)

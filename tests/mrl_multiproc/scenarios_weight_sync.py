@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 from collections.abc import Iterator
 
 import torch
@@ -484,6 +485,37 @@ def expect_refused(sync, version: str, pattern: str) -> None:  # noqa: ANN001
         raise AssertionError(f"a corrupted {sync.mode} sync was accepted")
 
 
+@contextlib.contextmanager
+def full_disk() -> Iterator[None]:
+    """Every safetensors file the export writes fails as on a full disk (ENOSPC)."""
+    import megatron_rl.models.hf_io as hf_io
+
+    original = hf_io.write_safetensors
+
+    def no_space(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    hf_io.write_safetensors = no_space
+    try:
+        yield
+    finally:
+        hf_io.write_safetensors = original
+
+
+def expect_full_disk(sync) -> None:  # noqa: ANN001
+    """A disk sync onto a full disk: one line on every rank naming the sync folder and the free bytes."""
+    from megatron_rl.models.write_errors import StorageWriteError
+
+    try:
+        sync.sync("disk-full")
+    except StorageWriteError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a disk sync onto a full disk was accepted")
+    assert message.startswith(f"{sync.next_folder()}: no space left to write the weights for the engine ("), message
+    assert "bytes free on its file system" in message and "rollout.sync_dir" in message and "\n" not in message
+
+
 def greedy_changed(a: list[dict], b: list[dict]) -> bool:
     """Whether two greedy rollouts of the same prompts come from visibly different weights."""
     if [s["output"] for s in a] != [s["output"] for s in b]:
@@ -515,7 +547,8 @@ REFUSALS = (
 
 def w1_refused_updates(ctx) -> None:  # noqa: ANN001
     """Per mode, an export with a wrong name or shape is refused on every rank with an error that
-    names the tensor; the engine keeps serving the old weights (greedy outputs and log-probs
+    names the tensor (and a disk sync onto a full disk is one line naming the folder); the engine
+    keeps serving the old weights (greedy outputs and log-probs
     unchanged, old version); the next good sync of the same sync object works. A distributed sync
     whose group the engine forgot is refused, and the next one builds a new group."""
     from megatron_rl.weight_sync import make_weight_sync
@@ -533,6 +566,9 @@ def w1_refused_updates(ctx) -> None:  # noqa: ANN001
             train_step(actor, samples)
             with corrupt_export(EMBED, kind):
                 expect_refused(sync, f"{mode}-bad", pattern)
+            if mode == "disk":
+                with full_disk():
+                    expect_full_disk(sync)
             after = rollout(engine, cfg, seed=50 + step, greedy=True)
             assert engine_version(engine) == good
             assert [s["output"] for s in after] == [s["output"] for s in before], f"{mode}: outputs changed"

@@ -22,6 +22,12 @@ BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _CONFIG_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "fan_in_fan_out", "use_rslora")
 _PREFIX = "base_model.model."
+# SGLang 0.5.23's SUPPORTED_LORA_TARGET_MODULES (srt/utils/common.py; tests/test_lora_sglang.py pins it): the only
+# names its --lora-target-modules takes, and so the only ones an adapter it loads may target
+SGLANG_TARGET_MODULES = frozenset(
+    "q_proj k_proj v_proj o_proj q_a_proj kv_a_proj_with_mqa q_b_proj kv_b_proj wq_b wk weights_proj gate_proj "
+    "up_proj down_proj qkv_proj gate_up_proj embed_tokens lm_head qkvr wo_ud".split()
+)
 
 
 class AdapterError(ValueError):
@@ -38,6 +44,23 @@ def read_adapter_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     mapped = MappedSafetensors(folder / ADAPTER_WEIGHTS)
     return config, {n: mapped.get(n).clone() for n in mapped.entries if n != "__metadata__"}
+
+
+def _check_sglang_targets(name: str, targets: Any) -> None:
+    """AdapterError for target modules SGLang refuses: a module by the last part of its name (as SGLang's
+    `get_normalized_target_modules` reads it) outside `SGLANG_TARGET_MODULES`, or a string but its "all"
+    and "all-linear" shorthands."""
+    if isinstance(targets, str):
+        if targets not in ("all", "all-linear"):
+            raise AdapterError(f"adapter {name!r}: target_modules {targets!r}; as a string only 'all' or 'all-linear'")
+        return
+    unknown = sorted({str(t).rsplit(".", 1)[-1] for t in targets or []} - SGLANG_TARGET_MODULES)
+    if unknown:
+        raise AdapterError(
+            f"adapter {name!r}: target_modules {unknown} are not modules SGLang adapts (its --lora-target-modules "
+            f"takes {sorted(SGLANG_TARGET_MODULES)}); name the module by its role, e.g. Mixtral's w1, w3, w2 as "
+            "gate_proj, up_proj, down_proj"
+        )
 
 
 class LocalAdapters:
@@ -62,6 +85,7 @@ class LocalAdapters:
             raise AdapterError(f"the adapter {name!r} is already loaded; unload it first")
         if str(config.get("peft_type", "LORA")).upper() != "LORA":
             raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
+        _check_sglang_targets(name, config.get("target_modules"))
         try:
             lora_config = LoraConfig(**{k: config[k] for k in _CONFIG_KEYS if k in config})
             inject_adapter_in_model(lora_config, self.model, adapter_name=name)
