@@ -132,14 +132,14 @@ class ParallelConfig:
     sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
     context_parallel_size: int = _f(
         1,
-        "CP: ranks sharing every sequence, 2 x CP load-balanced chunks each (needs Transformer Engine); 1 = off",
+        "CP: ranks sharing every sequence, 2 x CP load-balanced chunks each (GPU or CPU); 1 = off",
         ge=1,
     )
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = _f(
         "p2p",
-        "CP: how Transformer Engine's attention exchanges keys and values: p2p (a ring, overlapped with "
-        "compute), all_gather, a2a (heads all-to-all; CP must divide the query groups); packed micro-batches "
-        "(train.micro_batch_tokens) need p2p",
+        "CP: how Transformer Engine's attention exchanges keys and values: p2p (a ring, overlapped with compute), "
+        "all_gather, a2a (heads all-to-all; CP must divide the query groups); packed micro-batches "
+        "(train.micro_batch_tokens) need p2p; without Transformer Engine (CPUs) the local attention all-gathers",
     )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")

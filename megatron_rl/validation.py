@@ -14,7 +14,7 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
-5. the torch.distributed backend against the device, and context parallelism against Transformer Engine;
+5. the torch.distributed backend against the device;
 6. with LoRA (`model.lora.rank > 0`), the target modules against the family, `rollout.lora_sync` against
    the weight sync and the async mode, `model.lora.init_path` against the base, its rank and targets, and
    for adapter-only sync to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
@@ -41,9 +41,8 @@ from megatron_rl.models.lora_targets import (
 )
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
-from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import read_launch_env
-from megatron_rl.parallel.layout import check_context_parallel, check_layout
+from megatron_rl.parallel.layout import check_layout
 from megatron_rl.parallel.state import resolve_backend
 
 Command = Literal["train", "sft", "convert"]
@@ -208,11 +207,6 @@ def validate_run(
             check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)
-    # before the layout: on a machine without Transformer Engine, CP's one problem is that.
-    # A planner that says the trainers have GPUs speaks for their Transformer Engine too
-    check_context_parallel(
-        resolved.parallel, transformer_engine_available() if cuda_available is None else cuda_available
-    )
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)
     if command == "train":

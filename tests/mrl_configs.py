@@ -189,14 +189,17 @@ def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None) -> ParallelConfig:
-    """The parallel section with TP, PP, EP, expert-TP and sequence parallelism as given."""
+def layout(
+    tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None, cp: int = 1
+) -> ParallelConfig:
+    """The parallel section with TP, PP, EP, expert-TP, sequence and context parallelism as given."""
     return ParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         sequence_parallel=sp,
+        context_parallel_size=cp,
     )
 
 

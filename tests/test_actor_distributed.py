@@ -11,7 +11,10 @@ parameters after two Adam steps within 1e-6, routing replay exact, checkpoints l
 `checkpoint.load` taking both a full and a weights-only checkpoint. Every layout (and PP = 2 with the
 allgather dispatcher, and activation recompute) repeats this with packed micro-batches
 (`train.micro_batch_tokens`, THD): log-probs, entropy, R2 routing and R3 log-probs against the same
-references, and two packed updates from the world-size-1 checkpoint against its padded parameters. The run folder's checkpoints
+references, and two packed updates from the world-size-1 checkpoint against its padded parameters.
+Context parallelism on the CPU (tests/mrl_multiproc/scenarios_cp.py): CP=2 does all of the above,
+and GSPO with R3, SFT and DeepSeek-V3's multi-latent attention, padded and packed; TP=2 x CP=2 the
+log-probs, routing and two updates. The run folder's checkpoints
 (manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
 a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) a
 WORLDS = {
     1: [
         "w1_reference",
+        "w1_cp_references",
         "w1_hidden_path_tied",
         "w1_recompute_replay",
         "w1_sigmoid_replay",
@@ -55,8 +59,10 @@ WORLDS = {
         "w2_lora_ep2",
         "w2_lora_pp2",
         "w2_cp_reductions",
+        "w2_cp2",
+        "w2_cp2_gspo_sft_mla",
     ],
-    4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
+    4: ["w4_tp2_ep2", "w4_tp2_cp2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
 }
 
 

@@ -1,20 +1,23 @@
-"""Context parallelism's pure parts, in-process: the split indices (padded and THD), the way back, the
-inputs a CP rank feeds the model, routing's token order, the layout and config checks. The
-collectives (the loss and GSPO's sequence ratio from CP-split log-probs) run in a gloo launch:
-`w2_cp_reductions` in tests/mrl_multiproc/scenarios_actor.py; the model itself needs Transformer
-Engine (tests/test_actor_gpu.py)."""
+"""Context parallelism's pure parts, in-process: the split indices (padded and THD), the way back,
+the inputs a CP rank feeds the model, routing's token order, the layout and config checks, the
+loss scale against Megatron's own scaling. The collectives run in gloo launches
+(tests/test_actor_distributed.py): `w2_cp_reductions` (the loss and GSPO's sequence ratio from
+CP-split log-probs), and the model itself with the local specs' `ContextParallelAttention`
+(tests/mrl_multiproc/scenarios_cp.py: CP 2 and TP 2 x CP 2 against one rank)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_rl.actor.batch import ActorBatch, build_inputs, split_for_context
-from megatron_rl.actor.context_parallel import ContextSplit, chunk_positions, gather_from_context
 from megatron_rl.actor.micro_batches import MicroBatch
 from megatron_rl.actor.routing_replay import given_routing, routed_token_mask, token_slice
 from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
-from megatron_rl.parallel.layout import check_context_parallel, check_layout
+from megatron_rl.parallel.context_parallel import ContextSplit, chunk_positions, gather_from_context
+from megatron_rl.parallel.layout import check_layout
 
 
 def test_chunk_positions_are_megatrons_load_balanced_chunks() -> None:
@@ -141,13 +144,39 @@ def test_layout_with_context_parallel() -> None:
         check_layout(ParallelConfig(context_parallel_size=4), 6)
 
 
-def test_context_parallel_needs_transformer_engine_only() -> None:
-    """Refused without Transformer Engine (one line naming the key), allowed with it."""
-    check_context_parallel(ParallelConfig(), transformer_engine=False)
-    with pytest.raises(ConfigError, match=r"^parallel.context_parallel_size = 2 needs Transformer Engine") as err:
-        check_context_parallel(ParallelConfig(context_parallel_size=2), transformer_engine=False)
-    assert "\n" not in str(err.value)
-    check_context_parallel(ParallelConfig(context_parallel_size=4), transformer_engine=True)
+@pytest.mark.parametrize(("dp", "cp", "micro_batches"), [(1, 2, 3), (2, 2, 1), (3, 4, 5), (2, 1, 4)])
+def test_loss_scale_undoes_megatrons_scaling_exactly(
+    monkeypatch: pytest.MonkeyPatch, dp: int, cp: int, micro_batches: int
+) -> None:
+    """The gradient is the sum over micro-batches and DP ranks (`actor.optimizer`): Megatron's own
+    `forward_step_calc_loss`, run here, multiplies the actor's (loss, metrics) by CP / micro-batches,
+    and its DDP divides by DP x CP (`DistributedDataParallel`: gradient_scaling_factor = 1 / the
+    DP x CP group's size); with `loss_scale` the product is 1. It was CP before (`grad_norm` CP
+    times too large, `train.grad_clip` acting at 1 / CP)."""
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+
+    from megatron_rl.actor import optimizer
+
+    def dp_size(with_context_parallel: bool = False) -> int:
+        return dp * cp if with_context_parallel else dp
+
+    monkeypatch.setattr(optimizer.ps, "get_data_parallel_world_size", dp_size)
+    monkeypatch.setattr(optimizer.ps, "get_context_parallel_world_size", lambda: cp)
+    scale = optimizer.loss_scale(micro_batches)
+    config = SimpleNamespace(calculate_per_token_loss=False, timers=None)
+    loss, _ = forward_step_calc_loss(
+        None,
+        torch.tensor(1.0),
+        lambda out: (out * scale, {}),
+        config,
+        None,
+        False,
+        micro_batches,
+        [],
+        cp_group_size=cp,
+        is_last_stage=True,
+    )
+    assert float(loss) / (dp * cp) == pytest.approx(1.0, rel=1e-12)
 
 
 def test_cp_comm_type_checks() -> None:

@@ -100,11 +100,12 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             expected="parallel.backend = 'nccl' needs CUDA",
             needs_no_cuda=True,
         ),
-        "train: context parallelism without Transformer Engine": dict(
+        "train: context parallelism against WORLD_SIZE (no Transformer Engine needed)": dict(
+            world=WORLD_OF_THREE,
             entry="cli",
             argv=["train", config, "parallel.context_parallel_size=2"],
-            expected="parallel.context_parallel_size = 2 needs Transformer Engine",
-            needs_no_cuda=True,
+            expected="world size 3 is not divisible by parallel.tensor_model_parallel_size (1) x "
+            "parallel.pipeline_model_parallel_size (1) x parallel.context_parallel_size (2)",
         ),
         "train: a value out of range": dict(
             entry="cli", argv=["train", config, "train.lr=-1"], expected="train.lr = -1.0 is out of range"

@@ -16,7 +16,7 @@ per-sequence quantities (GSPO's sequence ratio, seq-mean-token-mean) stay row-wi
 
 Under context parallelism (`split_for_context`) every sample of a packed micro-batch starts at a
 multiple of 2 x CP (`build_inputs(..., align=2 * CP)`: each sample's segment padded to that), and a
-CP rank keeps its positions of the model's side only (`actor.context_parallel`: input ids, position
+CP rank keeps its positions of the model's side only (`parallel.context_parallel`: input ids, position
 ids, the head's targets); `to_rows` gathers a per-position result over the CP group first, so the
 loss side still sees whole rows.
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import Tensor
 
-from megatron_rl.actor.context_parallel import ContextSplit, gather_from_context, round_up
 from megatron_rl.actor.micro_batches import MicroBatch
+from megatron_rl.parallel.context_parallel import ContextSplit, gather_from_context, round_up
 
 # Response-aligned float fields, in the order `policy_loss` takes them.
 RESPONSE_FIELDS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
@@ -364,7 +364,7 @@ def _pack_rows(
 
 def split_for_context(inputs: MicroBatchInputs, size: int, rank: int) -> MicroBatchInputs:
     """`inputs` as CP rank `rank` of `size` feeds the model: its positions of the input ids, position
-    ids and the head's targets (`actor.context_parallel`); the loss side (row layout) stays whole.
+    ids and the head's targets (`parallel.context_parallel`); the loss side (row layout) stays whole.
     Every segment (the padded rows' length, or each packed segment) must be a multiple of 2 x `size`."""
     if inputs.context is not None:
         raise ValueError("split_for_context: these inputs are split already")

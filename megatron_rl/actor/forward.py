@@ -44,7 +44,6 @@ from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs, packed_length, split_for_context
-from megatron_rl.actor.context_parallel import round_up
 from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
 from megatron_rl.actor.micro_batches import (
     MicroBatch,
@@ -55,6 +54,7 @@ from megatron_rl.actor.micro_batches import (
     token_imbalance,
 )
 from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.parallel.context_parallel import round_up
 from megatron_rl.parallel.device import local_device
 
 LossFn = Callable[[MicroBatchInputs, LogProbs], tuple[Tensor, Any]]

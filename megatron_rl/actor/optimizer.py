@@ -1,10 +1,11 @@
 """Training state of the actor: DDP-wrapped model chunks, Megatron's (distributed) Adam, the LR schedule.
 
-Gradient convention: Megatron's DDP (with `calculate_per_token_loss` off) scales gradients by
-1/(DP x CP) as it reduces them over DP x CP, and the schedule divides each micro-batch loss by the
-number of micro-batches; the actor's loss function multiplies its loss by both (`loss_scale`), so
-the gradient is the SUM of the micro-batch gradients over all micro-batches and DP ranks, as
-`megatron_rl.losses` requires (under CP each CP rank's gradient is its positions' share of it).
+Gradient convention: the gradient is the SUM of the micro-batch gradients over all micro-batches
+and DP ranks, as `megatron_rl.losses` requires (under CP each CP rank's gradient is its positions'
+share of it). Megatron scales it twice on the way, with `calculate_per_token_loss` off: its
+schedule multiplies a loss function's (loss, metrics) by CP / micro-batches
+(`schedules.forward_step_calc_loss`, to undo the CP part of DDP's average), and its DDP divides by
+DP x CP as it reduces the gradients over DP x CP. `loss_scale` is the one factor that undoes both.
 
 LR schedule: Megatron's `OptimizerParamScheduler`, advanced as Megatron's own training loop does,
 once after each APPLIED optimizer step (`apply_update`: not before the step, not on a step the
@@ -128,5 +129,5 @@ def apply_update(state: TrainingState) -> tuple[bool, float | None, float]:
 
 def loss_scale(num_micro_batches: int) -> float:
     """Factor on each micro-batch loss that turns Megatron's averaging into the sum (see module doc):
-    DDP averages gradients over DP x CP (every CP rank back-propagates its positions' share)."""
-    return float(num_micro_batches * ps.get_data_parallel_world_size(with_context_parallel=True))
+    (micro-batches / CP) x (DP x CP) = micro-batches x DP, CP cancelling out."""
+    return float(num_micro_batches * ps.get_data_parallel_world_size())

@@ -10,7 +10,7 @@ Layouts. Routing per sample is SGLang's `[n - 1, num_layers, top_k]` (positions 
 `actor.batch`). A router sees this rank's tokens of a micro-batch's [rows, max_len] input (right-
 padded rows, or one packed row: each sample from its first position on) flattened position-major
 (Megatron's [s, b, h] order): under context parallelism only the positions its CP rank holds
-(`actor.context_parallel`, in their local order), and with sequence parallelism only its
+(`parallel.context_parallel`, in their local order), and with sequence parallelism only its
 contiguous slice of those / TP; each pipeline stage holds only its layers. Recorded routing is
 gathered over TP and CP back into the original positions.
 
@@ -36,7 +36,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
 
-from megatron_rl.actor.context_parallel import ContextSplit, gather_from_context
+from megatron_rl.parallel.context_parallel import ContextSplit, gather_from_context
 from megatron_rl.parallel.device import local_device
 
 

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.models.context_attention import ContextParallelAttention
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import SequenceParallelRMSNorm
@@ -152,16 +153,20 @@ def mla_fields(model: ModelConfig) -> dict[str, Any]:
     )
 
 
-def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+def _local_layer(spec: ModuleSpec, context_parallel: bool) -> ModuleSpec:
     """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm and the
-    core attention by one that also takes packed sequences (`packed_attention`)."""
+    core attention by one that also takes packed sequences (`packed_attention`) and, under context
+    parallelism, gathers the keys and values over the CP ranks (`context_attention`)."""
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
     attn = sub.self_attention.submodules
     mla = hasattr(attn, "linear_kv_down_proj")
-    attn.core_attention = MLADotProductAttention if mla else PackedDotProductAttention
+    if context_parallel:
+        attn.core_attention = ContextParallelAttention
+    else:
+        attn.core_attention = MLADotProductAttention if mla else PackedDotProductAttention
     for name in ("q_layernorm", "kv_layernorm") if mla else ("q_layernorm", "k_layernorm"):
         if getattr(attn, name) not in (None, IdentityOp):
             setattr(attn, name, SequenceParallelRMSNorm)
@@ -173,14 +178,15 @@ def decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
     norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel) and whose
-    core attention takes packed (THD) sequences too."""
+    core attention takes packed (THD) sequences too, and context parallelism."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
+        layer_specs=[_local_layer(s, config.context_parallel_size > 1) for s in block.layer_specs],
+        layer_norm=SequenceParallelRMSNorm,
     )
 
 
@@ -228,11 +234,6 @@ def build_model(
     """
     _check_parallel_state(parallel)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
-    if parallel.context_parallel_size > 1 and not use_te:
-        raise ValueError(
-            f"parallel.context_parallel_size = {parallel.context_parallel_size} needs Transformer Engine's "
-            "attention; the local specs (use_transformer_engine=False) have no context parallelism"
-        )
     config = transformer_config(
         model,
         parallel,

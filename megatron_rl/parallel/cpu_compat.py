@@ -169,7 +169,8 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """`device='cuda'`, `.cuda()` and `.to('cuda')` land on the CPU; the optimizer sees CUDA type names."""
+    """`device='cuda'`, `.cuda()` and `.to('cuda')` land on the CPU, `pin_memory=True` is dropped (no
+    pinned memory without an accelerator); the optimizer sees CUDA type names."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -177,6 +178,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         result = func(*args, **kwargs)
@@ -341,7 +344,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "device_mode",
         "a TorchFunctionMode sends device='cuda', .cuda() and .to('cuda') to the CPU (causal mask, "
-        "schedules, optimizer buffers, grad clipping) and shows CUDA type names to "
+        "schedules, optimizer buffers, grad clipping), drops pin_memory=True (RoPE's CP chunk index) and "
+        "shows CUDA type names to "
         "megatron.core.optimizer (it checks p.type() == 'torch.cuda.FloatTensor'); re-entered in "
         "the two recompute paths because autograd runs backward without it.",
         (f"{_RANDOM}:CheckpointFunction", f"{_RANDOM}:CheckpointWithoutOutput"),

@@ -48,17 +48,6 @@ def _require(ok: bool, message: str) -> None:
         raise LayoutError(message)
 
 
-def check_context_parallel(parallel: ParallelConfig, transformer_engine: bool) -> None:
-    """`parallel.context_parallel_size` > 1 needs Transformer Engine's attention (Megatron's local
-    attention has no context-parallel exchange of keys and values), so it is refused without it."""
-    cp = parallel.context_parallel_size
-    if cp > 1 and not transformer_engine:
-        raise LayoutError(
-            f"parallel.context_parallel_size = {cp} needs Transformer Engine (a CUDA GPU and transformer_engine); "
-            "set it to 1 here"
-        )
-
-
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:
     """The resolved layout, or ConfigError naming the keys that cannot run on `world_size` ranks.
 

@@ -10,9 +10,8 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel import cpu_compat
-from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import LaunchEnv, read_launch_env
-from megatron_rl.parallel.layout import ParallelLayout, check_context_parallel, check_layout
+from megatron_rl.parallel.layout import ParallelLayout, check_layout
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,6 @@ def init_distributed(
     `destroy_distributed(process_group=False)` before a different layout.
     """
     env = env or read_launch_env()
-    check_context_parallel(parallel, transformer_engine_available())
     layout = check_layout(parallel, env.world_size, model)
     backend = resolve_backend(parallel.backend)
     if torch.cuda.is_available():

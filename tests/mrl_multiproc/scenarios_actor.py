@@ -308,11 +308,14 @@ def check_replayed_experts(actor: MegatronActor, batch: ActorBatch, routing: lis
     for layer, maps in capture.maps.items():
         assert len(maps) == len(micro), f"layer {layer}: {len(maps)} forwards for {len(micro)} micro-batches"
         for mb, routing_map in zip(inputs, maps, strict=True):
-            sl = actor.routing.token_slice(mb.rows, mb.max_len)
-            local = routing_map.view(sl.stop - sl.start, mb.rows, -1)
+            split = mb.context.split if mb.context is not None else None  # CP: this rank's positions
+            held = actor.routing.token_slice(mb.rows, mb.max_len, split).positions.tolist()
+            local = routing_map.view(len(held), mb.rows, -1)
             for i, n, (row, start) in zip(mb.micro_batch.indices, mb.micro_batch.lengths, mb.placements, strict=True):
-                for pos in range(max(sl.start, start), min(sl.stop, start + n - 1)):
-                    got = sorted(local[pos - sl.start, row].nonzero().flatten().tolist())
+                for k, pos in enumerate(held):
+                    if not start <= pos < start + n - 1:
+                        continue
+                    got = sorted(local[k, row].nonzero().flatten().tolist())
                     want = sorted(routing[i][pos - start, layer].tolist())
                     if got != want:
                         raise AssertionError(
@@ -1227,8 +1230,8 @@ def _loss_and_grads(loss_fn, inputs, logp: torch.Tensor, ent: torch.Tensor):  # 
 
 
 def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
-    """CP = 2 over gloo, the model's side left out (its attention needs Transformer Engine): the two
-    ranks hold their positions of per-position log-probs and entropy (as the head gives them), of a
+    """CP = 2 over gloo, the model's side left out (scenarios_cp.py runs the model): the two ranks
+    hold their positions of per-position log-probs and entropy (as the head gives them), of a
     right-padded and of a packed micro-batch; `to_rows` gathers them over the CP group and the actor's
     loss function (`train_step`) runs on them. Loss and metrics (token and sequence counts, the GSPO
     sequence ratio's sum) equal the un-split single-process values, in token-mean,
@@ -1239,12 +1242,12 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.batch import build_inputs, split_for_context
-    from megatron_rl.actor.context_parallel import round_up
     from megatron_rl.actor.forward import is_context_owner
     from megatron_rl.actor.micro_batches import MicroBatch
     from megatron_rl.actor.train_step import _loss_fn, policy_token_loss
     from megatron_rl.losses import LossSpec, global_normalizer
     from megatron_rl.parallel import cpu_compat
+    from megatron_rl.parallel.context_parallel import round_up
 
     cpu_compat.apply_cpu_compat()
     ps.initialize_model_parallel(context_parallel_size=2)
@@ -1292,3 +1295,7 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
                 assert float((total - want).abs().max()) <= 1e-6, f"{what}: {label} gradients of both ranks"
             if name == "gspo":  # the sequence ratio: a mean over tokens that lie on both ranks
                 assert float(metrics["ratio_sum"]) != 0.0 and float(want_g_logp.abs().sum()) > 0, what
+
+
+# Context parallelism's scenarios live in scenarios_cp.py; the launches run them from here.
+from mrl_multiproc.scenarios_cp import w1_cp_references, w2_cp2, w2_cp2_gspo_sft_mla, w4_tp2_cp2  # noqa: E402, F401

@@ -9,11 +9,15 @@ sequence, each padded to a multiple of 2 x CP, as Transformer Engine's
 segment bounds over the model layout's positions ((0, S) padded, the padded `cu_seqlens` packed);
 `positions(rank)` are the positions a rank holds, in its local order.
 
-`gather_from_context` brings a per-position result (log-probs, entropy, recorded routing) of every
-CP rank back into the original order; its backward keeps this rank's positions of the gradient
-and adds nothing over the group: whatever is computed from the gathered values (the loss) is the
-same on every CP rank, so each rank back-propagates only its own positions' share and Megatron's
-DDP, which reduces gradients over DP x CP, sums the shares.
+Two gathers bring every CP rank's part back into the original order, on every CP rank:
+- `gather_from_context`, for a per-position result (log-probs, entropy, recorded routing): its
+  backward keeps this rank's positions of the gradient and adds nothing over the group: whatever is
+  computed from the gathered values (the loss) is the same on every CP rank, so each rank
+  back-propagates only its own positions' share and Megatron's DDP, which reduces gradients over
+  DP x CP, sums the shares.
+- `gather_for_attention`, for attention's keys and values: each CP rank's queries use all of them,
+  so its backward sums the gradient over the group and keeps this rank's positions (a
+  reduce-scatter; gloo has none, so an all-reduce and a slice).
 """
 
 from __future__ import annotations
@@ -110,28 +114,41 @@ def _context_group() -> dist.ProcessGroup:
 
 class _GatherFromContext(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx, local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup, sum_grad: bool) -> Tensor:
         pieces = [torch.empty_like(local) for _ in range(split.size)]
         dist.all_gather(pieces, local.contiguous(), group=group)
-        ctx.split, ctx.dim = split, dim
+        ctx.split, ctx.dim, ctx.group, ctx.sum_grad = split, dim, group, sum_grad
         return split.restore_order(pieces, dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        if ctx.sum_grad:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
         mine = ctx.split.positions().to(grad.device)
-        return grad.index_select(ctx.dim, mine), None, None, None
+        return grad.index_select(ctx.dim, mine), None, None, None, None
 
 
-def gather_from_context(local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's part of a per-position tensor (`split.local_length` positions along `dim`) ->
-    the whole micro-batch's, in the original order, on every CP rank; differentiable (see the module
-    docstring: the backward keeps this rank's positions, no reduction). `group`: the CP group
-    (default: Megatron's)."""
+def _gather(local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup | None, sum_grad: bool) -> Tensor:
     if local.shape[dim] != split.local_length:
         raise ValueError(
-            f"gather_from_context: the tensor has {local.shape[dim]} positions along dim {dim}, this CP rank "
+            f"gather over CP: the tensor has {local.shape[dim]} positions along dim {dim}, this CP rank "
             f"holds {split.local_length} (of {split.length})"
         )
     if split.size == 1:
         return local
-    return _GatherFromContext.apply(local, split, dim, _context_group() if group is None else group)
+    return _GatherFromContext.apply(local, split, dim, _context_group() if group is None else group, sum_grad)
+
+
+def gather_from_context(local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    """This rank's part of a per-position result (`split.local_length` positions along `dim`) ->
+    the whole micro-batch's, in the original order, on every CP rank; differentiable (see the module
+    docstring: the backward keeps this rank's positions, no reduction). `group`: the CP group
+    (default: Megatron's)."""
+    return _gather(local, split, dim, group, sum_grad=False)
+
+
+def gather_for_attention(local: Tensor, split: ContextSplit, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """As `gather_from_context`, for keys and values that every CP rank's queries attend to: the
+    backward sums the gradient over `group`, then keeps this rank's positions."""
+    return _gather(local, split, dim, group, sum_grad=True)
