@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jobcheck
 import psutil
 import pytest
 
@@ -255,7 +256,7 @@ def test_plan_defaults_multi_node_engines_and_explicit_sync(big: Path) -> None:
 
 
 def test_plan_colocated(big: Path) -> None:
-    one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1)
+    one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141)  # H200: see the memory test
     assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
     cmd = one.engines[0].command
     assert "--enable-memory-saver" in cmd and cmd[cmd.index("--mem-fraction-static") + 1] == "0.5"
@@ -265,12 +266,16 @@ def test_plan_colocated(big: Path) -> None:
         "rollout.weight_sync=tensor",
         "checkpoint.every=10",
     ]
-    offload = plan(big, "colocated", "rollout.colocate_offload=true", nodes=1).engines[0].command
+    offload = (
+        plan(big, "colocated", "rollout.colocate_offload=true", "rollout.engine_gpus=8", nodes=1).engines[0].command
+    )
     assert offload[offload.index("--mem-fraction-static") + 1] == "0.7"
-    mine = plan(big, "colocated", nodes=1, engine_args=["--mem-fraction-static", "0.6"]).engines[0].command
-    assert mine.count("--mem-fraction-static") == 1 and mine[-1] == "0.6"  # SGLANG_ARGS wins
+    for given in (["--mem-fraction-static", "0.45"], ["--mem-fraction-static=0.45"]):  # SGLANG_ARGS wins
+        mine = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141, engine_args=given)
+        assert [w for w in mine.engines[0].command if "--mem-fraction-static" in w] == given[:1]
+        assert "--mem-fraction-static 0.45 (SGLANG_ARGS)" in mine.memory[1]
     # several nodes: never a NCCL group holding GPU 0 twice (trainer rank 0 and engine 0's TP rank 0)
-    two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2)
+    two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2, gpu_mem_gib=141)
     assert two.world_size == 16 and [e.nodes for e in two.engines] == [("gpu1",), ("gpu2",)]
     assert "rollout.weight_sync=disk" in two.trainer_overrides
     with pytest.raises(jobplan.PlanError, match=r"rollout.weight_sync = tensor .* other 1 node"):
@@ -301,7 +306,7 @@ def test_plan_cpu_uses_the_least_world_and_the_local_engine(big: Path) -> None:
 
 
 def test_plan_binds_loopback_on_one_node_else_the_node_address_and_no_key_on_a_command_line(big: Path) -> None:
-    one = plan(big, "colocated", "rollout.api_key=user-key-1", "rollout.engine_gpus=8", nodes=1)
+    one = plan(big, "colocated", "rollout.api_key=user-key-1", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141)
     (engine,) = one.engines
     assert engine.command[engine.command.index("--host") + 1] == "127.0.0.1" and engine.addr == "127.0.0.1"
     assert "--api-key" not in engine.command and "user-key-1" not in " ".join(engine.command)
@@ -558,7 +563,7 @@ def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_genera
     SGLang's default /health generates a token, and sglang-router calls it every 60 s. The plan exports
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 to those jobs and refuses a router; lib.sh starts none
     by default."""
-    one = plan(big, "colocated", nodes=1)
+    one = plan(big, "colocated", nodes=1, gpu_mem_gib=141)
     assert one.env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     assert "export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0\n" in jobplan.to_shell(one)
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in plan(big, "disaggregated").env  # memory stays
@@ -631,8 +636,8 @@ def test_presets_pass_the_divisibility_and_memory_checks(
     cfg = load_config(str(preset_configs / f"{name}.yaml"), presets.preset_overrides(name))
     par = cfg.parallel
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == layout
-    mem = jobplan.trainer_memory(cfg, p.world_size)
-    assert abs(mem.total - gib) < 0.1 and mem.total <= jobplan.STATIC_MEMORY_SHARE * 80
+    mem = jobcheck.trainer_memory(cfg, p.world_size)
+    assert abs(mem.total - gib) < 0.1 and mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
     assert {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8}[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by parallel.expert_tensor_parallel"):
