@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
@@ -279,11 +280,11 @@ def check_tokenizer(cfg: Any) -> str | None:
 
     path, key = tokenizer_source(cfg)
     vocab = cfg.model.vocab_size
-    if key == "model.hf_path" and not has_tokenizer_files(path):
-        return (
-            f"{key} = {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): the trainer will refuse it; "
-            "set data.tokenizer_path"
-        )
+    if Path(path).is_dir() and not has_tokenizer_files(path):
+        missing = f"{key} = {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+        if key != "model.hf_path":
+            raise DoesNotFit(missing)
+        return f"{missing}: the trainer will refuse it; set data.tokenizer_path"
     try:
         n = len(load_tokenizer(path, key, vocab_size=vocab))
     except DataError as err:

@@ -379,6 +379,52 @@ def test_plan_refusals(big: Path, mode: str, overrides: list[str], kwargs: dict,
         plan(big, mode, *overrides, nodes=nodes, **kwargs)
 
 
+def test_plan_with_running_servers_starts_none_and_trains_on_every_node(big: Path) -> None:
+    """rollout.sglang_urls (a router or servers) in the job's config: no server or router of its own,
+    every node trains, the URLs reach the trainer as the config gives them; no engine memory to size."""
+    urls = 'rollout.sglang_urls=["http://10.9.0.1:30000"]'
+    p = plan(big, "disaggregated", urls)
+    assert p.train_nodes == NODES4 and p.world_size == 32 and p.engines == [] and p.router is False
+    assert p.external_urls == ["http://10.9.0.1:30000"]
+    assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed", "checkpoint.every=10"]
+    assert len(p.memory) == 1 and p.memory[0].startswith("memory per GPU of 80 GiB (arithmetic): trainer")
+    shell = jobplan.to_shell(p)
+    assert "ENGINE_COUNT=0\n" in shell and "EXTERNAL_URLS=(http://10.9.0.1:30000)\n" in shell
+    assert "START_ROUTER=0\n" in shell and "START_ROUTER=auto\n" in jobplan.to_shell(plan(big, "disaggregated"))
+    assert "no server of its own: rollout.sglang_urls = [http://10.9.0.1:30000]" in jobplan.describe(p)
+    assert plan(big, "disaggregated", urls, nodes=1).world_size == 8  # one node is a job
+    assert plan(big, "disaggregated", urls, train_nodes=4).world_size == 32
+    with pytest.raises(jobplan.PlanError, match=r"TRAIN_NODES=2, but rollout.sglang_urls = \[http://10.9.0.1:30000\]"):
+        plan(big, "disaggregated", urls, train_nodes=2)
+    with pytest.raises(jobplan.PlanError, match=r"but train_colocated.sbatch starts its own engines"):
+        plan(big, "colocated", urls, nodes=1)
+    with pytest.raises(jobplan.PlanError, match=r"ROUTER=1, but rollout.sglang_urls .* unset ROUTER"):
+        plan(big, "disaggregated", urls, router=True)
+
+
+def test_dry_run_plans_without_slurm(big: Path, tmp_path: Path) -> None:
+    """DRY_RUN=1 bash slurm/train.sbatch, no Slurm: NODES and GPUS_PER_NODE give the job; the plan, its
+    memory figures and the commands are printed, no Slurm command runs (each one here fails the run)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for command in ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel"):
+        (fake / command).write_text('#!/bin/sh\necho "a Slurm command ran: $0" >&2\nexit 97\n')
+        (fake / command).chmod(0o755)
+    env = job_env(PATH=f"{fake}:{os.environ['PATH']}", DRY_RUN="1", NODES="4", GPUS_PER_NODE="8", TRAIN_NODES="2")
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")} | {"ROUTER": "0"}
+    args = [str(big / "rl.yaml"), "rollout.engine_gpus=4"]
+    done = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a Slurm command ran" not in done.stderr
+    engines = [line for line in done.stdout.splitlines() if "sglang.launch_server" in line]
+    assert len(engines) == 4 and "engine0 on node3: " in engines[0] and "--tp-size 4 --base-gpu-id 4" in engines[1]
+    assert "trainer on node1,node2 x 8 ranks: " in done.stdout and "rollout.sglang_urls=[...]" in done.stdout
+    assert "memory per GPU of 80 GiB" in done.stderr and "engine (4 GPUs): 14.2 GiB bf16 weights" in done.stderr
+    assert not (big / "run").exists()  # nothing started
+
+
 def test_plan_cli_reports_a_missing_config_in_one_line(big: Path, capsys: pytest.CaptureFixture) -> None:
     rc = jobplan._main(["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "1,2", str(big / "nope.yaml")])
     assert rc == 2
