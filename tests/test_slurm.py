@@ -12,8 +12,9 @@ Every job is the real script running the tiny_math example's model and task on t
 - train_colocated.sbatch, 1 node: trainer and engine share the node, weights by handle, the
   engine's memory released and resumed around the update;
 - convert.sbatch converts the tiny model under srun;
-- train.sbatch with rollout.async_mode=fully_async: the keys reach the trainer, and every weight
-  sync pauses the engine with mode "retract" (partial rollouts) instead of aborting;
+- train.sbatch with rollout.async_mode=fully_async against a `megatron-rl serve` the test started
+  (rollout.sglang_urls): the job starts no server and trains on both nodes, the keys reach the
+  trainer, and every weight sync pauses the engine with mode "retract" (partial rollouts), never aborting;
 - misconfigured submissions fail within seconds, naming the problem.
 
 The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
 
 JOB_TIMEOUT_S = 420  # a hang guard only
+KEY_ENV = jobplan.ENGINE_API_KEY_ENV
 REWARD = "def digits(response: str, answer: str) -> float:\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
 
 
@@ -587,21 +589,40 @@ def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
 
 
 @pytest.mark.slurm
-def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
-    """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
-    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort"."""
-    run_dir = tmp_path / "run"
-    overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
-    job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)
-    state, code, out = wait_job(job, tmp_path)
-    assert (state, code) == ("COMPLETED", 0), out[-4000:]
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
-    logs = run_dir / "logs" / f"job-{job}"
-    text = (logs / "engine0-node2.log").read_text()
-    assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
-    assert "mode abort" not in text
-    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
-    assert not wait_no_leftovers(job, str(logs))
+def test_fully_async_job_on_running_servers(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
+    """train.sbatch against a `megatron-rl serve` started here (rollout.sglang_urls, its key in the
+    submission's environment): the job starts no server, both nodes train, and the async keys reach the
+    trainer: with rollout.async_mode=fully_async (partial rollouts) every weight sync pauses the engine
+    with mode "retract", never "abort"."""
+    from megatron_rl.parallel.launch import free_port
+
+    key, port, engine_log = "key-of-the-running-engine", free_port(), tmp_path / "engine.log"
+    serve = [sys.executable, "-m", "megatron_rl.cli", "serve", "--model", str(work / "model"), "--device", "cpu"]
+    serve += ["--host", "127.0.0.1", "--port", str(port), "--max-running-requests", "1"]
+    with engine_log.open("w") as log:
+        engine = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env=job_env(**{KEY_ENV: key}))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        jobplan.wait_healthy([url], 120, [engine.pid], key)
+        run_dir = tmp_path / "run"
+        overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
+        args = train_args(work, run_dir, *overrides, f'rollout.sglang_urls=["{url}"]')
+        job = submit("train.sbatch", args, tmp_path, 2, job_env(RANKS_PER_NODE="1", **{KEY_ENV: key}))
+        state, code, out = wait_job(job, tmp_path)
+        assert (state, code) == ("COMPLETED", 0), out[-4000:]
+        assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+        assert f"no server of its own: waiting for rollout.sglang_urls {url}" in out
+        logs = run_dir / "logs" / f"job-{job}"
+        assert sorted(p.name for p in logs.glob("*.log")) == ["train-node1-rank0.log", "train-node2-rank1.log"]
+        text = engine_log.read_text()
+        assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
+        assert "mode abort" not in text
+        assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
+        assert not (logs / "engine_api_key").exists()  # the engine's own key, not one made for the job
+        assert not wait_no_leftovers(job, str(logs))
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
 
 
 def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_generate(big: Path, tmp_path: Path) -> None:
