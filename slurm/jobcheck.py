@@ -258,7 +258,8 @@ def memory_lines(
     ]
     if engine is not None:
         lines.append(
-            f"engine ({engine.engine_gpus} GPUs): {engine.weights:.1f} GiB bf16 weights ({engine.params:.1f} B "
+            f"engine ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB bf16 "
+            f"weights ({engine.params:.1f} B "
             f"parameters) + {engine.kv_cache:.1f} GiB KV cache ({engine.kv_tokens:,} tokens at "
             f"{engine.kv_token_bytes:,} bytes) = {engine.static:.1f} GiB: {MEM_FRACTION_FLAG} {engine.fraction:g} "
             f"({engine.fraction_source})"

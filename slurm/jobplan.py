@@ -232,7 +232,8 @@ def _placement(
             if nnodes < 2:
                 raise PlanError(
                     f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
-                    "--nodes=2 or more, use slurm/train_colocated.sbatch, or give running servers in rollout.sglang_urls"
+                    "--nodes=2 or more, use slurm/train_colocated.sbatch, or give running servers in "
+                    "rollout.sglang_urls"
                 )
             n_train = nnodes // 2 if train_nodes is None else train_nodes
             if not 1 <= n_train < nnodes:

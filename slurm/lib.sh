@@ -197,7 +197,8 @@ detect_gpus() {
 }
 
 require_job() {
-  [[ -n ${SLURM_JOB_ID:-} || ${DRY_RUN:-0} == 1 ]] || die "submit this script with sbatch (no SLURM_JOB_ID), or set DRY_RUN=1"
+  [[ -n ${SLURM_JOB_ID:-} || ${DRY_RUN:-0} == 1 ]] ||
+    die "submit this script with sbatch (no SLURM_JOB_ID), or set DRY_RUN=1"
   PYTHON=${PYTHON:-$(command -v python || command -v python3)}
   SGLANG_PYTHON=${SGLANG_PYTHON:-$PYTHON}
   export PYTHON SGLANG_PYTHON

@@ -58,7 +58,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _plan(root: Path, name: str, *overrides: str, nodes: int = 4, mode: str = "disaggregated", **kwargs):  # noqa: ANN202
+def _plan(
+    root: Path, name: str, *overrides: str, nodes: int = 4, mode: str = "disaggregated", **kwargs
+) -> jobplan.JobPlan:
     names = [f"n{i}" for i in range(nodes)]
     return jobplan.make_plan(mode, str(root / f"{name}.yaml"), list(overrides), names, names, 8, "5", **kwargs)
 
