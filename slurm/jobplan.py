@@ -7,13 +7,15 @@
     python slurm/jobplan.py weight-versions --out FILE URL ...      # what each engine serves now
 
 `plan` checks the whole submission before anything starts (the config file, the config itself, the
-node split, the engines' GPUs and the trainer's parallel layout on the world the job gives it) and
-prints one error naming the problem (exit 2) or shell assignments for `eval`. Its layout:
+node split, the engines' GPUs and the trainer's parallel layout on the world the job gives it; memory
+per GPU and the tokenizer: slurm/jobcheck.py) and prints one error naming the problem (exit 2) or shell
+assignments for `eval`, the plan and its memory figures on stderr. It needs no cluster. Its layout:
 
 - disaggregated: the first `train_nodes` nodes train (one rank per GPU; on CPU the smallest world
   the parallel layout accepts), the others serve rollouts: `gpus_per_node / rollout.engine_gpus`
   SGLang servers per node (a server of more GPUs than a node has spans several nodes), or one
   local engine (`megatron-rl serve`) per node on CPU. Weights go over a NCCL (gloo on CPU) group.
+- with `rollout.sglang_urls` (servers or a router that already run): no engine, every node trains.
 - colocated: every node trains and serves; the engines release their memory while the trainer
   updates (`--enable-memory-saver`, a default `--mem-fraction-static`). Weights go by handle
   (`rollout.weight_sync=tensor`) on one node; on more, from disk on GPUs (a NCCL group would hold

@@ -15,30 +15,11 @@ from megatron_rl.models.hf_config import model_config_from_hf
 
 import jobplan
 import tiny_tokenizer
-from mrl_configs import QWEN3_30B_A3B
+from mrl_configs import QWEN3_30B_A3B, write_plan_config
 
 GIB = 2**30
 QWEN_PARAMS = 1_541_093_376 + 28_991_029_248  # Qwen3-30B-A3B: dense + routed experts
 DSV3_PARAMS = 671_026_419_200  # DeepSeek-V3: 17,117,648,384 dense + 653,908,770,816 experts
-
-
-def _write_model(root: Path, name: str, hf_config: dict) -> Path:
-    """A config.json folder and a YAML naming it, its model section the checkpoint's shape (bf16)."""
-    (root / name).mkdir()
-    (root / name / "config.json").write_text(json.dumps(hf_config))
-    model = {k: v for k, v in vars(model_config_from_hf(hf_config, source=name)).items() if k not in ("lora",)}
-    config = {
-        "model": {**model, "hf_path": str(root / name), "params_dtype": "bf16", "recompute": True},
-        "parallel": {
-            "tensor_model_parallel_size": 4,
-            "expert_model_parallel_size": 8,
-            "expert_tensor_parallel_size": 1,
-        },
-        "data": {"train_path": str(root / "train.jsonl")},
-        "logging": {"run_dir": str(root / "run")},
-    }
-    (root / f"{name}.yaml").write_text(json.dumps(config))
-    return root / f"{name}.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +27,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-30B-A3B (TP 4, EP 8), the same with a vocabulary of 16, 56 and 57, DeepSeek-V3's config,
     and tiny_math's tokenizer of 28 tokens."""
     root = tmp_path_factory.mktemp("jobcheck")
-    _write_model(root, "qwen", QWEN3_30B_A3B)
-    _write_model(root, "vocab16", {**QWEN3_30B_A3B, "vocab_size": 16})
-    _write_model(root, "vocab56", {**QWEN3_30B_A3B, "vocab_size": 56})
-    _write_model(root, "vocab57", {**QWEN3_30B_A3B, "vocab_size": 57})
+    write_plan_config(root, "qwen", QWEN3_30B_A3B, "qwen.yaml")
+    write_plan_config(root, "vocab16", {**QWEN3_30B_A3B, "vocab_size": 16}, "vocab16.yaml")
+    write_plan_config(root, "vocab56", {**QWEN3_30B_A3B, "vocab_size": 56}, "vocab56.yaml")
+    write_plan_config(root, "vocab57", {**QWEN3_30B_A3B, "vocab_size": 57}, "vocab57.yaml")
     (root / "dsv3").mkdir()
     (root / "dsv3" / "config.json").write_text(json.dumps(presets.DEEPSEEK_V3_671B))
     config = {"model": {"hf_path": str(root / "dsv3")}, "data": {"train_path": "t.jsonl"}, "logging": {"run_dir": "r"}}
@@ -122,7 +103,7 @@ def test_a_passing_plan_prints_the_trainer_and_engine_memory(models: Path) -> No
 def test_deepseek_v3_on_one_node_of_engines_is_refused_with_its_figures(models: Path) -> None:
     """1.34 TB of bf16 weights on 8 x 80 GiB: 671,026,419,200 x 2 bytes / 8 = 156.2 GiB per GPU against
     0.8 x 80 = 64.0 GiB (SGLang's default for TP 8 with MLA); 24 GPUs would fit: 52.1 GiB of weights in
-    0.775 x 80 = 62.0 GiB leave 9.9 GiB, 151,000 tokens (16 GPUs: 78.1 GiB of weights, over 0.787 x 80)."""
+    0.775 x 80 = 62.0 GiB leave 9.9 GiB, about 151,600 tokens (16 GPUs: 78.1 GiB of weights, over 0.787 x 80)."""
     assert DSV3_PARAMS * 2 / 8 / GIB == pytest.approx(156.2, abs=0.05)
     expected = (
         "a rollout engine needs 156.2 GiB per GPU of bf16 weights (1250 GiB for 671.0 B parameters / "
@@ -158,9 +139,9 @@ def test_an_engine_without_room_for_one_sequence_is_refused(models: Path) -> Non
 
 
 def test_colocated_trainer_and_engines_share_each_gpu(models: Path) -> None:
-    """One node of 8 ranks: DP 2, expert DP 1. While the engines generate, the trainer keeps 7.1 GiB of bf16
-    weights + 14.2 GiB of gradients + 43.8 GiB of optimizer state = 65.1 GiB, over the 40 GiB the
-    colocated default (0.5) leaves of 80 GiB; with rollout.colocate_offload (0.7) 21.3 GiB within 24 GiB."""
+    """One node of 8 ranks: DP 2, expert DP 1. While the engines generate, the trainer keeps 7.5 GiB of bf16
+    weights + 14.9 GiB of gradients + 42.7 GiB of optimizer state = 65.1 GiB, over the 40 GiB the
+    colocated default (0.5) leaves of 80 GiB; with rollout.colocate_offload (0.7) 22.4 GiB within 24 GiB."""
     dense, experts = 1_541_093_376 / 4, 28_991_029_248 / 8
     kept = (dense + experts) * 6 / GIB + (dense * 12 / 2 + experts * 12) / GIB
     assert kept == pytest.approx(65.1, abs=0.05)
@@ -173,6 +154,7 @@ def test_colocated_trainer_and_engines_share_each_gpu(models: Path) -> None:
     )
     offload = _plan(models, "qwen", "rollout.engine_gpus=8", "rollout.colocate_offload=true", nodes=1, mode="colocated")
     weights_and_grads = (dense + experts) * 6 / GIB
+    assert weights_and_grads == pytest.approx(22.4, abs=0.05)
     assert offload.memory[2] == f"colocated: the trainer keeps {weights_and_grads:.1f} GiB while the engines generate"
     assert "--mem-fraction-static 0.7 (the colocated default)" in offload.memory[1]
 

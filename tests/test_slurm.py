@@ -39,7 +39,7 @@ import psutil
 import pytest
 
 import jobplan
-from mrl_configs import QWEN3_30B_A3B
+from mrl_configs import QWEN3_30B_A3B, write_plan_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
@@ -179,35 +179,7 @@ ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config for a 30B-A3B-class policy, laid out as in docs/slurm.md (TP 4, EP 8, ETP 1)."""
     root = tmp_path_factory.mktemp("plan")
-    (root / "qwen3_30b_a3b").mkdir()
-    (root / "qwen3_30b_a3b" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    config = {
-        # the trainer reads the architecture from config.json, but the YAML's model section is validated
-        # against the parallel layout first, so it names the same shape
-        "model": {
-            "hf_path": str(root / "qwen3_30b_a3b"),
-            "num_layers": 48,
-            "hidden_size": 2048,
-            "ffn_hidden_size": 6144,
-            "num_attention_heads": 32,
-            "num_query_groups": 4,
-            "kv_channels": 128,
-            "vocab_size": 151936,
-            "num_experts": 128,
-            "moe_router_topk": 8,
-            "moe_ffn_hidden_size": 768,
-            "params_dtype": "bf16",
-            "recompute": True,
-        },
-        "parallel": {
-            "tensor_model_parallel_size": 4,
-            "expert_model_parallel_size": 8,
-            "expert_tensor_parallel_size": 1,
-        },
-        "data": {"train_path": str(root / "train.jsonl")},
-        "logging": {"run_dir": str(root / "run")},
-    }
-    (root / "rl.yaml").write_text(json.dumps(config))
+    write_plan_config(root, "qwen3_30b_a3b", QWEN3_30B_A3B, "rl.yaml")
     return root
 
 
