@@ -7,13 +7,15 @@
     python slurm/jobplan.py weight-versions --out FILE URL ...      # what each engine serves now
 
 `plan` checks the whole submission before anything starts (the config file, the config itself, the
-node split, the engines' GPUs and the trainer's parallel layout on the world the job gives it) and
-prints one error naming the problem (exit 2) or shell assignments for `eval`. Its layout:
+node split, the engines' GPUs and the trainer's parallel layout on the world the job gives it; memory
+per GPU and the tokenizer: slurm/jobcheck.py) and prints one error naming the problem (exit 2) or shell
+assignments for `eval`, the plan and its memory figures on stderr. It needs no cluster. Its layout:
 
 - disaggregated: the first `train_nodes` nodes train (one rank per GPU; on CPU the smallest world
   the parallel layout accepts), the others serve rollouts: `gpus_per_node / rollout.engine_gpus`
   SGLang servers per node (a server of more GPUs than a node has spans several nodes), or one
   local engine (`megatron-rl serve`) per node on CPU. Weights go over a NCCL (gloo on CPU) group.
+- with `rollout.sglang_urls` (servers or a router that already run): no engine, every node trains.
 - colocated: every node trains and serves; the engines release their memory while the trainer
   updates (`--enable-memory-saver`, a default `--mem-fraction-static`). Weights go by handle
   (`rollout.weight_sync=tensor`) on one node; on more, from disk on GPUs (a NCCL group would hold
@@ -49,9 +51,11 @@ from typing import Any
 
 from megatron_rl.rollout.local.launcher import API_KEY_ENV as ENGINE_API_KEY_ENV
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path: its siblings jobcheck.py, presets.py
+    sys.path.append(str(Path(__file__).resolve().parent))
+import jobcheck  # noqa: E402
+
 CHECKPOINT_EVERY = 10  # the trainer's checkpoint cadence in a job, unless the config sets checkpoint.every
-GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
-STATIC_MEMORY_SHARE = 0.9  # of a GPU for weights, gradients and optimizer state; the rest: activations, buffers
 
 
 class PlanError(ValueError):
@@ -81,9 +85,12 @@ class JobPlan:
     master_addr: str
     engines: list[Engine]
     trainer_overrides: list[str] = field(default_factory=list)
-    router: bool = False
+    router: bool | None = False  # None: lib.sh's default (when sglang_router imports)
     api_key: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # exported to every step (trainer and engines)
+    external_urls: list[str] = field(default_factory=list)  # rollout.sglang_urls: the job starts no server
+    memory: list[str] = field(default_factory=list)  # the figures per GPU (GPU jobs)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -193,8 +200,8 @@ def _engine_command(
         cmd += ["--tp-size", str(ro.engine_gpus), "--base-gpu-id", str(base_gpu)]
         if ro.colocate:
             cmd.append("--enable-memory-saver")
-            if "--mem-fraction-static" not in extra:
-                cmd += ["--mem-fraction-static", COLOCATED_MEM_FRACTION[bool(ro.colocate_offload)]]
+            if jobcheck.flag_value(extra, jobcheck.MEM_FRACTION_FLAG) is None:
+                cmd += [jobcheck.MEM_FRACTION_FLAG, COLOCATED_MEM_FRACTION[bool(ro.colocate_offload)]]
         if ro.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if nnodes > 1:
@@ -205,21 +212,37 @@ def _engine_command(
 def _placement(
     mode: str, nodes: Sequence[str], train_nodes: int | None, cfg: Any, explicit: set[str], gpu: bool
 ) -> tuple[int, list[str], list[str]]:
-    """(training nodes, rollout nodes, the trainer's placement overrides) of `mode`."""
+    """(training nodes, rollout nodes, the trainer's placement overrides) of `mode`. With servers of its
+    own (`rollout.sglang_urls`: a router or servers) a job starts none, and every node trains."""
     nnodes = len(nodes)
     forced = ["rollout.engine=sglang"]
+    external = ", ".join(cfg.rollout.sglang_urls)
+    if external and mode == "colocated":
+        raise PlanError(
+            f"rollout.sglang_urls = [{external}], but train_colocated.sbatch starts its own engines on the trainer's "
+            "GPUs: submit slurm/train.sbatch to train on every node against those servers"
+        )
     if mode == "disaggregated":
-        if nnodes < 2:
-            raise PlanError(
-                f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
-                "--nodes=2 or more, or use slurm/train_colocated.sbatch"
-            )
-        n_train = nnodes // 2 if train_nodes is None else train_nodes
-        if not 1 <= n_train < nnodes:
-            raise PlanError(
-                f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): 1 to {nnodes - 1} "
-                "can train, leaving the others to serve rollouts"
-            )
+        if external:
+            if train_nodes not in (None, nnodes):
+                raise PlanError(
+                    f"TRAIN_NODES={train_nodes}, but rollout.sglang_urls = [{external}] gives the servers: the job "
+                    f"starts none and trains on all {nnodes} nodes; unset TRAIN_NODES, or submit --nodes={train_nodes}"
+                )
+            n_train = nnodes
+        else:
+            if nnodes < 2:
+                raise PlanError(
+                    f"the job has {nnodes} node; train.sbatch needs at least 2 (training + rollout): submit with "
+                    "--nodes=2 or more, use slurm/train_colocated.sbatch, or give running servers in "
+                    "rollout.sglang_urls"
+                )
+            n_train = nnodes // 2 if train_nodes is None else train_nodes
+            if not 1 <= n_train < nnodes:
+                raise PlanError(
+                    f"TRAIN_NODES={n_train} but the job has {nnodes} nodes (sbatch --nodes={nnodes}): 1 to "
+                    f"{nnodes - 1} can train, leaving the others to serve rollouts"
+                )
         if cfg.rollout.colocate:
             raise PlanError(
                 "rollout.colocate = true, but train.sbatch runs the engines on their own nodes: "
@@ -280,16 +303,17 @@ def make_plan(
     python: str = sys.executable,
     bind: str = "auto",
     engine_args: Sequence[str] = (),
-    router: bool = False,
+    router: bool | None = None,
     sglang_python: str | None = None,
     environ: dict[str, str] | None = None,
     preset: str | None = None,
-    gpu_mem_gib: float = GPU_MEMORY_GIB,
+    gpu_mem_gib: float = jobcheck.GPU_MEMORY_GIB,
 ) -> JobPlan:
     """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError.
-    `sglang_python` runs the SGLang servers (default `python`: one environment for both roles);
-    `environ` (default os.environ) gives NCCL settings set at submission; `preset` (slurm/presets.py)
-    puts a model's layout before `overrides`; on GPUs the trainer's static memory must fit `gpu_mem_gib`."""
+    `router`: ROUTER (None: lib.sh's default); `sglang_python` runs the SGLang servers (default `python`:
+    one environment for both roles); `environ` (default os.environ) gives NCCL settings set at submission;
+    `preset` (slurm/presets.py) puts a model's layout before `overrides`; on GPUs the trainer and the
+    engines must fit `gpu_mem_gib` (slurm/jobcheck.py)."""
     from megatron_rl.config import load_config
 
     if preset:
@@ -317,6 +341,12 @@ def make_plan(
     placement = ["rollout.colocate=true"] if mode == "colocated" else []
     cfg = load_config(config_path, [*overrides, *placement])
     explicit = _explicit_keys(config_path, overrides)
+    external = list(cfg.rollout.sglang_urls)
+    if router and external:
+        raise PlanError(
+            f"ROUTER=1, but rollout.sglang_urls = [{', '.join(external)}] gives the servers: the job starts neither "
+            "servers nor a router; unset ROUTER"
+        )
     n_train, rollout_nodes, forced = _placement(mode, nodes, train_nodes, cfg, explicit, gpus_per_node > 0)
     if "checkpoint.every" not in explicit:  # a requeued or preempted job resumes from the last of these
         forced.append(f"checkpoint.every={CHECKPOINT_EVERY}")
@@ -324,7 +354,8 @@ def make_plan(
         forced.append("rollout.engine_gpus=1")  # the local engine is one process
 
     # the config as the trainer will see it: user settings, the placement's, the servers' addresses (known later)
-    cfg = load_config(config_path, [*overrides, *forced, 'rollout.sglang_urls=["http://servers.pending:1"]'])
+    pending = [] if external else ['rollout.sglang_urls=["http://servers.pending:1"]']
+    cfg = load_config(config_path, [*overrides, *forced, *pending])
     if not cfg.model.hf_path:
         raise PlanError(
             "model.hf_path is not set: the rollout engines load a Hugging Face folder "
@@ -342,8 +373,13 @@ def make_plan(
         cfg = validate_run(cfg, "train", world_size=n_train * rpn, cuda_available=gpus_per_node > 0)
     except LayoutError as err:
         raise PlanError(f"{err} (trainer world = {n_train} training node(s) x {rpn} ranks per node)") from None
-    if gpus_per_node:
-        check_trainer_memory(cfg, n_train * rpn, gpu_mem_gib)
+    colocated_fraction = COLOCATED_MEM_FRACTION[bool(cfg.rollout.colocate_offload)] if mode == "colocated" else None
+    try:
+        memory, warnings = jobcheck.check_resources(
+            cfg, n_train * rpn, gpus_per_node, gpu_mem_gib, engine_args, not external, colocated_fraction
+        )
+    except jobcheck.DoesNotFit as err:
+        raise PlanError(str(err)) from None
 
     addr_of = dict(zip(nodes, addrs, strict=True))
     base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500  # multi-node engines' rendezvous
@@ -370,67 +406,13 @@ def make_plan(
         master_addr=addr_of[nodes[0]],
         engines=engines,
         trainer_overrides=forced,
-        router=router,
+        router=False if external or mode == "colocated" else router,
         api_key=cfg.rollout.api_key,
         env=_job_env(mode, gpus_per_node, dict(os.environ if environ is None else environ)),
+        external_urls=external,
+        memory=memory,
+        warnings=warnings,
     )
-
-
-@dataclass(frozen=True)
-class TrainerMemory:
-    """Arithmetic per GPU of the trainer's static state (not a measurement), in GiB."""
-
-    dense_params: float  # billions on one GPU: dense / (TP x PP)
-    expert_params: float  # billions on one GPU: experts / (EP x ETP x PP)
-    weights: float
-    grads: float
-    optimizer: float  # fp32 master copy (unless fp32 weights) and Adam's two moments, sharded over (expert) DP
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer
-
-
-def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
-    """Per-GPU weights (params_dtype), fp32 gradients and optimizer state of `cfg`'s model under its layout
-    on `world` ranks; the distributed optimizer shards the state over the data-parallel ranks (the
-    experts' over the expert-data-parallel ones)."""
-    from megatron_rl.models.families import parameter_counts
-    from megatron_rl.parallel.layout import resolve_expert_tensor_parallel
-
-    par = cfg.parallel
-    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
-    etp = resolve_expert_tensor_parallel(par)
-    dense, experts = parameter_counts(cfg.model)
-    dense_local, expert_local = dense / (tp * pp), experts / (ep * etp * pp)
-    dp = world // (tp * pp * par.context_parallel_size)
-    expert_dp = world // (ep * etp * pp)
-    width = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.model.params_dtype]
-    state = 8 + (0 if width == 4 else 4)  # Adam's moments (+ the fp32 master weights)
-    shard = (dp, expert_dp) if par.use_distributed_optimizer else (1, 1)
-    gib = 2**30
-    return TrainerMemory(
-        dense_params=dense_local / 1e9,
-        expert_params=expert_local / 1e9,
-        weights=(dense_local + expert_local) * width / gib,
-        grads=(dense_local + expert_local) * 4 / gib,
-        optimizer=(dense_local * state / shard[0] + expert_local * state / shard[1]) / gib,
-    )
-
-
-def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMemory:
-    """PlanError naming the layout keys when the trainer's static state exceeds STATIC_MEMORY_SHARE of a GPU."""
-    mem = trainer_memory(cfg, world)
-    limit = STATIC_MEMORY_SHARE * gpu_mem_gib
-    if mem.total > limit:
-        raise PlanError(
-            f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state "
-            f"({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per GPU: "
-            f"{mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
-            f"{STATIC_MEMORY_SHARE:.0%} of GPU_MEM_GIB={gpu_mem_gib:g}: raise parallel.expert_model_parallel_size, "
-            "parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size, or train on more nodes"
-        )
-    return mem
 
 
 def _job_env(mode: str, gpus_per_node: int, environ: dict[str, str]) -> dict[str, str]:
@@ -459,7 +441,8 @@ def to_shell(plan: JobPlan) -> str:
         f"MASTER_ADDR={q(plan.master_addr)}",
         array("TRAINER_OVERRIDES", plan.trainer_overrides),
         f"ENGINE_COUNT={len(plan.engines)}",
-        f"START_ROUTER={int(plan.router)}",
+        array("EXTERNAL_URLS", plan.external_urls),
+        f"START_ROUTER={'auto' if plan.router is None else int(plan.router)}",
         f"ENGINE_API_KEY={q(plan.api_key or '')}",
     ]
     lines += [f"export {key}={q(value)}" for key, value in plan.env.items()]
@@ -474,17 +457,22 @@ def to_shell(plan: JobPlan) -> str:
 
 def describe(plan: JobPlan) -> str:
     """A few human lines for the job's output."""
+    servers = f"no server of its own: rollout.sglang_urls = [{', '.join(plan.external_urls)}]"
+    if not plan.external_urls:
+        servers = f"{len(plan.engines)} engine(s): " + "; ".join(
+            f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.engines
+        )
     out = [
         f"{plan.mode} on {plan.device}: trainer {len(plan.train_nodes)} node(s) x {plan.ranks_per_node} ranks "
         f"= world {plan.world_size} on {','.join(plan.train_nodes)}, master {plan.master_addr}",
-        f"{len(plan.engines)} engine(s): "
-        + "; ".join(f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.engines),
+        servers,
+        *plan.memory,
         f"run folder {plan.run_dir}, logs {plan.log_dir}",
         "trainer overrides: " + " ".join(plan.trainer_overrides),
     ]
     if plan.env:
         out.append("exported to every step: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
-    return "\n".join(out)
+    return "\n".join(out + [f"warning: {w}" for w in plan.warnings])
 
 
 # ---- small tools for the job script ----
@@ -574,11 +562,13 @@ def _main(argv: list[str] | None = None) -> int:
         "--bind", default="auto", help="address the engines bind; auto = 127.0.0.1 on one node, else the node's"
     )
     p.add_argument("--engine-args", default="", help="extra engine arguments (shell words)")
-    p.add_argument("--router", action="store_true", help="start an sglang-router in front of the engines")
+    p.add_argument(
+        "--router", default="", choices=["", "0", "1"], help="an sglang-router in front of the engines; empty = auto"
+    )
     p.add_argument("--sglang-python", default="", help="interpreter of the SGLang servers; empty = the planner's")
     p.add_argument("--preset", default=os.environ.get("PRESET", ""), help="a layout of slurm/presets.py ($PRESET)")
     p.add_argument(
-        "--gpu-mem-gib", type=float, default=float(os.environ.get("GPU_MEM_GIB") or GPU_MEMORY_GIB),
+        "--gpu-mem-gib", type=float, default=float(os.environ.get("GPU_MEM_GIB") or jobcheck.GPU_MEMORY_GIB),
         help="memory of one GPU ($GPU_MEM_GIB)",
     )  # fmt: skip
     p.add_argument("config")
@@ -614,7 +604,7 @@ def _main(argv: list[str] | None = None) -> int:
                 ranks_per_node=_int_or_none(args.ranks_per_node, "RANKS_PER_NODE"),
                 bind=args.bind,
                 engine_args=shlex.split(args.engine_args),
-                router=args.router,
+                router=bool(int(args.router)) if args.router else None,
                 sglang_python=args.sglang_python or None,
                 preset=args.preset or None,
                 gpu_mem_gib=args.gpu_mem_gib,

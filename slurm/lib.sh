@@ -6,7 +6,8 @@
 # 1. plan (slurm/jobplan.py): check the config, the node split and the trainer's parallel layout;
 #    fail at once with one message naming the problem;
 # 2. start the rollout servers as background job steps (one srun each), wait for their /health,
-#    then an sglang-router in front of them when there is one;
+#    then an sglang-router in front of them when there is one; with rollout.sglang_urls in the config
+#    (a router or servers running already) start none, wait for those, and train on every node;
 # 3. run the trainer (one srun: one task per GPU, on CPU the least ranks the layout takes) with
 #    rollout.engine=sglang rollout.sglang_urls=[the servers] and --resume-if-any;
 # 4. record each server's final weight version (LOG_DIR/engines.json), stop every step, exit with
@@ -19,7 +20,8 @@
 # the job exits with the trainer's status (0: a chained `--dependency=afterok` job continues).
 #
 # Environment (all optional):
-#   TRAIN_NODES        disaggregated: nodes that train, the first ones of the job (default: half)
+#   TRAIN_NODES        disaggregated: nodes that train, the first ones of the job (default: half; all of
+#                      them, and no other value, when rollout.sglang_urls gives the servers)
 #   RANKS_PER_NODE     trainer ranks per node (default: the GPUs per node; CPU: the least the layout takes)
 #   GPUS_PER_NODE      GPUs per node (default: Slurm's count, else nvidia-smi's; 0 = CPU run)
 #   RESUME             1 (default): --resume-if-any (the newest checkpoint, or a fresh start in a run folder
@@ -41,7 +43,9 @@
 #                      pins its own torch and transformers, so it may live in an environment of its own
 #   NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE  exported to every step of a GPU job (default 0 and 0, SGLang's
 #                      own defaults), so trainer and engines agree in the weight-update group
-#   DRY_RUN            1: print the plan and the commands, start nothing
+#   DRY_RUN            1: print the plan and the commands, start nothing; outside a Slurm job (bash
+#                      slurm/train.sbatch ...) it plans for NODES nodes (default: 2 for train.sbatch, 1 for
+#                      train_colocated.sbatch) named node1..nodeN, and GPUS_PER_NODE GPUs (default 0: CPU)
 
 say() { echo "[$(date '+%F %T')] $*"; }
 die() {
@@ -164,12 +168,19 @@ install_traps() {
 }
 
 # ---- the job's nodes ----
-job_nodes() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
+# Outside a job (a dry run): NODES nodes named node1..nodeN, each its own address.
+job_nodes() {
+  if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+  else
+    seq -f 'node%g' "${NODES:-$1}"
+  fi
+}
 
 # Slurm's NodeAddr of a node: what the other nodes connect to.
 node_addr() {
-  local addr
-  addr=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  local addr=""
+  [[ -n ${SLURM_JOB_ID:-} ]] && addr=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
   echo "${addr:-$1}"
 }
 
@@ -186,7 +197,8 @@ detect_gpus() {
 }
 
 require_job() {
-  [[ -n ${SLURM_JOB_ID:-} ]] || die "submit this script with sbatch (no SLURM_JOB_ID)"
+  [[ -n ${SLURM_JOB_ID:-} || ${DRY_RUN:-0} == 1 ]] ||
+    die "submit this script with sbatch (no SLURM_JOB_ID), or set DRY_RUN=1"
   PYTHON=${PYTHON:-$(command -v python || command -v python3)}
   SGLANG_PYTHON=${SGLANG_PYTHON:-$PYTHON}
   export PYTHON SGLANG_PYTHON
@@ -258,6 +270,16 @@ start_engines() {
   }
 }
 
+# The servers (or router) of rollout.sglang_urls, which the job does not start: their key is the
+# config's rollout.api_key, else the submission's $MEGATRON_RL_ENGINE_API_KEY. Sets ENGINE_URLS.
+use_external_servers() {
+  ENGINE_URLS=("${EXTERNAL_URLS[@]}")
+  [[ -n $ENGINE_API_KEY ]] && export MEGATRON_RL_ENGINE_API_KEY=$ENGINE_API_KEY
+  say "no server of its own: waiting for rollout.sglang_urls ${ENGINE_URLS[*]} to answer /health"
+  "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout "${ENGINE_TIMEOUT:-1800}" "${ENGINE_URLS[@]}" ||
+    die "the servers of rollout.sglang_urls did not answer /health"
+}
+
 start_router() {
   local -n hosts="ENGINE_NODES_0" addr="ENGINE_ADDR_0"
   start_server router "$addr" "${hosts[0]}" --overlap -- "$SGLANG_PYTHON" -m sglang_router.launch_router \
@@ -311,49 +333,53 @@ run_job() {
   local config=$1
   shift
   local -a overrides=("$@") nodes=() addrs=()
-  local started=$SECONDS n gpus router engine_args plan
-  mapfile -t nodes < <(job_nodes)
+  local started=$SECONDS n gpus engine_args plan job_id=${SLURM_JOB_ID:-dry-run} default_nodes=2
+  [[ $mode == colocated ]] && default_nodes=1
+  mapfile -t nodes < <(job_nodes "$default_nodes")
   for n in "${nodes[@]}"; do addrs+=("$(node_addr "$n")"); done
   gpus=$(detect_gpus)
-  router=${ROUTER:-$(default_router "$mode" "$gpus")}
   engine_args=${LOCAL_ENGINE_ARGS:-}
   ((gpus > 0)) && engine_args=${SGLANG_ARGS:-}
-  local -a plan_args=(--mode "$mode" --job-id "$SLURM_JOB_ID" --gpus-per-node "$gpus"
+  local -a plan_args=(--mode "$mode" --job-id "$job_id" --gpus-per-node "$gpus"
     --nodes "$(join_by , "${nodes[@]}")" --addrs "$(join_by , "${addrs[@]}")"
-    --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}"
+    --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}" --router "${ROUTER:-}"
     --bind "${ENGINE_BIND:-auto}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON")
-  ((router)) && plan_args+=(--router)
 
-  say "job $SLURM_JOB_ID ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
+  say "job $job_id ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
   plan=$("$PYTHON" "$SLURM_DIR/jobplan.py" plan "${plan_args[@]}" "$config" "${overrides[@]}") || exit 2
   eval "$plan" # also exports the NCCL settings of a GPU job, before any step starts
+  [[ $START_ROUTER == auto ]] && START_ROUTER=$(default_router "$PLAN_MODE" "$gpus")
   local -a overlap=()
   [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
   local -a resume=()
   [[ ${RESUME:-1} == 1 ]] && resume=(--resume-if-any) # a first job starts afresh; a damaged run is refused
   local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
   if [[ ${DRY_RUN:-0} == 1 ]]; then
-    local i
+    local i urls='rollout.sglang_urls=[...]'
+    ((${#EXTERNAL_URLS[@]})) && urls="(the config's rollout.sglang_urls: ${EXTERNAL_URLS[*]})"
     for ((i = 0; i < ENGINE_COUNT; i++)); do
       local -n cmd="ENGINE_CMD_$i" hosts="ENGINE_NODES_$i"
       say "engine$i on $(join_by , "${hosts[@]}"): ${cmd[*]}"
       unset -n cmd hosts
     done
     ((START_ROUTER)) && say "router on ${ENGINE_NODES_0[0]}: sglang_router.launch_router --worker-urls ..."
-    say "trainer on $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks: ${trainer[*]} rollout.sglang_urls=[...] ${resume[*]}"
+    say "trainer on $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks: ${trainer[*]} $urls ${resume[*]}"
     return 0
   fi
   mkdir -p "$LOG_DIR/endpoints"
   rm -f "$LOG_DIR"/endpoints/*.url
-  write_job_key "$LOG_DIR/engine_api_key"
   install_traps
-
-  start_engines
-  say "$ENGINE_COUNT rollout server(s) healthy after $((SECONDS - started)) s"
-  ((START_ROUTER)) && start_router
-
-  # the trainer talks to each server itself: weight updates must reach every one
-  trainer+=("rollout.sglang_urls=[$(printf '"%s",' "${ENGINE_URLS[@]}" | sed 's/,$//')]" "${resume[@]}")
+  if ((${#EXTERNAL_URLS[@]})); then
+    use_external_servers
+    trainer+=("${resume[@]}")
+  else
+    write_job_key "$LOG_DIR/engine_api_key"
+    start_engines
+    say "$ENGINE_COUNT rollout server(s) healthy after $((SECONDS - started)) s"
+    ((START_ROUTER)) && start_router
+    # the trainer talks to each server itself: weight updates must reach every one
+    trainer+=("rollout.sglang_urls=[$(printf '"%s",' "${ENGINE_URLS[@]}" | sed 's/,$//')]" "${resume[@]}")
+  fi
   MASTER_PORT=$("$PYTHON" "$SLURM_DIR/jobplan.py" free-port)
   export MASTER_ADDR MASTER_PORT
   unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK # Slurm's variables give the ranks

@@ -6,7 +6,8 @@ A preset is the published config.json of the model (the architecture keys that m
 `model.hf_path` config.json is what the trainer builds, and the planner reads it again) and a trainer
 layout for nodes of 8 x 80 GB GPUs: its `model.*` and `parallel.*` overrides go before the job's own
 overrides, which win. `jobplan.make_plan` then checks the layout's divisibility on the job's world
-(`validate_run`) and its memory (`jobplan.trainer_memory`: static state within 90% of the GPU). The
+(`validate_run`) and its memory (`jobcheck`: the trainer's static state within 90% of the GPU, the
+engines' weights and KV cache within SGLang's static share). The
 training node counts are the smallest worlds the expert layout divides; the rollout servers hold the
 bf16 weights (`rollout.engine_gpus`) with room left for the KV cache.
 

@@ -146,6 +146,31 @@ QWEN3_30B_A3B: dict[str, Any] = {
 }
 
 
+def write_plan_config(root: Path, folder: str, hf_config: dict[str, Any], yaml: str) -> Path:
+    """A Slurm planner's config (tests/test_slurm.py, tests/test_jobcheck.py): `hf_config` as
+    ROOT/FOLDER/config.json and ROOT/YAML naming it, its model section the same shape (validated against
+    the layout before config.json is read), bf16 with recompute, TP 4, EP 8, ETP 1 as in docs/slurm.md."""
+    import json
+
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    (root / folder).mkdir()
+    (root / folder / "config.json").write_text(json.dumps(hf_config))
+    model = {k: v for k, v in vars(model_config_from_hf(hf_config, source=folder)).items() if k != "lora"}
+    config = {
+        "model": {**model, "hf_path": str(root / folder), "params_dtype": "bf16", "recompute": True},
+        "parallel": {
+            "tensor_model_parallel_size": 4,
+            "expert_model_parallel_size": 8,
+            "expert_tensor_parallel_size": 1,
+        },
+        "data": {"train_path": str(root / "train.jsonl")},
+        "logging": {"run_dir": str(root / "run")},
+    }
+    (root / yaml).write_text(json.dumps(config))  # JSON is YAML
+    return root / yaml
+
+
 def hf_config_json(family: str, size: str = "split", **overrides: Any) -> dict[str, Any]:
     """The config.json dict `save_pretrained` writes for `hf_config(family, size, **overrides)`."""
     import json

@@ -12,8 +12,9 @@ Every job is the real script running the tiny_math example's model and task on t
 - train_colocated.sbatch, 1 node: trainer and engine share the node, weights by handle, the
   engine's memory released and resumed around the update;
 - convert.sbatch converts the tiny model under srun;
-- train.sbatch with rollout.async_mode=fully_async: the keys reach the trainer, and every weight
-  sync pauses the engine with mode "retract" (partial rollouts) instead of aborting;
+- train.sbatch with rollout.async_mode=fully_async against a `megatron-rl serve` the test started
+  (rollout.sglang_urls): the job starts no server and trains on both nodes, the keys reach the
+  trainer, and every weight sync pauses the engine with mode "retract" (partial rollouts), never aborting;
 - misconfigured submissions fail within seconds, naming the problem.
 
 The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
@@ -33,16 +34,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jobcheck
 import psutil
 import pytest
 
 import jobplan
-from mrl_configs import QWEN3_30B_A3B
+from mrl_configs import QWEN3_30B_A3B, write_plan_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
 
 JOB_TIMEOUT_S = 420  # a hang guard only
+KEY_ENV = jobplan.ENGINE_API_KEY_ENV
 REWARD = "def digits(response: str, answer: str) -> float:\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
 
 
@@ -176,35 +179,7 @@ ADDRS4 = ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config for a 30B-A3B-class policy, laid out as in docs/slurm.md (TP 4, EP 8, ETP 1)."""
     root = tmp_path_factory.mktemp("plan")
-    (root / "qwen3_30b_a3b").mkdir()
-    (root / "qwen3_30b_a3b" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    config = {
-        # the trainer reads the architecture from config.json, but the YAML's model section is validated
-        # against the parallel layout first, so it names the same shape
-        "model": {
-            "hf_path": str(root / "qwen3_30b_a3b"),
-            "num_layers": 48,
-            "hidden_size": 2048,
-            "ffn_hidden_size": 6144,
-            "num_attention_heads": 32,
-            "num_query_groups": 4,
-            "kv_channels": 128,
-            "vocab_size": 151936,
-            "num_experts": 128,
-            "moe_router_topk": 8,
-            "moe_ffn_hidden_size": 768,
-            "params_dtype": "bf16",
-            "recompute": True,
-        },
-        "parallel": {
-            "tensor_model_parallel_size": 4,
-            "expert_model_parallel_size": 8,
-            "expert_tensor_parallel_size": 1,
-        },
-        "data": {"train_path": str(root / "train.jsonl")},
-        "logging": {"run_dir": str(root / "run")},
-    }
-    (root / "rl.yaml").write_text(json.dumps(config))
+    write_plan_config(root, "qwen3_30b_a3b", QWEN3_30B_A3B, "rl.yaml")
     return root
 
 
@@ -255,7 +230,7 @@ def test_plan_defaults_multi_node_engines_and_explicit_sync(big: Path) -> None:
 
 
 def test_plan_colocated(big: Path) -> None:
-    one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1)
+    one = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141)  # H200: see the memory test
     assert one.train_nodes == ["gpu1"] and one.world_size == 8 and len(one.engines) == 1
     cmd = one.engines[0].command
     assert "--enable-memory-saver" in cmd and cmd[cmd.index("--mem-fraction-static") + 1] == "0.5"
@@ -265,12 +240,16 @@ def test_plan_colocated(big: Path) -> None:
         "rollout.weight_sync=tensor",
         "checkpoint.every=10",
     ]
-    offload = plan(big, "colocated", "rollout.colocate_offload=true", nodes=1).engines[0].command
+    offload = (
+        plan(big, "colocated", "rollout.colocate_offload=true", "rollout.engine_gpus=8", nodes=1).engines[0].command
+    )
     assert offload[offload.index("--mem-fraction-static") + 1] == "0.7"
-    mine = plan(big, "colocated", nodes=1, engine_args=["--mem-fraction-static", "0.6"]).engines[0].command
-    assert mine.count("--mem-fraction-static") == 1 and mine[-1] == "0.6"  # SGLANG_ARGS wins
+    for given in (["--mem-fraction-static", "0.45"], ["--mem-fraction-static=0.45"]):  # SGLANG_ARGS wins
+        mine = plan(big, "colocated", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141, engine_args=given)
+        assert [w for w in mine.engines[0].command if "--mem-fraction-static" in w] == given[:1]
+        assert "--mem-fraction-static 0.45 (SGLANG_ARGS)" in mine.memory[1]
     # several nodes: never a NCCL group holding GPU 0 twice (trainer rank 0 and engine 0's TP rank 0)
-    two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2)
+    two = plan(big, "colocated", "rollout.engine_gpus=8", nodes=2, gpu_mem_gib=141)
     assert two.world_size == 16 and [e.nodes for e in two.engines] == [("gpu1",), ("gpu2",)]
     assert "rollout.weight_sync=disk" in two.trainer_overrides
     with pytest.raises(jobplan.PlanError, match=r"rollout.weight_sync = tensor .* other 1 node"):
@@ -301,7 +280,7 @@ def test_plan_cpu_uses_the_least_world_and_the_local_engine(big: Path) -> None:
 
 
 def test_plan_binds_loopback_on_one_node_else_the_node_address_and_no_key_on_a_command_line(big: Path) -> None:
-    one = plan(big, "colocated", "rollout.api_key=user-key-1", "rollout.engine_gpus=8", nodes=1)
+    one = plan(big, "colocated", "rollout.api_key=user-key-1", "rollout.engine_gpus=8", nodes=1, gpu_mem_gib=141)
     (engine,) = one.engines
     assert engine.command[engine.command.index("--host") + 1] == "127.0.0.1" and engine.addr == "127.0.0.1"
     assert "--api-key" not in engine.command and "user-key-1" not in " ".join(engine.command)
@@ -372,6 +351,52 @@ def test_plan_refusals(big: Path, mode: str, overrides: list[str], kwargs: dict,
     nodes = kwargs.pop("nodes", 4)
     with pytest.raises(jobplan.PlanError, match=message):
         plan(big, mode, *overrides, nodes=nodes, **kwargs)
+
+
+def test_plan_with_running_servers_starts_none_and_trains_on_every_node(big: Path) -> None:
+    """rollout.sglang_urls (a router or servers) in the job's config: no server or router of its own,
+    every node trains, the URLs reach the trainer as the config gives them; no engine memory to size."""
+    urls = 'rollout.sglang_urls=["http://10.9.0.1:30000"]'
+    p = plan(big, "disaggregated", urls)
+    assert p.train_nodes == NODES4 and p.world_size == 32 and p.engines == [] and p.router is False
+    assert p.external_urls == ["http://10.9.0.1:30000"]
+    assert p.trainer_overrides == ["rollout.engine=sglang", "rollout.weight_sync=distributed", "checkpoint.every=10"]
+    assert len(p.memory) == 1 and p.memory[0].startswith("memory per GPU of 80 GiB (arithmetic): trainer")
+    shell = jobplan.to_shell(p)
+    assert "ENGINE_COUNT=0\n" in shell and "EXTERNAL_URLS=(http://10.9.0.1:30000)\n" in shell
+    assert "START_ROUTER=0\n" in shell and "START_ROUTER=auto\n" in jobplan.to_shell(plan(big, "disaggregated"))
+    assert "no server of its own: rollout.sglang_urls = [http://10.9.0.1:30000]" in jobplan.describe(p)
+    assert plan(big, "disaggregated", urls, nodes=1).world_size == 8  # one node is a job
+    assert plan(big, "disaggregated", urls, train_nodes=4).world_size == 32
+    with pytest.raises(jobplan.PlanError, match=r"TRAIN_NODES=2, but rollout.sglang_urls = \[http://10.9.0.1:30000\]"):
+        plan(big, "disaggregated", urls, train_nodes=2)
+    with pytest.raises(jobplan.PlanError, match=r"but train_colocated.sbatch starts its own engines"):
+        plan(big, "colocated", urls, nodes=1)
+    with pytest.raises(jobplan.PlanError, match=r"ROUTER=1, but rollout.sglang_urls .* unset ROUTER"):
+        plan(big, "disaggregated", urls, router=True)
+
+
+def test_dry_run_plans_without_slurm(big: Path, tmp_path: Path) -> None:
+    """DRY_RUN=1 bash slurm/train.sbatch, no Slurm: NODES and GPUS_PER_NODE give the job; the plan, its
+    memory figures and the commands are printed, no Slurm command runs (each one here fails the run)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for command in ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel"):
+        (fake / command).write_text('#!/bin/sh\necho "a Slurm command ran: $0" >&2\nexit 97\n')
+        (fake / command).chmod(0o755)
+    env = job_env(PATH=f"{fake}:{os.environ['PATH']}", DRY_RUN="1", NODES="4", GPUS_PER_NODE="8", TRAIN_NODES="2")
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")} | {"ROUTER": "0"}
+    args = [str(big / "rl.yaml"), "rollout.engine_gpus=4"]
+    done = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a Slurm command ran" not in done.stderr
+    engines = [line for line in done.stdout.splitlines() if "sglang.launch_server" in line]
+    assert len(engines) == 4 and "engine0 on node3: " in engines[0] and "--tp-size 4 --base-gpu-id 4" in engines[1]
+    assert "trainer on node1,node2 x 8 ranks: " in done.stdout and "rollout.sglang_urls=[...]" in done.stdout
+    assert "memory per GPU of 80 GiB" in done.stderr and "engine (4 GPUs): 14.2 GiB bf16 weights" in done.stderr
+    assert not (big / "run").exists()  # nothing started
 
 
 def test_plan_cli_reports_a_missing_config_in_one_line(big: Path, capsys: pytest.CaptureFixture) -> None:
@@ -536,21 +561,40 @@ def test_convert_job_spreads_the_model_over_srun_ranks(jobs: dict) -> None:
 
 
 @pytest.mark.slurm
-def test_fully_async_job_keeps_requests_across_weight_updates(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
-    """train.sbatch passes the async keys to the trainer: with rollout.async_mode=fully_async (partial
-    rollouts, the default) every weight sync pauses the engine with mode "retract", never "abort"."""
-    run_dir = tmp_path / "run"
-    overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
-    job = submit("train.sbatch", train_args(work, run_dir, *overrides), tmp_path, 2)
-    state, code, out = wait_job(job, tmp_path)
-    assert (state, code) == ("COMPLETED", 0), out[-4000:]
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
-    logs = run_dir / "logs" / f"job-{job}"
-    text = (logs / "engine0-node2.log").read_text()
-    assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
-    assert "mode abort" not in text
-    assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
-    assert not wait_no_leftovers(job, str(logs))
+def test_fully_async_job_on_running_servers(slurm_cluster: None, work: Path, tmp_path: Path) -> None:
+    """train.sbatch against a `megatron-rl serve` started here (rollout.sglang_urls, its key in the
+    submission's environment): the job starts no server, both nodes train, and the async keys reach the
+    trainer: with rollout.async_mode=fully_async (partial rollouts) every weight sync pauses the engine
+    with mode "retract", never "abort"."""
+    from megatron_rl.parallel.launch import free_port
+
+    key, port, engine_log = "key-of-the-running-engine", free_port(), tmp_path / "engine.log"
+    serve = [sys.executable, "-m", "megatron_rl.cli", "serve", "--model", str(work / "model"), "--device", "cpu"]
+    serve += ["--host", "127.0.0.1", "--port", str(port), "--max-running-requests", "1"]
+    with engine_log.open("w") as log:
+        engine = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env=job_env(**{KEY_ENV: key}))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        jobplan.wait_healthy([url], 120, [engine.pid], key)
+        run_dir = tmp_path / "run"
+        overrides = ("rollout.async_mode=fully_async", "rollout.max_staleness=1", "rollout.partial_rollout=true")
+        args = train_args(work, run_dir, *overrides, f'rollout.sglang_urls=["{url}"]')
+        job = submit("train.sbatch", args, tmp_path, 2, job_env(RANKS_PER_NODE="1", **{KEY_ENV: key}))
+        state, code, out = wait_job(job, tmp_path)
+        assert (state, code) == ("COMPLETED", 0), out[-4000:]
+        assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+        assert f"no server of its own: waiting for rollout.sglang_urls {url}" in out
+        logs = run_dir / "logs" / f"job-{job}"
+        assert sorted(p.name for p in logs.glob("*.log")) == ["train-node1-rank0.log", "train-node2-rank1.log"]
+        text = engine_log.read_text()
+        assert len(re.findall(r"generation paused \(mode retract, \d+ request\(s\) kept\)", text)) == 2, text[-3000:]
+        assert "mode abort" not in text
+        assert json.loads((logs / "engines.json").read_text())[0]["weight_version"] == "2"
+        assert not (logs / "engine_api_key").exists()  # the engine's own key, not one made for the job
+        assert not wait_no_leftovers(job, str(logs))
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
 
 
 def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_generate(big: Path, tmp_path: Path) -> None:
@@ -558,7 +602,7 @@ def test_colocated_engines_get_no_router_and_a_health_check_that_does_not_genera
     SGLang's default /health generates a token, and sglang-router calls it every 60 s. The plan exports
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 to those jobs and refuses a router; lib.sh starts none
     by default."""
-    one = plan(big, "colocated", nodes=1)
+    one = plan(big, "colocated", nodes=1, gpu_mem_gib=141)
     assert one.env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     assert "export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0\n" in jobplan.to_shell(one)
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in plan(big, "disaggregated").env  # memory stays
@@ -631,8 +675,8 @@ def test_presets_pass_the_divisibility_and_memory_checks(
     cfg = load_config(str(preset_configs / f"{name}.yaml"), presets.preset_overrides(name))
     par = cfg.parallel
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == layout
-    mem = jobplan.trainer_memory(cfg, p.world_size)
-    assert abs(mem.total - gib) < 0.1 and mem.total <= jobplan.STATIC_MEMORY_SHARE * 80
+    mem = jobcheck.trainer_memory(cfg, p.world_size)
+    assert abs(mem.total - gib) < 0.1 and mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
     assert {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8}[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by parallel.expert_tensor_parallel"):

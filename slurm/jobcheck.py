@@ -1,0 +1,323 @@
+"""What the Slurm planner (slurm/jobplan.py) checks of a job's resources besides its layout: memory per
+GPU, trainer and rollout engines, and the tokenizer against the model's vocabulary.
+
+The memory figures are arithmetic, not measurements:
+
+- trainer: bf16 (params_dtype) weights and fp32 gradients of the ranks' share, the fp32 master copy and
+  Adam's moments sharded over the data-parallel (experts: expert-data-parallel) ranks; within
+  `STATIC_MEMORY_SHARE` of a GPU (the rest: activations, buffers);
+- an SGLang engine: the model's bf16 parameters over its `rollout.engine_gpus` GPUs, and the KV cache in
+  what is left of its static share of each GPU (`--mem-fraction-static`: SGLANG_ARGS', a colocated
+  job's, else SGLang's own default for the GPU); the KV cache must hold one whole sequence
+  (`data.max_prompt_tokens + rollout.max_new_tokens`), as SGLang refuses to start without room for it;
+- colocated: while the engines generate, the trainer keeps its weights, gradients and (without
+  `rollout.colocate_offload`) optimizer state in the share the engines leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
+STATIC_MEMORY_SHARE = 0.9  # of a GPU for weights, gradients and optimizer state; the rest: activations, buffers
+ENGINE_PARAM_BYTES = 2  # the engines serve bf16 weights, what the trainer sends them
+SMALL_TOKENIZER_SHARE = 0.5  # a tokenizer under this share of the vocabulary is warned about
+MEM_FRACTION_FLAG = "--mem-fraction-static"
+GIB = 2**30
+
+
+class DoesNotFit(ValueError):
+    """A job whose memory or tokenizer cannot work; the message names the setting to change."""
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in command-line words (`--flag V` or `--flag=V`), the last one winning."""
+    found = None
+    for i, word in enumerate(args):
+        if word == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif word.startswith(flag + "="):
+            found = word.split("=", 1)[1]
+    return found
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Per GPU of the trainer's static state, in GiB."""
+
+    dense_params: float  # billions on one GPU: dense / (TP x PP)
+    expert_params: float  # billions on one GPU: experts / (EP x ETP x PP)
+    weights: float
+    grads: float
+    optimizer: float  # fp32 master copy (unless fp32 weights) and Adam's two moments, sharded over (expert) DP
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
+    """Per-GPU weights (params_dtype), fp32 gradients and optimizer state of `cfg`'s model under its layout
+    on `world` ranks; the distributed optimizer shards the state over the data-parallel ranks (the
+    experts' over the expert-data-parallel ones)."""
+    from megatron_rl.models.families import parameter_counts
+    from megatron_rl.parallel.layout import resolve_expert_tensor_parallel
+
+    par = cfg.parallel
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    etp = resolve_expert_tensor_parallel(par)
+    dense, experts = parameter_counts(cfg.model)
+    dense_local, expert_local = dense / (tp * pp), experts / (ep * etp * pp)
+    dp = world // (tp * pp * par.context_parallel_size)
+    expert_dp = world // (ep * etp * pp)
+    width = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.model.params_dtype]
+    state = 8 + (0 if width == 4 else 4)  # Adam's moments (+ the fp32 master weights)
+    shard = (dp, expert_dp) if par.use_distributed_optimizer else (1, 1)
+    return TrainerMemory(
+        dense_params=dense_local / 1e9,
+        expert_params=expert_local / 1e9,
+        weights=(dense_local + expert_local) * width / GIB,
+        grads=(dense_local + expert_local) * 4 / GIB,
+        optimizer=(dense_local * state / shard[0] + expert_local * state / shard[1]) / GIB,
+    )
+
+
+def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMemory:
+    """DoesNotFit naming the layout keys when the trainer's static state exceeds STATIC_MEMORY_SHARE of a GPU."""
+    mem = trainer_memory(cfg, world)
+    limit = STATIC_MEMORY_SHARE * gpu_mem_gib
+    if mem.total > limit:
+        raise DoesNotFit(
+            f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state "
+            f"({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per GPU: "
+            f"{mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
+            f"{STATIC_MEMORY_SHARE:.0%} of GPU_MEM_GIB={gpu_mem_gib:g}: raise parallel.expert_model_parallel_size, "
+            "parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size, or train on more nodes"
+        )
+    return mem
+
+
+def _prefill_graph_sizes(max_tokens: int) -> int:
+    """How many prefill batch sizes SGLang 0.5.23 captures up to `max_tokens` (cuda_graph_hook.py)."""
+    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64)]
+    sizes += [*range(1280, 4097, 256), *range(4608, max_tokens + 1, 512)]
+    return sum(size <= max_tokens for size in sizes)
+
+
+def sglang_default_mem_fraction(gpu_mem_gib: float, engine_gpus: int, mla: bool) -> float:
+    """SGLang 0.5.23's default `--mem-fraction-static` on a CUDA GPU (sglang/srt/arg_groups/memory_hook.py,
+    `handle_gpu_memory_settings`) with its default chunked prefill and CUDA graphs, one pipeline stage, no
+    DP attention or DeepEP: (memory - reserve) / memory, rounded to 3 places; the reserve in MiB is
+    512 + 1.5 x max(chunked prefill, 2048) + TP / 8 x 1024 + 2 x the decode graphs' largest batch + the
+    prefill graphs' (MLA 1536, else 8 per captured size), at least 10 GiB on GPUs of more than 60 GiB."""
+    mem = gpu_mem_gib * 1024
+    # (below this many GiB: chunked prefill tokens, decode graph batch with TP < 4, with TP >= 4)
+    tiers = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (160, 8192, 256, 512))
+    chunk, small_tp_bs, large_tp_bs = next((t[1:] for t in tiers if mem < t[0] * 1024), (16384, 512, 512))
+    decode_bs = small_tp_bs if engine_gpus < 4 else large_tp_bs
+    prefill_graphs = 1536 if mla else 8 * _prefill_graph_sizes(chunk)
+    reserve = 512 + 1.5 * max(chunk, 2048) + engine_gpus / 8 * 1024 + 2 * decode_bs + prefill_graphs
+    if mem > 60 * 1024:
+        reserve = max(reserve, 10 * 1024)
+    return round((mem - reserve) / mem, 3)
+
+
+def kv_bytes_per_token(model: Any, engine_gpus: int) -> int:
+    """Bytes of bf16 KV cache one token takes on each GPU of an SGLang engine: MLA keeps the compressed
+    latent and the rotary key on every TP rank; other attention splits its key/value heads over TP (at
+    least one head per GPU)."""
+    from megatron_rl.models.families import check_family
+
+    if check_family(model).multi_latent_attention:
+        return model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 2
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    heads = max(1, model.num_query_groups // engine_gpus)
+    return model.num_layers * 2 * heads * head_dim * 2
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Per GPU of one SGLang engine, in GiB: its bf16 weights and the KV cache its static share leaves."""
+
+    params: float  # billions: the whole model
+    engine_gpus: int
+    gpu_mem_gib: float
+    fraction: float
+    fraction_source: str
+    kv_token_bytes: int
+
+    @property
+    def weights(self) -> float:
+        return self.params * 1e9 * ENGINE_PARAM_BYTES / self.engine_gpus / GIB
+
+    @property
+    def static(self) -> float:
+        return self.fraction * self.gpu_mem_gib
+
+    @property
+    def kv_cache(self) -> float:
+        return self.static - self.weights
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_cache * GIB // self.kv_token_bytes))
+
+
+def engine_memory(
+    cfg: Any, engine_gpus: int, gpu_mem_gib: float, engine_args: Sequence[str], job_fraction: str | None
+) -> EngineMemory:
+    """An engine of `engine_gpus` GPUs: the fraction from `engine_args` (SGLANG_ARGS), else the job's
+    (`job_fraction`: a colocated job's default), else SGLang's own default."""
+    from megatron_rl.models.families import check_family, parameter_counts
+
+    given = flag_value(engine_args, MEM_FRACTION_FLAG)
+    if given is not None:
+        try:
+            fraction, source = float(given), "SGLANG_ARGS"
+        except ValueError:
+            raise DoesNotFit(f"SGLANG_ARGS: {MEM_FRACTION_FLAG} {given!r} is not a number") from None
+    elif job_fraction is not None:
+        fraction, source = float(job_fraction), "the colocated default"
+    else:
+        mla = check_family(cfg.model).multi_latent_attention
+        fraction = sglang_default_mem_fraction(gpu_mem_gib, engine_gpus, mla)
+        source = f"SGLang's default for {gpu_mem_gib:g} GiB and TP {engine_gpus}"
+    params = sum(parameter_counts(cfg.model)) / 1e9
+    return EngineMemory(params, engine_gpus, gpu_mem_gib, fraction, source, kv_bytes_per_token(cfg.model, engine_gpus))
+
+
+def sequence_tokens(cfg: Any) -> int:
+    """The longest single-turn sequence an engine holds: the prompt and the response."""
+    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def check_engine_memory(
+    cfg: Any, gpus_per_node: int, gpu_mem_gib: float, engine_args: Sequence[str], job_fraction: str | None
+) -> EngineMemory:
+    """DoesNotFit, with the figures and the smallest `rollout.engine_gpus` that would fit, when an engine's
+    weights leave its static share no KV cache for one whole sequence."""
+    gpus = cfg.rollout.engine_gpus
+    mem = engine_memory(cfg, gpus, gpu_mem_gib, engine_args, job_fraction)
+    tokens = sequence_tokens(cfg)
+    if mem.kv_tokens >= tokens:
+        return mem
+    sizes = [d for d in range(gpus + 1, gpus_per_node + 1) if gpus_per_node % d == 0]
+    sizes += [gpus_per_node * n for n in range(2, 129) if gpus_per_node * n > gpus]
+    fits = (g for g in sizes if engine_memory(cfg, g, gpu_mem_gib, engine_args, job_fraction).kv_tokens >= tokens)
+    fitting = next(fits, None)
+    hint = f"rollout.engine_gpus={fitting} would fit" if fitting else "no engine of up to 128 nodes fits"
+    share = (
+        f"its static share of {mem.static:.1f} GiB per GPU ({MEM_FRACTION_FLAG} {mem.fraction:g}: "
+        f"{mem.fraction_source}; GPU_MEM_GIB={gpu_mem_gib:g})"
+    )
+    weights = (
+        f"{mem.weights:.1f} GiB per GPU of bf16 weights ({mem.weights * gpus:.0f} GiB for {mem.params:.1f} B "
+        f"parameters / rollout.engine_gpus={gpus})"
+    )
+    if mem.kv_cache <= 0:
+        raise DoesNotFit(f"a rollout engine needs {weights}, more than {share}; {hint}")
+    raise DoesNotFit(
+        f"a rollout engine's {weights} leave {mem.kv_cache:.1f} GiB of {share} for the KV cache: {mem.kv_tokens} "
+        f"tokens, fewer than one sequence of {tokens} (data.max_prompt_tokens + rollout.max_new_tokens); {hint}"
+    )
+
+
+def resident_while_generating(trainer: TrainerMemory, offload: bool) -> float:
+    """What a colocated trainer keeps on each GPU while the engines generate: its weights and gradients,
+    and its optimizer state unless rollout.colocate_offload moves that to host memory."""
+    return trainer.weights + trainer.grads + (0.0 if offload else trainer.optimizer)
+
+
+def check_colocated_memory(trainer: TrainerMemory, engine: EngineMemory, offload: bool) -> float:
+    """DoesNotFit when the trainer's resident state and the engines' static share exceed a GPU; the GiB kept."""
+    kept = resident_while_generating(trainer, offload)
+    left = engine.gpu_mem_gib - engine.static
+    if kept > left:
+        what = "weights and gradients" if offload else "weights, gradients and optimizer state"
+        fix = "" if offload else "rollout.colocate_offload=true, "
+        raise DoesNotFit(
+            f"colocated: while the engines generate, the trainer keeps {kept:.1f} GiB per GPU ({what}), more than "
+            f"the {left:.1f} GiB their static share leaves ({MEM_FRACTION_FLAG} {engine.fraction:g} of "
+            f"GPU_MEM_GIB={engine.gpu_mem_gib:g}): set {fix}a smaller {MEM_FRACTION_FLAG} in SGLANG_ARGS, or "
+            "train on more nodes"
+        )
+    return kept
+
+
+def memory_lines(
+    trainer: TrainerMemory, engine: EngineMemory | None, kept: float | None, gpu_mem_gib: float
+) -> list[str]:
+    """The figures of a passing plan, one line per part."""
+    lines = [
+        f"memory per GPU of {gpu_mem_gib:g} GiB (arithmetic): trainer {trainer.total:.1f} GiB static (weights "
+        f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}), within "
+        f"{STATIC_MEMORY_SHARE:.0%} ({STATIC_MEMORY_SHARE * gpu_mem_gib:.1f} GiB)"
+    ]
+    if engine is not None:
+        lines.append(
+            f"engine ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB bf16 "
+            f"weights ({engine.params:.1f} B "
+            f"parameters) + {engine.kv_cache:.1f} GiB KV cache ({engine.kv_tokens:,} tokens at "
+            f"{engine.kv_token_bytes:,} bytes) = {engine.static:.1f} GiB: {MEM_FRACTION_FLAG} {engine.fraction:g} "
+            f"({engine.fraction_source})"
+        )
+    if kept is not None:
+        lines.append(f"colocated: the trainer keeps {kept:.1f} GiB while the engines generate")
+    return lines
+
+
+def check_tokenizer(cfg: Any) -> str | None:
+    """DoesNotFit when the tokenizer has more tokens than the model's vocabulary (ids past the embedding,
+    which the trainer refuses too) or an explicit `data.tokenizer_path` holds none; a warning line when
+    it has under SMALL_TOKENIZER_SHARE of the vocabulary (padding adds a fraction of a percent: most
+    likely another model's tokenizer, which transformers and Megatron accept silently) or when
+    `model.hf_path` holds no tokenizer (planning from a config.json alone); else None."""
+    from megatron_rl.data.readers import DataError
+    from megatron_rl.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files, load_tokenizer
+    from megatron_rl.models.source import tokenizer_source
+
+    path, key = tokenizer_source(cfg)
+    vocab = cfg.model.vocab_size
+    if Path(path).is_dir() and not has_tokenizer_files(path):
+        missing = f"{key} = {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+        if key != "model.hf_path":
+            raise DoesNotFit(missing)
+        return f"{missing}: the trainer will refuse it; set data.tokenizer_path"
+    try:
+        n = len(load_tokenizer(path, key, vocab_size=vocab))
+    except DataError as err:
+        raise DoesNotFit(str(err)) from None
+    if n < SMALL_TOKENIZER_SHARE * vocab:
+        return (
+            f"{key} = {path}: the tokenizer has {n:,} tokens for a model vocabulary of {vocab:,} (config.json): "
+            f"under {SMALL_TOKENIZER_SHARE:.0%} of it, more than padding explains; is it this model's tokenizer?"
+        )
+    return None
+
+
+def check_resources(
+    cfg: Any,
+    world: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    engine_args: Sequence[str],
+    own_engines: bool,
+    colocated_fraction: str | None,
+) -> tuple[list[str], list[str]]:
+    """(memory figures, warnings) of a job that passes, else DoesNotFit: on GPUs the trainer's memory and,
+    when the job starts its own engines (`own_engines`), theirs and, colocated (`colocated_fraction`:
+    the job's default share), both together; the tokenizer on any device."""
+    warning = check_tokenizer(cfg)
+    warnings = [warning] if warning else []
+    if not gpus_per_node:
+        return [], warnings
+    trainer = check_trainer_memory(cfg, world, gpu_mem_gib)
+    engine = kept = None
+    if own_engines:
+        engine = check_engine_memory(cfg, gpus_per_node, gpu_mem_gib, engine_args, colocated_fraction)
+        if colocated_fraction is not None:
+            kept = check_colocated_memory(trainer, engine, bool(cfg.rollout.colocate_offload))
+    return memory_lines(trainer, engine, kept, gpu_mem_gib), warnings

@@ -1,0 +1,185 @@
+"""The Slurm planner's resource checks (slurm/jobcheck.py): memory per GPU of the trainer and of the
+rollout engines, and the tokenizer against the model's vocabulary; every figure worked out by hand
+in the comments (parameter counts: `megatron_rl.models.families.parameter_counts`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jobcheck
+import presets
+import pytest
+
+from megatron_rl.models.hf_config import model_config_from_hf
+
+import jobplan
+import tiny_tokenizer
+from mrl_configs import QWEN3_30B_A3B, write_plan_config
+
+GIB = 2**30
+QWEN_PARAMS = 1_541_093_376 + 28_991_029_248  # Qwen3-30B-A3B: dense + routed experts
+DSV3_PARAMS = 671_026_419_200  # DeepSeek-V3: 17,117,648,384 dense + 653,908,770,816 experts
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-30B-A3B (TP 4, EP 8), the same with a vocabulary of 16, 56 and 57, DeepSeek-V3's config,
+    and tiny_math's tokenizer of 28 tokens."""
+    root = tmp_path_factory.mktemp("jobcheck")
+    write_plan_config(root, "qwen", QWEN3_30B_A3B, "qwen.yaml")
+    write_plan_config(root, "vocab16", {**QWEN3_30B_A3B, "vocab_size": 16}, "vocab16.yaml")
+    write_plan_config(root, "vocab56", {**QWEN3_30B_A3B, "vocab_size": 56}, "vocab56.yaml")
+    write_plan_config(root, "vocab57", {**QWEN3_30B_A3B, "vocab_size": 57}, "vocab57.yaml")
+    (root / "dsv3").mkdir()
+    (root / "dsv3" / "config.json").write_text(json.dumps(presets.DEEPSEEK_V3_671B))
+    config = {"model": {"hf_path": str(root / "dsv3")}, "data": {"train_path": "t.jsonl"}, "logging": {"run_dir": "r"}}
+    (root / "dsv3.yaml").write_text(json.dumps(config))
+    tiny_tokenizer.build_tokenizer(root / "tokenizer")
+    return root
+
+
+def _plan(
+    root: Path, name: str, *overrides: str, nodes: int = 4, mode: str = "disaggregated", **kwargs
+) -> jobplan.JobPlan:
+    names = [f"n{i}" for i in range(nodes)]
+    return jobplan.make_plan(mode, str(root / f"{name}.yaml"), list(overrides), names, names, 8, "5", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("gpu_gib", "tp", "mla", "expected"),
+    [
+        # H100 80 GiB (81,920 MiB), TP 4, GQA: chunked prefill 8192, decode graphs up to 512 (TP >= 4), 58 prefill
+        # graph sizes up to 8192 (8 + 14 + 8 + 8 + 12 + 8) x 8 MiB: 512 + 12,288 + 512 + 1024 + 464 = 14,800 MiB
+        (80, 4, False, round((81920 - 14800) / 81920, 3)),  # 0.819
+        # TP 8, MLA: 512 + 12,288 + 1024 + 1024 + 1536 = 16,384 MiB
+        (80, 8, True, 0.8),
+        # A100 40 GiB, TP 1: chunked prefill 4096, decode graphs up to 32, 50 prefill sizes up to 4096:
+        # 512 + 6144 + 128 + 64 + 400 = 7248 MiB, no 10 GiB floor at or under 60 GiB
+        (40, 1, False, round((40960 - 7248) / 40960, 3)),  # 0.823
+        # H200 141 GiB (144,384 MiB), TP 8, MLA: 16,384 MiB as on the H100
+        (141, 8, True, round((144384 - 16384) / 144384, 3)),  # 0.887
+        # 16 GiB, TP 1: chunk 2048, decode up to 8, 42 prefill sizes up to 2048: 512 + 3072 + 128 + 16 + 336
+        (16, 1, False, round((16384 - 4064) / 16384, 3)),  # 0.752
+    ],
+)
+def test_sglang_default_mem_fraction_follows_sglangs_rule(gpu_gib: float, tp: int, mla: bool, expected: float) -> None:
+    assert jobcheck.sglang_default_mem_fraction(gpu_gib, tp, mla) == expected
+
+
+def test_kv_cache_bytes_per_token() -> None:
+    qwen = model_config_from_hf(QWEN3_30B_A3B, source="qwen")
+    # 48 layers x (key + value) x heads per GPU x 128 x 2 bytes: 4 KV heads, at least one per GPU
+    assert jobcheck.kv_bytes_per_token(qwen, 1) == 48 * 2 * 4 * 128 * 2 == 98_304
+    assert jobcheck.kv_bytes_per_token(qwen, 4) == jobcheck.kv_bytes_per_token(qwen, 8) == 24_576
+    dsv3 = model_config_from_hf(presets.DEEPSEEK_V3_671B, source="dsv3")
+    # MLA: 61 layers x (512 latent + 64 rotary) x 2 bytes on every TP rank
+    assert jobcheck.kv_bytes_per_token(dsv3, 32) == 61 * 576 * 2 == 70_272
+
+
+def test_a_passing_plan_prints_the_trainer_and_engine_memory(models: Path) -> None:
+    p = _plan(models, "qwen", "rollout.engine_gpus=4", train_nodes=2)
+    trainer_line, engine_line = p.memory
+    # trainer, 16 ranks: TP 4, EP 8 -> DP 4, expert DP 2; per GPU 1,541,093,376 / 4 dense and
+    # 28,991,029,248 / 8 expert parameters; bf16 weights, fp32 gradients, 12 bytes of optimizer state
+    dense, experts = 1_541_093_376 / 4, 28_991_029_248 / 8
+    weights, grads = (dense + experts) * 2 / GIB, (dense + experts) * 4 / GIB
+    optimizer = (dense * 12 / 4 + experts * 12 / 2) / GIB
+    assert f"trainer {weights + grads + optimizer:.1f} GiB static" in trainer_line
+    assert f"(weights {weights:.1f} + gradients {grads:.1f} + optimizer {optimizer:.1f})" in trainer_line
+    assert "within 90% (72.0 GiB)" in trainer_line
+    # engine of 4 GPUs: 30.5 B x 2 bytes / 4 = 14.2 GiB; SGLang's default 0.819 of 80 GiB = 65.5 GiB, the rest
+    # 51.3 GiB of KV cache at 24,576 bytes a token
+    kv = 0.819 * 80 - QWEN_PARAMS * 2 / 4 / GIB
+    assert engine_line == (
+        f"engine (4 GPUs): {QWEN_PARAMS * 2 / 4 / GIB:.1f} GiB bf16 weights (30.5 B parameters) + {kv:.1f} GiB KV "
+        f"cache ({int(kv * GIB // 24_576):,} tokens at 24,576 bytes) = 65.5 GiB: --mem-fraction-static 0.819 "
+        "(SGLang's default for 80 GiB and TP 4)"
+    )
+    assert engine_line.startswith("engine (4 GPUs): 14.2 GiB bf16 weights") and "51.3 GiB KV cache" in engine_line
+    assert "memory per GPU of 80 GiB" in jobplan.describe(p)
+
+
+def test_deepseek_v3_on_one_node_of_engines_is_refused_with_its_figures(models: Path) -> None:
+    """1.34 TB of bf16 weights on 8 x 80 GiB: 671,026,419,200 x 2 bytes / 8 = 156.2 GiB per GPU against
+    0.8 x 80 = 64.0 GiB (SGLang's default for TP 8 with MLA); 24 GPUs would fit: 52.1 GiB of weights in
+    0.775 x 80 = 62.0 GiB leave 9.9 GiB, about 151,600 tokens (16 GPUs: 78.1 GiB of weights, over 0.787 x 80)."""
+    assert DSV3_PARAMS * 2 / 8 / GIB == pytest.approx(156.2, abs=0.05)
+    expected = (
+        "a rollout engine needs 156.2 GiB per GPU of bf16 weights (1250 GiB for 671.0 B parameters / "
+        "rollout.engine_gpus=8), more than its static share of 64.0 GiB per GPU (--mem-fraction-static 0.8: "
+        "SGLang's default for 80 GiB and TP 8; GPU_MEM_GIB=80); rollout.engine_gpus=24 would fit"
+    )
+    with pytest.raises(jobplan.PlanError) as err:
+        _plan(models, "dsv3", "rollout.engine_gpus=8", nodes=33, train_nodes=32, preset="deepseek-v3-671b")
+    assert str(err.value) == expected
+    # the preset's servers of 32 GPUs: 39.1 GiB of weights in 0.762 x 80 = 61.0 GiB, 21.9 GiB of KV cache
+    p = _plan(models, "dsv3", nodes=36, train_nodes=32, preset="deepseek-v3-671b")
+    kv = 0.762 * 80 - DSV3_PARAMS * 2 / 32 / GIB
+    assert f"engine (32 GPUs): 39.1 GiB bf16 weights (671.0 B parameters) + {kv:.1f} GiB KV cache" in p.memory[1]
+    assert f"({int(kv * GIB // 70_272):,} tokens at 70,272 bytes) = 61.0 GiB" in p.memory[1]
+
+
+def test_an_engine_without_room_for_one_sequence_is_refused(models: Path) -> None:
+    # one GPU, SGLANG_ARGS 0.72: 0.72 x 80 = 57.6 GiB - 56.87 GiB of weights = 0.73 GiB = 7967 tokens of
+    # 98,304 bytes, under one sequence of 1024 + 16,384; 2 GPUs: 28.4 GiB of weights leave 29.2 GiB
+    assert int((0.72 * 80 - QWEN_PARAMS * 2 / GIB) * GIB // 98_304) == 7967
+    args = ["--mem-fraction-static", "0.72"]
+    with pytest.raises(jobplan.PlanError) as err:
+        _plan(models, "qwen", "rollout.engine_gpus=1", "rollout.max_new_tokens=16384", engine_args=args)
+    assert str(err.value) == (
+        "a rollout engine's 56.9 GiB per GPU of bf16 weights (57 GiB for 30.5 B parameters / rollout.engine_gpus=1) "
+        "leave 0.7 GiB of its static share of 57.6 GiB per GPU (--mem-fraction-static 0.72: SGLANG_ARGS; "
+        "GPU_MEM_GIB=80) for the KV cache: 7967 tokens, fewer than one sequence of 17408 (data.max_prompt_tokens "
+        "+ rollout.max_new_tokens); rollout.engine_gpus=2 would fit"
+    )
+    _plan(models, "qwen", "rollout.engine_gpus=1", engine_args=args)  # 2048 tokens fit
+    with pytest.raises(jobplan.PlanError, match="--mem-fraction-static 'most' is not a number"):
+        _plan(models, "qwen", "rollout.engine_gpus=4", engine_args=["--mem-fraction-static=most"])
+
+
+def test_colocated_trainer_and_engines_share_each_gpu(models: Path) -> None:
+    """One node of 8 ranks: DP 2, expert DP 1. While the engines generate, the trainer keeps 7.5 GiB of bf16
+    weights + 14.9 GiB of gradients + 42.7 GiB of optimizer state = 65.1 GiB, over the 40 GiB the
+    colocated default (0.5) leaves of 80 GiB; with rollout.colocate_offload (0.7) 22.4 GiB within 24 GiB."""
+    dense, experts = 1_541_093_376 / 4, 28_991_029_248 / 8
+    kept = (dense + experts) * 6 / GIB + (dense * 12 / 2 + experts * 12) / GIB
+    assert kept == pytest.approx(65.1, abs=0.05)
+    with pytest.raises(jobplan.PlanError) as err:
+        _plan(models, "qwen", "rollout.engine_gpus=8", nodes=1, mode="colocated")
+    assert str(err.value).startswith(
+        f"colocated: while the engines generate, the trainer keeps {kept:.1f} GiB per GPU (weights, gradients and "
+        "optimizer state), more than the 40.0 GiB their static share leaves (--mem-fraction-static 0.5 of "
+        "GPU_MEM_GIB=80): set rollout.colocate_offload=true"
+    )
+    offload = _plan(models, "qwen", "rollout.engine_gpus=8", "rollout.colocate_offload=true", nodes=1, mode="colocated")
+    weights_and_grads = (dense + experts) * 6 / GIB
+    assert weights_and_grads == pytest.approx(22.4, abs=0.05)
+    assert offload.memory[2] == f"colocated: the trainer keeps {weights_and_grads:.1f} GiB while the engines generate"
+    assert "--mem-fraction-static 0.7 (the colocated default)" in offload.memory[1]
+
+
+def test_the_tokenizer_against_the_models_vocabulary(models: Path) -> None:
+    """More tokens than embedding rows: refused (the trainer refuses it too); under half the vocabulary
+    (28 of 151,936, or of 57): a warning, since transformers and Megatron accept it and a deliberate one
+    runs; half or more (28 of 56): nothing; no tokenizer in model.hf_path
+    (planning from config.json alone): a warning."""
+    tokenizer = f"data.tokenizer_path={models / 'tokenizer'}"
+    with pytest.raises(jobplan.PlanError, match=r"the tokenizer has 28 tokens, more than the model's vocabulary"):
+        _plan(models, "vocab16", tokenizer, "rollout.engine_gpus=4")
+    p = _plan(models, "qwen", tokenizer, "rollout.engine_gpus=4")
+    assert p.warnings == [
+        f"data.tokenizer_path = {models / 'tokenizer'}: the tokenizer has 28 tokens for a model vocabulary of "
+        "151,936 (config.json): under 50% of it, more than padding explains; is it this model's tokenizer?"
+    ]
+    assert jobplan.describe(p).splitlines()[-1] == f"warning: {p.warnings[0]}"
+    assert len(_plan(models, "vocab57", tokenizer, "rollout.engine_gpus=4").warnings) == 1  # 28 < 57 / 2
+    assert _plan(models, "vocab56", tokenizer, "rollout.engine_gpus=4").warnings == []  # 28 = 56 / 2
+    (models / "no_tokenizer").mkdir(exist_ok=True)
+    with pytest.raises(
+        jobplan.PlanError,
+        match=r"^data.tokenizer_path = .*no_tokenizer: no tokenizer files \(tokenizer.json, tokenizer.model",
+    ):
+        _plan(models, "qwen", f"data.tokenizer_path={models / 'no_tokenizer'}", "rollout.engine_gpus=4")
+    (warning,) = _plan(models, "qwen", "rollout.engine_gpus=4").warnings
+    assert warning.startswith(f"model.hf_path = {models / 'qwen'}: no tokenizer files (tokenizer.json")
