@@ -185,6 +185,12 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             argv=["train", config, "model.lora.rank=4"],
             expected="model.lora.target_modules ['down_proj', 'gate_proj', 'up_proj'] adapt the routed experts",
         ),
+        "train: a LoRA rank above the adapted layers' widths": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=100000", "model.lora.target_modules=[q_proj,k_proj]"],
+            expected="model.lora.rank = 100000 exceeds 64, the narrowest adapted layer's width (k_proj: 128 inputs, "
+            "64 outputs)",
+        ),
         "train: adapter-only LoRA sync over a process group": dict(
             entry="cli",
             argv=[
