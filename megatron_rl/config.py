@@ -464,7 +464,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = _f("runs/default", "folder of metrics.jsonl, checkpoints and logs")
-    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = _f(True, "also write TensorBoard events (RUN_DIR/tensorboard; a warning when not installed)")
     progress: bool = _f(True, "console progress bar with ETA")
 
 
