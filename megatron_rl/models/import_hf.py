@@ -81,6 +81,9 @@ def check_config_against_checkpoint(
     )
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
+    if model.family in ("deepseek_v3", "glm4_moe"):
+        shared = f"model.layers.{first_moe}.mlp.shared_experts.gate_proj.weight"
+        shape_check("n_shared_experts x moe_intermediate_size", dims["S"], shared, 0)
     width = "intermediate_size" if model.family == "mixtral" else "moe_intermediate_size"
     gate = mapping.hf_names(f"decoder.layers.{first_moe}.mlp.experts.local_experts.0.linear_fc1.weight")[0]
     shape_check(width, dims["M"], gate, 0)
@@ -92,6 +95,9 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
     ckpt = HFCheckpoint(folder)
     ckpt.split_fused_experts()
     _drop_mtp_layers(ckpt, model, read_hf_config(folder))
+    for name, shape in HFMapping(model).empty_hf_shapes().items():  # n_shared_experts = 0: nothing to load
+        if ckpt.shapes.get(name) == shape:
+            del ckpt.shapes[name], ckpt.files[name], ckpt.dtypes[name]
     if model.tie_word_embeddings and "lm_head.weight" in ckpt.shapes and "model.embed_tokens.weight" in ckpt.shapes:
         head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
         if head.shape == embed.shape and torch.equal(head, embed):
