@@ -52,7 +52,8 @@ def check_implied(cfg: Any) -> None:
         if value and target != rule.value:
             raise ConfigError(
                 f"{rule.key} = {value!r} is read only with {rule.target} = {rule.value!r}, but {rule.target} = "
-                f"{target!r}: leave {rule.target} out ({rule.key} implies it) or remove {rule.key}"
+                f"{target!r}: set {rule.target} = {rule.value!r} (or leave it out: {rule.key} implies it), or remove "
+                f"{rule.key}"
             )
 
 
