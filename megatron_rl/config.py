@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_rl.config_rules import ConfigError, check_implied, imply
 from megatron_rl.losses.spec import (
     AGGREGATION_MODES,
     BOUNDS,
@@ -28,10 +29,6 @@ from megatron_rl.losses.spec import (
     RATIO_LEVELS,
     LossSpec,
 )
-
-
-class ConfigError(ValueError):
-    """A configuration value, type, key or combination that cannot run."""
 
 
 def _f(default: Any, help: str, **bounds: float) -> Any:
@@ -147,8 +144,8 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["local", "sglang"] = _f("local", "local = start the embedded SGLang-compatible engine")
-    sglang_urls: list = _f([], "SGLang server or router addresses (http://host:port); empty = local engine")
+    engine: Literal["local", "sglang"] = _f("local", "local = the run starts its own engine; sglang_urls imply sglang")
+    sglang_urls: list = _f([], "SGLang server or router addresses (http://host:port); empty = the local engine")
     api_key: str | None = _f(
         None,
         "API key sent to / required by the engines; null = a random key per run for the local engine "
@@ -334,7 +331,7 @@ class RewardConfig:
     type: Literal["dapo", "boxed", "math_verify", "custom", "remote"] = _f(
         "dapo", "reward rule; remote = POST batches to the reward server at reward.url"
     )
-    custom_function: str | None = _f(None, "module:function for type=custom")
+    custom_function: str | None = _f(None, "module:function for type=custom (implied when reward.type is not given)")
     correct_reward: float = _f(1.0, "reward of a correct answer")
     incorrect_reward: float = _f(-1.0, "reward of a wrong or missing answer")
     failure_reward: float = _f(
@@ -467,7 +464,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = _f("runs/default", "folder of metrics.jsonl, checkpoints and logs")
-    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = _f(True, "also write TensorBoard events (RUN_DIR/tensorboard; a warning when not installed)")
     progress: bool = _f(True, "console progress bar with ETA")
 
 
@@ -647,6 +644,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise _explain(err, source) from err
+    imply(merged, [layer for _, layer in layers])
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg, model_shape=not (cfg.model.hf_path or cfg.checkpoint.load))
     return cfg
@@ -750,6 +748,7 @@ def validate(cfg: Config, *, model_shape: bool = True) -> None:
         _validate_model(cfg.model)
         _validate_parallel(cfg)
     _validate_secrets(cfg)
+    check_implied(cfg)
     _validate_rollout(cfg)
     _validate_async(cfg)
     _validate_reward(cfg.reward)

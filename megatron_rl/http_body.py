@@ -13,6 +13,8 @@
   produce garbage. They are refused with status 400, naming the field (`sampling_params.temperature`),
   as are integers over 4300 digits (Python refuses to convert them), strings holding a lone UTF-16
   surrogate (not Unicode: no tokenizer or encoder takes them) and nesting deeper than `MAX_DEPTH`.
+- `connection_failure`: what their clients (the rollout client, the remote reward client) say of a
+  request that met no server.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 from typing import Any
 
@@ -51,6 +54,19 @@ def server_api_key(given: str | None, env_name: str, no_auth: bool) -> str | Non
     if key is not None and no_auth:
         raise ValueError(f"--no-auth and an API key (--api-key or ${env_name}) contradict each other")
     return key
+
+
+def connection_failure(err: BaseException) -> str:
+    """A request that reached no server, in a few words: "connection refused", "host name not resolved (...)",
+    "cannot connect (...)"; other errors as their type and message."""
+    cause = getattr(err, "os_error", None)  # aiohttp's ClientConnectorError wraps the socket's OSError
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(cause, socket.gaierror):
+        return f"host name not resolved ({cause.strerror})"
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"cannot connect ({cause.strerror})"
+    return f"{type(err).__name__}: {err}"
 
 
 def exposed_without_key(host: str, api_key: str | None) -> bool:

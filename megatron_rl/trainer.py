@@ -38,7 +38,7 @@ from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
-from megatron_rl.loop.driver import RolloutData, RolloutDriver, spawn_engine_early
+from megatron_rl.loop.driver import RolloutData, RolloutDriver, check_rollout_servers, spawn_engine_early
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
@@ -182,7 +182,8 @@ class Trainer:
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if data is not None:
             stack.callback(data.close)  # the reward workers, also when a later piece fails to start
-        if rank == 0:  # colocated SGLang servers already running: their memory is free before the actor's state
+        if rank == 0:  # SGLang servers answer and take the key; colocated ones free their memory before the actor's
+            check_rollout_servers(cfg)
             release_colocated_engines(cfg)
         engine_log = run_folder.run_dir / "engine.log"
         starting = spawn_engine_early(cfg, engine_log) if data is not None else None

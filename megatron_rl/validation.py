@@ -15,9 +15,10 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
 5. the torch.distributed backend against the device;
-6. with LoRA (`model.lora.rank > 0`), the target modules against the family, `rollout.lora_sync` against
-   the weight sync and the async mode, `model.lora.init_path` against the base, its rank and targets, and
-   for adapter-only sync to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
+6. with LoRA (`model.lora.rank > 0`), the target modules against the family, the rank against the widths
+   of the layers they adapt (`megatron_rl.models.lora_rank`), `rollout.lora_sync` against the weight sync and
+   the async mode, `model.lora.init_path` against the base, its rank and targets, and for adapter-only sync
+   to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
 
 It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
@@ -33,6 +34,7 @@ from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
+from megatron_rl.models.lora_rank import check_lora_rank
 from megatron_rl.models.lora_targets import (
     check_init_adapter,
     check_local_engine_adapters,
@@ -202,6 +204,7 @@ def validate_run(
     if resolved.model.lora.rank > 0:
         check_target_modules(resolved.model)
         check_lora_sync(resolved)
+        check_lora_rank(resolved.model)
         check_init_adapter(resolved.model)
         if command == "train" and resolved.rollout.lora_sync == "adapter" and resolved.rollout.uses_local_engine:
             check_local_engine_adapters(resolved.model)

@@ -233,3 +233,27 @@ def test_the_logprob_gap_bound_follows_the_training_dtype_unless_set():
     assert limit("rollout.max_logprob_gap=0") is None
     with pytest.raises(ConfigError, match=r"rollout\.max_logprob_gap"):
         load_config(None, ["rollout.max_logprob_gap=-1"])
+
+
+@pytest.mark.parametrize(
+    ("given", "key", "value"),
+    [("reward.custom_function=my_rewards:score", "type", "custom"), ("rollout.sglang_urls=[http://a:1]", "engine", "sglang")],
+)  # fmt: skip
+def test_a_key_read_only_for_one_choice_implies_it_and_refuses_another(tmp_path, given: str, key: str, value: str):
+    """reward.custom_function and rollout.sglang_urls were silently ignored under the default reward.type
+    and rollout.engine: a run scored by the wrong rule, or trained on its own local engine."""
+    section = given.split(".")[0]
+    assert getattr(getattr(load_config(None, [given]), section), key) == value  # from the command line
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{section}:\n  {given.split('.', 1)[1].replace('=', ': ', 1)}\n")
+    assert getattr(getattr(load_config(path), section), key) == value  # from the YAML file
+    other = "dapo" if section == "reward" else "local"
+    for layers in ((path, [f"{section}.{key}={other}"]), (None, [given, f"{section}.{key}={other}"])):
+        with pytest.raises(ConfigError) as err:
+            load_config(*layers)
+        message = str(err.value)
+        assert message.startswith(given.split("=")[0]) and f"{section}.{key} = '{other}'" in message, message
+        assert "\n" not in message
+    explicit = load_config(path, [f"{section}.{key}={value}"])  # the same choice given: nothing to refuse
+    assert getattr(getattr(explicit, section), key) == value
+    assert getattr(getattr(load_config(None, []), section), key) == other  # nothing set: the default holds

@@ -175,10 +175,14 @@ def _megatron_names(mapping: HFMapping) -> list[str]:
 
 
 @pytest.mark.parametrize(("family", "extra"), [("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": None}),
-                                               ("glm4_moe", {}), ("glm4_moe", {"use_qk_norm": False})])  # fmt: skip
+                                               ("deepseek_v3", {"n_shared_experts": 0}), ("glm4_moe", {}),
+                                               ("glm4_moe", {"use_qk_norm": False}),
+                                               ("glm4_moe", {"n_shared_experts": 0})])  # fmt: skip
 def test_names_shapes_and_tensors_round_trip(tmp_path: Path, family: str, extra: dict[str, Any]) -> None:
     """The table is exactly what save_pretrained writes (names, shapes; the bias as fp32), and
-    HF -> Megatron -> HF through the mapping gives every tensor back bit for bit."""
+    HF -> Megatron -> HF through the mapping gives every tensor back bit for bit. Without shared experts
+    (n_shared_experts = 0) transformers writes them 0 wide: no Megatron parameter, skipped on import
+    (the export writes them again: tests/test_convert_distributed.py)."""
     folder = save_random_hf_model(tmp_path / family, hf_config(family, "small", **extra), seed=2)
     model = tiny_sigmoid_model(family, hf=hf_config_json(family, "small", **extra))
     mapping = HFMapping(model)
@@ -198,9 +202,12 @@ def test_names_shapes_and_tensors_round_trip(tmp_path: Path, family: str, extra:
         for hf_name, tensor in mapping.to_hf(name, full):
             assert hf_name not in back, hf_name
             back[hf_name] = tensor
-    assert set(back) == set(original)
-    for name, tensor in original.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    empty = mapping.empty_hf_shapes()
+    assert bool(empty) == (extra.get("n_shared_experts") == 0), empty
+    assert {name: tuple(original[name].shape) for name in empty} == empty  # what transformers wrote
+    assert set(back) == set(original) - set(empty)
+    for name, tensor in back.items():
+        assert original[name].dtype == tensor.dtype and torch.equal(original[name], tensor), name
 
 
 def test_fused_experts_folder_reads_as_per_expert_tensors(tmp_path: Path) -> None:
@@ -222,7 +229,11 @@ def test_fused_experts_folder_reads_as_per_expert_tensors(tmp_path: Path) -> Non
         assert torch.equal(a.read(name), b.read(name)), name
 
 
-def test_mtp_layers_are_dropped_on_import_with_a_note(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_mtp_layers_are_dropped_on_import_with_a_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note is a warning (the training console shows warnings, not INFO), once per folder and process
+    (the actor, then the reference, open the same folder), on the launch's rank 0 only."""
     family = "deepseek_v3"
     folder = save_random_hf_model(tmp_path / family, hf_config(family, "small", num_nextn_predict_layers=1), seed=1)
     tensors = load_file(folder / "model.safetensors")
@@ -231,11 +242,16 @@ def test_mtp_layers_are_dropped_on_import_with_a_note(tmp_path: Path, caplog: py
     mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(32, 64)
     save_file({**tensors, **mtp}, folder / "model.safetensors")
     model = tiny_sigmoid_model(family, hf=hf_config_json(family, "small"))
+    monkeypatch.setenv("RANK", "1")
     with caplog.at_level(logging.INFO, logger="megatron_rl.models.import_hf"):
+        open_hf_checkpoint(str(folder), model)  # another rank: no note
+        monkeypatch.setenv("RANK", "0")
         ckpt = open_hf_checkpoint(str(folder), model)
+        open_hf_checkpoint(str(folder), model)  # the same folder again: no second note
     assert not any(f"layers.{layers}." in n for n in ckpt.shapes)
-    notes = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
-    assert len(notes) == 1 and f"{len(mtp)} tensors of layers {layers}..{layers}" in notes[0], notes
+    notes = [r for r in caplog.records if "MTP" in r.getMessage()]
+    assert len(notes) == 1 and f"{len(mtp)} tensors of layers {layers}..{layers}" in notes[0].getMessage(), notes
+    assert notes[0].levelno == logging.WARNING
     assert mtp_dropped_config({"num_nextn_predict_layers": 1, "a": 2}) == {"num_nextn_predict_layers": 0, "a": 2}
     extra = tmp_path / "extra"  # a layer beyond the MTP count is still refused
     extra.mkdir()

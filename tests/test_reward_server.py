@@ -241,7 +241,7 @@ def test_a_server_gone_mid_run_gives_counted_failures(workdir: Path) -> None:
     server.stop()
     result = scorer.score(["Answer: 1", "Answer: 2"], ["1", "2"])
     assert result.rewards == [-4.0, -4.0] and result.failed == [True, True] and result.stats.failed == 2
-    assert "failed after 2 tries: ClientConnectorError" in result.stats.errors[0]
+    assert "failed after 2 tries: connection refused" in result.stats.errors[0]
     # a server that is not there at start-up fails the run at once, naming reward.url
     with pytest.raises(RemoteRewardError, match=r"reward.url = 'http://127.0.0.1:\d+/score' cannot be used"):
         RewardScorer(remote(server.url, max_retries=0))
@@ -273,6 +273,8 @@ class ScriptedServer:
     async def score(self, request: web.Request) -> web.Response:
         items = (await request.json())["items"]
         results: list[Any] = [{"score": 1.0} for _ in items]
+        if self.mode == "no_key":  # every request, the start-up check's empty one included
+            return web.json_response({"error": "bad key"}, status=401)
         if not items:
             return web.json_response({"results": []})
         self.started += 1
@@ -306,6 +308,26 @@ def scripted() -> Iterator[ScriptedServer]:
     server = ScriptedServer()
     yield server
     server.close()
+
+
+def test_a_reward_server_unusable_at_start_up_is_one_config_error_line(scripted: ScriptedServer) -> None:
+    """A reward server that is not there, or refuses the key, at start-up (`RewardScorer` on rank 0, before the
+    model starts) raised a RuntimeError the stage printed as a traceback; now a ConfigError: one line naming
+    reward.url and what happened."""
+    from megatron_rl.parallel.launch import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/score"
+    with pytest.raises(ConfigError) as gone:
+        RewardScorer(remote(url, max_retries=0))
+    scripted.mode = "no_key"
+    with pytest.raises(ConfigError) as refused:
+        RewardScorer(remote(scripted.url))
+    assert str(gone.value) == (
+        f"reward.url = {url!r} cannot be used: reward server {url}, an empty batch: failed after 1 tries: connection "
+        "refused (is `megatron-rl reward-server` running there?)"
+    )
+    assert str(refused.value).startswith(f"reward server {scripted.url}, an empty batch: HTTP 401 (the API key is")
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -195,3 +195,34 @@ def test_lora_adapter_sync_refuses_servers_too_old_for_its_adapters(servers: dic
     RolloutEngine.from_config(rollout("0.5.9"), model=attention).close()  # disk, attention only: any version
     RolloutEngine.from_config(rollout("0.5.9", lora_sync="merged"), model=experts).close()  # full weights
     RolloutEngine.from_config(rollout("0.5.18", weight_sync="tensor"), model=experts).close()
+
+
+def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_model_starts() -> None:
+    """`rollout.sglang_urls` that nobody serves, or a server refusing `rollout.api_key`, ended the run after the
+    slow model start with a `GET /workers failed` traceback; `check_rollout_servers` (rank 0, before the actor
+    starts) asks as the engine's start does and raises one ConfigError line naming the address."""
+    from megatron_rl.config import Config, ConfigError
+    from megatron_rl.loop.driver import check_rollout_servers
+    from megatron_rl.parallel.launch import free_port
+
+    def run(url: str, key: str) -> Config:
+        return Config(rollout=RolloutConfig(engine="sglang", sglang_urls=[url], api_key=key))
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    server = FakeSGLang("0.5.23")
+    try:
+        check_rollout_servers(run(server.url, KEY))  # it answers and takes the key
+        with pytest.raises(ConfigError) as refused:
+            check_rollout_servers(run(gone, KEY))
+        with pytest.raises(ConfigError) as wrong_key:
+            check_rollout_servers(run(server.url, "not-the-key"))
+    finally:
+        server.close()
+    assert str(refused.value) == (
+        f"rollout.sglang_urls: GET /workers failed after 1 tries; last server {gone}: connection refused"
+    )
+    assert str(wrong_key.value) == (
+        f"rollout.sglang_urls: GET /workers to {server.url}: HTTP 401 (missing or wrong API key); the key sent is "
+        "rollout.api_key, else $MEGATRON_RL_ENGINE_API_KEY"
+    )
+    check_rollout_servers(Config())  # the local engine: nothing to ask

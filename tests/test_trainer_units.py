@@ -312,6 +312,27 @@ def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
     assert len(read_metrics(tmp_path)) == 2
 
 
+def test_tensorboard_on_without_the_package_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """logging.tensorboard is on by default but tensorboard is no dependency: without it nothing was written
+    and nothing said. Now one warning at start names the package, how to install it and how to turn it off."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails, as without the package
+    with caplog.at_level("WARNING", logger="megatron_rl.metrics.records"):
+        log = MetricsLogger(tmp_path, enabled=True, total_steps=2, progress=False)
+        log.log({"step": 1, "reward/mean": 0.5})
+        log.log({"step": 2, "reward/mean": 0.7})
+        log.close()
+        MetricsLogger(tmp_path / "off", enabled=True, total_steps=2, tensorboard=False, progress=False).close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "TensorBoard cannot be imported" in warnings[0] and "pip install tensorboard" in warnings[0]
+    assert "logging.tensorboard=false" in warnings[0]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and not (tmp_path / "tensorboard").exists()
+
+
 def test_loop_state_round_trip_latest_and_pruning(tmp_path: Path) -> None:
     random.seed(3)
     np.random.seed(3)

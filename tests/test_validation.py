@@ -186,6 +186,12 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             argv=["train", config, "model.lora.rank=4"],
             expected="model.lora.target_modules ['down_proj', 'gate_proj', 'up_proj'] adapt the routed experts",
         ),
+        "train: a LoRA rank above the adapted layers' widths": dict(
+            entry="cli",
+            argv=["train", config, "model.lora.rank=100000", "model.lora.target_modules=[q_proj,k_proj]"],
+            expected="model.lora.rank = 100000 exceeds 64, the narrowest adapted layer's width (k_proj: 128 inputs, "
+            "64 outputs)",
+        ),
         "train: adapter-only LoRA sync over a process group": dict(
             entry="cli",
             argv=[
@@ -207,6 +213,32 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
                 "model.lora.target_modules=[q_proj]",
             ],
             expected="rollout.lora_sync = 'adapter' with rollout.async_mode = 'fully_async': SGLang keeps a running",
+        ),
+        "train: config.json is a JSON array": dict(
+            entry="cli",
+            argv=["train", config, f"model.hf_path={folder / 'array'}"],
+            expected=f"{folder / 'array' / 'config.json'}: the top level is a JSON list, not an object of settings",
+        ),
+        "train: a config.json size that is no number": dict(
+            entry="cli",
+            argv=["train", config, f"model.hf_path={folder / 'text_vocab'}"],
+            expected=f"{folder / 'text_vocab'}/config.json (model.hf_path): vocab_size = 'abc' is not an integer >= 1",
+        ),
+        "train: a config.json layer count below 1": dict(
+            entry="cli",
+            argv=["train", config, f"model.hf_path={folder / 'no_layers'}"],
+            expected=f"{folder / 'no_layers'}/config.json (model.hf_path): num_hidden_layers = -1 is not an integer",
+        ),
+        "train: a model.safetensors link to nothing": dict(
+            entry="cli",
+            argv=["train", config, f"model.hf_path={folder / 'dangling'}"],
+            expected=f"model.hf_path: {folder / 'dangling' / 'model.safetensors'} is a symbolic link to "
+            f"{folder / 'moved.safetensors'}, which does not exist",
+        ),
+        "convert: a model.safetensors link to nothing": dict(
+            entry="cli",
+            argv=["convert", "hf-to-megatron", "--hf-dir", str(folder / "dangling"), "--out", out],
+            expected=f"{folder / 'dangling' / 'model.safetensors'} is a symbolic link to",
         ),
         "planner: an RL-loop need": dict(
             entry="planner", argv=[*plan, "8", config, *R2_ROLLOUT], expected=R2_ROLLOUT_ERROR
@@ -249,6 +281,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_safetensors(weights, {"a": torch.zeros(64), "b": torch.zeros(16, dtype=torch.float16)})
     assert weights.stat().st_size == TRUNCATED_FROM
     os.truncate(weights, TRUNCATED_TO)
+    garbage = {"array": [], "text_vocab": {**hf, "vocab_size": "abc"}, "no_layers": {**hf, "num_hidden_layers": -1}}
+    for name, config in {**garbage, "dangling": hf}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    (root / "dangling" / "model.safetensors").symlink_to(root / "moved.safetensors")
     return root
 
 

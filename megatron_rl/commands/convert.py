@@ -27,7 +27,7 @@ import torch
 from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import ConversionError, model_config_from_hf, read_hf_config
 from megatron_rl.models.hf_io import copy_assets, prepare_output_dir
-from megatron_rl.parallel.launch import ensure_launch_env
+from megatron_rl.parallel.launch import ensure_launch_env, launch_rank
 
 HELP = "convert checkpoints: hf-to-megatron (HF folder -> Megatron distributed checkpoint) or megatron-to-hf"
 HF_CONFIG_DIR = "hf_config"  # inside a Megatron checkpoint: config.json + tokenizer files of the source
@@ -57,7 +57,7 @@ NO_INIT_OVERRIDES: dict[str, Any] = {
 def _rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    return dist.get_rank() if dist.is_initialized() else launch_rank()
 
 
 def _check_output(out: str | os.PathLike, force: bool) -> None:

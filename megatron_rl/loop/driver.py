@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
 from megatron_rl.loop.async_rollout import AsyncProducer
 from megatron_rl.loop.collect import RolloutCollector, StepBatch
@@ -86,6 +86,37 @@ def spawn_engine_early(cfg: Config, engine_log: Path) -> Any:
     if not cfg.rollout.uses_local_engine or cfg.model.hf_path is None:
         return None
     return spawn_local(cfg.rollout, cfg.model.hf_path, log_path=str(engine_log))
+
+
+SERVER_CHECK_TIMEOUT_S = 30.0  # each request of `check_rollout_servers`
+
+
+def check_rollout_servers(cfg: Config) -> None:
+    """Rank 0, before the slow model start: the SGLang servers or router of `rollout.sglang_urls` answer from here
+    and take the key, asked as the engine's start asks (the router discovery, `GET /workers`, once, no retries).
+    ConfigError naming the address and what happened (connection refused, HTTP 401, ...); nothing to do for the
+    local engine."""
+    import asyncio
+
+    from megatron_rl.rollout.engine import configured_api_key
+    from megatron_rl.rollout.local.launcher import API_KEY_ENV
+    from megatron_rl.rollout.sglang import SGLangClient, SGLangError, UnauthorizedError
+
+    ro = cfg.rollout
+    if ro.uses_local_engine:
+        return
+
+    async def discover() -> None:
+        key = configured_api_key(ro)
+        async with SGLangClient(ro.sglang_urls, api_key=key, timeout_s=SERVER_CHECK_TIMEOUT_S, max_retries=0) as client:
+            await client.use_router()
+
+    try:
+        asyncio.run(discover())
+    except UnauthorizedError as err:
+        raise ConfigError(f"rollout.sglang_urls: {err}; the key sent is rollout.api_key, else ${API_KEY_ENV}") from None
+    except SGLangError as err:
+        raise ConfigError(f"rollout.sglang_urls: {err}") from None
 
 
 class RolloutDriver:

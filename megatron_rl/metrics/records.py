@@ -1,4 +1,5 @@
-"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events when installed, and a console progress bar.
+"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events (a warning at start when the package is missing), and a
+console progress bar.
 
 One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Sections: `reward/`,
 `response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
@@ -10,7 +11,6 @@ the records up to k); the checkpoint's seconds appear as `time/checkpoint` in th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -105,6 +105,20 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
     return total - len(kept)
 
 
+def _tensorboard_writer(folder: Path, purge_step: int | None) -> Any:
+    """TensorBoard's SummaryWriter on `folder`, or None with one warning when the package cannot be imported."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        logger.warning(
+            "logging.tensorboard = true, but TensorBoard cannot be imported (%s): no TensorBoard events are written; "
+            "pip install tensorboard, or set logging.tensorboard=false",
+            err,
+        )
+        return None
+    return SummaryWriter(str(folder), purge_step=purge_step)
+
+
 class MetricsLogger:
     """Writes step records on the logging rank (others get a disabled logger that does nothing)."""
 
@@ -133,10 +147,8 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = (run_dir / METRICS_FILE).open("a" if append else "w", encoding="utf-8")
-        if tensorboard and importlib.util.find_spec("tensorboard") is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if append else None)
+        if tensorboard:
+            self.writer = _tensorboard_writer(run_dir / "tensorboard", start_step + 1 if append else None)
         if progress:
             from tqdm import tqdm
 

@@ -206,6 +206,9 @@ def save_hf_folder(
         if progress is not None:
             progress(len(bucket))
     try:
+        if failed is None and dist.get_rank() == 0:  # the 0-width tensors transformers writes without shared experts
+            for name, shape in HFMapping(model).empty_hf_shapes().items():
+                writer.add(name, torch.empty(shape, dtype=dtype or _param_dtype(chunks)))
         if failed is None:
             writer.flush()
     except OSError as err:
@@ -249,7 +252,8 @@ def _finish_folder(
 ) -> list[str] | str:
     """Rank 0's part of `save_hf_folder`: the final file names, or an error message for all ranks."""
     names = [n for _, file_names, _ in files for n in file_names]
-    expected = HFMapping(model).expected_hf_shapes()
+    mapping = HFMapping(model)
+    expected = {**mapping.expected_hf_shapes(), **mapping.empty_hf_shapes()}
     if sorted(names) != sorted(expected):
         missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
         return f"export wrote a wrong tensor set: missing {missing[:3]}, unexpected {extra[:3]}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +36,23 @@ class ConversionError(ValueError):
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """The parsed `config.json` of an HF model folder."""
+    """The parsed `config.json` of an HF model folder: a JSON object (ConversionError naming the file otherwise)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConversionError(f"{folder}: no config.json (not a Hugging Face model folder)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConversionError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: the top level is a JSON {type(hf).__name__}, not an object of settings")
+    return hf
 
 
 def family_of(hf: dict[str, Any], source: str = "config.json") -> str:
     """The model family named by `architectures`."""
     archs = hf.get("architectures") or []
-    if len(archs) != 1:
+    if not isinstance(archs, list) or len(archs) != 1:
         raise ConversionError(f"{source}: architectures = {archs!r}; expected one of {sorted(ARCHITECTURES)}")
     if archs[0] not in ARCHITECTURES:
         raise ConversionError(
@@ -66,17 +70,62 @@ def _get(hf: dict[str, Any], source: str, *keys: str, default: Any = ...) -> Any
     return default
 
 
+def _found(hf: dict[str, Any], keys: tuple[str, ...]) -> str:
+    return next((key for key in keys if hf.get(key) is not None), keys[0])
+
+
+def hf_int(hf: dict[str, Any], source: str, *keys: str, default: Any = ..., minimum: int = 1) -> int:
+    """The integer >= `minimum` of the first of `keys` set in `hf` (else `default`, as given; ConversionError when
+    none is set and there is no default); ConversionError naming the key when the value is anything else."""
+    key = _found(hf, keys)
+    if hf.get(key) is None:
+        return _get(hf, source, *keys, default=default)  # the default, or the missing key named
+    value = hf[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value != int(value) or value < minimum:
+        raise ConversionError(f"{source}: {key} = {value!r} is not an integer >= {minimum}")
+    return int(value)
+
+
+def hf_float(hf: dict[str, Any], source: str, *keys: str, default: Any = ...) -> float:
+    """The finite number of the first of `keys` set in `hf` (else `default`, as given), as `hf_int`."""
+    key = _found(hf, keys)
+    if hf.get(key) is None:
+        return _get(hf, source, *keys, default=default)
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConversionError(f"{source}: {key} = {value!r} is not a finite number")
+    return float(value)
+
+
+def hf_bool(hf: dict[str, Any], source: str, key: str, default: bool) -> bool:
+    """The true/false of `key` in `hf` (`default` when unset); ConversionError naming it for any other value."""
+    value = _get(hf, source, key, default=default)
+    if not isinstance(value, bool):
+        raise ConversionError(f"{source}: {key} = {value!r} is not true or false")
+    return value
+
+
+def hf_section(hf: dict[str, Any], source: str, key: str) -> dict[str, Any]:
+    """The object `hf[key]` ({} when unset or null); ConversionError naming the key for any other value."""
+    value = hf.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConversionError(f"{source}: {key} = {value!r} is not an object of settings")
+    return value
+
+
 def _rope_theta(hf: dict[str, Any], source: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+    params = hf_section(hf, source, "rope_parameters")
+    scaling = hf_section(hf, source, "rope_scaling")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         key = "rope_parameters" if params else "rope_scaling"
         raise ConversionError(f"{source}: {key} rope_type = {kind!r} is not supported (only plain RoPE)")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    if theta is None:
+    if params.get("rope_theta") is not None:
+        return hf_float(params, f"{source}: rope_parameters", "rope_theta")
+    if hf.get("rope_theta") is None:
         raise ConversionError(f"{source}: missing key 'rope_theta' (or rope_parameters.rope_theta)")
-    return float(theta)
+    return hf_float(hf, source, "rope_theta")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -85,21 +134,26 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _moe_fields(hf: dict[str, Any], family: str, source: str, num_layers: int) -> dict[str, Any]:
-    experts = int(_get(hf, source, "num_experts", "num_local_experts"))
-    fields: dict[str, Any] = dict(num_experts=experts, moe_router_topk=int(_get(hf, source, "num_experts_per_tok")))
+    experts = hf_int(hf, source, "num_experts", "num_local_experts")
+    fields: dict[str, Any] = dict(num_experts=experts, moe_router_topk=hf_int(hf, source, "num_experts_per_tok"))
     if family == "mixtral":
-        fields.update(moe_ffn_hidden_size=int(_get(hf, source, "intermediate_size")), moe_router_norm_topk=True)
+        fields.update(moe_ffn_hidden_size=hf_int(hf, source, "intermediate_size"), moe_router_norm_topk=True)
         return fields
-    dense = sorted(int(i) for i in (hf.get("mlp_only_layers") or []))
+    listed = hf.get("mlp_only_layers") or []
+    _require(
+        isinstance(listed, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in listed),
+        f"{source}: mlp_only_layers = {listed!r} is not a list of layer numbers",
+    )
+    dense = sorted(listed)
     _require(
         dense == list(range(len(dense))),
         f"{source}: mlp_only_layers = {dense} is not supported (only leading dense layers [0, ..., k-1])",
     )
     _require(len(dense) < num_layers, f"{source}: mlp_only_layers = {dense} leaves no MoE layer")
     fields.update(
-        moe_ffn_hidden_size=int(_get(hf, source, "moe_intermediate_size")),
-        moe_router_norm_topk=bool(_get(hf, source, "norm_topk_prob", default=False)),
-        moe_layer_freq=int(_get(hf, source, "decoder_sparse_step", default=1)),
+        moe_ffn_hidden_size=hf_int(hf, source, "moe_intermediate_size"),
+        moe_router_norm_topk=hf_bool(hf, source, "norm_topk_prob", default=False),
+        moe_layer_freq=hf_int(hf, source, "decoder_sparse_step", default=1),
         first_k_dense_layers=len(dense),
     )
     return fields
@@ -124,26 +178,26 @@ def model_config_from_hf(
             not hf.get("attention_bias", False),
             f"{source}: attention_bias = true is not supported for {family} (biases on q/k/v and o_proj)",
         )
-    hidden = int(_get(hf, source, "hidden_size"))
-    heads = int(_get(hf, source, "num_attention_heads"))
-    head_dim = int(_get(hf, source, "head_dim", default=hidden // heads))
-    layers = int(_get(hf, source, "num_hidden_layers"))
+    hidden = hf_int(hf, source, "hidden_size")
+    heads = hf_int(hf, source, "num_attention_heads")
+    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
+    layers = hf_int(hf, source, "num_hidden_layers")
     fields: dict[str, Any] = dict(
         family=family,
         hf_path=hf_path,
         num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(_get(hf, source, "intermediate_size")),
+        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=int(_get(hf, source, "num_key_value_heads", default=heads)),
+        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
         kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=int(_get(hf, source, "vocab_size")),
-        max_position_embeddings=int(_get(hf, source, "max_position_embeddings")),
+        vocab_size=hf_int(hf, source, "vocab_size"),
+        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
         rope_theta=_rope_theta(hf, source),
-        norm_epsilon=float(_get(hf, source, "rms_norm_eps")),
+        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
         add_qkv_bias=family == "qwen2",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
         num_experts=None,
     )
     if family in ("qwen3_moe", "mixtral"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
 
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
 _HF_CLASS = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -68,14 +68,6 @@ _YARN_KEYS = frozenset(
 )  # fmt: skip
 
 
-def _get(hf: dict[str, Any], source: str, key: str, default: Any = ...) -> Any:
-    if hf.get(key) is not None:
-        return hf[key]
-    if default is ...:
-        raise ConversionError(f"{source}: missing key {key!r}")
-    return default
-
-
 def _refuse(ok: bool, source: str, message: str) -> None:
     if not ok:
         raise ConversionError(f"{source}: {message}")
@@ -85,13 +77,16 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     """RoPE base, partial rotation and yarn scaling, from rope_scaling (Hub files) or rope_parameters
     (transformers 5)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = dict(hf.get(key) or {})
+    rope, within = dict(hf_section(hf, source, key)), f"{source}: {key}"
     unknown = sorted(set(rope) - _YARN_KEYS)
     _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the {family} mapping")
-    theta = rope.get("rope_theta", hf.get("rope_theta"))
-    _refuse(theta is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
-    fields: dict[str, Any] = dict(rope_theta=float(theta))
-    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    theta = hf_float(rope, within, "rope_theta", default=None)
+    if theta is None:
+        _refuse(hf.get("rope_theta") is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
+        theta = hf_float(hf, source, "rope_theta")
+    fields: dict[str, Any] = dict(rope_theta=theta)
+    partial = hf_float(rope, within, "partial_rotary_factor", default=None)
+    partial = hf_float(hf, source, "partial_rotary_factor", default=1.0) if partial is None else partial
     if family == "glm4_moe":
         fields["rotary_percent"] = partial
     else:
@@ -104,10 +99,11 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     _refuse(kind == "yarn", source, f"{key} rope_type = {kind!r} is not supported (default or yarn)")
     _refuse(family == "deepseek_v3", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 (MLA)")
     _refuse(rope.get("truncate", True) is True, source, f"{key}.truncate = {rope.get('truncate')!r}: needs true")
-    original = int(_get(rope, source, "original_max_position_embeddings"))
-    factor = rope.get("factor")
-    factor = float(factor) if factor is not None else int(_get(hf, source, "max_position_embeddings")) / original
-    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    original = hf_int(rope, within, "original_max_position_embeddings")
+    factor = hf_float(rope, within, "factor", default=None)
+    factor = factor if factor is not None else hf_int(hf, source, "max_position_embeddings") / original
+    mscale = hf_float(rope, within, "mscale", default=None)
+    all_dim = hf_float(rope, within, "mscale_all_dim", default=None)
     # transformers uses mscale / mscale_all_dim only when both are non-zero, else attention factor
     # 0.1 ln(factor) + 1 (= Megatron's with mscale 1, mscale_all_dim 0); the softmax scale uses mscale_all_dim.
     if not (mscale and all_dim):
@@ -119,8 +115,8 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         rope_scaling="yarn",
         yarn_factor=factor,
         yarn_original_max_position_embeddings=original,
-        yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
-        yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+        yarn_beta_fast=hf_float(rope, within, "beta_fast", default=None) or 32.0,
+        yarn_beta_slow=hf_float(rope, within, "beta_slow", default=None) or 1.0,
         yarn_mscale=float(mscale),
         yarn_mscale_all_dim=float(all_dim),
     )
@@ -128,19 +124,19 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
 
 
 def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, Any]:
-    experts = int(hf.get("n_routed_experts") or _get(hf, source, "num_local_experts"))
-    topk = int(_get(hf, source, "num_experts_per_tok"))
-    dense = int(_get(hf, source, "first_k_dense_replace", 0))
+    experts = hf_int(hf, source, "n_routed_experts", "num_local_experts")
+    topk = hf_int(hf, source, "num_experts_per_tok")
+    dense = hf_int(hf, source, "first_k_dense_replace", default=0, minimum=0)
     _refuse(dense < layers, source, f"first_k_dense_replace = {dense} leaves no MoE layer")
-    norm = bool(_get(hf, source, "norm_topk_prob", True))
+    norm = hf_bool(hf, source, "norm_topk_prob", default=True)
     _refuse(norm or topk == 1, source, "norm_topk_prob = false with top-k > 1 is not supported (Megatron renormalises)")
     _refuse(
         not (norm and topk == 1), source, "norm_topk_prob = true with num_experts_per_tok = 1 is not supported "
         "(transformers' gate is then 1, Megatron's the sigmoid score)",
     )  # fmt: skip
-    shared = int(_get(hf, source, "n_shared_experts", 0))
-    width = int(_get(hf, source, "moe_intermediate_size"))
-    groups, group_topk = int(_get(hf, source, "n_group", 1)), int(_get(hf, source, "topk_group", 1))
+    shared = hf_int(hf, source, "n_shared_experts", default=0, minimum=0)
+    width = hf_int(hf, source, "moe_intermediate_size")
+    groups, group_topk = hf_int(hf, source, "n_group", default=1), hf_int(hf, source, "topk_group", default=1)
     fields: dict[str, Any] = dict(
         num_experts=experts,
         moe_router_topk=topk,
@@ -149,7 +145,7 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
         first_k_dense_layers=dense,
         moe_layer_freq=1,
         moe_shared_expert_size=shared * width if shared else None,
-        moe_router_scaling_factor=float(_get(hf, source, "routed_scaling_factor", 1.0)),
+        moe_router_scaling_factor=hf_float(hf, source, "routed_scaling_factor", default=1.0),
     )
     if 1 < groups and group_topk < groups:  # otherwise every group is always chosen: plain top-k
         _refuse(
@@ -163,7 +159,7 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
 
 
 def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    nope, rope = int(_get(hf, source, "qk_nope_head_dim")), int(_get(hf, source, "qk_rope_head_dim"))
+    nope, rope = hf_int(hf, source, "qk_nope_head_dim"), hf_int(hf, source, "qk_rope_head_dim")
     _refuse(
         hf.get("qk_head_dim") in (None, nope + rope), source, f"qk_head_dim = {hf.get('qk_head_dim')} != {nope + rope}"
     )
@@ -171,16 +167,20 @@ def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     _refuse(hf.get("scoring_func", "sigmoid") == "sigmoid", source, f"scoring_func = {hf.get('scoring_func')!r}")
     method = hf.get("topk_method", "noaux_tc")
     _refuse(method == "noaux_tc", source, f"topk_method = {method!r} is not supported (noaux_tc)")
-    _refuse(int(hf.get("moe_layer_freq", 1)) == 1, source, f"moe_layer_freq = {hf.get('moe_layer_freq')}: needs 1")
+    _refuse(
+        hf_int(hf, source, "moe_layer_freq", default=1) == 1,
+        source,
+        f"moe_layer_freq = {hf.get('moe_layer_freq')}: needs 1",
+    )
     _refuse(hf.get("rope_interleave", True) is True, source, "rope_interleave = false is not supported")
     _refuse(not hf.get("attention_bias", False), source, "attention_bias = true is not supported for deepseek_v3")
     q_lora = hf.get("q_lora_rank")
     return dict(
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(_get(hf, source, "kv_lora_rank")),
+        q_lora_rank=None if q_lora is None else hf_int(hf, source, "q_lora_rank"),
+        kv_lora_rank=hf_int(hf, source, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=int(_get(hf, source, "v_head_dim")),
+        v_head_dim=hf_int(hf, source, "v_head_dim"),
         qk_layernorm=True,
         add_qkv_bias=False,
     )
@@ -192,30 +192,30 @@ def sigmoid_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[s
     _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     act = hf.get("hidden_act", "silu")
     _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
-    hidden, heads = int(_get(hf, source, "hidden_size")), int(_get(hf, source, "num_attention_heads"))
-    layers = int(_get(hf, source, "num_hidden_layers"))
+    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
+    layers = hf_int(hf, source, "num_hidden_layers")
     fields: dict[str, Any] = dict(
         family=family,
         num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(_get(hf, source, "intermediate_size")),
+        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
         num_attention_heads=heads,
-        vocab_size=int(_get(hf, source, "vocab_size")),
-        max_position_embeddings=int(_get(hf, source, "max_position_embeddings")),
-        norm_epsilon=float(_get(hf, source, "rms_norm_eps")),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        vocab_size=hf_int(hf, source, "vocab_size"),
+        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
+        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
+        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
     )
     fields.update(_rope_fields(hf, family, source))
     fields.update(_router_fields(hf, source, layers))
     if family == "deepseek_v3":
         fields.update(_mla_fields(hf, source), num_query_groups=heads, kv_channels=None)
     else:
-        head_dim = int(_get(hf, source, "head_dim", hidden // heads))
+        head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
         fields.update(
-            num_query_groups=int(_get(hf, source, "num_key_value_heads", heads)),
+            num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
             kv_channels=None if head_dim * heads == hidden else head_dim,
-            qk_layernorm=bool(hf.get("use_qk_norm", False)),
-            add_qkv_bias=bool(hf.get("attention_bias", False)),
+            qk_layernorm=hf_bool(hf, source, "use_qk_norm", default=False),
+            add_qkv_bias=hf_bool(hf, source, "attention_bias", default=False),
         )
     return fields
 

@@ -94,7 +94,10 @@ class HFCheckpoint:
         index = self.folder / INDEX_NAME
         if not index.is_file():
             return
-        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        try:
+            listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, TypeError, AttributeError):
+            raise ConversionError(f"{index}: not a JSON object whose weight_map maps tensor names to files") from None
         missing = sorted(listed - {f.name for f in files})
         if missing:
             raise ConversionError(f"{index} lists files that are not in {self.folder}: {missing}")

@@ -238,6 +238,20 @@ class HFMapping:
                     self._add(out, rule, {"layer": layer})
         return out
 
+    def empty_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The 0-width tensors `transformers` writes for a sigmoid-router model without shared experts
+        (`n_shared_experts = 0`: `mlp.shared_experts` of width 0 in every MoE layer). No Megatron parameter
+        holds them: skipped on import, written as they are by `save_hf_folder`, never synced."""
+        out: dict[str, tuple[int, ...]] = {}
+        if self.model.moe_shared_expert_size is not None:
+            return out
+        for rule in FAMILY_RULES[self.model.family]:
+            if rule.requires == "shared_experts":
+                for layer in range(self.model.num_layers):
+                    if self._applies(rule, layer):
+                        self._add(out, rule, {"layer": layer})
+        return out
+
     def _add(self, out: dict[str, tuple[int, ...]], rule: Rule, fields: dict[str, int]) -> None:
         for pattern, shape in zip(rule.hf, rule.shapes, strict=True):
             out[pattern.format(**fields)] = tuple(self.dims[s] for s in shape)

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.models.hf_config import ConversionError, read_hf_config
+from megatron_rl.models.hf_config import ConversionError, hf_int, read_hf_config
 from megatron_rl.models.hf_io import HFCheckpoint, check_tensors
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.init import iter_param_shards, take_shard
+from megatron_rl.parallel.launch import launch_rank
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+_MTP_NOTED: set[str] = set()  # folders whose MTP note this process gave (the actor's, then the reference's)
 
 
 def _contradiction(source: str, key: str, config_value: Any, evidence: str) -> ConversionError:
@@ -79,6 +81,9 @@ def check_config_against_checkpoint(
     )
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
+    if model.family in ("deepseek_v3", "glm4_moe"):
+        shared = f"model.layers.{first_moe}.mlp.shared_experts.gate_proj.weight"
+        shape_check("n_shared_experts x moe_intermediate_size", dims["S"], shared, 0)
     width = "intermediate_size" if model.family == "mixtral" else "moe_intermediate_size"
     gate = mapping.hf_names(f"decoder.layers.{first_moe}.mlp.experts.local_experts.0.linear_fc1.weight")[0]
     shape_check(width, dims["M"], gate, 0)
@@ -90,6 +95,9 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
     ckpt = HFCheckpoint(folder)
     ckpt.split_fused_experts()
     _drop_mtp_layers(ckpt, model, read_hf_config(folder))
+    for name, shape in HFMapping(model).empty_hf_shapes().items():  # n_shared_experts = 0: nothing to load
+        if ckpt.shapes.get(name) == shape:
+            del ckpt.shapes[name], ckpt.files[name], ckpt.dtypes[name]
     if model.tie_word_embeddings and "lm_head.weight" in ckpt.shapes and "model.embed_tokens.weight" in ckpt.shapes:
         head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
         if head.shape == embed.shape and torch.equal(head, embed):
@@ -101,16 +109,19 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
 
 def _drop_mtp_layers(ckpt: HFCheckpoint, model: ModelConfig, hf: dict[str, Any]) -> None:
     """Forget the multi-token-prediction layers (num_nextn_predict_layers, stored after the last
-    decoder layer): the policy is trained and served without them."""
-    mtp = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
+    decoder layer): the policy is trained and served without them. A warning says so once per folder,
+    on the launch's rank 0 (the console shows warnings)."""
+    source = f"{ckpt.folder}/config.json"
+    mtp = hf_int(hf, source, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0)
     if not mtp:
         return
     extra = range(model.num_layers, model.num_layers + mtp)
     dropped = [n for n in ckpt.shapes if (m := _LAYER.match(n)) and int(m.group(1)) in extra]
     for name in dropped:
         del ckpt.shapes[name], ckpt.files[name], ckpt.dtypes[name]
-    if dropped:
-        log.info(
+    if dropped and launch_rank() == 0 and str(ckpt.folder) not in _MTP_NOTED:
+        _MTP_NOTED.add(str(ckpt.folder))
+        log.warning(
             "%s: dropped the %d MTP layer(s) (num_nextn_predict_layers; %d tensors of layers %d..%d): not trained, "
             "not exported",
             ckpt.folder, mtp, len(dropped), extra[0], extra[-1],

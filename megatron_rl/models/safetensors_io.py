@@ -41,13 +41,17 @@ _MAX_HEADER = 100 * 2**20
 
 
 class SafetensorsFormatError(ValueError):
-    """A file that is not valid safetensors."""
+    """A file that is not valid safetensors, or cannot be read (a dangling link, no permission)."""
 
 
 def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
     """The tensor entries of a safetensors file (without `__metadata__`) and where its data starts;
     SafetensorsFormatError when an entry does not describe its bytes or the file is too short for them."""
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise SafetensorsFormatError(_unreadable(Path(path), err)) from None
+    with f:
         raw = f.read(8)
         if len(raw) != 8:
             raise SafetensorsFormatError(f"{path}: too short to be a safetensors file")
@@ -74,6 +78,12 @@ def read_header(path: str | Path) -> tuple[dict[str, dict[str, Any]], int]:
             f"bytes [{begin}, {end})"
         )
     return header, 8 + size
+
+
+def _unreadable(path: Path, err: OSError) -> str:
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    return f"{path} cannot be read: {err.strerror or err}"
 
 
 def _check_entry(path: str | Path, name: str, entry: Any) -> None:

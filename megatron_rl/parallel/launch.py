@@ -61,6 +61,11 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(rank, world_size, local_rank, env["MASTER_ADDR"], port, source)
 
 
+def launch_rank() -> int:
+    """This process's global rank by its launcher's variables (torchrun's, else Slurm's); 0 when not launched."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
 def ensure_launch_env() -> None:
     """A process started without torchrun/srun gets the variables of a world of one (a free local port)."""
     if any(v in os.environ for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")):

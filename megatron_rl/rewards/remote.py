@@ -8,7 +8,8 @@ failing then stands as a failure for each of its items (the scorer counts them; 
 trained on, and more than `reward.max_failure_frac` of a step's responses stops the run), so one
 batch takes at most (max_retries + 1) x timeout_s plus the waits. A reply that breaks the protocol
 (no score, NaN, a wrong number of results) fails the items it concerns with an error naming the problem. A refused key (401/403), a wrong address (404) or a refused request
-(400, 413) cannot heal by retrying: it raises `RemoteRewardError` at once.
+(400, 413) cannot heal by retrying: it raises `RemoteRewardError` at once, a `ConfigError` (the stage ends
+with one line), as does a server that does not answer the start-up check (`check`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import logging
 import os
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 
+from megatron_rl.config import ConfigError, RewardConfig
+from megatron_rl.http_body import connection_failure
 from megatron_rl.rewards.protocol import (
     API_KEY_ENV,
     MalformedReplyError,
@@ -31,16 +34,13 @@ from megatron_rl.rewards.protocol import (
     encode_request,
 )
 
-if TYPE_CHECKING:
-    from megatron_rl.config import RewardConfig
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_STATUSES = (429, 500, 502, 503, 504)
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(ConfigError):
     """The reward server cannot be used as configured (key, address, request refused); not retried."""
 
 
@@ -143,7 +143,7 @@ class RemoteRewardClient:
             except asyncio.TimeoutError:
                 last = f"no reply within reward.timeout_s = {self.timeout_s:g} s"
             except aiohttp.ClientError as err:
-                last = f"{type(err).__name__}: {err}"
+                last = connection_failure(err)
             else:
                 if status < 300:
                     return text

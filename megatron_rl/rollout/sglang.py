@@ -48,6 +48,7 @@ import numpy as np
 
 from megatron_rl.rollout.sglang_errors import BadRequestError, EngineDiedError, SGLangError, UnauthorizedError
 from megatron_rl.rollout.sglang_weights import WeightUpdates
+from megatron_rl.http_body import connection_failure
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -256,8 +257,7 @@ class SGLangClient(WeightUpdates):
             except SGLangError:
                 return False
 
-        results = await asyncio.gather(*(one(u) for u in urls))
-        return dict(zip(urls, results, strict=True))
+        return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
     # ---- transport ----
     def _pick(self, exclude: set[str], direct: bool) -> str:
@@ -306,7 +306,7 @@ class SGLangClient(WeightUpdates):
                 raise SGLangError(f"{label} to {url} timed out after {timeout.total:.0f} s", server=url) from None
             except aiohttp.ClientError as err:
                 status, text = None, ""
-                last = f"{type(err).__name__}: {err}"
+                last = connection_failure(err)
             finally:
                 self._in_flight[url] -= 1
             if status is None:
