@@ -466,7 +466,7 @@ class CheckpointConfig:
     keep_last: int = _f(2, "checkpoints kept on disk", ge=1)
     export_hf: bool = _f(True, "export the final policy as a Hugging Face folder")
     preempt_timeout_s: float = _f(
-        30.0, "after SIGTERM/SIGUSR1, seconds the step's episodes may still run; then they are aborted", ge=0
+        15.0, "after SIGTERM/SIGUSR1, seconds the step's episodes may still run; then they are aborted", ge=0
     )
 
 

@@ -143,7 +143,7 @@ def test_an_error_after_ctrl_c_is_the_interruption(
             raise echo from None
 
     monkeypatch.setattr("megatron_rl.trainer.run_training", interrupted_then_failed)
-    monkeypatch.setattr("megatron_rl.parallel.signals._INTERRUPTED", [])
+    monkeypatch.setattr("megatron_rl.parallel.signals._INTERRUPTED", [], raising=False)  # Ctrl-C not seen yet
     launched_as(rank)
     assert _run(train_command, run_config) == 130
     assert capsys.readouterr().err == (
