@@ -727,7 +727,7 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
         == "step 3: 2 of 4 episodes failed in env.agent = 'test_gateway:failing_on_bad_rows'; first: RuntimeError: no luck"
     )
     # an agent command that always fails: the default fraction (0.05) stops the first step
-    failing = f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(\"no luck\")'"
+    failing = "echo no luck >&2 && false"
     with pytest.raises(
         EpisodeFailureError, match=r"step 1: 2 of 2 episodes failed .* env\.agent_command = .*status 1: no luck"
     ):
@@ -741,15 +741,18 @@ print("started", flush=True)
 time.sleep(600)
 """
 
+# runs two agent episodes whose agents never call the model (nothing heavier than the runner imported)
 TRAINER_OF_AGENTS = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from test_gateway import ScriptEngine, TT, params, task
+from types import SimpleNamespace
 from megatron_rl.agents import run_agent_episodes
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs import TurnRenderer
-cfg = EnvConfig(type="agent", agent_command=sys.argv[2], agent_timeout_s=600)
-run_agent_episodes(ScriptEngine({}), [task("a"), task("b")], params, TurnRenderer(TT), cfg)
+from megatron_rl.rollout.types import SamplingParams
+cfg = EnvConfig(type="agent", agent_command=sys.argv[1], agent_timeout_s=600)
+rows = [SimpleNamespace(index=i, text="t", answer="1", raw={}, input_ids=[1]) for i in range(2)]
+tokenizer = SimpleNamespace(all_special_ids=(), chat_template=None)
+run_agent_episodes(None, rows, lambda call, i: SamplingParams(), TurnRenderer(tokenizer), cfg)
 """
 
 
@@ -767,8 +770,7 @@ def test_agent_commands_and_their_children_end_when_the_trainer_is_killed(tmp_pa
     (tmp_path / "agent.py").write_text(CHILD_AGENT)
     marker = str(tmp_path)
     command = f"{shlex.quote(sys.executable)} {tmp_path / 'agent.py'} {shlex.quote(marker)}"
-    tests = str(Path(__file__).parent)
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_OF_AGENTS, tests, command], start_new_session=True)
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_OF_AGENTS, command], start_new_session=True)
     try:
         wait_until(lambda: len(_processes_naming(marker)) >= 4, 120, "two agents and their children")
         trainer.kill()
