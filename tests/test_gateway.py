@@ -790,13 +790,15 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
     aborts are no failures (no EpisodeFailureError)."""
     marker = f"slow-agent-{id(SLOW_AGENT)}"
     command = f"{shlex.quote(sys.executable)} -c {shlex.quote(SLOW_AGENT)} {marker}"
-    col = agent_collector(f"env.agent_command={command}", "env.agent_timeout_s=600", rows=("task-E",))
+    # one at a time: the second episode starts after the abort (and ends at once)
+    over = (f"env.agent_command={command}", "env.agent_timeout_s=600", "rollout.max_concurrency=1")
+    col = agent_collector(*over, rows=("task-E",))
     runtime = RolloutRuntime(col.cfg, col, MainThreadCalls())
     stop = StopRequest()
     stop.on_stop(lambda: runtime.abort_episodes_after(0.5))
     try:
         started = runtime.submit(runtime._collect(1))
-        wait_until(lambda: len(_processes_naming(marker)) >= 4, 60, "both agents (a shell and python each) to start")
+        wait_until(lambda: len(_processes_naming(marker)) >= 2, 60, "the first agent (a shell and python) to start")
         stop.handle(signal.SIGTERM, None)
         plan = started.result(timeout=120)
     finally:

@@ -117,23 +117,41 @@ def _term_when_parent_dies() -> None:
         _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _start_command(command: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """The agent command started in a process group of its own (and out of reach of a terminal's
+    Ctrl-C). A cancellation meanwhile lets the start finish, then kills the group: asyncio's own
+    clean-up of a cancelled start waits for pipes that the command's children may hold for ever."""
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_shell(
+            in_own_group(command),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_term_when_parent_dies,
+        )
+    )
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        _kill_group(await starting)
+        raise
+
+
 async def _run_command(command: str, base_url: str, api_key: str, model: str, row: Any, timeout_s: float):
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model}
-    proc = await asyncio.create_subprocess_shell(
-        in_own_group(command),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group (and no terminal's Ctrl-C): killed as a whole
-        preexec_fn=_term_when_parent_dies,
-    )
+    proc = await _start_command(command, env)
     try:
         async with asyncio.timeout(timeout_s):
             stdout, stderr = await proc.communicate(row_json(row).encode())
     except BaseException as err:  # its timeout, or cancelled (the run stopping, the abort): the group ends
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc)
         if isinstance(err, TimeoutError):
             await proc.wait()
         raise

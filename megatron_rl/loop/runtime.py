@@ -116,7 +116,8 @@ class RolloutRuntime:
         def start() -> None:
             self.loop.create_task(self._abort(), name="abort-episodes")
 
-        self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, start)
+        with contextlib.suppress(RuntimeError):  # the loop already closed (the signal came during the shutdown)
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, start)
 
     # ---- on the loop ----
     async def _abort(self) -> None:
