@@ -16,7 +16,8 @@ metrics equal the uninterrupted run's (timings aside) when the engine decodes on
 
 Signals (`megatron_rl.parallel.signals`): SIGTERM and SIGUSR1 stop the run at the next step
 boundary, agreed by every rank, with a checkpoint of that step (exit code 0 after SIGUSR1, 143 after
-SIGTERM); `--resume` continues from it. Ctrl-C (SIGINT), SIGHUP and the same stop signal twice stop at once
+SIGTERM; rank 0's episodes still running `checkpoint.preempt_timeout_s` after the signal are aborted, so
+the step ends); `--resume` continues from it. Ctrl-C (SIGINT), SIGHUP and the same stop signal twice stop at once
 (Ctrl-C: exit code 130, one line, no traceback).
 The engine child is stopped on every way out; if this process is killed outright, the engine's
 parent-death signal ends it.
