@@ -418,6 +418,9 @@ class EnvConfig:
     agent_timeout_s: float = _f(
         600.0, "agent: seconds one episode's agent may run; past it the episode fails (env/agent_errors)", gt=0
     )
+    max_failure_frac: float = _f(
+        0.05, "stop the run when more than this fraction of a step's episodes fail (env or agent errors)", ge=0, le=1
+    )
 
 
 @dataclass
@@ -459,6 +462,9 @@ class CheckpointConfig:
     load: str | None = _f(None, "Megatron checkpoint to start from")
     keep_last: int = _f(2, "checkpoints kept on disk", ge=1)
     export_hf: bool = _f(True, "export the final policy as a Hugging Face folder")
+    preempt_timeout_s: float = _f(
+        15.0, "after SIGTERM/SIGUSR1, seconds the step's episodes may still run; then they are aborted", ge=0
+    )
 
 
 @dataclass
@@ -988,11 +994,5 @@ def _reference_rows(cls: type, prefix: str, rows: list[tuple[str, str, str, str]
         if dataclasses.is_dataclass(tp):
             _reference_rows(tp, f"{prefix}.{fld.name}", rows)  # a nested section: one row per key
             continue
-        rows.append(
-            (
-                f"{prefix}.{fld.name}",
-                _describe_type(tp, dict(fld.metadata)),
-                repr(getattr(default, fld.name)),
-                fld.metadata["help"],
-            )
-        )
+        meta = dict(fld.metadata)
+        rows.append((f"{prefix}.{fld.name}", _describe_type(tp, meta), repr(getattr(default, fld.name)), meta["help"]))

@@ -16,7 +16,8 @@ metrics equal the uninterrupted run's (timings aside) when the engine decodes on
 
 Signals (`megatron_rl.parallel.signals`): SIGTERM and SIGUSR1 stop the run at the next step
 boundary, agreed by every rank, with a checkpoint of that step (exit code 0 after SIGUSR1, 143 after
-SIGTERM); `--resume` continues from it. Ctrl-C (SIGINT), SIGHUP and the same stop signal twice stop at once
+SIGTERM; rank 0's episodes still running `checkpoint.preempt_timeout_s` after the signal are aborted, so
+the step ends); `--resume` continues from it. Ctrl-C (SIGINT), SIGHUP and the same stop signal twice stop at once
 (Ctrl-C: exit code 130, one line, no traceback).
 The engine child is stopped on every way out; if this process is killed outright, the engine's
 parent-death signal ends it.
@@ -38,7 +39,11 @@ from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
 from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
+<<<<<<< HEAD
 from megatron_rl.loop.driver import RolloutData, RolloutDriver, check_rollout_servers, spawn_engine_early
+=======
+from megatron_rl.loop.driver import ROLLOUT_ERRORS, RolloutData, RolloutDriver, spawn_engine_early
+>>>>>>> signals
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
@@ -65,7 +70,7 @@ class LogprobGapError(RuntimeError):
 
 # the run's own stops, raised on every rank (rank 0's reason reaches the others as RankZeroError): `train`
 # ends them with one line from rank 0; any other error keeps its traceback
-RUN_ERRORS: tuple[type[Exception], ...] = (LogprobGapError, RewardFailureError, RankZeroError)
+RUN_ERRORS: tuple[type[Exception], ...] = (LogprobGapError, RewardFailureError, RankZeroError, *ROLLOUT_ERRORS)
 
 
 def agreed_stop(request: StopRequest | None) -> int:
@@ -248,6 +253,9 @@ class Trainer:
             self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
         record: dict[str, Any] = {}
         checkpoint_s = None
+        if stop_request is not None and self.rank0 is not None:  # a stop signal: the step ends within a bound
+            rank0, grace = self.rank0, cfg.checkpoint.preempt_timeout_s
+            stop_request.on_stop(lambda: rank0.abort_episodes_after(grace))
         stop = agreed_stop(stop_request)  # a signal during the start-up: nothing new to save
         if stop and start_step < cfg.train.steps:
             self.stopped_by = stop
@@ -471,6 +479,8 @@ class Trainer:
 
     def _evaluate(self, step: int) -> dict[str, float]:
         scores = on_rank0_with(self.rank0, lambda rank0: rank0.evaluate(step))
+        if not scores:  # the episodes were aborted (a stop signal): no evaluation
+            return scores
         shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k.startswith("eval/") and k != "eval/prompts")
         self.log.message(f"step {step}: {shown}")
         return scores

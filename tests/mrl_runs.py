@@ -76,9 +76,10 @@ def build_work(root: Path, family: str = "qwen3_moe") -> Path:
 
 def rank_launcher(ranks: int, launcher: str = "mrl_ranks") -> list[str]:
     """The command that starts `ranks` ranks of the python arguments after it: tests/mrl_ranks.py, or
-    torchrun itself where a test is about torchrun's behaviour."""
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    torchrun itself (`torchrun`, or the product's `megatron_rl.torchrun`) where a test is about its behaviour."""
+    if launcher in ("torchrun", "megatron_rl.torchrun"):
+        module = "torch.distributed.run" if launcher == "torchrun" else launcher
+        return [sys.executable, "-m", module, "--standalone", f"--nproc-per-node={ranks}"]
     return [sys.executable, str(Path(__file__).with_name("mrl_ranks.py")), str(ranks), str(free_port())]
 
 

@@ -32,6 +32,7 @@ from megatron_rl.envs import (
 )
 from megatron_rl.envs.calculator import CalculatorEnv, CalculatorError, evaluate_expression
 from megatron_rl.envs.episodes import EnvRewardError
+from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.envs.http_tool import HttpToolEnv
 from megatron_rl.loop.collect import RolloutCollector, sampling_seed
 from megatron_rl.losses import policy_loss
@@ -803,3 +804,45 @@ def test_async_steps_run_on_the_episodes_loop_side_by_side_and_time_out() -> Non
     (traj,) = run_episodes(TurnEngine({7: ["x"]}), [AsyncRendezvous(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
     assert (traj.end_reason, dict(traj.events)) == ("env_error", {"step_timeout": 1})
     assert "AsyncRendezvous.step ran past env.step_timeout_s = 0.3 s" in traj.meta_info["env_error"]
+
+
+class BrokenStep(Environment):
+    """An environment whose `step` always raises (a tool server that is down)."""
+
+    def step(self, turn):
+        raise ValueError("the tool server is down")
+
+
+class BrokenStart(Environment):
+    def start(self, row):
+        raise KeyError("task")
+
+
+def broken_env_collector(env_type: str, *over: str) -> RolloutCollector:
+    base = ["model.hf_path=unused", "data.train_path=unused", "rollout.n_samples_per_prompt=2", "env.max_turns=2"]
+    cfg = load_config(None, [*base, "train.prompts_per_step=1", f"env.type={env_type}", *over])
+    scorer = RewardScorer(cfg.reward, rule=lambda response, answer: 1.0)
+    return RolloutCollector(cfg, TurnEngine({7: ["x"]}), TOK, scorer, PromptSampler([row(7)], shuffle=False))
+
+
+def test_an_environment_that_always_fails_is_warned_about_then_stops_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    """P6: every step raising: above env.max_failure_frac one line naming the environment and the first
+    exception stops the step; at the fraction one warning per step says so. P20: `start` raising is one
+    line naming the environment."""
+    with pytest.raises(EpisodeFailureError) as err:
+        broken_env_collector("test_envs:BrokenStep").collect(step=2)
+    assert str(err.value) == (
+        "step 2: 2 of 2 episodes failed (100%, above env.max_failure_frac = 0.05) in env.type = "
+        "'test_envs:BrokenStep'; first: BrokenStep.step: ValueError: the tool server is down"
+    )
+    with caplog.at_level("WARNING"):
+        plan = broken_env_collector("test_envs:BrokenStep", "env.max_failure_frac=1").collect(step=2)
+    assert plan.metrics["env/env_error"] == 2.0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
+    assert warnings == [
+        "step 2: 2 of 2 episodes failed in env.type = 'test_envs:BrokenStep'; first: BrokenStep.step: "
+        "ValueError: the tool server is down"
+    ]
+    with pytest.raises(EnvStartError) as err:
+        broken_env_collector("test_envs:BrokenStart").collect(step=2)
+    assert str(err.value) == "env.type = 'test_envs:BrokenStart': BrokenStart.start raised KeyError: 'task'"

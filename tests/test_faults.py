@@ -284,6 +284,9 @@ def test_a_stopped_engine_is_reported_with_the_requests_in_flight(work: Path, ca
 # ---- real runs ----
 
 SIGNAL_RUN = ("train.steps=3", "eval.every=0", "checkpoint.every=0", "train.updates_per_step=2")
+# the stopped runs' steps end whole however slow the machine (a step whose episodes were aborted would
+# train on fewer groups than the uninterrupted run compared with)
+UNABORTED = "checkpoint.preempt_timeout_s=600"
 
 
 def rank0_worker(torchrun: subprocess.Popen) -> psutil.Process:
@@ -298,7 +301,7 @@ def stop_after_first_step(
 ) -> tuple[int, str]:
     """Start the run (`run`'s overrides), send `sig` (to rank 0 alone) once step 1 is logged; (exit code, log)."""
     log = run_dir.with_suffix(".log")
-    process = start(command(work, run_dir, *run, ranks=ranks), log)
+    process = start(command(work, run_dir, *run, UNABORTED, ranks=ranks), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)
     target = rank0_worker(process).pid if ranks > 1 else process.pid
     os.kill(target, sig)
@@ -346,7 +349,7 @@ def test_sigterm_during_an_engine_restart_checkpoints_the_step_and_exits_143_qui
     restarted engine with the trained weights, its checkpoint is saved, exit 143, a quiet log."""
     run_dir = tmp_path / "terminated"
     log = run_dir.with_suffix(".log")
-    overrides = (*SIGNAL_RUN, "train.steps=4", "rollout.weight_sync=disk")  # 4: the stop is never the last step
+    overrides = (*SIGNAL_RUN, "train.steps=4", "rollout.weight_sync=disk", UNABORTED)  # 4: never the last step
     process = start(command(work, run_dir, *overrides, ranks=1), log)
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, process, log)  # the engine serves step 1's weights now
     engine_of(process).kill()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import urllib.error
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import openai
+import psutil
 import pytest
 from test_envs import IM_END, TOK, ChatTokenizer, chars, row
 
@@ -24,10 +27,15 @@ from megatron_rl.config import ConfigError, EnvConfig, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
+from megatron_rl.envs.failures import EpisodeFailureError
 from megatron_rl.loop.collect import RolloutCollector, evaluate
+from megatron_rl.loop.runtime import RolloutRuntime
+from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.types import Sample, SamplingParams
+
+from mrl_runs import wait_until
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
 TOOLS = [
@@ -782,3 +790,120 @@ def test_routed_experts_are_assembled_per_token_across_calls() -> None:
     assert len(rows) == len(traj.prompt_ids) + len(traj.output_ids) - 1
     # each position from the first call that routed it: the first call's, then the second's prefill and turn
     assert rows == list(range(first_call)) + [1000 + k for k in range(first_call, len(rows))]
+
+
+# ---- failing agents stop the run; agents end with the run ----
+async def failing_on_bad_rows(base_url, api_key, row):
+    if row.text == "bad":
+        raise RuntimeError("no luck")
+    await answering_agent(base_url, api_key, row)
+
+
+def agent_collector(*over: str, rows: tuple[str, ...] = ("task-E", "bad")) -> RolloutCollector:
+    base = ["model.hf_path=unused", "data.train_path=unused", "rollout.n_samples_per_prompt=2", "env.type=agent"]
+    cfg = load_config(None, [*base, f"train.prompts_per_step={len(rows)}", *over])
+    engine = ScriptEngine({"task-E": ["Answer: 56088", "Answer: 1"]})
+    return RolloutCollector(
+        cfg, engine, TT, RewardScorer(cfg.reward), PromptSampler(list(map(task, rows)), shuffle=False)
+    )
+
+
+def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog: pytest.LogCaptureFixture) -> None:
+    """P5: 2 of 4 episodes fail (50%): above env.max_failure_frac the step stops with one line naming the
+    agent and the first failure; at the fraction the failed group is left out with one warning for the step."""
+    with pytest.raises(EpisodeFailureError) as err:
+        agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.25").collect(step=3)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        "step 3: 2 of 4 episodes failed (50%, above env.max_failure_frac = 0.25) in "
+        "env.agent = 'test_gateway:failing_on_bad_rows'; first: RuntimeError: no luck"
+    )
+    with caplog.at_level("WARNING"):
+        plan = agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5").collect(step=3)
+    assert plan.metrics["env/agent_errors"] == 2.0 and plan.metrics["groups/aborted"] == 1.0 and len(plan.batch) == 2
+    (summary,) = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
+    assert (
+        summary
+        == "step 3: 2 of 4 episodes failed in env.agent = 'test_gateway:failing_on_bad_rows'; first: RuntimeError: no luck"
+    )
+    # an agent command that always fails: the default fraction (0.05) stops the first step
+    failing = "echo no luck >&2 && false"
+    with pytest.raises(
+        EpisodeFailureError, match=r"step 1: 2 of 2 episodes failed .* env\.agent_command = .*status 1: no luck"
+    ):
+        agent_collector(f"env.agent_command={failing}", rows=("task-E",)).collect(step=1)
+
+
+CHILD_AGENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]])  # the agent's own child
+print("started", flush=True)
+time.sleep(600)
+"""
+
+# runs two agent episodes whose agents never call the model (nothing heavier than the runner imported)
+TRAINER_OF_AGENTS = """
+import sys
+from types import SimpleNamespace
+from megatron_rl.agents import run_agent_episodes
+from megatron_rl.config import EnvConfig
+from megatron_rl.envs import TurnRenderer
+from megatron_rl.rollout.types import SamplingParams
+cfg = EnvConfig(type="agent", agent_command=sys.argv[1], agent_timeout_s=600)
+rows = [SimpleNamespace(index=i, text="t", answer="1", raw={}, input_ids=[1]) for i in range(2)]
+tokenizer = SimpleNamespace(all_special_ids=(), chat_template=None)
+run_agent_episodes(None, rows, lambda call, i: SamplingParams(), TurnRenderer(tokenizer), cfg)
+"""
+
+
+def _processes_naming(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if marker in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
+
+
+@pytest.mark.e2e
+def test_agent_commands_and_their_children_end_when_the_trainer_is_killed(tmp_path: Path) -> None:
+    """P8: kill -9 of the process running agent commands leaves none of them (nor what they started)."""
+    (tmp_path / "agent.py").write_text(CHILD_AGENT)
+    marker = str(tmp_path)
+    command = f"{shlex.quote(sys.executable)} {tmp_path / 'agent.py'} {shlex.quote(marker)}"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_OF_AGENTS, command], start_new_session=True)
+    try:
+        wait_until(lambda: len(_processes_naming(marker)) >= 4, 120, "two agents and their children")
+        trainer.kill()
+        trainer.wait()
+        wait_until(lambda: not _processes_naming(marker), 30, f"the agents to end: {_processes_naming(marker)}")
+    finally:
+        for proc in _processes_naming(marker):
+            proc.kill()
+
+
+SLOW_AGENT = "import sys, time; print('started', flush=True); time.sleep(600)"
+
+
+def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step_ends() -> None:
+    """P9: agents that would run for env.agent_timeout_s (600 s): checkpoint.preempt_timeout_s after the
+    stop signal they are aborted (their processes killed), the step ends with their group left out, and
+    aborts are no failures (no EpisodeFailureError)."""
+    marker = f"slow-agent-{id(SLOW_AGENT)}"
+    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(SLOW_AGENT)} {marker}"
+    # one at a time: the second episode starts after the abort (and ends at once)
+    over = (f"env.agent_command={command}", "env.agent_timeout_s=600", "rollout.max_concurrency=1")
+    col = agent_collector(*over, rows=("task-E",))
+    runtime = RolloutRuntime(col.cfg, col, MainThreadCalls())
+    stop = StopRequest()
+    stop.on_stop(lambda: runtime.abort_episodes_after(0.5))
+    try:
+        started = runtime.submit(runtime._collect(1))
+        wait_until(lambda: len(_processes_naming(marker)) >= 2, 60, "the first agent (a shell and python) to start")
+        stop.handle(signal.SIGTERM, None)
+        plan = started.result(timeout=120)
+    finally:
+        runtime.close()
+    assert plan.batch is None and plan.metrics["env/end_preempted"] == 2.0 and plan.metrics["groups/aborted"] == 1.0
+    assert "env/agent_errors" not in plan.metrics
+    assert not _processes_naming(marker)
+    assert runtime.evaluate([task("task-E")], 1) == {}  # nothing evaluated on aborted episodes

@@ -20,12 +20,20 @@ reward that is not a finite number, or never calls the model is a failed episode
 (`env/agent_errors`, `env/agent_timeouts` for the timeouts, `env/end_agent_error`): its trajectory's
 finish reason is `abort`, so the collector leaves its group out, as for an engine abort. An agent
 that fails after the gateway refused a call over `env.max_turns` or `env.max_total_tokens` ended by
-that limit: its trajectory is trained (`env/end_max_turns`, `env/end_max_total_tokens`).
+that limit: its trajectory is trained (`env/end_max_turns`, `env/end_max_total_tokens`). An episode
+still running `checkpoint.preempt_timeout_s` after a stop signal is aborted (`env/end_preempted`,
+`megatron_rl.rollout.preempt`): its agent is cancelled, its group left out, and it is no failure.
+
+An agent command runs in a process group of its own, which every way out of its episode kills (its
+timeout, a cancellation, the abort): the agent and whatever it started. If the trainer is killed
+outright, the command's shell gets SIGTERM (Linux's parent-death signal) and kills the group itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import inspect
 import json
 import logging
@@ -33,6 +41,7 @@ import math
 import os
 import secrets
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
@@ -44,6 +53,7 @@ from megatron_rl.envs.base import agent_function
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.envs.tools import on_daemon_thread
 from megatron_rl.rollout.handoff import blocking
+from megatron_rl.rollout.preempt import EpisodesAborted, abortable
 from megatron_rl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,25 +102,58 @@ async def _run_function(fn: Callable[..., Any], base_url: str, api_key: str, row
     return _reward(value, "the agent function")
 
 
+def in_own_group(command: str) -> str:
+    """`command` as a shell script that, on SIGTERM (its parent-death signal), kills its process group:
+    the command runs as a background job (stdin passed on) the shell waits for, exiting with its status."""
+    return f"trap 'kill -9 0' TERM\nexec 3<&0\n{{ {command}\n}} <&3 3<&- &\nwait $!\n"
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _term_when_parent_dies() -> None:
+    """(In the child, before exec.) Linux: SIGTERM when the thread that started it dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _start_command(command: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """The agent command started in a process group of its own (and out of reach of a terminal's
+    Ctrl-C). A cancellation meanwhile lets the start finish, then kills the group: asyncio's own
+    clean-up of a cancelled start waits for pipes that the command's children may hold for ever."""
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_shell(
+            in_own_group(command),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_term_when_parent_dies,
+        )
+    )
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        _kill_group(await starting)
+        raise
+
+
 async def _run_command(command: str, base_url: str, api_key: str, model: str, row: Any, timeout_s: float):
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model}
-    proc = await asyncio.create_subprocess_shell(
-        command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group: a timeout ends the agent's children too
-    )
+    proc = await _start_command(command, env)
     try:
         async with asyncio.timeout(timeout_s):
             stdout, stderr = await proc.communicate(row_json(row).encode())
-    except TimeoutError:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
+    except BaseException as err:  # its timeout, or cancelled (the run stopping, the abort): the group ends
+        _kill_group(proc)
+        if isinstance(err, TimeoutError):
+            await proc.wait()
         raise
     if proc.returncode != 0:
         tail = stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
@@ -125,7 +168,9 @@ async def _run_command(command: str, base_url: str, api_key: str, model: str, ro
     return _reward(last.get("reward"), "the agent command") if isinstance(last, dict) else None
 
 
-def _episode(row: Any, record: EpisodeRecord, reward: float | None, error: str | None) -> AgentEpisode:
+def _episode(
+    row: Any, record: EpisodeRecord, reward: float | None, error: str | None, end: str = "agent_error"
+) -> AgentEpisode:
     segments = record.trajectories
     if error is None and record.calls == 0:
         error = "the agent never called the model"
@@ -139,8 +184,9 @@ def _episode(row: Any, record: EpisodeRecord, reward: float | None, error: str |
         traj = Trajectory(prompt_ids=prompt, output_ids=[], logprobs=[], finish_reason="abort")
     traj.events.update(record.events)
     if failed:
-        traj.events["agent_errors"] += 1
-        traj.finish_reason, traj.end_reason = "abort", "agent_error"
+        if end == "agent_error":  # an episode aborted by a stop signal is no failure
+            traj.events["agent_errors"] += 1
+        traj.finish_reason, traj.end_reason = "abort", end
         traj.meta_info = {**traj.meta_info, "agent_error": error or record.failure}
     else:
         traj.end_reason = record.limit or "done"
@@ -221,13 +267,16 @@ async def _all(
         async with slots:
             episode = await gateway.open_episode_async(i)
             url = gateway.base_url(episode)
-            reward, error, timed_out = None, None, False
+            reward, error, timed_out, end = None, None, False, "agent_error"
             try:
                 if agent is not None:
                     async with asyncio.timeout(cfg.agent_timeout_s):
-                        reward = await _run_function(agent, url, key, row)
+                        reward = await abortable(_run_function(agent, url, key, row))
                 else:
-                    reward = await _run_command(cfg.agent_command, url, key, gateway.model, row, cfg.agent_timeout_s)
+                    command = _run_command(cfg.agent_command, url, key, gateway.model, row, cfg.agent_timeout_s)
+                    reward = await abortable(command)
+            except EpisodesAborted as err:
+                error, end = str(err), "preempted"
             except TimeoutError:
                 timed_out = True
                 error = f"the agent ran past env.agent_timeout_s = {cfg.agent_timeout_s:g} s"
@@ -236,8 +285,8 @@ async def _all(
             record = await gateway.finish_async(episode)
             if timed_out:
                 record.events["agent_timeouts"] += 1
-            result = _episode(row, record, reward, error)
-            if result.error is not None:
+            result = _episode(row, record, reward, error, end)
+            if result.error is not None and end == "agent_error":
                 log.warning("agent episode %d failed: %s", i, result.error)
             return result
 

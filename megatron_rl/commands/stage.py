@@ -3,7 +3,9 @@ slow start, and one error line for a bad config, bad data or a checkpoint that d
 traceback too with `megatron-rl --verbose`), or for a stage's own run errors raised on every rank
 alike (printed by rank 0 only). Ctrl-C (SIGINT) ends the stage at once, with one line on rank 0 and
 exit code 130 on every rank, without a traceback; nothing is saved (SIGTERM/SIGUSR1 stop with a
-checkpoint: `megatron_rl.parallel.signals`)."""
+checkpoint: `megatron_rl.parallel.signals`). Whatever error a rank ends with after SIGINT (a collective
+whose peer already stopped, a checkpoint save the interruption cut short: its staging folder is left,
+ignored by `--resume`) is reported as the interruption."""
 
 from __future__ import annotations
 
@@ -90,8 +92,12 @@ def _run_stage(
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.models.write_errors import StorageWriteError
     from megatron_rl.parallel.launch import ensure_launch_env
+<<<<<<< HEAD
     from megatron_rl.parallel.signals import remember_stop_signals
     from megatron_rl.run_folder import RESUME_IF_ANY, RunFolderError
+=======
+    from megatron_rl.parallel.signals import interrupted, remember_stop_signals
+>>>>>>> signals
 
     verbose = bool(getattr(args, "verbose", False))
     remember_stop_signals()  # a SIGUSR1 during the slow start-up must not kill the process
@@ -103,7 +109,12 @@ def _run_stage(
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resume: ResumeMode = RESUME_IF_ANY if getattr(args, "resume_if_any", False) else args.resume
     try:
-        run(cfg, resume, getattr(args, "force", False))
+        try:
+            run(cfg, resume, getattr(args, "force", False))
+        except Exception:
+            if interrupted():  # the error is the interruption's echo, not a failure of this rank
+                raise KeyboardInterrupt from None
+            raise
     except ConfigError as err:
         return _error("config error: ", err, verbose)
     except (DataError, ConversionError, StorageWriteError) as err:

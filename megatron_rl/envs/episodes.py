@@ -14,7 +14,8 @@ each position from the first call whose routing covers it (the call that generat
 the next call's prefill for the last token of a turn and the observation's tokens).
 
 An episode ends with one reason, counted as `env/end_<reason>`: `done` (the environment said so),
-`length` (a turn hit its token budget), `abort` (the engine aborted the request),
+`length` (a turn hit its token budget), `abort` (the engine aborted the request), `preempted` (aborted
+`checkpoint.preempt_timeout_s` after a stop signal: `megatron_rl.rollout.preempt`),
 `max_turns` (`env.max_turns` turns ran), `max_total_tokens` (the next observation, plus one token to
 generate, would not fit in `env.max_total_tokens`, by default the model's positions), `env_error`
 (the environment's `step` raised, counted as `env/env_error`, ran past `env.step_timeout_s`,
@@ -45,8 +46,10 @@ import numpy as np
 
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import Environment, Observation, Turn
+from megatron_rl.envs.failures import start_messages
 from megatron_rl.envs.tools import on_daemon_thread, tool_response
 from megatron_rl.rollout.handoff import blocking
+from megatron_rl.rollout.preempt import abortable
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -266,6 +269,11 @@ class _Episode:
     def end(self, reason: str) -> None:
         self.traj.end_reason, self.live = reason, False
 
+    def abort(self) -> None:
+        """Aborted by a stop signal's deadline (`abortable`): its group is left out."""
+        self.traj.finish_reason = "abort"
+        self.end("preempted")
+
 
 def run_episodes(
     engine: Any,
@@ -279,17 +287,11 @@ def run_episodes(
     stall_warning_s: float = 0.0,
 ) -> list[Trajectory]:
     """`run_episodes_async` from synchronous code (`megatron_rl.rollout.handoff.blocking`)."""
+    routed, stall = return_routed_experts, stall_warning_s
     return blocking(
         engine,
         lambda: run_episodes_async(
-            engine,
-            envs,
-            rows,
-            params,
-            renderer,
-            cfg,
-            return_routed_experts=return_routed_experts,
-            stall_warning_s=stall_warning_s,
+            engine, envs, rows, params, renderer, cfg, return_routed_experts=routed, stall_warning_s=stall
         ),
     )
 
@@ -311,7 +313,7 @@ async def run_episodes_async(
     each further `stall_warning_s`."""
     episodes = []
     for env, row in zip(envs, rows, strict=True):
-        messages = env.start(row)
+        messages = start_messages(env, row, cfg)
         prompt_ids = list(row.input_ids) if messages is None else renderer.first_ids(messages)
         traj = Trajectory(prompt_ids=prompt_ids, output_ids=[], logprobs=[], finish_reason="stop")
         episodes.append(_Episode(env, prompt_ids, traj))
@@ -382,7 +384,9 @@ class _EpisodeRun:
         pool = ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate")
         try:
             batches = _TurnBatches(self.engine, pool, self.return_routed_experts)
-            await asyncio.gather(*(self.one(i, ep, batches, steps) for i, ep in enumerate(episodes)))
+            await asyncio.gather(
+                *(abortable(self.one(i, ep, batches, steps), ep.abort) for i, ep in enumerate(episodes))
+            )
         finally:
             # not waiting: cancelled (the runtime closing), a /generate still running ends with the engine
             pool.shutdown(wait=False, cancel_futures=True)
@@ -424,13 +428,8 @@ async def _step(env: Environment, turn: Turn, cfg: EnvConfig, stall_warning_s: f
         if not warn:
             running.cancel()
             raise StepTimeoutError(f"{name}.step ran past env.step_timeout_s = {cfg.step_timeout_s:g} s")
-        log.warning(
-            "%s.step has run for %.0f s on turn %d (env.step_timeout_s = %g)",
-            name,
-            loop.time() - began,
-            turn.index,
-            cfg.step_timeout_s,
-        )
+        ran, limit = loop.time() - began, cfg.step_timeout_s
+        log.warning("%s.step has run for %.0f s on turn %d (env.step_timeout_s = %g)", name, ran, turn.index, limit)
     value = running.result()
     if not isinstance(value, Observation):
         raise TypeError(f"{name}.step returned {type(value).__name__}, not an Observation")
@@ -471,7 +470,7 @@ def _observe(ep: _Episode, done: Turn, step: asyncio.Future, renderer: TurnRende
         obs = step.result()
     except Exception as err:  # a user environment's bug ends its episode, counted, not the step
         traj.events["step_timeout" if isinstance(err, StepTimeoutError) else "env_error"] += 1
-        traj.meta_info = {**traj.meta_info, "env_error": f"{type(err).__name__}: {err}"}
+        traj.meta_info = {**traj.meta_info, "env_error": f"{type(ep.env).__name__}.step: {type(err).__name__}: {err}"}
         return ep.end("env_error")
     traj.events.update(obs.events)
     traj.turn_rewards[-1] = _turn_reward(obs, ep.env, turn, cfg)

@@ -271,6 +271,7 @@ class AsyncProducer:
         self.dropped_stale = 0  # samples, since the last `step_counts`
         self.aborted_groups = 0
         self.held = False
+        self.aborted = False  # `abort`: nothing submitted any more, `take` returns what it has
         self.error: BaseException | None = None
         self._stopping = False
         self._changed: asyncio.Condition | None = None
@@ -309,6 +310,7 @@ class AsyncProducer:
     def _can_submit(self) -> bool:
         return (
             not self.held
+            and not self.aborted
             and self.error is None
             and len(self.in_flight) < self.workers
             and (self.allowance() > 0 or bool(self.retry))
@@ -371,7 +373,7 @@ class AsyncProducer:
         n = self.bound.round_size(n, counted)  # a dropped stale group's prompt keeps its slot
         await self._notify()
         while len(grouped) < n:
-            while not await self.wait_until(lambda: bool(self.buffer) or self.error is not None, STARVATION_CHECK_S):
+            while not await self.wait_until(self._takeable, STARVATION_CHECK_S):
                 if self._starved():
                     raise RuntimeError(
                         f"rollout producer: waiting for {n - len(grouped)} more group(s) that can never "
@@ -379,6 +381,8 @@ class AsyncProducer:
                     )
             if self.error is not None:
                 raise RuntimeError(f"rollout producer: {self.error}") from self.error
+            if not self.buffer:  # aborted: the step trains on what it has
+                break
             done = self.buffer.popleft()
             if too_stale(self.bound.version, done.samples, self.max_staleness):
                 self.dropped_stale += len(done.samples)
@@ -389,6 +393,9 @@ class AsyncProducer:
                 self.bound.taken += 1
             await self._notify()
         return prompts, grouped
+
+    def _takeable(self) -> bool:
+        return bool(self.buffer) or self.error is not None or self.aborted
 
     def _starved(self) -> bool:
         """Nothing buffered, nothing in flight and nothing the producer may submit."""
@@ -423,6 +430,13 @@ class AsyncProducer:
             "buffer": [(d.job, d.samples) for d in self.buffer],
             "pending": [*self.in_flight.values(), *self.retry],
         }
+
+    async def abort(self) -> None:
+        """The run is stopping (`RolloutRuntime.abort_episodes_after`): no group is submitted any more,
+        and a step's `take` returns the groups it has. The groups in flight stay pending (a checkpoint
+        saves them to be submitted again on resume)."""
+        self.aborted = True
+        await self._notify()
 
     async def release(self) -> None:
         self.held = False

@@ -52,6 +52,7 @@ from megatron_rl.envs import (
     run_episodes_async,
     segments_of,
 )
+from megatron_rl.envs.failures import check_episode_failures
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
 from megatron_rl.rollout.handoff import blocking
@@ -340,6 +341,7 @@ class RolloutCollector:
                 failed_groups,
                 stats.errors[0] if stats.errors else "no message",
             )
+        check_episode_failures(cfg.env, generated, f"step {step}")
         owner = [k for k, s in enumerate(s for grp in used for s in grp.samples) for _ in segments_of(s)]
         short = 0 < len(owner) < self.min_samples
         group_metrics["groups/short_batch_dropped"] = 1.0 if short else 0.0
@@ -360,13 +362,9 @@ class RolloutCollector:
         rewards = torch.tensor([r for grp in used for r in grp.rewards], dtype=torch.float32)
         sequences = [seq for grp in used for s in grp.samples for seq in segments_of(s)]
         several = len(owner) > len(used) * g
-        return StepBatch(
-            batch,
-            metrics,
-            rewards[owner] if several else rewards,
-            [trained_versions(seq) for seq in sequences],
-            torch.tensor(owner, dtype=torch.int64) if several else None,
-        )
+        owners = torch.tensor(owner, dtype=torch.int64) if several else None
+        versions = [trained_versions(seq) for seq in sequences]
+        return StepBatch(batch, metrics, rewards[owner] if several else rewards, versions, owners)
 
     def _response_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
         lengths = [len(s.output_ids) for s in samples]
@@ -499,6 +497,7 @@ async def evaluate_async(
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
     samples = await episodes_async(engine, prompts, params, TurnRenderer(tokenizer), cfg)
+    check_episode_failures(cfg.env, samples, f"the evaluation at step {step}")
     result = await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
     name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"

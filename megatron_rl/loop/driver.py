@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
+from megatron_rl.envs.episodes import EnvRewardError
+from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.loop.async_rollout import AsyncProducer
 from megatron_rl.loop.collect import RolloutCollector, StepBatch
 from megatron_rl.loop.runtime import RolloutRuntime
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.rollout.engine import RolloutEngine
+
+# the rollout's own stops, each one line (`megatron_rl.trainer.RUN_ERRORS`): a NaN turn reward, an environment
+# that cannot start, more failed episodes than env.max_failure_frac
+ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError)
 
 
 def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
@@ -179,11 +185,17 @@ class RolloutDriver:
         """Continue from `checkpoint_state`'s bytes (`RolloutRuntime.load_state_dict`)."""
         self.runtime.load_state_dict(saved_state)
 
+    def abort_episodes_after(self, delay_s: float) -> None:
+        """After a stop signal (from its handler): the episodes still running `delay_s` seconds from now
+        are aborted, so that the step ends (`RolloutRuntime.abort_episodes_after`)."""
+        self.runtime.abort_episodes_after(delay_s)
+
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out accuracy of the served policy, with `time/eval`."""
+        """Held-out accuracy of the served policy, with `time/eval` ({} once the episodes were aborted)."""
         began = time.perf_counter()
         scores = self.runtime.evaluate(self.data.eval_prompts, step)
-        scores["time/eval"] = time.perf_counter() - began
+        if scores:
+            scores["time/eval"] = time.perf_counter() - began
         return scores
 
     def close(self) -> None:

@@ -26,7 +26,10 @@ Threads and tasks, and what each may touch:
     gateway), then the rewards;
   - in `fully_async`, the **producer task** (`AsyncProducer._run`), which submits a group per
     free worker slot, and one **group task** per group in flight (`AsyncProducer._work`);
-  - the held-out **evaluation** (`evaluate_async`), while nothing else collects.
+  - the held-out **evaluation** (`evaluate_async`), while nothing else collects;
+  - after a stop signal, `checkpoint.preempt_timeout_s` later, the **abort** ("abort-episodes"), which
+    ends the episodes still running (`megatron_rl.rollout.preempt`) and, in `fully_async`, stops the
+    producer's submissions (a step then takes the groups it has).
 - **worker threads** started from the loop, touching only what they are given: the episodes'
   generation pool (`/generate` blocks a thread inside the engine handle, whose HTTP client runs on
   its own event-loop thread), a plain environment `step` on a daemon thread of its own (at most
@@ -56,6 +59,7 @@ from megatron_rl.data import Prompt
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate_async
 from megatron_rl.rollout.handoff import MainThreadCalls
+from megatron_rl.rollout.preempt import abort_episodes
 from megatron_rl.rollout.types import Sample
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class RolloutRuntime:
         self.meter = BusyMeter()
         self._extra_metrics = extra_metrics or dict
         self.loop = asyncio.new_event_loop()
+        self.aborted = False  # the episodes were aborted: the run stops after this step
         self._thread = threading.Thread(target=self._serve, name="rollout-runtime", daemon=True)
         self._thread.start()
         mode = cfg.rollout.async_mode
@@ -105,7 +110,25 @@ class RolloutRuntime:
             return self.handoff.wait_future(future)
         return future.result()
 
+    def abort_episodes_after(self, delay_s: float) -> None:
+        """(Any thread; a signal handler too.) The abort (see the module doc) `delay_s` seconds from now."""
+
+        def start() -> None:
+            self.loop.create_task(self._abort(), name="abort-episodes")
+
+        with contextlib.suppress(RuntimeError):  # the loop already closed (the signal came during the shutdown)
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, start)
+
     # ---- on the loop ----
+    async def _abort(self) -> None:
+        log.warning(
+            "aborting the episodes still running: checkpoint.preempt_timeout_s has passed since the stop signal"
+        )
+        self.aborted = True
+        abort_episodes()
+        if self.producer is not None:
+            await self.producer.abort()
+
     async def _collect(self, step: int) -> StepBatch:
         plan = await self.collector.collect_async(step, self._round)
         plan.metrics.update(self._extra_metrics())
@@ -196,8 +219,10 @@ class RolloutRuntime:
             self.one_step_off.load_state_dict(state)
 
     def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, float]:
-        """Held-out accuracy of the served policy on `prompts`."""
+        """Held-out accuracy of the served policy on `prompts` ({} once the episodes were aborted)."""
         col = self.collector
+        if self.aborted:
+            return {}
         with self.meter.busy():
             return self.run(evaluate_async(col.engine, prompts, col.tokenizer, col.scorer, self.cfg, step))
 

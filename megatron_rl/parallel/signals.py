@@ -8,14 +8,21 @@
   same request (under Slurm a task can get SIGTERM from Slurm and SIGUSR1 from the batch script).
 - SIGHUP raises `Terminated` at once, as Ctrl-C (SIGINT) raises KeyboardInterrupt: nothing is saved,
   the stage's `ExitStack` stops the engine (after Ctrl-C the command exits with code 130 and one line,
-  no traceback: `megatron_rl.commands.stage`).
+  no traceback: `megatron_rl.commands.stage`). Ctrl-C is remembered (`interrupted`): an error a rank
+  ends with after it (a collective whose peer stopped, a checkpoint save it cut short) is the
+  interruption, not a failure of its own.
 
 The ranks agree at the boundary (`StopRequest.agreed`, one all-reduce): a signal that reached only
 rank 0 (torchrun's workers signalled one by one, `kill` by hand) stops every rank after the same step.
 
 `remember_stop_signals` (the first thing `megatron-rl train`/`sft` do) covers the slow start-up
 before the stage's loop: a stop signal then is remembered instead of killing the process (SIGUSR1's
-default action), and the stage stops at its first boundary.
+default action), and the stage stops at its first boundary. It also installs the SIGINT handler that
+remembers Ctrl-C.
+
+`StopRequest.on_stop` callbacks run when the first stop signal arrives: rank 0's rollout uses one to
+abort the step's episodes `checkpoint.preempt_timeout_s` later, so that a step waiting for slow agents
+still ends, and saves its checkpoint, within a preemption's grace time.
 """
 
 from __future__ import annotations
@@ -23,19 +30,32 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 _EARLY: list[int] = []  # stop signals received before `stop_at_step_boundary`
+_INTERRUPTED: list[int] = []  # SIGINT, once received
 
 
 def remember_stop_signals() -> None:
-    """Until a stage enters `stop_at_step_boundary`, SIGTERM and SIGUSR1 are remembered for it."""
+    """Until a stage enters `stop_at_step_boundary`, SIGTERM and SIGUSR1 are remembered for it; SIGINT
+    is remembered (`interrupted`) and raises KeyboardInterrupt, as Python's own handler does."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _EARLY.append(signum))
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    _INTERRUPTED.append(signum)
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether this process received SIGINT since `remember_stop_signals`."""
+    return bool(_INTERRUPTED)
 
 
 class Terminated(SystemExit):
@@ -56,6 +76,14 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum = 0
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """`callback()` when the first stop signal arrives (at once if one already did). It runs in the
+        signal handler, on the main thread: it must only hand work to another thread or loop."""
+        self._callbacks.append(callback)
+        if self.signum:
+            callback()
 
     def handle(self, signum: int, frame: Any) -> None:
         if self.signum == signum:
@@ -69,6 +97,8 @@ class StopRequest:
             file=sys.stderr,
             flush=True,
         )
+        for callback in self._callbacks:
+            callback()
 
     def agreed(self) -> int:
         """The stop signal any rank received (0 = none); collective when torch.distributed runs."""

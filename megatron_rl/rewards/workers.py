@@ -24,7 +24,9 @@ its pool, when its current item started.
 
 A worker process that dies fails its chunk's items (BrokenProcessPool) and a new pool starts. So a
 batch never waits forever. `close` ends the processes; a worker whose parent died exits by itself
-within a second.
+within a second. A worker ignores the signals a terminal or a launcher sends the whole process group
+(`GROUP_SIGNALS`: Ctrl-C, torchrun's SIGTERM, ...), from its first instruction on (they are blocked in
+the thread that spawns it): the process that owns the pool decides when it ends.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from megatron_rl.rewards.protocol import ItemError, RewardItem, RuleOutput
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 # one item's result: the function's output, or its failure (the message; `timeout` when it ran too long)
 ItemResult = RuleOutput | ItemError
+GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP}
 
 # ---- in the worker process ----
 
@@ -67,7 +70,9 @@ class ItemTimeoutError(TimeoutError):
 def _init_worker(spec: str, where: str, item_timeout_s: float, timeout_name: str, board: Any = None) -> None:
     """A worker's start: claim a slot of the board, arm SIGALRM's handler, load the function."""
     global _call, _timeout_s, _timeout_name, _board, _slot
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # a mask inherited from the spawning thread
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)  # discards one that arrived while blocked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM, *GROUP_SIGNALS})  # the spawning thread's mask
     if board is not None:
         starts, pids, claimed = board
         with claimed.get_lock():
@@ -130,6 +135,16 @@ def score_items(items: Sequence[RewardItem]) -> list[ItemResult]:
 
 
 # ---- in the calling process ----
+
+
+@contextmanager
+def _signals_blocked(signals: set[signal.Signals]) -> Iterator[None]:
+    """`signals` blocked in this thread within the block (one that arrives meanwhile is delivered after)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Pool:
@@ -223,7 +238,8 @@ class RewardWorkers:
                     self._pool = _Pool(self.spec, self.where, self.workers, self.item_timeout_s, self.timeout_name)
                 pool = self._pool
             try:
-                return pool, [pool.executor.submit(score_items, chunk) for chunk in chunks]
+                with _signals_blocked(GROUP_SIGNALS):  # the processes a submit spawns inherit the mask
+                    return pool, [pool.executor.submit(score_items, chunk) for chunk in chunks]
             except BrokenProcessPool:  # it broke while idle (a worker killed from outside): once on a new one
                 self.restart(pool)
                 if attempt:
