@@ -36,6 +36,7 @@ WORLDS = {
         "w1_reject_reference",
         "w1_shards_hashed_while_written_and_damage_falls_back",
         "w1_lora_reference",
+        "w1_grouped_experts",
     ],
     2: [
         "w2_reject_dp2",
@@ -54,6 +55,8 @@ WORLDS = {
         "w2_lora_tp2_sp",
         "w2_lora_ep2",
         "w2_lora_pp2",
+        "w2_grouped_experts_ep2",
+        "w2_grouped_experts_etp2",
         "w2_cp_reductions",
     ],
     4: ["w4_tp2_ep2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
