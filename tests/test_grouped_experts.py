@@ -222,3 +222,12 @@ def test_true_is_refused_for_widths_torch_cannot_take(fields: dict, etp: int, cu
     assert culprit in str(err.value) and "set it to auto or false" in str(err.value)
     check_grouped_experts(model, layout(tp=etp), transformer_engine=True)  # Transformer Engine's grouped GEMM
     check_grouped_experts(dataclasses.replace(model, moe_grouped_gemm="auto"), layout(tp=etp), transformer_engine=False)
+
+
+def test_the_validation_refuses_true_for_such_widths_before_anything_is_built() -> None:
+    from megatron_rl.validation import validate_run
+
+    odd = ["model.moe_grouped_gemm=true", "model.hidden_size=66", "model.num_attention_heads=6"]
+    with pytest.raises(ConfigError, match=r"model.moe_grouped_gemm = true: .* model.hidden_size \(66\)"):
+        validate_run(load_config(overrides=odd), "convert", world_size=1, cuda_available=False)
+    validate_run(load_config(overrides=odd[1:]), "convert", world_size=1, cuda_available=False)  # auto: the loop
