@@ -4,16 +4,17 @@
 names (`local_experts.N.linear_fc1.weight`, `local_experts.N.linear_fc2.weight`) and the same (sharded) state dict:
 checkpoints, export, initialisation, LoRA and the weight sync see no difference. Only the forward differs. The
 dispatcher hands over the tokens sorted by local expert; the local experts' weights are stacked ([experts, out, in])
-and fc1 and fc2 are one `torch._grouped_mm` each, whose group offsets are the cumulative tokens per expert, computed
-where the counts are (no `.tolist()`, no host sync). The backward (`_GroupedLinear`) is two grouped GEMMs per
-projection and stacks the weights again instead of keeping the stacked copy from the forward: the memory held
-between forward and backward is `SequentialMLP`'s.
+and fc1 and fc2 are one `torch._grouped_mm` each, whose group offsets are the cumulative tokens per expert,
+computed where the counts are (no `.tolist()`: torch's CUTLASS kernel, bf16 on Hopper and newer, needs no host
+sync; its fallback for other dtypes and devices reads the offsets on the host). The backward (`_GroupedLinear`) is
+two grouped GEMMs per projection and stacks the weights again instead of keeping the stacked copy from the forward:
+the memory held between forward and backward is `SequentialMLP`'s.
 
 - Expert-TP: under Megatron's explicit expert communication the dispatcher gathers the input and reduces the
   output; each expert linear is a matmul of the rank's shard, and so is each group here.
 - Expert LoRA (`models.lora`: a forward hook on each expert linear, which this forward does not call): the same
   adapters, applied with grouped GEMMs (`_lora_delta`), their ranks padded with zeros to the 16-byte rows torch's
-  grouped GEMM takes (exact: the padding adds zeros).
+  grouped GEMM takes (the padding adds zeros; only the rounding of such a matmul may differ in the last bit).
 - Each expert linear's forward pre-hooks run before its group (Megatron's DDP waits there for the linear's
   parameters when it overlaps their all-gather); any other forward hook on them is refused.
 - One local expert: `SequentialMLP`'s forward (one matmul, no loop).
