@@ -98,9 +98,7 @@ class ModelConfig:
         "sigmoid-router families: keep the expert bias (e_score_correction_bias) fixed during RL; false = "
         "Megatron's load-balancing update after every optimizer step (synced to the engine either way)",
     )
-    expert_bias_update_rate: float = _f(
-        1e-3, "step of Megatron's expert-bias update when model.freeze_expert_bias = false", gt=0
-    )
+    expert_bias_update_rate: float = _f(1e-3, "expert-bias update step when model.freeze_expert_bias = false", gt=0)
     q_lora_rank: int | None = _f(None, "MLA: rank of the query compression; null = a full q_proj", ge=1)
     kv_lora_rank: int = _f(512, "MLA: rank of the key/value compression", ge=1)
     qk_nope_head_dim: int = _f(128, "MLA: query/key head dimension without RoPE", ge=1)
@@ -115,6 +113,7 @@ class ModelConfig:
     yarn_mscale: float = _f(1.0, "yarn: mscale of the cos/sin attention factor", ge=0)
     yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
+    moe_grouped_gemm: Literal["auto", True, False] = _f("auto", "experts as grouped GEMMs (auto: where the widths fit)")
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})

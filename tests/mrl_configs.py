@@ -276,28 +276,38 @@ def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.f
 
 
 @contextlib.contextmanager
-def actor_of_one(cfg: Any) -> Iterator[Any]:
-    """A `MegatronActor` of `cfg` in a world of this process alone (launch variables set, a free port),
-    torn down afterwards with the variables restored."""
+def launch_of_one() -> Iterator[None]:
+    """A world of this process alone: the launch variables set (a free port) inside, restored after,
+    Megatron's state and the process group torn down."""
     from megatron_rl.parallel.launch import free_port
 
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in names}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.parallel import destroy_distributed
 
-    actor = MegatronActor(cfg)
     try:
-        yield actor
+        yield
     finally:
-        actor.close()
         destroy_distributed()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def actor_of_one(cfg: Any) -> Iterator[Any]:
+    """A `MegatronActor` of `cfg` in a world of this process alone (`launch_of_one`), closed afterwards."""
+    with launch_of_one():
+        from megatron_rl.actor.actor import MegatronActor
+
+        actor = MegatronActor(cfg)
+        try:
+            yield actor
+        finally:
+            actor.close()
 
 
 def seeded_batch(vocab: int, lengths: tuple[int, ...], prompts: tuple[int, ...]) -> Any:

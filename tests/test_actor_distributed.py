@@ -40,6 +40,7 @@ WORLDS = {
         "w1_reject_reference",
         "w1_shards_hashed_while_written_and_damage_falls_back",
         "w1_lora_reference",
+        "w1_grouped_experts",
     ],
     2: [
         "w2_reject_dp2",
@@ -58,6 +59,8 @@ WORLDS = {
         "w2_lora_tp2_sp",
         "w2_lora_ep2",
         "w2_lora_pp2",
+        "w2_grouped_experts_ep2",
+        "w2_grouped_experts_etp2",
         "w2_cp_reductions",
         "w2_cp2",
         "w2_cp2_gspo_sft_mla",

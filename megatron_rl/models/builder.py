@@ -16,14 +16,20 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+<<<<<<< HEAD
 from megatron_rl.models.context_attention import ContextParallelAttention
+=======
+from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
+>>>>>>> grouped
 from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
@@ -153,14 +159,24 @@ def mla_fields(model: ModelConfig) -> dict[str, Any]:
     )
 
 
+<<<<<<< HEAD
 def _local_layer(spec: ModuleSpec, context_parallel: bool) -> ModuleSpec:
     """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm and the
     core attention by one that also takes packed sequences (`packed_attention`) and, under context
     parallelism, gathers the keys and values over the CP ranks (`context_attention`)."""
+=======
+def _local_layer(spec: ModuleSpec, grouped_experts: bool) -> ModuleSpec:
+    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm, the
+    core attention by one that also takes packed sequences (`packed_attention`) and, with
+    `grouped_experts`, Megatron's `SequentialMLP` experts by `GroupedExperts` (same parameters)."""
+>>>>>>> grouped
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
     sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    experts = getattr(sub.mlp.submodules, "experts", None)  # MoE layers only
+    if grouped_experts and experts is not None and experts.module is SequentialMLP:
+        experts.module = GroupedExperts
     attn = sub.self_attention.submodules
     mla = hasattr(attn, "linear_kv_down_proj")
     if context_parallel:
@@ -174,19 +190,30 @@ def _local_layer(spec: ModuleSpec, context_parallel: bool) -> ModuleSpec:
 
 
 def decoder_block_spec(
-    config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None
+    config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None, grouped_experts: bool = False
 ) -> TransformerBlockSubmodules:
+<<<<<<< HEAD
     """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
     norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel) and whose
     core attention takes packed (THD) sequences too, and context parallelism."""
+=======
+    """Layer specs of this pipeline stage: Transformer Engine's (grouped experts: `config.moe_grouped_gemm`), or
+    Megatron's local ones whose norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence
+    parallel), whose core attention takes packed (THD) sequences too and whose experts are `GroupedExperts`
+    with `grouped_experts`."""
+>>>>>>> grouped
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
+<<<<<<< HEAD
         layer_specs=[_local_layer(s, config.context_parallel_size > 1) for s in block.layer_specs],
         layer_norm=SequenceParallelRMSNorm,
+=======
+        layer_specs=[_local_layer(s, grouped_experts) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
+>>>>>>> grouped
     )
 
 
@@ -234,17 +261,27 @@ def build_model(
     """
     _check_parallel_state(parallel)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+<<<<<<< HEAD
+=======
+    if parallel.context_parallel_size > 1 and not use_te:
+        raise ValueError(
+            f"parallel.context_parallel_size = {parallel.context_parallel_size} needs Transformer Engine's "
+            "attention; the local specs (use_transformer_engine=False) have no context parallelism"
+        )
+    check_grouped_experts(model, parallel, transformer_engine=use_te)
+    grouped = use_grouped_experts(model, parallel, transformer_engine=use_te)
+>>>>>>> grouped
     config = transformer_config(
         model,
         parallel,
         enable_routing_replay=enable_routing_replay,
-        moe_grouped_gemm=use_te and model.num_experts is not None,
+        moe_grouped_gemm=use_te and grouped,  # Megatron's own grouped experts are Transformer Engine's
         overrides=config_overrides,
     )
     RouterReplay.clear_global_router_replay_instances()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, use_te),
+        transformer_layer_spec=decoder_block_spec(config, use_te, grouped_experts=grouped),
         vocab_size=padded_vocab_size(
             model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
         ),

@@ -18,7 +18,8 @@ Parallel layouts (A: [r, in], B: [out, r]; "partial" = a sum over the TP group i
   the output over expert-TP): no communication in the forward; fc2's output stays partial as W's
   does, and the gradients the expert-TP ranks hold in part (A of fc1, B of fc2) are all-reduced.
   Megatron's `SequentialMLP` experts are column/row linears; Transformer Engine's grouped experts
-  (`weight{i}` per local expert, input split by `m_splits`) get one adapter set per expert.
+  (`weight{i}` per local expert, input split by `m_splits`) get one adapter set per expert; the local
+  grouped experts (`models.grouped_experts`) do not call their linears and apply the same adapters themselves.
 
 The reference policy is the same module with the adapters off (`adapters_disabled`); `merged_weights`
 adds (alpha / r) B A into the base weights for the export and the merged sync, and restores them.
@@ -191,7 +192,8 @@ class LoraLinear(torch.nn.Module):
             delta = torch.cat([self._delta(row, part) for row, part in zip(self.experts, parts, strict=True)], dim=0)
         return out + delta.to(out.dtype), bias
 
-    def _param(self, param: torch.Tensor, partial: bool) -> torch.Tensor:
+    def grad_summed(self, param: torch.Tensor, partial: bool) -> torch.Tensor:
+        """`param`, whose gradient is summed over the TP (expert-TP) group in backward when `partial`."""
         return _GradSum.apply(param, self.group) if partial and self.group_size > 1 else param
 
     def _delta(self, adapters: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +201,7 @@ class LoraLinear(torch.nn.Module):
         sp = self.sequence_parallel and self.group_size > 1
         if self.kind == "column":
             partial_a = sp or (self.is_expert and self.group_size > 1)
-            h = torch.cat([F.linear(x, self._param(a.A, partial_a)) for a in adapters], dim=-1)
+            h = torch.cat([F.linear(x, self.grad_summed(a.A, partial_a)) for a in adapters], dim=-1)
             if not self.is_expert and self.group_size > 1:
                 h = (
                     gather_from_sequence_parallel_region(h, group=self.group)
@@ -218,12 +220,12 @@ class LoraLinear(torch.nn.Module):
                 h = reduce_from_tensor_model_parallel_region(h, group=self.group)
         elif self.is_expert:
             partial_b = True  # the output stays a partial sum; so does B's gradient
-        return F.linear(h, self._param(adapter.B, partial_b)) * self.scaling
+        return F.linear(h, self.grad_summed(adapter.B, partial_b)) * self.scaling
 
     def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The slots' outputs (last dim) in the base's local row layout (`row_layout`), zeros for a slot
         without an adapter: a fused QKV is [q, k, v] per query group, fc1 [gate; up]."""
-        return _in_layout(parts, self.slots, self.row_layout)
+        return in_row_layout(parts, self.slots, self.row_layout)
 
     # --- merged weights ---
     @torch.no_grad()
@@ -232,7 +234,7 @@ class LoraLinear(torch.nn.Module):
         out = []
         for row in self.experts:
             parts = [(a.B.float() @ a.A.float()).T for a in row]  # [in, out]: slots on the last dim
-            out.append(_in_layout(parts, self.slots, self.row_layout).T * self.scaling)
+            out.append(in_row_layout(parts, self.slots, self.row_layout).T * self.scaling)
         return out
 
 
@@ -355,7 +357,9 @@ def _build_linear(
     )
 
 
-def _in_layout(parts: list[torch.Tensor], slots: list[str], layout: tuple[int, list[tuple[str, int]]]) -> torch.Tensor:
+def in_row_layout(
+    parts: list[torch.Tensor], slots: list[str], layout: tuple[int, list[tuple[str, int]]]
+) -> torch.Tensor:
     """`parts` (one per slot in `slots`, the slot's rows on the last dim) in the row layout `layout`."""
     groups, pattern = layout
     by_slot = dict(zip(slots, parts, strict=True))

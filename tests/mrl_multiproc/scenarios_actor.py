@@ -669,13 +669,13 @@ def w2_reject_dp2(ctx) -> None:  # noqa: ANN001
 # --- LoRA: every layout reproduces the world-size-1 adapters -----------------------------
 
 
-def lora_actor(parallel: ParallelConfig) -> MegatronActor:
+def lora_actor(parallel: ParallelConfig, **model_overrides: object) -> MegatronActor:
     """The tiny policy with rank-4 adapters on every module (attention, the dense layer's MLP, the routed
     experts), their B drawn away from 0 (the same full tensors on every layout) so that every gradient flows."""
     from megatron_rl.config import LoraConfig
     from megatron_rl.models.lora import gather_adapters, load_adapters
 
-    cfg = actor_config(parallel)
+    cfg = actor_config(parallel, **model_overrides)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(rank=4, alpha=8.0)))
     actor = MegatronActor(cfg)
     gen = torch.Generator().manual_seed(21)
@@ -737,6 +737,68 @@ def w2_lora_ep2(ctx) -> None:  # noqa: ANN001
 
 def w2_lora_pp2(ctx) -> None:  # noqa: ANN001
     check_lora_layout(ctx, layout(pp=2))
+
+
+# --- grouped experts (model.moe_grouped_gemm) against Megatron's SequentialMLP --------------------
+
+
+def experts_run(parallel: ParallelConfig, grouped: bool, lora: bool) -> dict[str, object]:
+    """Log-probs, then 2 updates (R2) with the experts as grouped GEMMs or one after another: the
+    metrics and the parameters after them (with LoRA: the adapters)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_rl.models.grouped_experts import GroupedExperts
+
+    actor = (
+        lora_actor(parallel, moe_grouped_gemm=grouped)
+        if lora
+        else MegatronActor(actor_config(parallel, moe_grouped_gemm=grouped))
+    )
+    assert type(actor.chunks[0].decoder.layers[-1].mlp.experts) is (GroupedExperts if grouped else SequentialMLP)
+    if lora:
+        result = lora_run(actor)
+        result["params"] = result.pop("adapters")
+    else:
+        batch = make_batch(actor.cfg.model.vocab_size)
+        out = actor.compute_log_probs(batch, record_routing=True)
+        history = actor.train(train_batch(batch, out.log_probs, out.routed_experts))
+        result = {"log_probs": out.log_probs, "history": history, "params": actor.full_params()}
+    actor.close()
+    return result
+
+
+def check_experts(got: dict[str, object], want: dict[str, object], what: str) -> None:
+    """The same log-probs, loss and gradient norm of 2 updates, and parameters after them, within 1e-6."""
+    assert_close(got["log_probs"], want["log_probs"], PARAM_TOL, f"log-probs, {what}")
+    for have, expected in zip(got["history"], want["history"], strict=True):
+        for key in ("loss", "grad_norm"):
+            if abs(have[key] - expected[key]) > PARAM_TOL * max(1.0, abs(expected[key])):
+                raise AssertionError(f"{what}, {key}: {have[key]} vs {expected[key]}")
+    assert_params_close(got["params"], want["params"], f"parameters after 2 updates, {what}")
+
+
+def w1_grouped_experts(ctx) -> None:  # noqa: ANN001
+    """Sequential experts, without and with expert LoRA, against world size 1's references, which
+    ran grouped (`auto` on the CPU)."""
+    from megatron_rl.models.experts_choice import use_grouped_experts
+
+    assert use_grouped_experts(actor_config(layout()).model, layout(), transformer_engine=False)
+    want = {"log_probs": load_ref(ctx, "log_probs"), "history": load_ref(ctx, "history")}
+    check_experts(experts_run(layout(), False, lora=False), {**want, "params": load_ref(ctx, "params_2")}, "w1")
+    lora = load_ref(ctx, "lora")
+    check_experts(experts_run(layout(), False, lora=True), {**lora, "params": lora["adapters"]}, "w1 LoRA")
+
+
+def w2_grouped_experts_ep2(ctx) -> None:  # noqa: ANN001
+    """EP 2 (2 local experts per rank, the alltoall dispatcher's counts): grouped against sequential."""
+    ep2 = layout(ep=2)
+    check_experts(experts_run(ep2, True, lora=False), experts_run(ep2, False, lora=False), "EP2")
+
+
+def w2_grouped_experts_etp2(ctx) -> None:  # noqa: ANN001
+    """Expert-TP 2 with expert LoRA (each rank half of every expert; the adapters' partial gradients)."""
+    etp2 = layout(tp=2, sp=True)
+    check_experts(experts_run(etp2, True, lora=True), experts_run(etp2, False, lora=True), "expert-TP 2 LoRA")
 
 
 def w2_tp2_sp(ctx) -> None:  # noqa: ANN001

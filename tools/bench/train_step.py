@@ -11,6 +11,9 @@ micro-batch through Megatron's schedule, the policy loss, DDP gradient reduction
   the same token budget for both; `lr` 0, so that both variants see the same weights and must give
   the same loss and gradient norm (`packed_vs_padded_results`). Also the seconds per update and,
   on a GPU, the peak memory of each.
+- `--experts` (either lengths): the experts one after another (`model.moe_grouped_gemm=false`, the
+  baseline) and as grouped GEMMs (`true`), each in an actor of its own on the same weights and batch,
+  free routing, `lr` 0: both must give the same loss and gradient norm (`grouped_vs_sequential_results`).
 
 One JSON line per figure with the baseline and the ratio, then one with the model size.
 
@@ -27,6 +30,7 @@ from --peak-tflops or the GPU name (bf16 dense); on the CPU it is only given wit
 
     python tools/bench/train_step.py                       # CPU: a tiny model, one process
     python tools/bench/train_step.py --lora-rank 8         # full fine-tuning vs LoRA rank 8: s/step, peak memory
+    python tools/bench/train_step.py --experts --preset wide   # sequential vs grouped experts
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b
     torchrun --nproc-per-node 8 tools/bench/train_step.py --preset 1b --ep 8 --samples 64
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b --lengths mixed
@@ -60,6 +64,7 @@ PRESETS = {
     for name, values in {
         "1b": (16, 1024, 2816, 16, 4, 151936, 32, 4, 512, 8192, "bf16"),  # ~1.2B, ~0.3B active: Qwen3-MoE-shaped
         "tiny": (4, 64, 128, 4, 2, 1000, 4, 2, 64, 1024, "fp32"),
+        "wide": (4, 256, 512, 8, 4, 4096, 16, 4, 256, 1024, "fp32"),  # a wider CPU model: 16 experts, top-4
     }.items()
 }
 MIXED_PROMPT, MIXED_RESPONSES = 64, (32, 1024)  # --lengths mixed: prompt tokens, response length range
@@ -79,6 +84,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--experts", action="store_true", help="sequential vs grouped experts (model.moe_grouped_gemm)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant")
     p.add_argument("--iters", type=int, default=3, help="timed steps of each variant")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak; 0 = from the GPU name")
@@ -270,13 +276,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             steps=args.warmup + args.iters,
             updates_per_step=1,
             max_tokens_per_micro_batch=budget,
-            lr=0.0 if mixed else 1e-6,
+            lr=0.0 if mixed or args.experts else 1e-6,
             seed=1,
         ),
     )
     cfg.model = dataclasses.replace(cfg.model, recompute=args.recompute)
     validate(cfg)
-    actor = MegatronActor(cfg)
+    experts = {"sequential": False, "grouped": True} if args.experts else {"auto": "auto"}
+    actors = {k: MegatronActor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_grouped_gemm=g)))
+              for k, g in experts.items()}  # fmt: skip
+    actor = next(iter(actors.values()))
     batch = ActorBatch(
         tokens=[torch.randint(0, model.vocab_size, (n,), generator=gen) for n in lengths],
         prompt_lengths=prompts,
@@ -284,17 +293,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     )
     old = actor.compute_log_probs(batch, record_routing=True)
     batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=old.routed_experts)
-    # (name, replay routing, train.micro_batch_tokens); the first is the baseline
-    variants = (
-        [("padded", False, 0), ("packed", False, budget)]
-        if mixed
-        else [("free_routing", False, 0), ("r2_replay", True, 0)]
-    )
-    times: dict[str, list[float]] = {v: [] for v, _, _ in variants}
+    # (name, actor, replay routing, train.micro_batch_tokens); the first is the baseline
+    if args.experts:
+        variants = [(name, actors[name], False, 0) for name in experts]
+    elif mixed:
+        variants = [("padded", actor, False, 0), ("packed", actor, False, budget)]
+    else:
+        variants = [("free_routing", actor, False, 0), ("r2_replay", actor, True, 0)]
+    times: dict[str, list[float]] = {v[0]: [] for v in variants}
     peaks: dict[str, float | None] = {}
     first: dict[str, dict[str, float]] = {}
     for it in range(args.warmup + args.iters):
-        for variant, replay, packed_tokens in variants:
+        for variant, actor, replay, packed_tokens in variants:
             actor.cfg.train.micro_batch_tokens = packed_tokens
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -308,14 +318,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             peaks[variant] = _peak_memory_gib()
             if it >= args.warmup:
                 times[variant].append(elapsed)
-    actor.close()
+    for actor in actors.values():
+        actor.close()
     flops = model_flops_per_step(model, lengths)
     peak = _peak_tflops(args)
-    (base_name, _, _), (var_name, _, _) = variants
+    (base_name, *_), (var_name, *_) = variants
     base_t, t = statistics.median(times[base_name]), statistics.median(times[var_name])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     common = dict(preset=name, device=device, ranks=world, tp=args.tp, pp=args.pp, ep=args.ep, samples=samples,
-                  lengths=args.lengths, tokens=sum(lengths), dtype=model.params_dtype, iters=args.iters)  # fmt: skip
+                  lengths=args.lengths, tokens=sum(lengths), dtype=model.params_dtype, iters=args.iters,
+                  threads=torch.get_num_threads())  # fmt: skip
     if not mixed:
         common["seq_len"] = seq
     pair = dict(variant=var_name, baseline=base_name)
@@ -338,16 +350,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         out.append(dict(figure="train_step_model_tflops_per_s", value=round(flops / t / 1e12, 6),
                         baseline_value=round(flops / base_t / 1e12, 6), ratio=round(base_t / t, 3),
                         note="no peak known for this device: MFU needs --peak-tflops", **pair, **common))  # fmt: skip
-    if mixed:
+    if mixed or args.experts:
         out.append(dict(figure="train_step_seconds", value=round(t, 4), baseline_value=round(base_t, 4),
                         ratio=round(t / base_t, 3), **pair, **common))  # fmt: skip
         if peaks[var_name] is not None:
             out.append(dict(figure="train_step_peak_memory_gib", value=round(peaks[var_name], 3),
                             baseline_value=round(peaks[base_name], 3), ratio=round(peaks[var_name] / peaks[base_name], 3),
                             **pair, **common))  # fmt: skip
+    if mixed or args.experts:
         rel = {k: abs(first[var_name][k] - first[base_name][k]) / max(abs(first[base_name][k]), 1e-12)
                for k in ("loss", "grad_norm")}  # fmt: skip
-        out.append(dict(figure="packed_vs_padded_results", loss=first[var_name]["loss"],
+        out.append(dict(figure=f"{var_name}_vs_{base_name}_results", loss=first[var_name]["loss"],
                         baseline_loss=first[base_name]["loss"], grad_norm=first[var_name]["grad_norm"],
                         baseline_grad_norm=first[base_name]["grad_norm"], max_rel_diff=max(rel.values()),
                         micro_batches=first[var_name]["micro_batches"],
