@@ -75,6 +75,7 @@ def load_module(relpath: str, name: str | None = None) -> types.ModuleType:
     """`sglang/<relpath>` executed as a module of its own (`name`, default a private one)."""
     spec = importlib.util.spec_from_file_location(name or f"sglang_{Path(relpath).stem}", source(relpath))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their string annotations through it
     spec.loader.exec_module(module)
     return module
 

@@ -6,8 +6,9 @@ experts; refused updates name the tensor and leave the old weights serving; with
 rollouts a sync under running requests retracts and continues them, each token's version and log-prob right;
 without partial rollouts a distributed sync pauses them with mode "abort" for the whole transfer.
 
-One engine subprocess serves both launches (world size 1: every mode and the refusals; world size 2:
-TP=2, EP=2 and PP=2).
+Two engine subprocesses serve both launches (world size 1: every mode and the refusals, into the
+first; world size 2: TP=2 into the first, EP=2 and PP=2 into both: several senders into servers that
+take one update at a time, as SGLang's do).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.local.launcher import LocalEngineProcess, start_local_engine
+from megatron_rl.rollout.local.launcher import LocalEngineProcess, spawn_local_engine
 
 from mrl_configs import hf_config, save_random_hf_model
 from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
@@ -51,24 +52,31 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(policy: str) -> Iterator[LocalEngineProcess]:
-    proc = start_local_engine(policy, extra_args=["--threads", "1", "--no-auth"], env={"OMP_NUM_THREADS": "1"})
+def engines(policy: str) -> Iterator[list[LocalEngineProcess]]:
+    args, env = ["--threads", "1", "--no-auth"], {"OMP_NUM_THREADS": "1"}
+    starting = [spawn_local_engine(policy, extra_args=args, env=env) for _ in range(2)]  # they load side by side
+    procs = []
     try:
-        yield proc
+        procs += [engine.wait() for engine in starting]
+        yield procs
     finally:
-        proc.stop()
+        for engine in starting[len(procs) :]:
+            engine.kill()
+        for proc in procs:
+            proc.stop()
 
 
 @pytest.fixture(scope="module")
-def launches(policy: str, engine: LocalEngineProcess) -> ScenarioLaunches:
+def launches(policy: str, engines: list[LocalEngineProcess]) -> ScenarioLaunches:
     def engine_alive() -> None:
-        if not engine.alive():
-            raise AssertionError(f"the engine died during the launch:\n{engine.log_tail()}")
+        for engine in engines:
+            if not engine.alive():
+                raise AssertionError(f"an engine died during the launch:\n{engine.log_tail()}")
 
     return ScenarioLaunches(
         "scenarios_weight_sync",
         WORLDS,
-        params={"model": policy, "engine_url": engine.url},
+        params={"model": policy, "engine_urls": [engine.url for engine in engines]},
         after_launch=engine_alive,
         timeout_s=300,
     )
