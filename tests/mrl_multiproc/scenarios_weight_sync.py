@@ -7,7 +7,8 @@ folder (the import path), and global rank 0 holds the RolloutEngine. Then, for e
 one optimizer step on the engine's own rollouts (the weights move: the actor's log-probs of
 those tokens change by far more than the tolerance), a sync, fresh rollouts, and THE INVARIANT:
 
-- the engine's log-probs of its sampled tokens equal the actor's (fp32, max abs diff <= 1e-4);
+- the engine's log-probs of its sampled tokens equal the actor's (fp32, max abs diff <= 1e-4; 1e-5 into
+  two servers);
 - the actor's free routing picks the engine's experts on every token that is not a near-tie
   (router top-k margin > 1e-4), and near-ties are rare;
 - with R3 replay of the engine's routed experts, every router dispatches every token to exactly
@@ -33,6 +34,7 @@ from mrl_configs import layout
 TEMPERATURE = 0.8
 NEW_TOKENS = 10
 LOGPROB_TOL = 1e-4
+SERVERS_LOGPROB_TOL = 1e-5  # syncs into two servers (several senders in turns): issue 35's bound
 TIE = 1e-4  # router logits: top-k margin below this is a near-tie (engine/actor rounding may flip it)
 BUCKET_MB = 0.05
 PROMPT_LENGTHS = (3, 9, 5, 12, 7, 4)
@@ -247,11 +249,12 @@ def check_invariant(actor, samples: list[dict], what: str) -> None:  # noqa: ANN
     """The engine's log-probs and routing of its own samples against the actor (module docstring)."""
     batch = as_batch(samples)
     engine_lp = engine_log_probs(samples)
+    tol = LOGPROB_TOL if len(actor.cfg.rollout.sglang_urls) == 1 else SERVERS_LOGPROB_TOL
     with probe(actor) as p:
         free = actor.compute_log_probs(batch.with_fields(routed_experts=None), record_routing=True)
         margins, dispatched = p.take(batch)
     d = max_diff(free.log_probs, engine_lp)
-    assert d <= LOGPROB_TOL, f"{what}: engine vs actor log-probs differ by {d:.3e} > {LOGPROB_TOL:.0e}"
+    assert d <= tol, f"{what}: engine vs actor log-probs differ by {d:.3e} > {tol:.0e}"
 
     moe = [layer for layer in range(actor.cfg.model.num_layers) if int(free.routed_experts[0][0, layer, 0]) >= 0]
     assert moe == list(range(actor.cfg.model.first_k_dense_layers, actor.cfg.model.num_layers)), moe
@@ -279,7 +282,7 @@ def check_invariant(actor, samples: list[dict], what: str) -> None:  # noqa: ANN
         mismatch = int((mine != theirs).any(dim=-1).sum())
         assert mismatch == 0, f"{what}: R3 replay dispatched {mismatch} (token, layer) pairs of sample {i} elsewhere"
     d = max_diff(replayed.log_probs, engine_lp)
-    assert d <= LOGPROB_TOL, f"{what}: R3-replayed vs engine log-probs differ by {d:.3e} > {LOGPROB_TOL:.0e}"
+    assert d <= tol, f"{what}: R3-replayed vs engine log-probs differ by {d:.3e} > {tol:.0e}"
 
 
 # --- rounds --------------------------------------------------------------------------------

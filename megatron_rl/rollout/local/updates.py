@@ -72,16 +72,19 @@ class EngineGroup:
 
     def meet_engine_ranks(self, timeout_s: float) -> str | None:
         """Wait until every engine rank of the group is at its first broadcast; what went wrong or None."""
-        if self.store.add(_FIRST_BROADCAST, 1) >= self.engine_ranks:
-            self.store.set(_FIRST_BROADCAST + "/all", "1")
         try:
+            if self.store.add(_FIRST_BROADCAST, 1) >= self.engine_ranks:
+                self.store.set(_FIRST_BROADCAST + "/all", "1")
             self.store.wait([_FIRST_BROADCAST + "/all"], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:  # torch's DistStoreError: the wait timed out
-            arrived = self.store.add(_FIRST_BROADCAST, 0)
+        except RuntimeError as err:  # torch's DistStoreError: the wait timed out, or the trainer's store is gone
+            try:
+                arrived = f"{self.store.add(_FIRST_BROADCAST, 0)} of {self.engine_ranks}"
+            except RuntimeError:
+                return f"the store of group {self.name!r} failed at its first broadcast: {err}"
             return (
-                f"the first broadcast of group {self.name!r} waits for every engine rank, and {arrived} of "
-                f"{self.engine_ranks} arrived within {timeout_s:.0f} s: another server took another request first "
-                "(each server takes one update at a time, so every server must get the senders' requests in one order)"
+                f"the first broadcast of group {self.name!r} waits for every engine rank, and {arrived} arrived "
+                f"within {timeout_s:.0f} s: another server took another request first (each server takes one "
+                "update at a time, so every server must get the senders' requests in one order)"
             )
         return None
 
@@ -132,7 +135,7 @@ class WeightUpdates:
         started = time.monotonic()
         try:
             nbytes = await on_engine(self.engine, run)
-        except (WeightUpdateError, EngineStateError, ValueError) as err:
+        except (WeightUpdateError, ValueError, RuntimeError) as err:  # RuntimeError: EngineStateError, a gloo receive
             log.warning("%s rejected: %s", what, err)
             return update_reply(False, f"{what} failed: {err}")
         seconds = time.monotonic() - started
@@ -285,7 +288,11 @@ class WeightUpdates:
                 # straight into the parameters, on the engine thread so no decoding step sees half of it.
                 return await self._apply(spec.options, lambda e: _receive_in_place(spec, pg, e, device), what)
             # Otherwise receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
-            named = await asyncio.to_thread(_receive, spec, pg, device)
+            try:
+                named = await asyncio.to_thread(_receive, spec, pg, device)
+            except RuntimeError as err:  # the group's broadcast failed (a peer gone, its timeout)
+                log.warning("%s failed: %s", what, err)
+                return update_reply(False, f"{what} failed: Failed to receive weights: {err}")
             return await self._apply(spec.options, lambda e: apply_named_tensors(e.layout, named), what)
 
 
