@@ -288,14 +288,23 @@ def test_updates_are_taken_one_at_a_time_in_arrival_order(engines: list[EngineTh
                 if path != "/unload_lora_adapter":  # no such adapter: refused, after its turn
                     assert status == 200, (path, reply)
 
+            queue = server.updates.queue
+
+            async def queued(waiting: int) -> None:
+                """Until the queue is held and `waiting` requests wait for it (each arrives after the one before)."""
+                async with asyncio.timeout(WAIT_S):
+                    while not (queue.locked() and len(queue._waiters or ()) == waiting):
+                        await asyncio.sleep(0.01)
+
             tasks = [asyncio.create_task(post("/update_weights_from_distributed", update_body("first", sent)))]
+            await queued(0)
             joining = join_as_trainer(second, 2, "second")
-            for path, body in later:
-                await asyncio.sleep(0.3)  # each arrives after the one before
+            for waiting, (path, body) in enumerate(later, start=1):
                 if body is None:
                     body = {"master_address": "127.0.0.1", "master_port": second, "rank_offset": 1, "world_size": 2}
                     body |= {"group_name": "second", "backend": "gloo"}
                 tasks.append(asyncio.create_task(post(path, body)))
+                await queued(waiting)
             await asyncio.sleep(1.0)
             assert answered == [], f"answered while an update waits in its receive: {answered}"
             await asyncio.to_thread(torch.distributed.broadcast, sent.clone(), 0, group)

@@ -13,11 +13,12 @@ turns are a FIFO ticket lock in the trainer's store (the default process group's
 ticket, waits until the ticket before its own is done, and hands on by marking its own done.
 
 A turn is asked for with a bucket already exported, and its holder waits for nothing but the
-engines. So no wait for a turn blocks the exporter of the sender that holds it (a non-sender rank of
-one stage may be the sender of an EP rank, and take part in the first's TP gathers), and every turn
-comes: the holder always finishes, within its request timeouts. The alternative, one sender at a
-time with all of its buckets, would stall the exporters of the waiting senders' stages, and through
-shared gathers the sender that holds the turn.
+engines, so every turn comes (each holder finishes within its request timeouts), and a sender that
+waits for its turn holds its exporter (and the gathers its rank takes part in) only while the turns
+ahead of it run. The alternative, one sender at a time with all of its buckets, would hold a waiting
+sender's exporter for a whole sync: where that sender's rank takes part in the TP gathers of the
+sender holding the token (a stage's non-first TP rank that sends an EP rank's experts, ETP < TP),
+the two would wait for each other.
 
 Each phase (the groups' start, each sync, the close) runs its own chain of tickets (`new_round`,
 called by every sender in the same order; rank 0 starts the chain), so a chain a failure broke is

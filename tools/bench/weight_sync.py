@@ -10,21 +10,18 @@ One JSON line per mode: the median sync seconds, the median memcpy seconds, thei
 the rate. On GPUs the engine takes the last GPU (--engine-device); NCCL cannot put the trainer and
 the engine of the distributed mode on one GPU.
 
-With --servers 2 (CPU) every sync goes to two local engines. The distributed mode's senders then post
-in turns (`weight_sync/turns.py`); with --compare-order each round also times a distributed sync whose
-senders post at once, as before the turns (the groups formed and first broadcast in turns, so the
-local engines do not wait for each other), and a line gives the ratio of the two medians.
+With --servers 2 (CPU) every sync goes to two local engines, which take one update at a time as
+SGLang's do; the distributed mode's senders then post in turns (`weight_sync/turns.py`).
 
     python tools/bench/weight_sync.py [--hidden 256] [--layers 4] [--experts 8] [--bucket-mb 64] [--repeats 5]
     torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2          # each stage sends its own (--ep 2: each EP rank)
-    torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2 --servers 2 --compare-order
+    torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2 --servers 2
     python tools/bench/weight_sync.py --unchanged-lr 1e-6                  # bf16 bytes one step leaves unchanged
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -51,11 +48,6 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--servers", type=int, default=1, help="local engines every sync goes to")
-    p.add_argument(
-        "--compare-order",
-        action="store_true",
-        help="also time distributed syncs whose senders post at once (before the turns); prints the ratio",
-    )
     p.add_argument(
         "--engine-device", default=None, help="the engine's device (default: cpu, or the last GPU when there are GPUs)"
     )
@@ -202,24 +194,19 @@ def run(args: argparse.Namespace) -> list[dict]:
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="sglang", sglang_urls=urls))
         engine = RolloutEngine.from_config(cfg.rollout, str(folder), device=engine_device, **local)
     syncs = {m: make_weight_sync(_with_mode(cfg, m), engine, actor, bucket_mb=args.bucket_mb) for m in modes}
-    timed = {m: syncs[m] for m in modes}
-    if args.compare_order and "distributed" in syncs:
-        timed["distributed_at_once"] = syncs["distributed"]
-    seconds: dict[str, list[float]] = {m: [] for m in timed}
-    memcpy: dict[str, list[float]] = {m: [] for m in timed}
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    memcpy: dict[str, list[float]] = {m: [] for m in modes}
     nbytes: dict[str, int] = {}
     try:
         for mode, sync in syncs.items():  # warm-up: the group, buffers, page cache, the engine's first load
             nbytes[mode] = sync.sync(f"{mode}-warmup").bytes
-        nbytes.update({m: nbytes[timed[m].mode] for m in timed})
         device = next(iter(actor.chunks[0].parameters())).device
         src = torch.randint(0, 255, (max(nbytes.values()),), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         _memcpy_seconds(src, dst, src.numel())
         for r in range(args.repeats):
-            for mode, sync in timed.items():
-                with _posting_at_once(sync) if mode == "distributed_at_once" else contextlib.nullcontext():
-                    report = sync.sync(f"{mode}-{r}")
+            for mode, sync in syncs.items():
+                report = sync.sync(f"{mode}-{r}")
                 seconds[mode].append(report.seconds)
                 memcpy[mode].append(_memcpy_seconds(src, dst, report.bytes))
     finally:
@@ -230,7 +217,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for server in servers:
             server.stop()
     lines = []
-    for mode in timed:
+    for mode in modes:
         value, base = statistics.median(seconds[mode]), statistics.median(memcpy[mode])
         lines.append(
             {
@@ -252,18 +239,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "threads": args.threads,
             }
         )
-    if "distributed_at_once" in timed:
-        turns, at_once = statistics.median(seconds["distributed"]), statistics.median(seconds["distributed_at_once"])
-        lines.append(
-            {
-                "figure": "weight_sync_distributed_turns_over_posting_at_once",
-                "value": round(turns / at_once, 3),
-                "turns_seconds": round(turns, 4),
-                "at_once_seconds": round(at_once, 4),
-                "servers": args.servers,
-                "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
-            }
-        )
     if rank0:
         import shutil
 
@@ -278,25 +253,6 @@ def _start_servers(count: int, folder: str, device: str, local: dict) -> list:
     args = [*local["extra_args"], "--no-auth"]
     starting = [spawn_local_engine(folder, device=device, extra_args=args, env=local["env"]) for _ in range(count)]
     return [s.wait() for s in starting]
-
-
-class _AtOnce:
-    """Turns that never wait: the senders post at once, as before `weight_sync/turns.py`."""
-
-    def new_round(self) -> None:
-        pass
-
-    def turn(self, who: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _posting_at_once(sync):  # noqa: ANN001, ANN202 - a DistributedSync
-    turns, sync.turns = sync.turns, _AtOnce()
-    try:
-        yield
-    finally:
-        sync.turns = turns
 
 
 def main(argv: list[str] | None = None) -> None:
