@@ -2,7 +2,8 @@
 
 Two local engines (started by the pytest module, addresses in `ctx.params["engine_urls"]`) serve the
 tiny MoE policy in `ctx.params["model"]`: the first alone for every launch but EP=2's and PP=2's,
-which sync into both (several senders into several servers that take one update at a time). Each scenario builds a Megatron actor from that HF
+which sync into both (several senders into several servers that take one update at a time), each
+behind a proxy that holds control requests a random few milliseconds (`ctx.params["jittered_urls"]`). Each scenario builds a Megatron actor from that HF
 folder (the import path), and global rank 0 holds the RolloutEngine. Then, for each sync mode:
 one optimizer step on the engine's own rollouts (the weights move: the actor's log-probs of
 those tokens change by far more than the tolerance), a sync, fresh rollouts, and THE INVARIANT:
@@ -52,7 +53,7 @@ def policy_config(ctx, parallel: ParallelConfig, mode: str = "disk", servers: in
         parallel=parallel,
         rollout=RolloutConfig(
             engine="sglang",
-            sglang_urls=ctx.params["engine_urls"][:servers],
+            sglang_urls=ctx.params["engine_urls"][:1] if servers == 1 else ctx.params["jittered_urls"][:servers],
             temperature=TEMPERATURE,
             max_new_tokens=NEW_TOKENS,
             return_routed_experts=True,
