@@ -75,7 +75,15 @@ def load_module(relpath: str, name: str | None = None) -> types.ModuleType:
     """`sglang/<relpath>` executed as a module of its own (`name`, default a private one)."""
     spec = importlib.util.spec_from_file_location(name or f"sglang_{Path(relpath).stem}", source(relpath))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    previous = sys.modules.get(spec.name)
+    sys.modules[spec.name] = module  # while it runs: dataclasses resolve their string annotations through it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del sys.modules[spec.name]
+        else:
+            sys.modules[spec.name] = previous
     return module
 
 

@@ -1,6 +1,8 @@
-"""An sglang-router address in `rollout.sglang_urls`: the real router (PyPI `sglang-router`, a Rust binary)
-in front of two local engines (`megatron-rl serve`). Generation goes through the router, weight updates
-reach both workers it lists; a router whose workers cannot be found fails at start-up, naming it.
+"""An sglang-router address in `rollout.sglang_urls`: the real router (PyPI `sglang-router`, a Rust binary,
+started with the workers' `--api-key`) in front of two keyed local engines (`megatron-rl serve`, whose
+/health is open as SGLang's, so the router's health check registers them). Generation goes through
+the router, weight updates reach both workers it lists, a run trains through it; a router whose
+workers cannot be found fails at start-up, naming it.
 
 Skipped only when the sglang-router package (its binary) is not installed.
 """
@@ -14,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,33 +24,40 @@ import torch
 from megatron_rl.config import Config, RolloutConfig
 from megatron_rl.parallel.launch import free_port
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.local.launcher import LocalEngineProcess, spawn_local_engine, start_local_engine
+from megatron_rl.rollout.local.launcher import LocalEngineProcess, StartingEngine, spawn_local_engine
 from megatron_rl.rollout.sglang import SGLangError
 from megatron_rl.rollout.types import Sample, SamplingParams
 from megatron_rl.weight_sync.memory import release_colocated_engines
 
-from mrl_configs import make_tiny_model
+import mrl_runs
+import tiny_model
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
 pytest.importorskip("sglang_router.sglang_router_rs", reason="the sglang-router binary is not installed")
 
 ENV = {"OMP_NUM_THREADS": "1"}
+KEY = "router-test-key"  # the workers' API key, which the router sends them
 
 
 def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return json.loads(resp.read())
 
 
+def _worker(model: str) -> StartingEngine:
+    return spawn_local_engine(model, api_key=KEY, extra_args=["--threads", "1"], env=ENV)
+
+
 class Router:
-    """`python -m sglang_router launch` on a free port, in front of `workers`."""
+    """`python -m sglang_router launch` on a free port, in front of `workers` (keyed with KEY)."""
 
     def __init__(self, workers: list[str]) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
         cmd = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", port]
-        cmd += ["--policy", "round_robin", "--log-level", "warn"]
+        cmd += ["--policy", "round_robin", "--log-level", "warn", "--api-key", KEY]
         if workers:
             cmd += ["--worker-urls", *workers]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -75,14 +85,16 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("router")
-    return {name: make_tiny_model(str(root / name), "qwen3_moe", seed=i) for i, name in enumerate("AB")}
+def models(work: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A: the end-to-end runs' tiny_math model (a run trains on it); B: the same model with other weights."""
+    other = tmp_path_factory.mktemp("router") / "B"
+    tiny_model.build_model(other, seed=1)
+    return {"A": str(work / "model"), "B": str(other)}
 
 
 @pytest.fixture(scope="module")
 def workers(models: dict[str, str]) -> Iterator[list[LocalEngineProcess]]:
-    starting = [spawn_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV) for _ in range(2)]
+    starting = [_worker(models["A"]) for _ in range(2)]
     procs = [engine.wait() for engine in starting]  # the two load side by side
     try:
         yield procs
@@ -98,7 +110,7 @@ def _spread(samples: list[Sample]) -> float:
 
 
 def _rollout(url: str) -> RolloutConfig:
-    return RolloutConfig(engine="sglang", sglang_urls=[url], max_concurrency=4, max_retries=1)
+    return RolloutConfig(engine="sglang", sglang_urls=[url], max_concurrency=4, max_retries=1, api_key=KEY)
 
 
 def test_router_generates_and_weight_updates_reach_every_worker(
@@ -131,8 +143,25 @@ def test_router_generates_and_weight_updates_reach_every_worker(
         router.stop()
 
 
+def test_a_run_trains_through_the_router_in_front_of_keyed_engines(
+    workers: list[LocalEngineProcess], work: Path, tmp_path: Path
+) -> None:
+    """`megatron-rl train` with `rollout.sglang_urls=[router]` and the workers' key as `rollout.api_key`:
+    a step's rollouts go through the router, its weights to both workers, which then serve its version."""
+    router = Router([w.url for w in workers])
+    try:
+        run = tmp_path / "run"
+        overrides = ["rollout.engine=sglang", f'rollout.sglang_urls=["{router.url}"]', f"rollout.api_key={KEY}"]
+        mrl_runs.train(work, run, *overrides, "train.steps=1", "eval.every=0", ranks=1)
+        assert [r["step"] for r in mrl_runs.steps_logged(run)] == [1]
+        for worker in workers:
+            assert _get(worker.url + "/get_model_info")["weight_version"] == "1"
+    finally:
+        router.stop()
+
+
 def test_plain_servers_are_not_taken_for_a_router(workers: list[LocalEngineProcess], models: dict[str, str]) -> None:
-    cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0)
+    cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0, api_key=KEY)
     engine = RolloutEngine.from_config(cfg, models["A"])
     try:
         assert engine.client.router is None and engine.client.urls == [w.url for w in workers]
@@ -150,7 +179,7 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
     finally:
         empty.stop()
     # a worker the router still lists but this machine cannot reach (here: one of its own that has stopped)
-    lost = start_local_engine(models["A"], extra_args=["--threads", "1", "--no-auth"], env=ENV)
+    lost = _worker(models["A"]).wait()
     router = Router([lost.url])
     try:
         lost.stop()
@@ -159,7 +188,7 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
         ):
             RolloutEngine.from_config(_rollout(router.url), models["A"])
         # a router next to other addresses is ambiguous
-        mixed = RolloutConfig(engine="sglang", sglang_urls=[router.url, workers[0].url], max_retries=0)
+        mixed = RolloutConfig(engine="sglang", sglang_urls=[router.url, workers[0].url], max_retries=0, api_key=KEY)
         with pytest.raises(SGLangError, match=rf"{router.url} is an sglang-router; give the router alone"):
             RolloutEngine.from_config(mixed, models["A"])
     finally:

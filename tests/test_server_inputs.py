@@ -213,11 +213,11 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(which: str, reques
 
 @pytest.mark.parametrize("which", ["engine", "reward_server"])
 def test_a_key_that_is_not_utf8_is_401_and_deep_rows_are_400(which: str, request, tmp_path: Path) -> None:
-    if which == "engine":
-        serve, server, path = engine_server._serve, request.getfixturevalue("engine"), "/generate"
+    if which == "engine":  # its /health is open, as SGLang's
+        serve, server, path, keyed = engine_server._serve, request.getfixturevalue("engine"), "/generate", "/model_info"
     else:
-        serve, server, path = reward_server._serve, request.getfixturevalue("rewards"), "/score"
-    wrong = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: Bearer {KEY}".encode()
+        serve, server, path, keyed = reward_server._serve, request.getfixturevalue("rewards"), "/score", "/health"
+    wrong = f"GET {keyed} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: Bearer {KEY}".encode()
     row = b'{"a": ' * 100 + b"1" + b"}" * 100
     items = b'{"items": [{"response": "Answer: 1", "answer": "1", "row": ' + row + b"}]}"
     deeper = b'{"items": [{"response": "x", "answer": "1", "row": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"

@@ -198,7 +198,7 @@ def _engine_refuses_strangers(work: Path, process: subprocess.Popen, run_dir: Pa
 
     stranger = {"model_path": str(work / "model")}
     assert status("/update_weights_from_disk", {"Content-Type": "application/json"}, stranger) == 401
-    assert status("/health", {"Authorization": f"Bearer {key}"}) == 200  # the key found is the one it wants
+    assert status("/get_model_info", {"Authorization": f"Bearer {key}"}) == 200  # the key found is the one it wants
     assert len(key) >= 32
     assert not [p.pid for p in [psutil.Process(process.pid), *descendants(process.pid)] if key in " ".join(p.cmdline())]
     for name in ("config.yaml", "engine.log"):

@@ -328,3 +328,49 @@ def test_safetensors_overwritten_in_place_only_at_the_same_size(tmp_path, monkey
     final = finalize_hf_folder(tmp_path, [(path.name, ["a"], 24)], rename=False)
     assert final == [path.name] and sorted(p.name for p in tmp_path.glob("*.safetensors")) == [path.name]
     assert '"a": "part-pp000-00000.safetensors"' in (tmp_path / "model.safetensors.index.json").read_text()
+
+
+def test_engine_turns_come_one_at_a_time_first_come_first_served(world_of_one: None) -> None:
+    """Senders (threads here) hold the turn one at a time, in the order they asked for it; a turn that
+    does not come within the wait names its holder; the next round is a fresh chain."""
+    import time
+
+    from megatron_rl.weight_sync.turns import EngineTurns, TurnTimeout
+
+    turns = EngineTurns(wait_s=60)
+    turns.new_round()
+    held: list[str] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def sender(name: str) -> None:
+        with turns.turn(name):
+            held.append(f"{name} in")
+            if name == "A":
+                holding.set()
+                release.wait(60)
+            held.append(f"{name} out")
+
+    threads = [threading.Thread(target=sender, args=("A",))]
+    threads[0].start()
+    assert holding.wait(60)
+    for asked, name in enumerate("BC", start=2):
+        threads.append(threading.Thread(target=sender, args=(name,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 60
+        while turns.store.add(f"{turns.round}/tickets", 0) < asked:  # its ticket drawn: it waits in line
+            assert time.monotonic() < deadline, f"{name} drew no ticket"
+            time.sleep(0.01)
+    release.set()
+    for thread in threads:
+        thread.join(60)
+    assert held == ["A in", "A out", "B in", "B out", "C in", "C out"]
+
+    quick = EngineTurns(wait_s=1)
+    quick.new_round()
+    with quick.turn("the sender of stage 0"):
+        with pytest.raises(TurnTimeout, match=r"^stage 1 waited 1 s for its turn .*; the sender of stage 0 held it$"):
+            with quick.turn("stage 1"):
+                pass
+    quick.new_round()  # the broken chain is left behind
+    with quick.turn("stage 1"):
+        pass

@@ -1,6 +1,6 @@
 """The weight-update wire formats both sides share: the trainer's weight sync and the local engine.
 
-- `init_weights_update_group`: the process group SGLang builds for `/init_weights_update_group`:
+- `init_weights_update_group` / `join_weights_update_group`: the process group SGLang builds for `/init_weights_update_group`:
   a tcp rendezvous store, wrapped in `PrefixStore(group_name)`, handed to torch's own group helper.
   Both sides must build it the same way (not with `init_process_group`), the trainer as rank 0.
 - `deserialize_named_tensors`: reads the `/update_weights_from_tensor` payload, base64 of a
@@ -32,7 +32,12 @@ import torch
 import torch.distributed as dist
 
 
-def init_weights_update_group(
+def init_weights_update_group(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
+    """`join_weights_update_group`'s group (the trainer's side keeps no reference to the store)."""
+    return join_weights_update_group(*args, **kwargs)[0]
+
+
+def join_weights_update_group(
     master_address: str,
     master_port: int,
     rank: int,
@@ -41,8 +46,9 @@ def init_weights_update_group(
     backend: str = "gloo",
     timeout_s: float = 600.0,
     store_timeout_s: float | None = None,
-) -> dist.ProcessGroup:
-    """Join the weight-update group as SGLang does (`init_custom_process_group`): rank 0 hosts the store.
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """Join the weight-update group as SGLang does (`init_custom_process_group`): rank 0 hosts the
+    store. Returns the group and its store (keys under `group_name`).
 
     `timeout_s` bounds the group's collectives; `store_timeout_s` (default `timeout_s`) the rendezvous,
     so that a store that cannot be reached fails soon.
@@ -68,7 +74,7 @@ def init_weights_update_group(
         world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    return group, store
 
 
 def destroy_weights_update_group(group: dist.ProcessGroup) -> None:

@@ -10,7 +10,8 @@ model is on a GPU and gloo otherwise. For every bucket, the sender first posts
 `/update_weights_from_distributed` (names, dtypes, shapes, its group's name) asynchronously, then
 broadcasts. A bucket of one dtype goes as one flattened uint8 buffer over NCCL; otherwise it goes
 tensor by tensor. The new version and the cache flush go with the controller's last bucket, after
-every sender is done (`senders.FromSenders`).
+every sender is done (`senders.FromSenders`). Every request a sender posts (its group's init and
+destroy, each bucket) goes in its turn (`turns.py`), so that every engine takes them in one order.
 
 After any failure the group is dropped and the next sync builds a new one. A refusal does not
 tell whether the engine took the broadcast (the local engine receives, then validates) or never
@@ -37,6 +38,7 @@ from megatron_rl.weight_sync.packing import Bucket, broadcasts_flat
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread, reachable_address
 from megatron_rl.weight_sync.send import broadcast_named_tensors, tensor_specs
 from megatron_rl.weight_sync.senders import FromSenders, params_device
+from megatron_rl.weight_sync.turns import EngineTurns, TurnTimeout
 
 log = logging.getLogger("megatron_rl.weight_sync")
 _GROUP_IDS = itertools.count(1)  # group names stay unique within a process
@@ -71,6 +73,9 @@ class DistributedSync(FromSenders):
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._abandoned: list[dist.ProcessGroup] = []
+        # a turn waits while each sender ahead posts one request: its broadcast and its reply, each bounded
+        self.turns = EngineTurns(wait_s=len(self.senders) * (2 * self.timeout_s + 60))
+        self.turns.new_round()
         problems = all_outcomes(self._connect() if self.is_sender else None)
         problem = next((p for p in problems if p is not None), None)
         if problem is not None:
@@ -79,8 +84,24 @@ class DistributedSync(FromSenders):
             super().close()
             raise WeightSyncError(problem)
 
+    @property
+    def _who(self) -> str:
+        assert self.sender is not None
+        return f"the sender of pipeline stage {self.sender.stage}, EP rank {self.sender.ep_rank}"
+
+    def _start_senders(self) -> None:
+        self.turns.new_round()
+        super()._start_senders()
+
     def _connect(self) -> str | None:
-        """A sender: build its weight-update group with every engine; an error message or None."""
+        """A sender, in its turn: build its weight-update group with every engine; an error message or None."""
+        try:
+            with self.turns.turn(self._who):
+                return self._join()
+        except TurnTimeout as err:
+            return str(err)
+
+    def _join(self) -> str | None:
         assert self.sender is not None
         urls = self.client.urls
         world_size = 1 + len(urls) * self.engine_ranks
@@ -115,6 +136,14 @@ class DistributedSync(FromSenders):
                 self._fail(problem)
 
     def _send(self, bucket: Bucket, version: str | None) -> int:
+        try:
+            with self.turns.turn(self._who):
+                return self._post(bucket, version)
+        except TurnTimeout as err:
+            self._fail(str(err))
+            return 0
+
+    def _post(self, bucket: Bucket, version: str | None) -> int:
         names, dtypes, shapes = tensor_specs(bucket)
         # NCCL: one flattened broadcast (a device copy costs little, a collective launch more). Gloo:
         # tensor by tensor, from the parameters' own memory into the engine's (no packing copy on
@@ -141,17 +170,29 @@ class DistributedSync(FromSenders):
         except (RuntimeError, TimeoutError) as err:
             reason = _refusal(reply, wait_s=5.0)
             self._fail(f"broadcast of the {what}: {err}" + (f"; the engine says: {reason}" if reason else ""))
-            self._drop_group(pending=True)
+            self._leave_group(pending=True)
             return 0
         try:
             reply.result(timeout=self.timeout_s)
         except ENGINE_ERRORS as err:
             self._fail(f"POST /update_weights_from_distributed ({what}): {err}")
-            self._drop_group(pending=False)
+            self._leave_group(pending=False)
             return 0
         return sent
 
     def _drop_group(self, pending: bool) -> None:
+        """`_leave_group` in this sender's turn (a turn that does not come leaves the engines' side be)."""
+        if self._group is None:
+            return
+        try:
+            with self.turns.turn(self._who):
+                self._leave_group(pending)
+        except TurnTimeout as err:
+            log.warning("weight-update group %r left on the engines: %s", self._group_name, err)
+            self._abandoned.append(self._group)
+            self._group = None
+
+    def _leave_group(self, pending: bool) -> None:
         """Leave the group on both sides; with a broadcast `pending`, keep our side referenced, not destroyed."""
         group, self._group = self._group, None
         if group is None:
@@ -169,6 +210,7 @@ class DistributedSync(FromSenders):
         self._drop_group(pending=True)  # the dead peer would never answer a destroy; the next sync joins anew
 
     def close(self) -> None:
+        self.turns.new_round()
         if self.is_sender:
             self._drop_group(pending=False)
         super().close()

@@ -10,8 +10,12 @@ One JSON line per mode: the median sync seconds, the median memcpy seconds, thei
 the rate. On GPUs the engine takes the last GPU (--engine-device); NCCL cannot put the trainer and
 the engine of the distributed mode on one GPU.
 
+With --servers 2 (CPU) every sync goes to two local engines, which take one update at a time as
+SGLang's do; the distributed mode's senders then post in turns (`weight_sync/turns.py`).
+
     python tools/bench/weight_sync.py [--hidden 256] [--layers 4] [--experts 8] [--bucket-mb 64] [--repeats 5]
     torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2          # each stage sends its own (--ep 2: each EP rank)
+    torchrun --nproc-per-node 2 tools/bench/weight_sync.py --pp 2 --servers 2
     python tools/bench/weight_sync.py --unchanged-lr 1e-6                  # bf16 bytes one step leaves unchanged
 """
 
@@ -43,6 +47,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--servers", type=int, default=1, help="local engines every sync goes to")
     p.add_argument(
         "--engine-device", default=None, help="the engine's device (default: cpu, or the last GPU when there are GPUs)"
     )
@@ -177,18 +182,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     save_hf_folder(actor.chunks, cfg.model, folder, hf_config_from_model(cfg.model))
-    engine = None
+    engine, servers = None, []
     if rank0:
         engine_device = args.engine_device or (
             f"cuda:{torch.cuda.device_count() - 1}" if torch.cuda.is_available() else "cpu"
         )
-        engine = RolloutEngine.from_config(
-            cfg.rollout,
-            str(folder),
-            device=engine_device,
-            extra_args=["--threads", str(args.threads)],
-            env={"OMP_NUM_THREADS": str(args.threads)},
-        )
+        local = dict(extra_args=["--threads", str(args.threads)], env={"OMP_NUM_THREADS": str(args.threads)})
+        if args.servers > 1:
+            servers = _start_servers(args.servers, str(folder), engine_device, local)
+            urls = [s.url for s in servers]
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="sglang", sglang_urls=urls))
+        engine = RolloutEngine.from_config(cfg.rollout, str(folder), device=engine_device, **local)
     syncs = {m: make_weight_sync(_with_mode(cfg, m), engine, actor, bucket_mb=args.bucket_mb) for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     memcpy: dict[str, list[float]] = {m: [] for m in modes}
@@ -210,6 +214,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             sync.close()
         if engine is not None:
             engine.close()
+        for server in servers:
+            server.stop()
     lines = []
     for mode in modes:
         value, base = statistics.median(seconds[mode]), statistics.median(memcpy[mode])
@@ -228,6 +234,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "bucket_mb": args.bucket_mb,
                 "world_size": dist.get_world_size(),
                 "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
+                "servers": args.servers,
                 "device": str(device),
                 "threads": args.threads,
             }
@@ -237,6 +244,15 @@ def run(args: argparse.Namespace) -> list[dict]:
 
         shutil.rmtree(workdir, ignore_errors=True)
     return lines
+
+
+def _start_servers(count: int, folder: str, device: str, local: dict) -> list:
+    """`count` local engines serving `folder`, loading side by side."""
+    from megatron_rl.rollout.local.launcher import spawn_local_engine
+
+    args = [*local["extra_args"], "--no-auth"]
+    starting = [spawn_local_engine(folder, device=device, extra_args=args, env=local["env"]) for _ in range(count)]
+    return [s.wait() for s in starting]
 
 
 def main(argv: list[str] | None = None) -> None:

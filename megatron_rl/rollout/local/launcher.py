@@ -22,6 +22,7 @@ from typing import IO, Any
 # the engines' key in the environment: what `megatron-rl serve` requires without --api-key, and what
 # the trainer sends without rollout.api_key (the Slurm scripts hand the job's key over so)
 API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
+ADMIN_API_KEY_ENV = "MEGATRON_RL_ENGINE_ADMIN_API_KEY"  # `megatron-rl serve`'s key of its control endpoints
 
 
 def _die_with_parent() -> None:

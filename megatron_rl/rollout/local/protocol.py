@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from aiohttp import web
 
+from megatron_rl.http_body import parse_json
 from megatron_rl.rollout.local.generator import GenRequest
 from megatron_rl.rollout.local.model import ModelInfo
 from megatron_rl.rollout.wire import flattened_layout
@@ -21,6 +23,14 @@ from megatron_rl.rollout.wire import flattened_layout
 
 class FieldError(ValueError):
     """A request field with a missing, mistyped or unsupported value."""
+
+
+RAW_BODY = web.RequestKey("raw_body", bytes)  # the body, read within the endpoint's limit by the server
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's body (`RAW_BODY`) as strict JSON."""
+    return parse_json(request[RAW_BODY])
 
 
 # SGLang 0.5.23 sampling keys, with the value at which an unimplemented one is harmless.

@@ -2,18 +2,17 @@
 
 Speaks the subset of SGLang's server API that an RL trainer uses, with SGLang's field names and
 response shapes: /generate (input_ids, sampling params, log-probs, routed experts), the weight
-updates (/update_weights_from_disk, /init_weights_update_group + /update_weights_from_distributed,
-/update_weights_from_tensor, the last two only inside a /begin_weight_update ... /end_weight_update
-session as SGLang 0.5.21+ requires; several trainer senders at once, each with its own group, keyed
-by `group_name` as SGLang keys them; begin, on a server that is not paused, waits for the generations
-in flight to end, as SGLang's writer lock does), /pause_generation, /continue_generation, /abort_request,
-/flush_cache, /release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
+updates and their groups and session (`updates.py`: one at a time in arrival order, as SGLang takes
+them), the LoRA adapters, /pause_generation, /continue_generation, /abort_request, /flush_cache,
+/release_memory_occupation, /resume_memory_occupation, /health, /get_model_info.
 
-Every endpoint requires the API key (`--api-key` or $MEGATRON_RL_ENGINE_API_KEY) unless the engine
-is started with `--no-auth`. Request bodies are bounded per endpoint by what it can carry
-(`body_limits`, HTTP 413 beyond; /generate also by its number of prompts), must arrive within
-`--read-timeout-s` (HTTP 408), and are parsed as strict JSON (`megatron_rl.http_body`: NaN/Infinity,
-integers over 4300 digits, lone surrogates and deep nesting answer 400 naming the field).
+Keys as SGLang checks them (`auth.py`): the API key (`--api-key` or $MEGATRON_RL_ENGINE_API_KEY, or
+`--no-auth`) on every endpoint but /health*, the admin key (`--admin-api-key` or
+$MEGATRON_RL_ENGINE_ADMIN_API_KEY), when given, instead of it on the control endpoints. Request bodies
+are bounded per endpoint by what it can carry (`body_limits`, HTTP 413 beyond; /generate also by its
+number of prompts), must arrive within `--read-timeout-s` (HTTP 408), and are parsed as strict JSON
+(`megatron_rl.http_body`: NaN/Infinity, integers over 4300 digits, lone surrogates and deep nesting
+answer 400 naming the field).
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import functools
 import logging
+import os
 import signal
 import sys
 import time
@@ -33,31 +32,21 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megatron_rl.http_body import (
-    READ_TIMEOUT_S,
-    BodyError,
-    app_runner,
-    authorized,
-    exposed_without_key,
-    parse_json,
-    read_body,
-    server_api_key,
-)
-from megatron_rl.rollout import wire
+from megatron_rl.http_body import READ_TIMEOUT_S, BodyError, app_runner, exposed_without_key, read_body, server_api_key
+from megatron_rl.rollout.local import auth
 from megatron_rl.rollout.local.engine_thread import PAUSE_MODES, EngineStateError, EngineThread
 from megatron_rl.rollout.local.generator import Generator, GenRequest
-from megatron_rl.rollout.local.launcher import API_KEY_ENV
+from megatron_rl.rollout.local.launcher import ADMIN_API_KEY_ENV, API_KEY_ENV
 from megatron_rl.rollout.local.lora import AdapterError, read_adapter_folder
 from megatron_rl.rollout.local.model import ModelInfo, load_model
-from megatron_rl.rollout.local.protocol import (
-    DistributedUpdate,
-    FieldError,
-    UpdateOptions,
-    check_body,
-    get_field,
-    parse_generate,
+from megatron_rl.rollout.local.protocol import RAW_BODY, FieldError, check_body, get_field, json_body, parse_generate
+from megatron_rl.rollout.local.updates import (
+    GROUP_INIT_TIMEOUT_S,
+    WeightUpdates,
+    decode_tensors,
+    named_tensors,
+    on_engine,
 )
-from megatron_rl.rollout.local.weights import WeightUpdateError, apply_named_tensors, load_safetensors_dir
 from megatron_rl.rollout.types import MEMORY_TAGS
 
 log = logging.getLogger("megatron_rl.serve")
@@ -69,12 +58,6 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _update_reply(ok: bool, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
-
-
-GROUP_INIT_TIMEOUT_S = 60.0
-_RAW_BODY = web.RequestKey("raw_body", bytes)
 # What /generate may carry per prompt: 16 bytes per position (a token id and its separator, or a few
 # characters of text) plus the request's other fields (sampling parameters, rid, stop ids).
 GENERATE_BYTES_PER_POSITION = 16
@@ -82,7 +65,6 @@ GENERATE_BYTES_PER_PROMPT = 64 << 10
 # A weight update announces every tensor (name, dtype, shape, offsets: a few hundred bytes each, never
 # the data itself: the tensor payload carries handles, the distributed one only metadata).
 UPDATE_BYTES_PER_TENSOR = 1 << 10
-HOST_BUCKETS_KEPT = 16
 CONTROL_BODY_BYTES = 1 << 20  # every other endpoint: a few fields (and /update_weights_from_disk a path)
 _WEIGHT_PATHS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
 
@@ -96,27 +78,29 @@ def body_limits(info: ModelInfo, max_running: int, checkpoint_tensors: int) -> d
     return {"/generate": max_running * prompt, **dict.fromkeys(_WEIGHT_PATHS, weights)}
 
 
-async def _json_body(request: web.Request) -> Any:
-    return parse_json(request[_RAW_BODY])
-
-
 class LocalServer:
     """The HTTP front of an `EngineThread`."""
 
-    def __init__(self, engine: EngineThread, info: ModelInfo, api_key: str | None, tokenizer: Any = None):
+    def __init__(
+        self,
+        engine: EngineThread,
+        info: ModelInfo,
+        api_key: str | None,
+        tokenizer: Any = None,
+        admin_api_key: str | None = None,
+    ):
         self.engine, self.info, self.api_key, self.tokenizer = engine, info, api_key, tokenizer
-        self.groups: dict[str, Any] = {}
-        self.session_open = False  # SGLang >= 0.5.21's weight-update session
+        self.admin_api_key = admin_api_key
         # /generate requests being answered, and their end: SGLang's begin waits for them (its writer lock)
         self._generating = 0
         self._generation_ended = asyncio.Condition()
-        self.group_init_timeout_s = GROUP_INIT_TIMEOUT_S
+        self.updates = WeightUpdates(engine, info, self._generations_ended)
         self.read_timeout_s = READ_TIMEOUT_S
-        # The last host bucket of each sender (by its shared-memory segments): while it is referenced,
-        # torch maps a trainer buffer that is sent again (weight_sync.packing.PackBuffers reuses one per
-        # sender) from its cache, without new page faults. At most HOST_BUCKETS_KEPT senders' buffers.
-        self._host_buckets: dict[tuple[str, ...], torch.Tensor] = {}
         self.body_limits = body_limits(info, engine.generator.max_running, len(engine.layout.targets))
+
+    async def _generations_ended(self) -> None:
+        async with self._generation_ended:
+            await self._generation_ended.wait_for(lambda: self._generating == 0)
 
     def app(self) -> web.Application:
         # the body middleware enforces each endpoint's limit; aiohttp's own cap is never reached first
@@ -137,18 +121,12 @@ class LocalServer:
             ("/model_info", ["GET"], self.model_info),
             ("/get_server_info", ["GET"], self.server_info),
             ("/server_info", ["GET"], self.server_info),
-            ("/update_weights_from_disk", ["POST"], self.update_from_disk),
-            ("/begin_weight_update", ["POST"], self.begin_weight_update),
-            ("/end_weight_update", ["POST"], self.end_weight_update),
-            ("/init_weights_update_group", ["POST"], self.init_group),
-            ("/destroy_weights_update_group", ["POST"], self.destroy_group),
-            ("/update_weights_from_distributed", ["POST"], self.update_from_distributed),
-            ("/update_weights_from_tensor", ["POST"], self.update_from_tensor),
             ("/update_weight_version", ["POST"], self.update_weight_version),
             ("/get_weights_by_name", get_post, self.get_weights_by_name),
             ("/load_lora_adapter", ["POST"], self.load_lora_adapter),
             ("/load_lora_adapter_from_tensors", ["POST"], self.load_lora_adapter_from_tensors),
             ("/unload_lora_adapter", ["POST"], self.unload_lora_adapter),
+            *self.updates.routes(),
         ]
         for path, methods, handler in routes:
             for method in methods:
@@ -158,7 +136,8 @@ class LocalServer:
     # ---- middlewares ----
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if not authorized(request, self.api_key):
+        header = request.headers.get("Authorization")
+        if not auth.allowed(request.method, request.path, header, self.api_key, self.admin_api_key):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -176,13 +155,13 @@ class LocalServer:
         """Reads the body within the endpoint's limit (after the key is checked: an unauthenticated
         client's body is never read)."""
         limit = self.body_limits.get(request.path, CONTROL_BODY_BYTES)
-        request[_RAW_BODY] = await read_body(request, limit, timeout_s=self.read_timeout_s)
+        request[RAW_BODY] = await read_body(request, limit, timeout_s=self.read_timeout_s)
         return await handler(request)
 
     # ---- generation ----
     async def generate(self, request: web.Request) -> web.Response:
         started = time.monotonic()
-        batch = parse_generate(await _json_body(request), self.info, self.tokenizer, self.engine.generator.max_running)
+        batch = parse_generate(await json_body(request), self.info, self.tokenizer, self.engine.generator.max_running)
         try:
             for req in batch.requests:
                 self.engine.generator.adapters.check(req.lora_name)
@@ -238,10 +217,10 @@ class LocalServer:
         return {"text": self._decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
 
     async def _engine(self, fn) -> Any:
-        return await asyncio.wrap_future(self.engine.call(fn))
+        return await on_engine(self.engine, fn)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         rid = get_field(body, "rid", "str", "")
         abort_all = get_field(body, "abort_all", "bool", False)
         if abort_all:
@@ -252,7 +231,7 @@ class LocalServer:
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         mode = get_field(body, "mode", "str", "abort")
         if mode not in PAUSE_MODES:
             raise FieldError(f"mode: {mode!r}; allowed: {', '.join(PAUSE_MODES)}")
@@ -261,7 +240,7 @@ class LocalServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        check_body(await _json_body(request))
+        check_body(await json_body(request))
         await self._engine(lambda e: e.resume())
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -276,7 +255,7 @@ class LocalServer:
 
     # ---- memory ----
     async def _tags(self, request: web.Request) -> list[str]:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         tags = get_field(body, "tags", "str_list", list(MEMORY_TAGS))
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
@@ -364,176 +343,6 @@ class LocalServer:
             }
         )
 
-    # ---- weight updates ----
-    async def _apply(self, options: UpdateOptions, fn, what: str) -> web.Response:
-        def run(e: EngineThread) -> int:
-            if "weights" in e.released:
-                raise EngineStateError(f"{what}: weights are released; call /resume_memory_occupation first")
-            if options.abort_all_requests:
-                e.abort(lambda r: True)
-            nbytes = fn(e)
-            if options.weight_version is not None:
-                e.generator.set_weight_version(options.weight_version)
-            return nbytes
-
-        started = time.monotonic()
-        try:
-            nbytes = await self._engine(run)
-        except (WeightUpdateError, EngineStateError, ValueError) as err:
-            log.warning("%s rejected: %s", what, err)
-            return _update_reply(False, f"{what} failed: {err}")
-        seconds = time.monotonic() - started
-        log.info("%s: %.1f MB in %.2f s, weight version %s", what, nbytes / 1e6, seconds, self.engine.weight_version)
-        return _update_reply(True, f"Succeeded to update model weights ({what}).", num_paused_requests=0)
-
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
-        path = get_field(body, "model_path", "str", required=True)
-        load_format = get_field(body, "load_format", "str")
-        if load_format not in (None, "auto", "safetensors"):
-            raise FieldError(f"load_format: {load_format!r}; the local engine reads safetensors (null, auto)")
-        return await self._apply(
-            UpdateOptions.parse(body), lambda e: load_safetensors_dir(e.layout, path), "update_weights_from_disk"
-        )
-
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
-        selector = get_field(body, "selector", "str", "all")
-        if selector not in ("target", "draft", "all"):
-            raise FieldError(f"selector: {selector!r}; allowed: target, draft, all")
-        if not self.engine.paused:
-            # As SGLang's begin (its writer lock): on a server that is not paused, wait until every
-            # generation in flight has ended; the client's request timeout bounds the wait.
-            async with self._generation_ended:
-                await self._generation_ended.wait_for(lambda: self._generating == 0)
-        if self.session_open:
-            return _update_reply(False, "a weight-update session is already open; call end_weight_update() first")
-        self.session_open = True
-        return _update_reply(True, "Success")
-
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        check_body(await _json_body(request))
-        if not self.session_open:
-            return _update_reply(False, "no weight-update session is open; call begin_weight_update() first")
-        self.session_open = False
-        return _update_reply(True, "Success")
-
-    def _outside_session(self, what: str) -> web.Response | None:
-        """SGLang 0.5.23's refusal of a distributed or tensor update outside a session (given before
-        anything is received, as SGLang gives it, so a trainer that skips the session sees it)."""
-        if self.session_open:
-            return None
-        log.warning("%s refused: no weight-update session is open", what)
-        return _update_reply(False, f"{what} must run between begin_weight_update() and end_weight_update()")
-
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
-        refused = self._outside_session("update_weights_from_tensor")
-        if refused is not None:
-            return refused
-        payloads = get_field(body, "serialized_named_tensors", "str_list", required=True)
-        if len(payloads) != 1:
-            raise FieldError(
-                f"serialized_named_tensors: expected 1 entry (the local engine has tp_size 1), got {len(payloads)}"
-            )
-        load_format = get_field(body, "load_format", "str")
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct', 'flattened_bucket'")
-        shm_names = get_field(body, "shm_names", "str_list", [])
-        try:
-            obj = wire.deserialize_named_tensors(payloads[0], shm_names)
-        except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
-            raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
-        named = _named_tensors(obj, load_format == "flattened_bucket")
-        flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
-        if isinstance(flat, torch.Tensor) and flat.device.type == "cpu" and shm_names:
-            key = tuple(shm_names)
-            self._host_buckets.pop(key, None)
-            self._host_buckets[key] = flat
-            while len(self._host_buckets) > HOST_BUCKETS_KEPT:
-                del self._host_buckets[next(iter(self._host_buckets))]
-        return await self._apply(
-            UpdateOptions.parse(body), lambda e: apply_named_tensors(e.layout, named), "update_weights_from_tensor"
-        )
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
-        address = get_field(body, "master_address", "str", required=True)
-        port = get_field(body, "master_port", "int", required=True)
-        rank_offset = get_field(body, "rank_offset", "int", required=True)
-        world_size = get_field(body, "world_size", "int", required=True)
-        group_name = get_field(body, "group_name", "str", "weight_update_group")
-        backend = get_field(body, "backend", "str", "nccl")
-        if backend not in ("nccl", "gloo"):
-            raise FieldError(f"backend: {backend!r}; allowed: nccl, gloo")
-        if backend == "nccl" and self.info.device.type != "cuda":
-            raise FieldError("backend: 'nccl' needs the engine on a GPU; this engine runs on the CPU, use 'gloo'")
-        if not 0 < rank_offset < world_size:
-            raise FieldError(
-                f"rank_offset: {rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
-            )
-        if group_name in self.groups:
-            return _update_reply(False, f"group {group_name!r} already exists; destroy it first")
-        log.info(
-            "joining weight-update group %r at %s:%d as rank %d of %d (%s)",
-            group_name,
-            address,
-            port,
-            rank_offset,
-            world_size,
-            backend,
-        )
-        join = functools.partial(
-            wire.init_weights_update_group,
-            address,
-            port,
-            rank_offset,
-            world_size,
-            group_name,
-            backend,
-            store_timeout_s=self.group_init_timeout_s,
-        )
-        try:
-            # a daemon thread, not the default executor: SIGTERM must not wait for a rendezvous to give up
-            group = await asyncio.wrap_future(wire.in_daemon_thread(join))
-        except Exception as err:  # rendezvous failures: reported to the trainer, the server keeps running
-            return _update_reply(False, f"Failed to initialize custom process group: {err}.")
-        self.groups[group_name] = group
-        return _update_reply(True, "Succeeded to initialize custom process group.")
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
-        name = get_field(body, "group_name", "str", "weight_update_group")
-        group = self.groups.pop(name, None)
-        if group is None:
-            return _update_reply(False, "The group to be destroyed does not exist.")
-        wire.destroy_weights_update_group(group)
-        return _update_reply(True, "Succeeded to destroy custom process group.")
-
-    async def update_from_distributed(self, request: web.Request) -> web.Response:
-        spec = DistributedUpdate.parse(check_body(await _json_body(request)))
-        refused = self._outside_session("update_weights_from_distributed")
-        if refused is not None:
-            return refused
-        group = self.groups.get(spec.group_name)
-        if group is None:
-            raise FieldError(f"group_name: no group {spec.group_name!r}; call /init_weights_update_group first")
-        what = "update_weights_from_distributed"
-        device = self.info.device
-        direct = not spec.flattened and await self._engine(
-            lambda e: (
-                "weights" not in e.released
-                and e.layout.in_place_targets(spec.names, spec.dtypes, spec.shapes, device) is not None
-            )
-        )
-        if direct:
-            # Every tensor validates and its parameter can take the bytes as they come: receive
-            # straight into the parameters, on the engine thread so no decoding step sees half of it.
-            return await self._apply(spec.options, lambda e: _receive_in_place(spec, group, e, device), what)
-        # Otherwise receive everything the trainer broadcasts (keeping the group in step), then validate and apply.
-        named = await asyncio.to_thread(_receive, spec, group, device)
-        return await self._apply(spec.options, lambda e: apply_named_tensors(e.layout, named), what)
-
     # ---- LoRA adapters (SGLang's LoRAUpdateOutput replies: success, error_message, loaded_adapters) ----
     async def _lora(self, fn, what: str) -> web.Response:
         def run(e: EngineThread) -> None:
@@ -542,7 +351,8 @@ class LocalServer:
             fn(e.generator.adapters)
 
         try:
-            await self._engine(run)
+            async with self.updates.queue:  # SGLang queues adapter loads and unloads with the weight updates
+                await self._engine(run)
         except (AdapterError, EngineStateError) as err:
             log.warning("%s rejected: %s", what, err)
             return web.json_response({"success": False, "error_message": f"{what} failed: {err}"}, status=400)
@@ -551,7 +361,7 @@ class LocalServer:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": loaded})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         name = get_field(body, "lora_name", "str", required=True)
         path = get_field(body, "lora_path", "str", required=True)
         try:
@@ -563,7 +373,7 @@ class LocalServer:
         return await self._lora(lambda a: a.load(name, config, tensors), f"load_lora_adapter {name}")
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         name = get_field(body, "lora_name", "str", required=True)
         config = body.get("config_dict")
         if not isinstance(config, dict):
@@ -576,20 +386,17 @@ class LocalServer:
         load_format = get_field(body, "load_format", "str")
         if load_format not in (None, "direct"):
             raise FieldError(f"load_format: {load_format!r}; allowed: null, 'direct'")
-        try:
-            obj = wire.deserialize_named_tensors(payloads[0], get_field(body, "shm_names", "str_list", []))
-        except Exception as err:  # binascii.Error, pickle.UnpicklingError, ...: all a malformed field
-            raise FieldError(f"serialized_named_tensors[0]: cannot be decoded: {err}") from None
-        tensors = dict(_named_tensors(obj, False))
+        obj = decode_tensors(payloads[0], get_field(body, "shm_names", "str_list", []))
+        tensors = dict(named_tensors(obj, False))
         return await self._lora(lambda a: a.load(name, config, tensors), f"load_lora_adapter_from_tensors {name}")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         name = get_field(body, "lora_name", "str", required=True)
         return await self._lora(lambda a: a.unload(name), f"unload_lora_adapter {name}")
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         version = get_field(body, "new_version", "str", required=True)
         abort_all = get_field(body, "abort_all_requests", "bool", True)
 
@@ -602,7 +409,7 @@ class LocalServer:
         return web.json_response({"success": True, "message": "Weight version updated", "new_version": version})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = check_body(await _json_body(request))
+        body = check_body(await json_body(request))
         if request.method == "GET":
             body = dict(request.query)
             if "truncate_size" in body:
@@ -622,52 +429,6 @@ class LocalServer:
         return web.json_response(await self._engine(read))
 
 
-def _named_tensors(obj: Any, flattened: bool) -> list[tuple[str, torch.Tensor]]:
-    if flattened:
-        if not isinstance(obj, dict) or not {"flattened_tensor", "metadata"} <= set(obj):
-            raise FieldError("serialized_named_tensors[0]: a flattened bucket needs 'flattened_tensor' and 'metadata'")
-        try:
-            return wire.unflatten_tensors(obj["flattened_tensor"], list(obj["metadata"]))
-        except ValueError as err:
-            raise FieldError(f"serialized_named_tensors[0]: {err}") from None
-    if not isinstance(obj, (list, tuple)) or not all(
-        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) for item in obj
-    ):
-        raise FieldError("serialized_named_tensors[0]: expected a list of (name, tensor) pairs")
-    return [(name, tensor) for name, tensor in obj]
-
-
-def _receive_in_place(spec: DistributedUpdate, group: Any, e: EngineThread, device: torch.device) -> int:
-    """Receive a per-tensor broadcast straight into the engine's parameters; returns the bytes."""
-    import torch.distributed as dist
-
-    views = e.layout.in_place_targets(spec.names, spec.dtypes, spec.shapes, device)
-    if views is None:  # checked just before, on this thread; the model does not change in between
-        raise EngineStateError("update_weights_from_distributed: the parameters changed under the update")
-    for handle in [dist.broadcast(v, src=0, group=group, async_op=True) for v in views]:
-        handle.wait()
-    return sum(v.numel() * v.element_size() for v in views)
-
-
-def _receive(spec: DistributedUpdate, group: Any, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    import torch.distributed as dist
-
-    if spec.flattened:
-        meta = wire.flattened_layout(spec.names, spec.dtypes, spec.shapes)
-        flat = torch.empty(meta[-1].end_idx if meta else 0, dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=0, group=group)
-        return wire.unflatten_tensors(flat, meta)
-    named = []
-    handles = []
-    for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes, strict=True):
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        handles.append(dist.broadcast(tensor, src=0, group=group, async_op=True))
-        named.append((name, tensor))
-    for handle in handles:
-        handle.wait()
-    return named
-
-
 # ---- command line ----
 
 
@@ -678,7 +439,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every endpoint (default: ${API_KEY_ENV}, kept off the command line)",
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health* (default: ${API_KEY_ENV}, kept off "
+        "the command line)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"the only key of the control endpoints (weight updates, pause, memory, abort, LoRA) when given "
+        f"(default: ${ADMIN_API_KEY_ENV})",
     )
     parser.add_argument(
         "--no-auth", action="store_true", help="serve without an API key: anyone who reaches the port may use it"
@@ -698,7 +466,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--group-init-timeout-s",
         type=float,
         default=GROUP_INIT_TIMEOUT_S,
-        help="an /init_weights_update_group whose rendezvous store cannot be reached fails after this many seconds",
+        help="an /init_weights_update_group whose ranks do not all join, or a group's first broadcast that not "
+        "every engine rank reaches, fails after this many seconds",
     )
     parser.add_argument(
         "--read-timeout-s",
@@ -776,8 +545,9 @@ def run(args: argparse.Namespace) -> int:
     generator.set_weight_version(args.weight_version)
     engine = EngineThread(model, info, generator)
     engine.start()
-    server = LocalServer(engine, info, api_key, tokenizer)
-    server.group_init_timeout_s = args.group_init_timeout_s
+    admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+    server = LocalServer(engine, info, api_key, tokenizer, admin_api_key)
+    server.updates.group_init_timeout_s = args.group_init_timeout_s
     server.read_timeout_s = args.read_timeout_s
     try:
         asyncio.run(_serve(server, args.host, args.port, args.port_file))
@@ -809,7 +579,4 @@ async def _serve(server: LocalServer, host: str, port: int, port_file: str | Non
         log.info("shutting down")
     finally:
         await runner.cleanup()
-        # a gloo group left alive can abort the interpreter at exit
-        for group in server.groups.values():
-            wire.destroy_weights_update_group(group)
-        server.groups.clear()
+        server.updates.close()
