@@ -14,19 +14,12 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
 4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
    and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
-<<<<<<< HEAD
-5. the torch.distributed backend against the device;
+5. the torch.distributed backend against the device, and `model.moe_grouped_gemm = true` without
+   Transformer Engine against the widths torch's grouped GEMM takes (`models.experts_choice`);
 6. with LoRA (`model.lora.rank > 0`), the target modules against the family, the rank against the widths
    of the layers they adapt (`megatron_rl.models.lora_rank`), `rollout.lora_sync` against the weight sync and
    the async mode, `model.lora.init_path` against the base, its rank and targets, and for adapter-only sync
    to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
-=======
-5. the torch.distributed backend against the device, context parallelism against Transformer Engine, and
-   `model.moe_grouped_gemm = true` without it against the widths torch's grouped GEMM takes (`models.experts_choice`);
-6. with LoRA (`model.lora.rank > 0`), the target modules against the family and `model.lora.init_path`
-   against the base, its rank and targets, and for adapter-only sync to the local engine no routed-expert
-   targets (`megatron_rl.models.lora_targets`).
->>>>>>> grouped
 
 It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
 `run_sft`, which tests call directly) calls it again on the configuration it is given.
@@ -42,7 +35,7 @@ from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, validate
 from megatron_rl.envs.base import environment_class
-<<<<<<< HEAD
+from megatron_rl.models.experts_choice import check_grouped_experts
 from megatron_rl.models.lora_rank import check_lora_rank
 from megatron_rl.models.lora_targets import (
     check_init_adapter,
@@ -50,12 +43,9 @@ from megatron_rl.models.lora_targets import (
     check_lora_sync,
     check_target_modules,
 )
-=======
-from megatron_rl.models.experts_choice import check_grouped_experts
-from megatron_rl.models.lora_targets import check_init_adapter, check_local_engine_adapters, check_target_modules
->>>>>>> grouped
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
+from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
 from megatron_rl.parallel.state import resolve_backend
@@ -223,14 +213,8 @@ def validate_run(
             check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)
-<<<<<<< HEAD
-=======
-    # before the layout: on a machine without Transformer Engine, CP's one problem is that.
-    # A planner that says the trainers have GPUs speaks for their Transformer Engine too
     transformer_engine = transformer_engine_available() if cuda_available is None else cuda_available
-    check_context_parallel(resolved.parallel, transformer_engine)
     check_grouped_experts(resolved.model, resolved.parallel, transformer_engine=transformer_engine)
->>>>>>> grouped
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)
     if command == "train":

@@ -117,30 +117,15 @@ def test_ctrl_c_is_a_quiet_exit_130_on_every_rank(
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-<<<<<<< HEAD
 @pytest.mark.parametrize("command", [train_command, sft_command])
 def test_a_run_folder_lost_mid_run_ends_either_stage_with_one_error_line_from_rank_0(
     rank: int,
     command,
-=======
-@pytest.mark.parametrize(
-    "echo",
-    [
-        # a distributed save whose KeyboardInterrupt torch.distributed.checkpoint turns into a failed write
-        CheckpointWriteError("ckpt/step_000003.tmp: the checkpoint could not be written (KeyboardInterrupt: )"),
-        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
-    ],
-)
-def test_an_error_after_ctrl_c_is_the_interruption(
-    rank: int,
-    echo: Exception,
->>>>>>> signals
     run_config: Path,
     launched_as,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-<<<<<<< HEAD
     """`RunFolder.check_lock` raises on every rank alike (tests/test_checkpoint_integrity.py shows when)."""
     lost = "RUN_DIR/.run.lock was removed while this run (pid 7) held it: stopped before the record of step 3"
 
@@ -153,7 +138,24 @@ def test_an_error_after_ctrl_c_is_the_interruption(
     name = "train" if command is train_command else "sft"
     assert _run(command, run_config) == 1
     assert capsys.readouterr().err == (f"{name}: error: {lost}\n" if rank == 0 else "")
-=======
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        # a distributed save whose KeyboardInterrupt torch.distributed.checkpoint turns into a failed write
+        CheckpointWriteError("ckpt/step_000003.tmp: the checkpoint could not be written (KeyboardInterrupt: )"),
+        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+    ],
+)
+def test_an_error_after_ctrl_c_is_the_interruption(
+    rank: int,
+    echo: Exception,
+    run_config: Path,
+    launched_as,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """SIGINT reaches every rank (a terminal's Ctrl-C, torchrun passing it on); what a rank then ends with
     (a save cut short, a collective whose peer already stopped) is the interruption: exit 130, no other line."""
 
@@ -171,4 +173,3 @@ def test_an_error_after_ctrl_c_is_the_interruption(
     assert capsys.readouterr().err == (
         "train: interrupted (SIGINT): stopped at once, nothing saved\n" if rank == 0 else ""
     )
->>>>>>> signals

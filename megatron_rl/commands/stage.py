@@ -92,12 +92,8 @@ def _run_stage(
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.models.write_errors import StorageWriteError
     from megatron_rl.parallel.launch import ensure_launch_env
-<<<<<<< HEAD
-    from megatron_rl.parallel.signals import remember_stop_signals
-    from megatron_rl.run_folder import RESUME_IF_ANY, RunFolderError
-=======
     from megatron_rl.parallel.signals import interrupted, remember_stop_signals
->>>>>>> signals
+    from megatron_rl.run_folder import RESUME_IF_ANY, RunFolderError
 
     verbose = bool(getattr(args, "verbose", False))
     remember_stop_signals()  # a SIGUSR1 during the slow start-up must not kill the process

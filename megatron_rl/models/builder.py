@@ -23,11 +23,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
-<<<<<<< HEAD
 from megatron_rl.models.context_attention import ContextParallelAttention
-=======
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
->>>>>>> grouped
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
@@ -159,17 +156,11 @@ def mla_fields(model: ModelConfig) -> dict[str, Any]:
     )
 
 
-<<<<<<< HEAD
-def _local_layer(spec: ModuleSpec, context_parallel: bool) -> ModuleSpec:
-    """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm and the
-    core attention by one that also takes packed sequences (`packed_attention`) and, under context
-    parallelism, gathers the keys and values over the CP ranks (`context_attention`)."""
-=======
-def _local_layer(spec: ModuleSpec, grouped_experts: bool) -> ModuleSpec:
+def _local_layer(spec: ModuleSpec, context_parallel: bool, grouped_experts: bool) -> ModuleSpec:
     """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm, the
-    core attention by one that also takes packed sequences (`packed_attention`) and, with
+    core attention by one that also takes packed sequences (`packed_attention`) and, under context
+    parallelism, gathers the keys and values over the CP ranks (`context_attention`), and with
     `grouped_experts`, Megatron's `SequentialMLP` experts by `GroupedExperts` (same parameters)."""
->>>>>>> grouped
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
@@ -192,28 +183,18 @@ def _local_layer(spec: ModuleSpec, grouped_experts: bool) -> ModuleSpec:
 def decoder_block_spec(
     config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None, grouped_experts: bool = False
 ) -> TransformerBlockSubmodules:
-<<<<<<< HEAD
-    """Layer specs of this pipeline stage: Transformer Engine's, or Megatron's local ones whose
-    norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence parallel) and whose
-    core attention takes packed (THD) sequences too, and context parallelism."""
-=======
     """Layer specs of this pipeline stage: Transformer Engine's (grouped experts: `config.moe_grouped_gemm`), or
     Megatron's local ones whose norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence
-    parallel), whose core attention takes packed (THD) sequences too and whose experts are `GroupedExperts`
-    with `grouped_experts`."""
->>>>>>> grouped
+    parallel), whose core attention takes packed (THD) sequences too, and context parallelism, and whose
+    experts are `GroupedExperts` with `grouped_experts`."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-<<<<<<< HEAD
-        layer_specs=[_local_layer(s, config.context_parallel_size > 1) for s in block.layer_specs],
+        layer_specs=[_local_layer(s, config.context_parallel_size > 1, grouped_experts) for s in block.layer_specs],
         layer_norm=SequenceParallelRMSNorm,
-=======
-        layer_specs=[_local_layer(s, grouped_experts) for s in block.layer_specs], layer_norm=SequenceParallelRMSNorm
->>>>>>> grouped
     )
 
 
@@ -261,16 +242,8 @@ def build_model(
     """
     _check_parallel_state(parallel)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
-<<<<<<< HEAD
-=======
-    if parallel.context_parallel_size > 1 and not use_te:
-        raise ValueError(
-            f"parallel.context_parallel_size = {parallel.context_parallel_size} needs Transformer Engine's "
-            "attention; the local specs (use_transformer_engine=False) have no context parallelism"
-        )
     check_grouped_experts(model, parallel, transformer_engine=use_te)
     grouped = use_grouped_experts(model, parallel, transformer_engine=use_te)
->>>>>>> grouped
     config = transformer_config(
         model,
         parallel,

@@ -46,9 +46,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from megatron_rl.http_body import connection_failure
 from megatron_rl.rollout.sglang_errors import BadRequestError, EngineDiedError, SGLangError, UnauthorizedError
 from megatron_rl.rollout.sglang_weights import WeightUpdates
-from megatron_rl.http_body import connection_failure
 from megatron_rl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
