@@ -119,7 +119,7 @@ def test_a_stop_signal_during_the_start_up_is_kept_for_the_loop() -> None:
 
 def test_slurm_jobs_checkpoint_every_10_steps_unless_the_config_says(big: Path) -> None:
     assert "checkpoint.every=10" in plan(big, "disaggregated").trainer_overrides
-    assert "checkpoint.every=10" in plan(big, "colocated", nodes=1).trainer_overrides
+    assert "checkpoint.every=10" in plan(big, "colocated", nodes=1, gpu_mem_gib=141).trainer_overrides
     explicit = plan(big, "disaggregated", "checkpoint.every=0").trainer_overrides
     assert not [o for o in explicit if o.startswith("checkpoint.every")]  # the user's 0 is kept
     for script in ("train.sbatch", "train_colocated.sbatch"):

@@ -140,6 +140,7 @@ def test_a_run_folder_lost_mid_run_ends_either_stage_with_one_error_line_from_ra
     assert capsys.readouterr().err == (f"{name}: error: {lost}\n" if rank == 0 else "")
 
 
+@pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(
     "echo",
     [
