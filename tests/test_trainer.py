@@ -143,6 +143,7 @@ ALL_WRONG = (
     "algorithm.overlong_buffer_len=4",
     "algorithm.max_gen_rounds=2",
     "reward.type=dapo",  # the untrained policy never writes "Answer: <right number>"
+    "reward.custom_function=null",  # the shared config's custom reward would imply reward.type=custom
     "train.steps=50",
     "eval.every=0",
     "checkpoint.every=0",
