@@ -38,7 +38,6 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
-from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.driver import (
     ROLLOUT_ERRORS,
     RolloutData,
@@ -46,6 +45,7 @@ from megatron_rl.loop.driver import (
     check_rollout_servers,
     spawn_engine_early,
 )
+from megatron_rl.loop.samples import StepBatch, kl_penalized_advantages
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
