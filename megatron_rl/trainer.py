@@ -459,8 +459,8 @@ class Trainer:
     def _with_reference(
         self, batch: ActorBatch, plan: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
     ) -> ActorBatch:
-        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
-        advantages); KL(pi_old || pi_ref) metrics into `out`."""
+        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, its advantages, which
+        the sample builder leaves to this point); KL(pi_old || pi_ref) metrics into `out`."""
         alg = self.cfg.algorithm
         assert self.reference is not None and batch.old_log_probs is not None
         ref = self.reference.compute_log_probs(batch, replay_routing=alg.routing_replay != "none")

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from megatron_rl.rollout.types import Sample
+from megatron_rl.rollout.types import Finished, Sample
 
 
 @dataclass
-class Trajectory:
+class Trajectory(Finished):
     """A whole episode: `output_ids` is everything after the prompt (generated and observation tokens),
     `logprobs` the engine's on generated tokens and 0 on observations; the engine's fields of the last
     turn (`finish_reason`, `matched_stop`, `weight_version`, `rid`, `server`, `meta_info`), per output
@@ -47,14 +47,6 @@ class Trajectory:
     end_reason: str = ""
     events: Counter = field(default_factory=Counter)
     earlier_segments: list[Trajectory] = field(default_factory=list)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"
 
     @property
     def turns(self) -> int:

@@ -1,8 +1,9 @@
-"""One step's training batch from the rollout engine: generate, reward, shape, filter, advantages.
+"""One step's training batch from the rollout engine: generate, reward, shape, filter, then build.
 
 `RolloutCollector.collect(step)` runs on the rank that drives the engine (rank 0): steps 1-4 of the
-step in docs/architecture.md (generate, reward and shape, dynamic sampling, advantages and the
-`ActorBatch`).
+step in docs/architecture.md: generation rounds (`_round`: episodes, aborted groups left out, rewards
+by `loop.scoring`), the groups chosen (`_choose`: dynamic sampling), failures checked, the metrics,
+and the batch of the chosen groups from the sample builder (`loop.samples`).
 
 Aborted requests (the engine's finish reason "abort": an engine error, a timeout, a paused or
 disconnected request) are not trained on: a group with an aborted response is left out whole, before
