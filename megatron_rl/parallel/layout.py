@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, check_rules
 
 
 class LayoutError(ConfigError):
@@ -57,7 +57,7 @@ def _require(ok: bool, message: str, world_sizes: int | None = None) -> None:
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:
     """The resolved layout, or ConfigError naming the keys that cannot run on `world_size` ranks.
 
-    With `model`, the model/parallel combinations of `megatron_rl.config.validate` are checked too
+    With `model`, the model/parallel combinations of `megatron_rl.config.check_rules` are checked too
     (EP divides the experts, TP divides the heads, PP divides the layers, ...) plus the widths.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -65,7 +65,7 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
     ep, etp = parallel.expert_model_parallel_size, resolve_expert_tensor_parallel(parallel)
     sp = resolve_sequence_parallel(parallel)
     if model is not None:
-        validate(Config(model=model, parallel=parallel))
+        check_rules(Config(model=model, parallel=parallel))
         _require(
             model.ffn_hidden_size % tp == 0,
             f"parallel.tensor_model_parallel_size ({tp}) must divide model.ffn_hidden_size ({model.ffn_hidden_size})",
