@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def quiet_logging(run_dir: Path) -> LoggingConfig:
-    return LoggingConfig(run_dir=str(run_dir), tensorboard=False, progress=False)
+    return LoggingConfig(run_dir=str(run_dir), backends=[], progress=False)
 
 
 def config(run_dir: Path, *, keep_last: int = 0, async_mode: str = "sync") -> Config:

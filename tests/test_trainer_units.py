@@ -300,7 +300,7 @@ def test_logprob_gap_by_hand() -> None:
 
 
 def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
-    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, progress=False)
     for step in range(4):
         log.log({"step": step, "reward/mean": step / 2, "actor/grad_norm": float("nan") if step == 2 else 1.0})
     log.close()
@@ -315,21 +315,24 @@ def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
 def test_tensorboard_on_without_the_package_says_so_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """logging.tensorboard is on by default but tensorboard is no dependency: without it nothing was written
+    """TensorBoard is a tracker by default (logging.backends) but no dependency: without it nothing was written
     and nothing said. Now one warning at start names the package, how to install it and how to turn it off."""
     import sys
 
+    from megatron_rl.config import LoggingConfig
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails, as without the package
-    with caplog.at_level("WARNING", logger="megatron_rl.metrics.records"):
-        log = MetricsLogger(tmp_path, enabled=True, total_steps=2, progress=False)
+    with caplog.at_level("WARNING", logger="megatron_rl.metrics.trackers"):
+        log = MetricsLogger(tmp_path, enabled=True, total_steps=2, progress=False, tracking=LoggingConfig())
         log.log({"step": 1, "reward/mean": 0.5})
         log.log({"step": 2, "reward/mean": 0.7})
         log.close()
-        MetricsLogger(tmp_path / "off", enabled=True, total_steps=2, tensorboard=False, progress=False).close()
+        off = LoggingConfig(backends=[])
+        MetricsLogger(tmp_path / "off", enabled=True, total_steps=2, progress=False, tracking=off).close()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert "TensorBoard cannot be imported" in warnings[0] and "pip install tensorboard" in warnings[0]
-    assert "logging.tensorboard=false" in warnings[0]
+    assert "leave it out of logging.backends" in warnings[0]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and not (tmp_path / "tensorboard").exists()
 
 
@@ -449,7 +452,7 @@ def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from megatron_rl.metrics.plot import plot_run
 
-    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, progress=False)
     log.log({"step": 0, "eval/greedy_accuracy": 0.1}, advance=False)
     for step in (1, 2, 3):
         log.log({"step": step, "reward/mean": step, "reward/accuracy": step / 4, "time/generate": 0.5})
@@ -532,7 +535,7 @@ def test_resume_from_the_checkpoint_of_a_skipped_step_keeps_the_weight_version(t
 
     def cfg(steps: int) -> Config:
         over = {"logging.run_dir": str(tmp_path / "run"), "train.steps": steps, "checkpoint.every": 1}
-        return make_cfg(**over, **{"checkpoint.export_hf": False, "logging.tensorboard": False})
+        return make_cfg(**over, **{"checkpoint.export_hf": False, "logging.backends": []})
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
