@@ -21,8 +21,8 @@ seconds with a `ConfigError` naming the key path and the allowed values. In orde
    the async mode, `model.lora.init_path` against the base, its rank and targets, and for adapter-only sync
    to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
 
-It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
-`run_sft`, which tests call directly) calls it again on the configuration it is given.
+It reads config.json and the safetensors headers, so it is cheap and idempotent. A training stage is
+validated once per launch, by `megatron_rl.stage.Stage.launch` (which `megatron-rl train` and `sft` call).
 """
 
 from __future__ import annotations
