@@ -819,14 +819,10 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
         "env.agent = 'test_gateway:failing_on_bad_rows'; first: RuntimeError: no luck"
     )
     with caplog.at_level("WARNING"):
-        step_batch = agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5").collect(
-            step=3
-        )
-    assert (
-        step_batch.metrics["env/agent_errors"] == 2.0
-        and step_batch.metrics["groups/aborted"] == 1.0
-        and len(step_batch.batch) == 2
-    )
+        collector = agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5")
+        step_batch = collector.collect(step=3)
+    metrics = step_batch.metrics
+    assert metrics["env/agent_errors"] == 2.0 and metrics["groups/aborted"] == 1.0 and len(step_batch.batch) == 2
     (summary,) = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
     assert (
         summary
@@ -909,11 +905,8 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
         step_batch = started.result(timeout=120)
     finally:
         runtime.close()
-    assert (
-        step_batch.batch is None
-        and step_batch.metrics["env/end_preempted"] == 2.0
-        and step_batch.metrics["groups/aborted"] == 1.0
-    )
-    assert "env/agent_errors" not in step_batch.metrics
+    metrics = step_batch.metrics
+    assert step_batch.batch is None and metrics["env/end_preempted"] == 2.0 and metrics["groups/aborted"] == 1.0
+    assert "env/agent_errors" not in metrics
     assert not _processes_naming(marker)
     assert runtime.evaluate([task("task-E")], 1) == {}  # nothing evaluated on aborted episodes
