@@ -7,7 +7,8 @@ It runs the configuration's own rules (`megatron_rl.config.check_rules`) on the 
 the model read from its checkpoint, among the checks that need more than the config: the command's needs, the
 files, the model's widths, the launch's world size and the device. The checks, in order: docs/architecture.md,
 "Configuration and validation". It reads config.json and the safetensors headers only, so it is cheap and
-idempotent.
+idempotent. A training stage is validated once per launch, by `megatron_rl.stage.Stage.launch` (which
+`megatron-rl train` and `sft` call).
 """
 
 from __future__ import annotations

@@ -1147,7 +1147,7 @@ def _save_steps(ctx, cfg: Config, steps: tuple[int, ...]) -> tuple[MegatronActor
     sampler = PromptSampler(list(range(16)), seed=3)
     for step in steps:
         sampler.next(4)
-        folder.save_checkpoint(actor, step, sampler)
+        folder.save_checkpoint(actor, step, {"sampler": sampler.state_dict()})
     folder.close()
     return actor, folder.ckpt_root
 
@@ -1245,7 +1245,7 @@ def check_a_failed_write_is_one_line(ctx, actor: MegatronActor, cfg: Config) -> 
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
     try:
-        folder.save_checkpoint(actor, 1, PromptSampler(list(range(16)), seed=3))
+        folder.save_checkpoint(actor, 1, {"sampler": PromptSampler(list(range(16)), seed=3).state_dict()})
     except CheckpointWriteError as err:
         message = str(err)
     else:
