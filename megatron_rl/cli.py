@@ -17,7 +17,7 @@ from megatron_rl.console import configure_console
 # subcommand -> module exposing `HELP`, `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, str] = {
     "config": "megatron_rl.commands.config",
-    "serve": "megatron_rl.rollout.local.server",
+    "serve": "megatron_rl.rollout.local.serve",
     "convert": "megatron_rl.commands.convert",
     "train": "megatron_rl.commands.train",
     "plot": "megatron_rl.commands.plot",
