@@ -1,6 +1,8 @@
 """The one start-up of the package's HTTP servers: the local engine (`megatron-rl serve`), the reward
 server (`megatron-rl reward-server`) and the agent gateway.
 
+- `command_start`: a command-line server's arguments checked before anything slow starts (one line,
+  exit code 2), its logging, and a warning when it listens beyond this machine without a key.
 - The key: `server_api_key` (`--api-key`, else the server's environment variable; required unless
   `--no-auth`), `authorized` (`Authorization: Bearer KEY`, compared in constant time) and
   `key_check`, the first middleware of an app: a refused request is answered by the server's own
@@ -20,11 +22,13 @@ server (`megatron-rl reward-server`) and the agent gateway.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +59,42 @@ def server_api_key(given: str | None, env_name: str, no_auth: bool) -> str | Non
 def exposed_without_key(host: str, api_key: str | None) -> bool:
     """A server bound beyond this machine without a key: worth a warning at start."""
     return api_key is None and host not in _LOOPBACK_NAMES
+
+
+def add_read_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--read-timeout-s`, the `read_timeout_s` of `start` and of the servers' `body.read_body`."""
+    parser.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=READ_TIMEOUT_S,
+        help="a connection without a complete request head, or a body not received, within this many seconds is "
+        "closed (408 for the body)",
+    )
+
+
+def command_start(
+    command: str,
+    args: argparse.Namespace,
+    env_name: str,
+    problem: Callable[[argparse.Namespace], str | None],
+    exposure: str,
+) -> tuple[str | None, int]:
+    """The start of a command-line server (`args`: --api-key, --no-auth, --host, --log-level): its key
+    and 0, or (None, 2) after one line naming what makes the arguments unusable (`problem`, checked
+    before anything slow starts); then its logging, and a warning of what anyone who reaches an
+    exposed port without a key may do (`exposure`)."""
+    try:
+        api_key = server_api_key(args.api_key, env_name, args.no_auth)
+        refused = problem(args)
+    except ValueError as err:
+        api_key, refused = None, str(err)
+    if refused is not None:
+        print(f"megatron-rl {command}: {refused}", file=sys.stderr)
+        return None, 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if exposed_without_key(args.host, api_key):
+        log.warning("serving on %s without an API key: anyone who reaches the port may %s", args.host, exposure)
+    return api_key, 0
 
 
 def authorized(request: web.Request, api_key: str | None) -> bool:

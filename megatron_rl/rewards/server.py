@@ -17,14 +17,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from aiohttp import web
 
 from megatron_rl.http.body import READ_TIMEOUT_S, BodyError, parse_json, read_body
-from megatron_rl.http.server import application, authorized, exposed_without_key, key_check, server_api_key, start
+from megatron_rl.http.server import (
+    add_read_timeout_argument,
+    application,
+    authorized,
+    command_start,
+    key_check,
+    start,
+)
 from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, decode_request
 from megatron_rl.rewards.registry import RewardConfigError, load_reward_function
 from megatron_rl.rewards.workers import RewardWorkers
@@ -133,13 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="a call of the function running longer fails that item (0 = no limit; default 60)",
     )
-    parser.add_argument(
-        "--read-timeout-s",
-        type=float,
-        default=READ_TIMEOUT_S,
-        help="a connection without a complete request head, or a body not received, within this many seconds is "
-        "closed (408 for the body)",
-    )
+    add_read_timeout_argument(parser)
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
@@ -162,17 +162,9 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        api_key = server_api_key(args.api_key, API_KEY_ENV, args.no_auth)
-        problem = _argument_problem(args)
-    except ValueError as err:
-        api_key, problem = None, str(err)
-    if problem is not None:
-        print(f"megatron-rl reward-server: {problem}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if exposed_without_key(args.host, api_key):
-        log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
+    api_key, refused = command_start("reward-server", args, API_KEY_ENV, _argument_problem, "use it")
+    if refused:
+        return refused
     server = RewardServer(
         args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s, args.read_timeout_s
     )

@@ -86,27 +86,10 @@ class GenerationClient(SGLangTransport):
     """/generate and the control calls to every server; create and close it inside one event loop."""
 
     def __init__(
-        self,
-        urls: Sequence[str],
-        api_key: str | None = None,
-        max_concurrency: int = 64,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        connect_timeout_s: float = 10.0,
-        routed_experts_layout: tuple[int, int] | None = None,
-        admin_api_key: str | None = None,
-    ):
-        super().__init__(
-            urls,
-            api_key=api_key,
-            max_concurrency=max_concurrency,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-            connect_timeout_s=connect_timeout_s,
-            admin_api_key=admin_api_key,
-        )
+        self, urls: Sequence[str], *, routed_experts_layout: tuple[int, int] | None = None, **options: Any
+    ) -> None:
+        """`options`: the transport's (`SGLangTransport`: key, concurrency, timeouts, retries, admin key)."""
+        super().__init__(urls, **options)
         self.routed_experts_layout = routed_experts_layout
         self.lora_path: str | None = None  # the adapter every /generate names (LoRA runs: the current policy)
         self.server_versions: dict[str, str] = {}  # what each server reports (`sglang_versions`)

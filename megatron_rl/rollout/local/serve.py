@@ -10,15 +10,13 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_rl.http.body import READ_TIMEOUT_S
-from megatron_rl.http.server import exposed_without_key, server_api_key, start
+from megatron_rl.http.server import add_read_timeout_argument, command_start, start
 from megatron_rl.rollout.local.engine_thread import EngineThread
 from megatron_rl.rollout.local.generator import Generator
 from megatron_rl.rollout.local.launcher import ADMIN_API_KEY_ENV, API_KEY_ENV
@@ -68,13 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an /init_weights_update_group whose ranks do not all join, or a group's first broadcast that not "
         "every engine rank reaches, fails after this many seconds",
     )
-    parser.add_argument(
-        "--read-timeout-s",
-        type=float,
-        default=READ_TIMEOUT_S,
-        help="a connection without a complete request head, or a body not received, within this many seconds is "
-        "closed (408 for the body)",
-    )
+    add_read_timeout_argument(parser)
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
 
@@ -112,17 +104,9 @@ def _tokenizer(path: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        api_key = server_api_key(args.api_key, API_KEY_ENV, args.no_auth)
-        problem = _start_problem(args)
-    except ValueError as err:
-        problem = str(err)
-    if problem is not None:
-        print(f"megatron-rl serve: {problem}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if exposed_without_key(args.host, api_key):
-        log.warning("serving on %s without an API key: anyone who reaches the port may update the weights", args.host)
+    api_key, refused = command_start("serve", args, API_KEY_ENV, _start_problem, "update the weights")
+    if refused:
+        return refused
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
