@@ -56,11 +56,11 @@ from typing import Any, TypeVar
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
+from megatron_rl.envs import Trajectory
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
 from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate_async
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.preempt import abort_episodes
-from megatron_rl.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,13 +137,13 @@ class RolloutRuntime:
     def _submit_collect(self, step: int) -> Future[StepBatch]:
         return self.submit(self._collect(step))
 
-    async def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
+    async def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Trajectory]]]:
         if self.producer is not None:
             return await self.producer.take(n, kept)
         with self.meter.busy():
             return await self.collector.generate_round(n, step, round_, kept)
 
-    async def _generate_job(self, job: Job) -> list[Sample]:
+    async def _generate_job(self, job: Job) -> list[Trajectory]:
         """One fully asynchronous group, seeded by its serial number and attempt (not by the step it lands in)."""
         return (await self.collector.generate_async([job.prompt], job.serial, f"async.{job.attempt}"))[0]
 

@@ -67,8 +67,22 @@ class SamplingParams:
         return params
 
 
+class Finished:
+    """`truncated` and `aborted` of what carries the engine's `finish_reason` (a response, an episode)."""
+
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
 @dataclass
-class Sample:
+class Sample(Finished):
     """One generated response and what the trainer needs from the engine about it."""
 
     prompt_ids: list[int]
@@ -83,11 +97,3 @@ class Sample:
     rid: str = ""
     server: str = ""
     meta_info: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"

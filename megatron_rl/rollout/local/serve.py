@@ -26,8 +26,6 @@ from megatron_rl.rollout.local.updates import GROUP_INIT_TIMEOUT_S
 
 log = logging.getLogger("megatron_rl.serve")
 
-HELP = "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
