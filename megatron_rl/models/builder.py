@@ -268,4 +268,24 @@ def build_model(
         rotary_base=model.rope_theta,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
+    reduce_experts_over_expert_data_parallel(gpt, parallel)
     return [gpt]
+
+
+def reduce_experts_over_expert_data_parallel(model: torch.nn.Module, parallel: ParallelConfig) -> None:
+    """Mark the routed experts' parameters for Megatron's expert topology (`allreduce = False`: DDP reduces
+    their gradients over the expert-data-parallel group, the optimizer shards and norms them with the
+    expert groups) where Megatron-Core 0.16 leaves them marked dense: with EP = 1 it reduces them over
+    the dense data-parallel group, which under expert-TP != TP holds other shards of the experts (ETP > TP:
+    the shards' gradients summed together) or misses ranks that hold the same ones (ETP < TP: ranks drift
+    apart). Megatron-LM fixed it later (NVIDIA/Megatron-LM#5916, #6080); with EP > 1, or expert-TP = TP,
+    the two groups coincide and Megatron's marks stay."""
+    if parallel.expert_model_parallel_size > 1 or resolve_expert_tensor_parallel(parallel) == (
+        parallel.tensor_model_parallel_size
+    ):
+        return
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, torch.nn.Module) and hasattr(module, "router"):
+            for param in experts.parameters():
+                param.allreduce = False
