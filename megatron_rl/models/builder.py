@@ -17,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -285,7 +286,6 @@ def reduce_experts_over_expert_data_parallel(model: torch.nn.Module, parallel: P
     ):
         return
     for module in model.modules():
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, torch.nn.Module) and hasattr(module, "router"):
-            for param in experts.parameters():
+        if isinstance(module, MoELayer):  # its `experts` only: the router and shared experts are dense
+            for param in module.experts.parameters():
                 param.allreduce = False
