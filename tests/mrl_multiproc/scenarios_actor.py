@@ -1359,5 +1359,7 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
                 assert float(metrics["ratio_sum"]) != 0.0 and float(want_g_logp.abs().sum()) > 0, what
 
 
-# Context parallelism's scenarios live in scenarios_cp.py; the launches run them from here.
+# Context parallelism's scenarios live in scenarios_cp.py, the remaining layouts' in scenarios_layouts.py;
+# the launches run them from here.
 from mrl_multiproc.scenarios_cp import w1_cp_references, w2_cp2, w2_cp2_gspo_sft_mla, w4_tp2_cp2  # noqa: E402, F401
+from mrl_multiproc.scenarios_layouts import w2_dp2, w2_etp2, w2_tp2_etp1, w4_pp2_ep2, w4_tp2_ep2_etp1  # noqa: E402, F401
