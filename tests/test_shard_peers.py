@@ -4,6 +4,8 @@ every export (a shard changed in place, or moved to new memory, since the last o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
