@@ -43,7 +43,8 @@ from megatron_rl.models.hf_config_sigmoid import mtp_dropped_config
 from megatron_rl.models.hf_io import ShardedSafetensorsWriter, copy_assets, finalize_hf_folder, write_hf_config
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.init import ParamShard, iter_param_shards
-from megatron_rl.models.shard_gather import gather_full
+from megatron_rl.models.shard_gather import gather_full, join_shards
+from megatron_rl.models.shard_peers import PeerShards, export_memory
 
 _EXPERT_ID = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 Bucket = list[tuple[str, torch.Tensor]]
@@ -83,12 +84,31 @@ def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[tor
     return parts
 
 
-def _full_tensor(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | None:
+def _full_tensor(shard: ParamShard, peers: PeerShards, index: int) -> torch.Tensor | None:
     """The unsplit parameter on (expert-)TP rank 0, gathered straight into one full tensor
-    (`shard_gather`); None on the other (expert-)TP ranks."""
+    (`shard_gather`), or copied from the members' own memory when `peers` are shared (split
+    parameter `index` of the group); None on the other (expert-)TP ranks."""
+    first = dist.get_rank(peers.group) == 0
     if shard.partition_dim is None:
-        return shard.param.detach() if dist.get_rank(group) == 0 else None
-    return gather_full(shard, group)
+        return shard.param.detach() if first else None
+    if not peers.shared:
+        return gather_full(shard, peers.group)
+    if not first:
+        return None
+    assert peers.memory is not None
+    local = shard.param.detach()
+    full = peers.memory.full_buffer(shard.global_name, shard.full_shape, local)
+    return join_shards(shard, [local, *peers.of(index)], full)
+
+
+def _exported_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> list[ParamShard]:
+    """This rank's parameters the export walks (the tied output layer of the last stage is a copy
+    of the first stage's embedding)."""
+    return [
+        s
+        for s in iter_param_shards(chunks, model)
+        if not (s.local_name.endswith("output_layer.weight") and s.global_name != "output_layer.weight")
+    ]
 
 
 def _full_params(
@@ -101,19 +121,41 @@ def _full_params(
     ep_size = ps.get_expert_model_parallel_world_size()
     local_experts = (model.num_experts or 0) // ep_size
     split = splits_experts(ep_senders)
-    for shard in iter_param_shards(chunks, model):
-        if shard.local_name.endswith("output_layer.weight") and shard.global_name != "output_layer.weight":
-            continue  # the tied output layer of the last stage is a copy of the first stage's embedding
-        if not shard.is_expert:
-            if dense_replica:
-                full = _full_tensor(shard, ps.get_tensor_model_parallel_group())
-                if full is not None:
-                    yield shard.global_name, full, False
+    shards = _exported_shards(chunks, model)
+    taking_part = {False: dense_replica, True: expert_replica}  # by is_expert
+    split_params: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    split_index: dict[int, int] = {}  # id(shard) -> its index among its group's split parameters
+    for shard in shards:
+        if taking_part[shard.is_expert] and shard.partition_dim is not None:
+            split_index[id(shard)] = len(split_params[shard.is_expert])
+            split_params[shard.is_expert].append(shard.param)
+    memory = export_memory(chunks[0]) if next(iter(chunks[0].parameters())).device.type == "cpu" else None
+    peers = {
+        False: PeerShards(ps.get_tensor_model_parallel_group(), split_params[False], memory, expert=False),
+        True: PeerShards(ps.get_expert_tensor_parallel_group(), split_params[True], memory, expert=True),
+    }
+    yield from _full_tensors(shards, peers, split_index, taking_part, split, local_experts)
+    for group_peers in peers.values():
+        group_peers.close()
+
+
+def _full_tensors(
+    shards: list[ParamShard],
+    peers: dict[bool, PeerShards],
+    split_index: dict[int, int],
+    taking_part: dict[bool, bool],
+    split: bool,
+    local_experts: int,
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """`_full_params`' walk over the shards, once the groups' peers are known."""
+    for shard in shards:
+        if not taking_part[shard.is_expert]:
             continue
-        if not expert_replica:
-            continue
-        full = _full_tensor(shard, ps.get_expert_tensor_parallel_group())
+        full = _full_tensor(shard, peers[shard.is_expert], split_index.get(id(shard), -1))
         if full is None:
+            continue
+        if not shard.is_expert:
+            yield shard.global_name, full, False
             continue
         # this EP rank's own experts, or every EP rank's gathered on EP rank 0, in EP rank order
         experts = [full] if split else _gather_to_first(full, ps.get_expert_model_parallel_group())

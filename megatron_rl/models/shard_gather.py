@@ -8,15 +8,20 @@ dim 1) has no contiguous block in the full tensor, so the group gathers into one
 [count, rows, cols/count] buffer that a single strided copy lays out as [rows, cols].
 
 Point-to-point messages go from each member to the first rank in parameter order (every rank of the
-group walks the parameters in the same order), so they pair up without tags.
+group walks the parameters in the same order), so they pair up without tags. A group on one
+machine's CPUs sends nothing: the first rank copies the members' shards from their own memory into
+the same blocks (`join_shards`, with `shard_peers.PeerShards`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.init import ParamShard
+if TYPE_CHECKING:  # no Megatron import here: the gather itself is plain torch
+    from megatron_rl.models.init import ParamShard
 
 
 def _blocks(full: torch.Tensor, shard: ParamShard, count: int, member: int) -> list[torch.Tensor]:
@@ -32,6 +37,23 @@ def _blocks(full: torch.Tensor, shard: ParamShard, count: int, member: int) -> l
 def _pieces(local: torch.Tensor, shard: ParamShard) -> list[torch.Tensor]:
     """The contiguous row runs of this rank's dim-0 shard that `_blocks` receives, in the same order."""
     return list(local.chunk(2, dim=0)) if shard.glu else [local]
+
+
+def join_shards(shard: ParamShard, members: list[torch.Tensor], full: torch.Tensor) -> torch.Tensor:
+    """`full` (of `shard.full_shape`), the unsplit parameter of `shard` made from every member's shard,
+    in group-rank order (the first rank's own first), each copied once into its blocks."""
+    local = members[0]
+    count = len(members)
+    if shard.partition_dim == 1:
+        rows, width = local.shape[0], local.shape[1]
+        laid = full.view(rows, count, width, *local.shape[2:])
+        for member, part in enumerate(members):
+            laid.select(1, member).copy_(part)
+        return full
+    for member, part in enumerate(members):
+        for block, piece in zip(_blocks(full, shard, count, member), _pieces(part, shard), strict=True):
+            block.copy_(piece)
+    return full
 
 
 def gather_full(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | None:
