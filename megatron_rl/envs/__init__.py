@@ -14,7 +14,6 @@ from megatron_rl.envs.episodes import (
     TurnRenderer,
     episode_metrics,
     run_episodes,
-    run_episodes_async,
     segments_of,
 )
 from megatron_rl.envs.tools import MalformedCall, ToolCall, ToolEnvironment, call_with_timeout, parse_tool_calls
@@ -36,6 +35,5 @@ __all__ = [
     "episode_metrics",
     "parse_tool_calls",
     "run_episodes",
-    "run_episodes_async",
     "segments_of",
 ]

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.agents import run_agent_episodes_async
+from megatron_rl.agents import run_agent_episodes
 from megatron_rl.algorithms import (
     DynamicSamplingAccumulator,
     group_advantages,
@@ -49,14 +49,13 @@ from megatron_rl.envs import (
     TurnRenderer,
     environment_factory,
     episode_metrics,
-    run_episodes_async,
+    run_episodes,
     segments_of,
 )
 from megatron_rl.envs.failures import check_episode_failures
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.rewards import RewardResult, RewardScorer, RewardStats
-from megatron_rl.rollout.handoff import blocking
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Engine, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +136,7 @@ class RolloutCollector:
     """Builds each step's batch from `engine` (anything with `generate(prompts, params, return_routed_experts)`)."""
 
     def __init__(
-        self, cfg: Config, engine: Any, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
+        self, cfg: Config, engine: Engine, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -149,11 +148,7 @@ class RolloutCollector:
         self.renderer = TurnRenderer(tokenizer)
 
     # ---- pieces ----
-    def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
-        """`generate_async` from synchronous code (`blocking`)."""
-        return blocking(self.engine, lambda: self.generate_async(prompts, step, round_))
-
-    async def generate_async(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
+    async def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Sample]]:
         """`rollout.n_samples_per_prompt` seeded trajectories per prompt, grouped by prompt.
 
         Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
@@ -168,7 +163,7 @@ class RolloutCollector:
             round_key = round_ if turn == 0 else f"{round_}.{turn}"
             return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
 
-        trajectories = await episodes_async(
+        trajectories = await episodes(
             self.engine,
             rows,
             params,
@@ -267,14 +262,10 @@ class RolloutCollector:
         """One generation round: the sampler's next `n` prompts and their groups (`kept`: the informative
         groups of the step so far, which an asynchronous source needs)."""
         prompts = self.sampler.next(n)
-        return prompts, await self.generate_async(prompts, step, round_)
+        return prompts, await self.generate(prompts, step, round_)
 
     # ---- one step ----
-    def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
-        """`collect_async` from synchronous code (`blocking`)."""
-        return blocking(self.engine, lambda: self.collect_async(step, source))
-
-    async def collect_async(self, step: int, source: RoundSource | None = None) -> StepBatch:
+    async def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
         """Generate, reward and filter until the step's batch is complete (see the module doc).
 
         `source(n, step, round, kept)` gives each round's prompts and groups: `generate_round` by
@@ -378,8 +369,8 @@ class RolloutCollector:
         }
 
 
-def episodes(
-    engine: Any,
+async def episodes(
+    engine: Engine,
     rows: Sequence[Prompt],
     params: Callable[[int, int], SamplingParams],
     renderer: TurnRenderer,
@@ -388,29 +379,10 @@ def episodes(
     return_routed_experts: bool = False,
     make_env: Callable[[], Any] | None = None,
 ) -> list[Trajectory]:
-    """`episodes_async` from synchronous code (`blocking`)."""
-    return blocking(
-        engine,
-        lambda: episodes_async(
-            engine, rows, params, renderer, cfg, return_routed_experts=return_routed_experts, make_env=make_env
-        ),
-    )
-
-
-async def episodes_async(
-    engine: Any,
-    rows: Sequence[Prompt],
-    params: Callable[[int, int], SamplingParams],
-    renderer: TurnRenderer,
-    cfg: Config,
-    *,
-    return_routed_experts: bool = False,
-    make_env: Callable[[], Any] | None = None,
-) -> list[Trajectory]:
-    """One episode per row: of the environment (`run_episodes_async`), or of the black-box agent through
+    """One episode per row: of the environment (`run_episodes`), or of the black-box agent through
     the gateway (`env.type=agent`: `megatron_rl.agents`, at most rollout.max_concurrency at once)."""
     if cfg.env.type == "agent":
-        agents = await run_agent_episodes_async(
+        agents = await run_agent_episodes(
             engine,
             rows,
             params,
@@ -421,7 +393,7 @@ async def episodes_async(
         )
         return [e.trajectory for e in agents]
     make_env = make_env or environment_factory(cfg.env)
-    return await run_episodes_async(
+    return await run_episodes(
         engine,
         [make_env() for _ in rows],
         rows,
@@ -477,15 +449,8 @@ def _loss_mask(sample: Sample) -> torch.Tensor:
     return torch.ones(len(sample.output_ids), dtype=torch.bool)
 
 
-def evaluate(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
-) -> dict[str, float]:
-    """`evaluate_async` from synchronous code (`blocking`)."""
-    return blocking(engine, lambda: evaluate_async(engine, prompts, tokenizer, scorer, cfg, step))
-
-
-async def evaluate_async(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+async def evaluate(
+    engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
     """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
     episode of the environment (`env.*`) per prompt."""
@@ -496,7 +461,7 @@ async def evaluate_async(
         seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
-    samples = await episodes_async(engine, prompts, params, TurnRenderer(tokenizer), cfg)
+    samples = await episodes(engine, prompts, params, TurnRenderer(tokenizer), cfg)
     check_episode_failures(cfg.env, samples, f"the evaluation at step {step}")
     result = await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")
