@@ -3,15 +3,20 @@
 A test subclasses `FakeEngine` and says how one request is answered (`answer`); the fake records every
 request (`requests`: prompt ids and sampling) and every `generate` call's sampling (`calls`), and runs on
 the rollout runtime's event loop like the real handle. `answer` may be a coroutine function (a test that
-holds a request back awaits there).
+holds a request back awaits there). Tests run the product's coroutines on one rollout loop (`on_loop`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
+from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.types import Sample, SamplingParams
+
+T = TypeVar("T")
 
 
 class FakeEngine:
@@ -44,3 +49,31 @@ class FakeEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+_LOOP: RolloutLoop | None = None
+
+
+def rollout_loop() -> RolloutLoop:
+    """The tests' rollout loop: one per test process, as a run has one on rank 0 (`RolloutLoop`)."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = RolloutLoop()
+    return _LOOP
+
+
+def on_loop(coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+    """`coro`'s result, run on the tests' rollout loop (the product's `RolloutLoop.run`)."""
+    return rollout_loop().run(coro, timeout)
+
+
+def fake_runtime(cfg: Any, engine: Any, tokenizer: Any, prompts: list, eval_prompts: list | None = None) -> Any:
+    """The product's `RolloutRuntime` around a fake `engine`, its prompts drawn in order, on the tests' loop."""
+    from megatron_rl.data import PromptSampler
+    from megatron_rl.loop.runtime import RolloutData, RolloutRuntime
+    from megatron_rl.rewards import RewardScorer
+
+    scorer = RewardScorer(cfg.reward, run=rollout_loop().run)
+    sampler = PromptSampler(prompts, shuffle=False)
+    data = RolloutData(tokenizer, sampler, eval_prompts or [], scorer, {}, rollout_loop())
+    return RolloutRuntime(cfg, data, model_path=None, engine_log=Path("engine.log"), engine=engine)

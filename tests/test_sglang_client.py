@@ -202,7 +202,7 @@ def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_mo
     slow model start with a `GET /workers failed` traceback; `check_rollout_servers` (rank 0, before the actor
     starts) asks as the engine's start does and raises one ConfigError line naming the address."""
     from megatron_rl.config import Config, ConfigError
-    from megatron_rl.loop.driver import check_rollout_servers
+    from megatron_rl.loop.runtime import check_rollout_servers
     from megatron_rl.parallel.launch import free_port
 
     def run(url: str, key: str) -> Config:
