@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from mrl_engine import rollout_loop
 
 from megatron_rl.rollout.local.launcher import start_local_engine
 from megatron_rl.rollout.local.server import (
@@ -299,7 +300,9 @@ def test_the_local_engine_gets_a_per_run_key_off_the_command_line(model: str) ->
 
     keys = []
     for _ in range(2):
-        with RolloutEngine.from_config(RolloutConfig(), model, extra_args=["--threads", "1"], env=ENV) as engine:
+        with RolloutEngine.from_config(
+            RolloutConfig(), rollout_loop(), model, extra_args=["--threads", "1"], env=ENV
+        ) as engine:
             key = engine.client.api_key
             assert key and len(key) >= 32
             keys.append(key)
