@@ -189,9 +189,7 @@ class Trainer:
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if data is not None:
             stack.callback(data.close)  # the reward workers, also when a later piece fails to start
-        if (
-            data is not None
-        ):  # SGLang servers answer and take the key; colocated ones free their memory before the actor's
+        if data is not None:  # SGLang servers answer and take the key; colocated ones free memory before the actor's
             check_rollout_servers(cfg, data.loop)
             release_colocated_engines(cfg, data.loop)
         engine_log = run_folder.run_dir / "engine.log"
