@@ -48,6 +48,8 @@ setup(
         ],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
+        # logging.tensorboard (on by default; without the package a warning and no curves)
+        "tensorboard": ["tensorboard"],
         # model.lora with rollout.lora_sync=adapter: the local engine serves the adapters through peft
         "lora": ["peft>=0.17"],
     },

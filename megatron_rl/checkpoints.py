@@ -88,7 +88,7 @@ class LoopState:
     async_mode: str | None = None
     rng: dict[str, Any] = field(default_factory=capture_rng)
     format_version: int = FORMAT_VERSION
-    # the rollout side's state, pickled (`RolloutDriver.checkpoint_state`: one_step_off's pre-generated
+    # the rollout side's state, pickled (`RolloutRuntime.checkpoint_state`: one_step_off's pre-generated
     # batch, fully_async's buffer and prompts in flight); None in checkpoints written before it existed
     rollout: bytes | None = None
     # the weight version the engine serves (the last step that trained and synced: below `step` after

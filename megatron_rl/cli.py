@@ -12,23 +12,46 @@ import gc
 import importlib
 import sys
 
+from megatron_rl import __version__
 from megatron_rl.console import configure_console
 
-# subcommand -> module exposing `HELP`, `add_arguments(parser)` and `run(args) -> int`
-COMMANDS: dict[str, str] = {
-    "config": "megatron_rl.commands.config",
-    "serve": "megatron_rl.rollout.local.server",
-    "convert": "megatron_rl.commands.convert",
-    "train": "megatron_rl.commands.train",
-    "plot": "megatron_rl.commands.plot",
-    "sft": "megatron_rl.commands.sft",
-    "reward-server": "megatron_rl.rewards.server",
+# subcommand -> (module exposing `add_arguments(parser)` and `run(args) -> int`, its one line of help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": (
+        "megatron_rl.commands.config",
+        "validate a config as train (or --check sft/convert) would, and print it resolved; or --reference",
+    ),
+    "serve": (
+        "megatron_rl.rollout.local.server",
+        "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)",
+    ),
+    "convert": (
+        "megatron_rl.commands.convert",
+        "convert checkpoints: hf-to-megatron (HF folder -> Megatron distributed checkpoint) or megatron-to-hf",
+    ),
+    "train": (
+        "megatron_rl.commands.train",
+        "RL training: rollout, rewards, updates and weight sync (several ranks: under python -m megatron_rl.torchrun)",
+    ),
+    "plot": (
+        "megatron_rl.commands.plot",
+        "draw PNG curves (reward, accuracy, entropy, clip fraction, length, KL, stage times) of a run",
+    ),
+    "sft": (
+        "megatron_rl.commands.sft",
+        "supervised fine-tuning on response tokens (warm start); writes RUN_DIR/hf for the RL stage",
+    ),
+    "reward-server": (
+        "megatron_rl.rewards.server",
+        "serve a reward function (a built-in rule or module:function) over HTTP for reward.type=remote",
+    ),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training for MoE language models")
+    parser.add_argument("--version", action="version", version=f"megatron-rl {__version__}")
     parser.add_argument(
         "--verbose",
         action="store_true",
@@ -43,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-rl: {err}", file=sys.stderr)
         return 2
     try:
-        for command, module_name in COMMANDS.items():
-            if command == name:
-                module = importlib.import_module(module_name)
-                module.add_arguments(sub.add_parser(command, help=module.HELP, description=module.HELP))
-            else:
-                sub.add_parser(command, help=f"(see: megatron-rl {command} --help)")
+        for command, (module_name, summary) in COMMANDS.items():
+            parser_of_command = sub.add_parser(command, help=summary, description=summary)
+            if command == name:  # only the command run imports its module (torch, Megatron: seconds)
+                importlib.import_module(module_name).add_arguments(parser_of_command)
         args, extra = parser.parse_known_args(argv)
         late = [a for a in extra if not a.startswith("-")]
         if late != extra or (late and not isinstance(getattr(args, "overrides", None), list)):
@@ -58,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        return int(importlib.import_module(COMMANDS[args.command]).run(args) or 0)
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C before the command handles it (its imports take seconds): no traceback
         return 130
 

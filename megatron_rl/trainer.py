@@ -38,7 +38,6 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
-from megatron_rl.loop.collect import StepBatch, kl_penalized_advantages
 from megatron_rl.loop.runtime import (
     ROLLOUT_ERRORS,
     RolloutData,
@@ -46,6 +45,7 @@ from megatron_rl.loop.runtime import (
     check_rollout_servers,
     spawn_engine_early,
 )
+from megatron_rl.loop.samples import StepBatch, kl_penalized_advantages
 from megatron_rl.losses.kl import kl_estimate
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
@@ -459,8 +459,8 @@ class Trainer:
     def _with_reference(
         self, batch: ActorBatch, plan: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
     ) -> ActorBatch:
-        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, KL-penalised
-        advantages); KL(pi_old || pi_ref) metrics into `out`."""
+        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, its advantages, which
+        the sample builder leaves to this point); KL(pi_old || pi_ref) metrics into `out`."""
         alg = self.cfg.algorithm
         assert self.reference is not None and batch.old_log_probs is not None
         ref = self.reference.compute_log_probs(batch, replay_routing=alg.routing_replay != "none")

@@ -1,28 +1,13 @@
-"""The one check of a run's configuration, made before Megatron is imported or any model is built.
+"""The one validation of a run, `validate_run`: every entry point calls it before Megatron is imported or any model
+is built (`megatron-rl train`, `sft`, `convert`, `megatron-rl config`, which checks a config as a stage would,
+and the Slurm planner `slurm/jobplan.py`), so that a configuration that cannot run fails within seconds with one
+`ConfigError` naming the key path and the allowed values.
 
-Every entry point (`megatron-rl train`, `megatron-rl sft`, `megatron-rl convert`, the Slurm planner
-`slurm/jobplan.py`, and `megatron-rl config`, which checks a config as a stage would) calls `validate_run` first, so that a configuration that cannot run fails within
-seconds with a `ConfigError` naming the key path and the allowed values. In order:
-
-1. what the command needs beyond the configuration's own rules (the RL loop's, the SFT stage's),
-   and for a training stage its folders (`logging.run_dir`, `checkpoint.dir`, the RL loop's disk sync
-   `rollout.sync_dir` are not files) and the local engine's `rollout.port` (free);
-2. the `model` section read from the policy's config.json (`megatron_rl.models.source.resolve_model`)
-   and the safetensors headers of `model.hf_path` (and `algorithm.ref_path`) against their files'
-   sizes (a truncated file is named with the tensor cut off);
-3. `megatron_rl.config.validate` on the resolved configuration: ranges, choices, combinations;
-   for a training stage `env.max_total_tokens` against the model's positions (null: set to them);
-4. the parallel layout against the world size and the model's widths (`megatron_rl.parallel.layout`),
-   and for the RL loop the samples of a step against `train.updates_per_step` x the DP size;
-5. the torch.distributed backend against the device, and `model.moe_grouped_gemm = true` without
-   Transformer Engine against the widths torch's grouped GEMM takes (`models.experts_choice`);
-6. with LoRA (`model.lora.rank > 0`), the target modules against the family, the rank against the widths
-   of the layers they adapt (`megatron_rl.models.lora_rank`), `rollout.lora_sync` against the weight sync and
-   the async mode, `model.lora.init_path` against the base, its rank and targets, and for adapter-only sync
-   to the local engine no routed-expert targets (`megatron_rl.models.lora_targets`).
-
-It reads config.json and the safetensors headers, so it is cheap and idempotent: code deeper in (`run_training`,
-`run_sft`, which tests call directly) calls it again on the configuration it is given.
+It runs the configuration's own rules (`megatron_rl.config.check_rules`) on the configuration as it will run,
+the model read from its checkpoint, among the checks that need more than the config: the command's needs, the
+files, the model's widths, the launch's world size and the device. The checks, in order: docs/architecture.md,
+"Configuration and validation". It reads config.json and the safetensors headers only, so it is cheap and
+idempotent.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import Literal, get_args
 
-from megatron_rl.config import Config, ConfigError, validate
+from megatron_rl.config import Config, ConfigError, check_rules
 from megatron_rl.envs.base import environment_class
 from megatron_rl.models.experts_choice import check_grouped_experts
 from megatron_rl.models.lora_rank import check_lora_rank
@@ -178,7 +163,7 @@ def _with_trajectory_budget(cfg: Config) -> Config:
 
 
 def _check_command_needs(cfg: Config, command: Command) -> None:
-    """What `command` needs beyond `config.validate` (convert needs only the model and the layout)."""
+    """What `command` needs beyond `config.check_rules` (convert needs only the model and the layout)."""
     if command == "train":
         _check_rl_loop_needs(cfg)
         _check_stage_folders(cfg, command)
@@ -192,7 +177,7 @@ def _check_command_needs(cfg: Config, command: Command) -> None:
 def validate_run(
     cfg: Config, command: Command, *, world_size: int | None = None, cuda_available: bool | None = None
 ) -> Config:
-    """`cfg` with `model` read from the policy's config.json, once every check of the module doc passed.
+    """`cfg` with `model` read from the policy's config.json, once every check passed (in the module doc's order).
 
     `world_size`: the trainer ranks the layout must fit, None = WORLD_SIZE (or SLURM_NTASKS) of this
     launch. `cuda_available`: whether the trainer has CUDA (for `parallel.backend`), None = this
@@ -203,7 +188,7 @@ def validate_run(
         _check_local_engine_port(cfg)  # this launch's rank 0 starts the local engine
     resolved = resolve_model(cfg)
     _check_weight_files(resolved)
-    validate(resolved)
+    check_rules(resolved)
     if resolved.model.lora.rank > 0:
         check_target_modules(resolved.model)
         check_lora_sync(resolved)

@@ -7,7 +7,6 @@ import torch
 
 from megatron_rl.algorithms import (
     DynamicSamplingAccumulator,
-    broadcast_to_tokens,
     filter_groups,
     group_advantages,
     overlong_filter_mask,
@@ -29,14 +28,6 @@ def test_group_advantages_mean_std_and_mean_only():
     assert group_advantages(torch.tensor([3.0, -2.0]), 1).eq(0).all()
     with pytest.raises(ValueError, match="5 rewards do not split into groups of group_size=2"):
         group_advantages(torch.ones(5), 2)
-
-
-def test_broadcast_to_tokens():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = broadcast_to_tokens(torch.tensor([0.5, -2.0]), mask)
-    torch.testing.assert_close(out, torch.tensor([[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]]))
-    with pytest.raises(ValueError, match=r"advantages \(3,\) must be \[N\] for response_mask \(2, 3\)"):
-        broadcast_to_tokens(torch.zeros(3), mask)
 
 
 def test_filter_groups_drops_zero_spread():

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from megatron_rl.config import Config, ConfigError, load_config
+from megatron_rl.envs import Trajectory
 from megatron_rl.loop.async_rollout import (
     StalenessBound,
     staleness_metrics,
@@ -49,8 +50,8 @@ def test_version_numbers_and_staleness_metrics_by_hand() -> None:
     assert [version_number(v) for v in (None, "default", "0", "7")] == [0, 0, 0, 7]
     with pytest.raises(ValueError, match="'v2' is not a step number"):
         version_number("v2")
-    reported = Sample([1], [5, 6, 7], [0.0] * 3, "stop", weight_version="2", weight_versions=["1", "1", "2"])
-    single = Sample([1], [5, 6], [0.0] * 2, "stop", weight_version="3")
+    reported = Trajectory([1], [5, 6, 7], [0.0] * 3, "stop", weight_version="2", weight_versions=["1", "1", "2"])
+    single = Trajectory([1], [5, 6], [0.0] * 2, "stop", weight_version="3")
     start = Sample([1], [5], [0.0], "stop", weight_version="default")
     assert token_versions(reported) == [1, 1, 2] and token_versions(single) == [3, 3] and token_versions(start) == [0]
     with pytest.raises(ValueError, match="2 weight versions for 3 output tokens"):
@@ -68,8 +69,6 @@ def test_version_numbers_and_staleness_metrics_by_hand() -> None:
     assert staleness_metrics(0, [])["async/staleness_max"] == 0.0
     assert too_stale(3, [reported], max_staleness=1) and not too_stale(3, [reported], max_staleness=2)
     assert not too_stale(3, [single], max_staleness=0)
-    from megatron_rl.envs import Trajectory
-
     # a trajectory's observation tokens (loss mask 0) are not trained on: only generated tokens count
     traj = Trajectory([1], [5, 6, 7], [0.0] * 3, "stop", weight_versions=["1", "2", "2"], loss_mask=[True, False, True])
     assert trained_versions(traj) == [1, 2]
@@ -420,9 +419,9 @@ def test_a_round_after_kept_groups_takes_the_slots_they_leave(tiny_data: Path) -
     cfg = in_process_config(tiny_data)
     cfg.train.prompts_per_step = 4  # bound (0 + 1 + 1) x 4 = 8 groups at version 0
     data = RolloutData.load(cfg)
-    answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
+    answer = [Trajectory([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
 
-    async def group(job: object) -> list[Sample]:
+    async def group(job: object) -> list[Trajectory]:
         return list(answer)
 
     async def rounds() -> list[int]:
@@ -448,12 +447,12 @@ def test_a_round_that_no_group_can_reach_fails_naming_the_bound_and_one_in_fligh
     monkeypatch.setattr(async_rollout, "STARVATION_CHECK_S", 0.01)
     cfg = in_process_config(tiny_data)
     data = RolloutData.load(cfg)
-    answer = [Sample([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
+    answer = [Trajectory([1], [7, 7], [-0.5, -0.5], "stop", weight_version="0")] * G
 
     async def scenario() -> tuple[int, list[bool]]:
         release, checked = asyncio.Event(), asyncio.Event()
 
-        async def slow_group(job: object) -> list[Sample]:
+        async def slow_group(job: object) -> list[Trajectory]:
             await release.wait()
             return list(answer)
 

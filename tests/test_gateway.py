@@ -921,6 +921,7 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
         assert runtime.evaluate(1) == {}  # nothing evaluated on aborted episodes
     finally:
         runtime.close()
+        runtime.data.close()
     assert plan.batch is None and plan.metrics["env/end_preempted"] == 2.0 and plan.metrics["groups/aborted"] == 1.0
     assert "env/agent_errors" not in plan.metrics
     assert not _processes_naming(marker)

@@ -292,28 +292,39 @@ def test_config_yaml_redacts_every_key_and_a_redacted_key_is_refused(tmp_path: P
 
 @pytest.mark.e2e
 def test_the_local_engine_gets_a_per_run_key_off_the_command_line(model: str) -> None:
+    """The second engine also gets `rollout.admin_api_key`: its control endpoints then take that key alone,
+    and the trainer's own control calls (the client sends the admin key there) still pass."""
     import psutil
 
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.rollout.local.launcher import API_KEY_ENV
+    from megatron_rl.rollout.local.launcher import ADMIN_API_KEY_ENV, API_KEY_ENV
 
     keys = []
-    for _ in range(2):
-        with RolloutEngine.from_config(
-            RolloutConfig(), rollout_loop(), model, extra_args=["--threads", "1"], env=ENV
-        ) as engine:
+    for admin in (None, "the-admin-key"):
+        config = RolloutConfig(admin_api_key=admin)
+        with RolloutEngine.from_config(config, rollout_loop(), model, extra_args=["--threads", "1"], env=ENV) as engine:
             key = engine.client.api_key
             assert key and len(key) >= 32
             keys.append(key)
             child = psutil.Process(engine.local_process.process.pid)
             assert key not in " ".join(child.cmdline()) and child.environ()[API_KEY_ENV] == key
+            assert child.environ().get(ADMIN_API_KEY_ENV) == admin
             url = engine.local_process.url
             status, _ = post(url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": ""})
             assert status == 401
+            control_key = admin or key
+            if admin:
+                assert (
+                    post(url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": f"Bearer {key}"})[0]
+                    == 401
+                )
             assert (
-                post(url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": f"Bearer {key}"})[0]
+                post(
+                    url, "/update_weights_from_disk", {"model_path": model}, {"Authorization": f"Bearer {control_key}"}
+                )[0]
                 == 200
             )
+            engine.run(engine.client.flush_cache())  # the trainer's own call to a control endpoint
             assert key not in engine.local_process.log_tail(1000)
     assert keys[0] != keys[1]

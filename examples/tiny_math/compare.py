@@ -47,7 +47,7 @@ def train_command(
     `name` and its `OBJECTIVE_OVERRIDES`), then `overrides`."""
     if settings is None:
         settings = [f"algorithm.name={name}", *OBJECTIVE_OVERRIDES[name]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "megatron_rl.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += ["-m", "megatron_rl.cli", "train", str(config), *settings]
     return cmd + [f"logging.run_dir={run_dir}", *overrides]
 

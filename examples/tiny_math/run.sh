@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
-launch=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_rl.cli)
+launch=(python -m megatron_rl.torchrun --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
 # FAMILY=deepseek_v3 or glm4_moe: the same recipe on a DeepSeek-V3- or GLM-4.5-shaped policy, in runs/tiny_math_$FAMILY
 root=runs/tiny_math${FAMILY:+_$FAMILY}

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
-launch=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_rl.cli)
+launch=(python -m megatron_rl.torchrun --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
 python examples/tiny_tools/prepare.py --out runs/tiny_tools/assets
 "${launch[@]}" sft examples/tiny_tools/sft.yaml

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_rl.envs.episodes import RoutedExperts, Trajectory, append_generated, append_observation
+from megatron_rl.envs.trajectory import RoutedExperts, Trajectory, append_generated, append_observation
 from megatron_rl.rollout.types import Sample
 
 

@@ -1,6 +1,6 @@
 """Algorithm pieces around the loss: group advantages, per-turn credit, dynamic sampling, overlong reward shaping."""
 
-from megatron_rl.algorithms.advantages import broadcast_to_tokens, group_advantages, group_baseline
+from megatron_rl.algorithms.advantages import group_advantages, group_baseline
 from megatron_rl.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     DynamicSamplingResult,
@@ -14,7 +14,6 @@ __all__ = [
     "DynamicSamplingAccumulator",
     "DynamicSamplingResult",
     "GroupFilter",
-    "broadcast_to_tokens",
     "filter_groups",
     "group_advantages",
     "group_baseline",

@@ -35,13 +35,3 @@ def group_baseline(
     else:
         scale = torch.ones_like(grouped)
     return mean.reshape(-1), scale.reshape(-1)
-
-
-def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages [N, T]: each response's advantage on its response tokens, 0 elsewhere."""
-    if advantages.dim() != 1 or response_mask.dim() != 2 or advantages.shape[0] != response_mask.shape[0]:
-        raise ValueError(
-            f"broadcast_to_tokens: advantages {tuple(advantages.shape)} must be [N] for response_mask "
-            f"{tuple(response_mask.shape)} [N, T]"
-        )
-    return advantages.float().unsqueeze(-1) * response_mask.bool()

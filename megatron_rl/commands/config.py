@@ -18,7 +18,6 @@ import sys
 
 from megatron_rl.config import Config, ConfigError, ParallelConfig, load_config, reference_rows, to_yaml
 
-HELP = "validate a config as train (or --check sft/convert) would, and print it resolved; or --reference"
 CHECKS = ("train", "sft", "convert", "none")
 
 

@@ -29,7 +29,6 @@ from megatron_rl.models.hf_config import ConversionError, model_config_from_hf, 
 from megatron_rl.models.hf_io import copy_assets, prepare_output_dir
 from megatron_rl.parallel.launch import ensure_launch_env, launch_rank
 
-HELP = "convert checkpoints: hf-to-megatron (HF folder -> Megatron distributed checkpoint) or megatron-to-hf"
 HF_CONFIG_DIR = "hf_config"  # inside a Megatron checkpoint: config.json + tokenizer files of the source
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the layout flags and the `parallel` keys they set
@@ -334,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(direction: str, argv: list[str] | None = None) -> int:
     """Entry of tools/convert_*.py: `direction` is hf-to-megatron or megatron-to-hf."""
-    parser = argparse.ArgumentParser(prog=f"convert {direction}", description=HELP)
+    parser = argparse.ArgumentParser(prog=f"convert {direction}", description=f"convert checkpoints: {direction}")
     if direction == "hf-to-megatron":
         add_hf_to_megatron_arguments(parser)
     else:

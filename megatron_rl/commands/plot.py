@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "draw PNG curves (reward, accuracy, entropy, clip fraction, length, KL, stage times) of a run"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run folder (logging.run_dir) holding metrics.jsonl")

@@ -10,8 +10,6 @@ import argparse
 
 from megatron_rl.commands.stage import add_stage_arguments, run_stage
 
-HELP = "supervised fine-tuning on response tokens (warm start); writes RUN_DIR/hf for the RL stage"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, example="train.steps=300")

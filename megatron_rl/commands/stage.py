@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -46,11 +47,27 @@ def add_stage_arguments(parser: argparse.ArgumentParser, *, example: str) -> Non
     )
 
 
-def _error(prefix: str, err: BaseException, verbose: bool) -> int:
-    if verbose:
-        traceback.print_exception(err, file=sys.stderr)
-    print(f"{prefix}{err}", file=sys.stderr)
+def _error(prefix: str, err: BaseException, verbose: bool, *, here: bool = True) -> int:
+    """Exit code 2, with one line (and the traceback with --verbose) when `here`."""
+    if here:
+        if verbose:
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"{prefix}{err}", file=sys.stderr)
     return 2
+
+
+def _config_error(err: ConfigError, verbose: bool, command: Command) -> int:
+    """A config error from the first rank of each node only: every rank of a node checks the same config
+    and files alike (a line per rank would repeat it), another node may see other files. A world size the
+    layout does not fit gets the launch it needs."""
+    from megatron_rl.parallel.layout import LayoutError
+
+    if isinstance(err, LayoutError) and err.world_sizes is not None:
+        err = ConfigError(
+            f"{err}; launch a multiple of {err.world_sizes} ranks, e.g. `python -m megatron_rl.torchrun "
+            f"--standalone --nproc-per-node {err.world_sizes} -m megatron_rl.cli {command} CONFIG`"
+        )
+    return _error("config error: ", err, verbose, here=os.environ.get("LOCAL_RANK", "0") == "0")
 
 
 def _rank0() -> bool:
@@ -101,7 +118,7 @@ def _run_stage(
     try:
         cfg = validate_run(load_config(args.config, list(args.overrides)), command)
     except ConfigError as err:
-        return _error("config error: ", err, verbose)
+        return _config_error(err, verbose, command)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     resume: ResumeMode = RESUME_IF_ANY if getattr(args, "resume_if_any", False) else args.resume
     try:
@@ -112,7 +129,7 @@ def _run_stage(
                 raise KeyboardInterrupt from None
             raise
     except ConfigError as err:
-        return _error("config error: ", err, verbose)
+        return _config_error(err, verbose, command)
     except (DataError, ConversionError, StorageWriteError) as err:
         return _error(f"{command}: error: ", err, verbose)
     except (*run_errors, RunFolderError) as err:

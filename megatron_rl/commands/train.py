@@ -9,8 +9,6 @@ import argparse
 
 from megatron_rl.commands.stage import add_stage_arguments, run_stage
 
-HELP = "RL training: rollout, rewards, updates and weight sync (under torchrun for several ranks)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, example="algorithm.name=dapo train.lr=1e-6")

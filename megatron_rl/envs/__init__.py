@@ -9,14 +9,9 @@ from megatron_rl.envs.base import (
     environment_class,
     environment_factory,
 )
-from megatron_rl.envs.episodes import (
-    Trajectory,
-    TurnRenderer,
-    episode_metrics,
-    run_episodes,
-    segments_of,
-)
+from megatron_rl.envs.episodes import TurnRenderer, run_episodes
 from megatron_rl.envs.tools import MalformedCall, ToolCall, ToolEnvironment, call_with_timeout, parse_tool_calls
+from megatron_rl.envs.trajectory import Trajectory, episode_metrics, segments_of
 
 __all__ = [
     "BUILTIN_ENVS",

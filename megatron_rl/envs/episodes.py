@@ -35,18 +35,21 @@ import functools
 import inspect
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
-import numpy as np
-
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import Environment, Observation, Turn
 from megatron_rl.envs.failures import start_messages
 from megatron_rl.envs.tools import on_daemon_thread, tool_response
+from megatron_rl.envs.trajectory import (
+    RoutedExperts,
+    Trajectory,
+    append_generated,
+    append_observation,
+)
 from megatron_rl.rollout.preempt import abortable
 from megatron_rl.rollout.types import Engine, Sample, SamplingParams
 
@@ -176,84 +179,6 @@ class TurnRenderer:
         if isinstance(ids, Mapping):  # transformers 5 answers a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]
-
-
-@dataclass
-class Trajectory(Sample):
-    """A whole episode as one sample: `output_ids` is everything after the prompt (generated and
-    observation tokens), `logprobs` the engine's on generated tokens and 0 on observations.
-    Per output token: `loss_mask` (True = generated), `turn_of_token` (the turn it belongs to or
-    follows). `turn_rewards`: one per generated turn (the environment's, 0 when it gave none).
-    `earlier_segments`: an agent episode's segments before this one (a call through the gateway that
-    rewrote the history began each next one), trained as sequences of their own with this
-    trajectory's reward and advantage (`segments_of`)."""
-
-    loss_mask: list[bool] = field(default_factory=list)
-    turn_of_token: list[int] = field(default_factory=list)
-    turn_rewards: list[float] = field(default_factory=list)
-    end_reason: str = ""
-    events: Counter = field(default_factory=Counter)
-    earlier_segments: list[Trajectory] = field(default_factory=list)
-
-    @property
-    def turns(self) -> int:
-        return len(self.turn_rewards)
-
-    @property
-    def has_observations(self) -> bool:
-        return not all(self.loss_mask)
-
-
-def segments_of(sample: Sample) -> list[Sample]:
-    """The sequences an episode trains, in order: its earlier segments, then the sample itself."""
-    return [*sample.earlier_segments, sample] if isinstance(sample, Trajectory) else [sample]
-
-
-@dataclass
-class RoutedExperts:
-    """A trajectory's routed experts per token, assembled over its calls: each position from the first
-    call whose routing covers it."""
-
-    parts: list[np.ndarray] = field(default_factory=list)
-    covered: int = 0
-
-    def add(self, rows: Any) -> np.ndarray:
-        """The call's routing (one row per position it covers); the whole trajectory's so far."""
-        rows = np.asarray(rows)
-        self.parts.append(rows[self.covered :])
-        self.covered = max(self.covered, rows.shape[0])
-        return np.concatenate(self.parts, axis=0)
-
-
-def append_generated(traj: Trajectory, sample: Sample, turn: int, routed: RoutedExperts) -> None:
-    """The engine's turn `turn` (`sample`) appended: trained tokens with the engine's log-probs, their
-    weight versions and routing; the sample's finish fields; a turn reward of 0 for now."""
-    out = list(sample.output_ids)
-    if not sample.aborted and (sample.logprobs is None or len(sample.logprobs) != len(out)):
-        raise RuntimeError(f"rollout engine: turn {turn} returned {len(out)} tokens but no log-prob for each")
-    traj.output_ids += out
-    traj.logprobs += list(sample.logprobs or [0.0] * len(out))
-    traj.loss_mask += [True] * len(out)
-    traj.turn_of_token += [turn] * len(out)
-    # per-token weight versions across turns (a turn's tokens may span weight updates: partial rollouts)
-    turn_versions = sample.weight_versions or [sample.weight_version or "default"] * len(out)
-    traj.weight_versions = [*(traj.weight_versions or []), *turn_versions]
-    for name in ("finish_reason", "matched_stop", "weight_version", "rid", "server", "meta_info"):
-        setattr(traj, name, getattr(sample, name))
-    if sample.routed_experts is not None:
-        traj.routed_experts = routed.add(sample.routed_experts)
-    traj.turn_rewards.append(0.0)
-
-
-def append_observation(traj: Trajectory, ids: list[int], turn: int) -> None:
-    """Message tokens after turn `turn` appended: not trained (mask 0, log-prob 0), of the last turn's version."""
-    versions = traj.weight_versions or []
-    last = versions[-1] if versions else "default"
-    traj.weight_versions = versions + [last] * len(ids)
-    traj.output_ids += ids
-    traj.logprobs += [0.0] * len(ids)
-    traj.loss_mask += [False] * len(ids)
-    traj.turn_of_token += [turn] * len(ids)
 
 
 @dataclass
@@ -469,15 +394,3 @@ def _observe(ep: _Episode, done: Turn, step: asyncio.Future, renderer: TurnRende
     if cfg.max_total_tokens is not None and total + 1 > cfg.max_total_tokens:
         return ep.end("max_total_tokens")
     append_observation(traj, obs_ids, turn)
-
-
-def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """`env/turns_mean`, `env/end_<reason>` and `env/<event>` counts of a set of trajectories."""
-    n = max(len(trajectories), 1)
-    metrics = {"env/turns_mean": sum(t.turns for t in trajectories) / n}
-    for t in trajectories:
-        key = f"env/end_{t.end_reason}"
-        metrics[key] = metrics.get(key, 0.0) + 1.0
-        for event, count in t.events.items():
-            metrics[f"env/{event}"] = metrics.get(f"env/{event}", 0.0) + float(count)
-    return metrics

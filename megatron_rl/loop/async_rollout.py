@@ -40,8 +40,7 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
-from megatron_rl.envs import segments_of
-from megatron_rl.rollout.types import Sample
+from megatron_rl.envs import Trajectory, segments_of
 
 # how often a round waiting for groups checks that some can still arrive (requests have their own timeouts)
 STARVATION_CHECK_S = 5.0
@@ -62,7 +61,7 @@ def version_number(version: str | None) -> int:
         ) from None
 
 
-def token_versions(sample: Sample) -> list[int]:
+def token_versions(sample: Trajectory) -> list[int]:
     """The weight version of each output token: `sample.weight_versions` when the engine reported them,
     else the sample's one `weight_version` for every token."""
     per_token = sample.weight_versions
@@ -75,13 +74,9 @@ def token_versions(sample: Sample) -> list[int]:
     return [version_number(v) for v in per_token]
 
 
-def trained_versions(sample: Sample) -> list[int]:
-    """The versions of the tokens the loss sees (a trajectory's observation tokens are not trained on)."""
-    versions = token_versions(sample)
-    mask = getattr(sample, "loss_mask", None)
-    if mask:
-        return [v for v, m in zip(versions, mask, strict=True) if m]
-    return versions
+def trained_versions(sequence: Trajectory) -> list[int]:
+    """The versions of the generated tokens (a trajectory's observation tokens are not trained on)."""
+    return [v for v, m in zip(token_versions(sequence), sequence.loss_mask, strict=True) if m]
 
 
 def staleness_metrics(trainer_version: int, versions: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -108,7 +103,7 @@ def staleness_metrics(trainer_version: int, versions: Sequence[Sequence[int]]) -
     }
 
 
-def too_stale(trainer_version: int, samples: Sequence[Sample], max_staleness: int) -> bool:
+def too_stale(trainer_version: int, samples: Sequence[Trajectory], max_staleness: int) -> bool:
     """Whether any output token of `samples` (of any of their segments) is more than `max_staleness`
     versions behind the trainer."""
     oldest = min((v for s in samples for seq in segments_of(s) for v in token_versions(seq)), default=trainer_version)
@@ -239,7 +234,7 @@ class StalenessBound:
 @dataclass
 class Finished:
     job: Job
-    samples: list[Sample]
+    samples: list[Trajectory]
 
 
 class AsyncProducer:
@@ -252,7 +247,7 @@ class AsyncProducer:
     def __init__(
         self,
         cfg: Config,
-        generate: Callable[[Job], Awaitable[list[Sample]]],
+        generate: Callable[[Job], Awaitable[list[Trajectory]]],
         next_prompt: Callable[[], Prompt],
         meter: BusyMeter,
     ) -> None:
@@ -361,14 +356,14 @@ class AsyncProducer:
         await self._notify()
 
     # ---- the trainer's side (a step's collection, on the runtime) ----
-    async def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Sample]]]:
+    async def take(self, n: int, counted: int) -> tuple[list[Prompt], list[list[Trajectory]]]:
         """The next `n` finished groups fresh enough to train on, or as many as the staleness bound leaves
         this round (fewer than `n` when it caps them), waiting for them; a stale one is dropped (its
         samples counted) and its prompt resubmitted. `counted`: the groups already taken this step that
         still count towards the bound (the informative ones kept so far)."""
         self.start()
         prompts: list[Prompt] = []
-        grouped: list[list[Sample]] = []
+        grouped: list[list[Trajectory]] = []
         self.bound.taken = counted
         n = self.bound.round_size(n, counted)  # a dropped stale group's prompt keeps its slot
         await self._notify()

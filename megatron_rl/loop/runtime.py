@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import LoadReport, Prompt, PromptSampler
+from megatron_rl.envs import Trajectory
 from megatron_rl.envs.episodes import EnvRewardError
 from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
@@ -72,7 +73,7 @@ from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.preempt import abort_episodes
-from megatron_rl.rollout.types import Engine, Sample
+from megatron_rl.rollout.types import Engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -278,13 +279,13 @@ class RolloutRuntime:
     def _submit_collect(self, step: int) -> Future[StepBatch]:
         return self.loop.submit(self._collect(step))
 
-    async def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Sample]]]:
+    async def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Trajectory]]]:
         if self.producer is not None:
             return await self.producer.take(n, kept)
         with self.meter.busy():
             return await self.collector.generate_round(n, step, round_, kept)
 
-    async def _generate_job(self, job: Job) -> list[Sample]:
+    async def _generate_job(self, job: Job) -> list[Trajectory]:
         """One fully asynchronous group, seeded by its serial number and attempt (not by the step it lands in)."""
         return (await self.collector.generate([job.prompt], job.serial, f"async.{job.attempt}"))[0]
 

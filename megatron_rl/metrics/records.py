@@ -1,5 +1,5 @@
-"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events (a warning at start when the package is missing), and a
-console progress bar.
+"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events (a warning at start when the package is missing), and the
+console: a progress bar on a terminal, else a line per step (`metrics.step_line`: a redirected log, Slurm's .out).
 
 One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Sections: `reward/`,
 `response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.losses import metric_reduce_op
+from megatron_rl.metrics.step_line import step_line
 
 logger = logging.getLogger(__name__)
 
@@ -134,14 +135,20 @@ class MetricsLogger:
         append: bool = False,
         desc: str = "rl",
         guard: Callable[[int], None] | None = None,
+        line_every: int = 1,
+        terminal: bool | None = None,
     ) -> None:
         """`guard(step)`: called on every rank before the record of `step` is written; it may raise to
-        keep it from being written (the run folder's lock check, collective)."""
+        keep it from being written (the run folder's lock check, collective). `progress`: a bar when stderr is
+        a terminal (`terminal`, None = ask it), else a line every `line_every` steps and at the last."""
         self.enabled = enabled
         self.guard = guard
         self.file = None
         self.writer: Any = None
         self.bar: Any = None
+        self.lines = False
+        self.line_every, self.total_steps, self.desc = max(1, line_every), total_steps, desc
+        self.step_seconds: list[float] = []
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -149,7 +156,8 @@ class MetricsLogger:
         self.file = (run_dir / METRICS_FILE).open("a" if append else "w", encoding="utf-8")
         if tensorboard:
             self.writer = _tensorboard_writer(run_dir / "tensorboard", start_step + 1 if append else None)
-        if progress:
+        self.lines = progress and not (sys.stderr.isatty() if terminal is None else terminal)
+        if progress and not self.lines:
             from tqdm import tqdm
 
             self.bar = tqdm(
@@ -179,6 +187,15 @@ class MetricsLogger:
                 self.bar.update(1)
             else:
                 self.bar.refresh()
+        if self.lines and advance:
+            self._step_line(record, step)
+
+    def _step_line(self, record: dict[str, Any], step: int) -> None:
+        if isinstance(record.get("time/step"), (int, float)):
+            self.step_seconds.append(float(record["time/step"]))
+        if step % self.line_every == 0 or step == self.total_steps:
+            mean = sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else None
+            print(step_line(record, self.total_steps, self.desc, mean), file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         """A console line that does not break the progress bar."""

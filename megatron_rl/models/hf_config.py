@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import Config, ConfigError, ModelConfig, validate
+from megatron_rl.config import Config, ConfigError, ModelConfig, check_rules
 
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -221,7 +221,7 @@ def _finish(
 
     try:
         check_family(model)
-        validate(Config(model=model))
+        check_rules(Config(model=model))
     except ConfigError as err:
         raise ConversionError(f"{source}: {err}") from None
     return model

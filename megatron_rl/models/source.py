@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import Config, ConfigError, validate
+from megatron_rl.config import Config, ConfigError, check_rules
 from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, model_config_from_hf, read_hf_config
 
 # `model` fields that are not architecture: they keep the value of the run's config.
@@ -54,7 +54,7 @@ def resolve_model(cfg: Config) -> Config:
     except ConversionError as err:
         raise ConfigError(str(err)) from None
     resolved = dataclasses.replace(cfg, model=model)
-    validate(resolved)
+    check_rules(resolved)
     return resolved
 
 

@@ -6,13 +6,19 @@ the launch's WORLD_SIZE before Megatron is imported, `init_distributed` again as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from megatron_rl.config import Config, ConfigError, ModelConfig, ParallelConfig, check_rules
 
 
 class LayoutError(ConfigError):
-    """A parallel layout that does not fit the world size or the model's widths."""
+    """A parallel layout that does not fit the world size or the model's widths; `world_sizes` is what
+    the world size must be a multiple of when that is the problem (else None)."""
+
+    def __init__(self, message: str, world_sizes: int | None = None) -> None:
+        super().__init__(message)
+        self.world_sizes = world_sizes
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,15 @@ def resolve_expert_tensor_parallel(parallel: ParallelConfig) -> int:
     return parallel.tensor_model_parallel_size if etp is None else etp
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str, world_sizes: int | None = None) -> None:
     if not ok:
-        raise LayoutError(message)
+        raise LayoutError(message, world_sizes)
 
 
 def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig | None = None) -> ParallelLayout:
     """The resolved layout, or ConfigError naming the keys that cannot run on `world_size` ranks.
 
-    With `model`, the model/parallel combinations of `megatron_rl.config.validate` are checked too
+    With `model`, the model/parallel combinations of `megatron_rl.config.check_rules` are checked too
     (EP divides the experts, TP divides the heads, PP divides the layers, ...) plus the widths.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -59,7 +65,7 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
     ep, etp = parallel.expert_model_parallel_size, resolve_expert_tensor_parallel(parallel)
     sp = resolve_sequence_parallel(parallel)
     if model is not None:
-        validate(Config(model=model, parallel=parallel))
+        check_rules(Config(model=model, parallel=parallel))
         _require(
             model.ffn_hidden_size % tp == 0,
             f"parallel.tensor_model_parallel_size ({tp}) must divide model.ffn_hidden_size ({model.ffn_hidden_size})",
@@ -70,16 +76,19 @@ def check_layout(parallel: ParallelConfig, world_size: int, model: ModelConfig |
                 f"parallel.expert_tensor_parallel_size ({etp}) must divide model.moe_ffn_hidden_size "
                 f"({model.moe_ffn_hidden_size})",
             )
+    fits = math.lcm(tp * pp * cp, etp * ep * pp)
     _require(
         world_size % (tp * pp * cp) == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size ({tp}) x "
         f"parallel.pipeline_model_parallel_size ({pp})"
         + (f" x parallel.context_parallel_size ({cp})" if cp > 1 else ""),
+        fits,
     )
     _require(
         world_size % (etp * ep * pp) == 0,
         f"world size {world_size} is not divisible by parallel.expert_tensor_parallel_size ({etp}) x "
         f"parallel.expert_model_parallel_size ({ep}) x parallel.pipeline_model_parallel_size ({pp})",
+        fits,
     )
     _require(
         not (sp and tp == 1),

@@ -41,8 +41,6 @@ from megatron_rl.rewards.workers import RewardWorkers
 
 log = logging.getLogger("megatron_rl.reward_server")
 
-HELP = "serve a reward function (a built-in rule or module:function) over HTTP for reward.type=remote"
-
 
 class RewardServer:
     """The HTTP front of a pool of worker processes running one reward function."""

@@ -71,7 +71,14 @@ def spawn_local(rollout: Any, model_path: str | None, **local_kwargs: Any) -> St
         raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")
     # the engine this run starts requires a key: without one, any local process could post it weights
     api_key = configured_api_key(rollout) or secrets.token_urlsafe(32)
-    return spawn_local_engine(model_path, host=rollout.host, port=rollout.port, api_key=api_key, **local_kwargs)
+    return spawn_local_engine(
+        model_path,
+        host=rollout.host,
+        port=rollout.port,
+        api_key=api_key,
+        admin_api_key=rollout.admin_api_key,
+        **local_kwargs,
+    )
 
 
 def moe_layout(model_path: str) -> tuple[int, int] | None:
@@ -150,7 +157,12 @@ class RolloutEngine:
 
             def start_again(dead: LocalEngineProcess) -> LocalEngineProcess:
                 return start_local_engine(
-                    model_path, host=rollout.host, port=dead.port, api_key=api_key, **local_kwargs
+                    model_path,
+                    host=rollout.host,
+                    port=dead.port,
+                    api_key=api_key,
+                    admin_api_key=rollout.admin_api_key,
+                    **local_kwargs,
                 )
 
             restart = start_again

@@ -69,8 +69,22 @@ class SamplingParams:
         return params
 
 
+class Finished:
+    """`truncated` and `aborted` of what carries the engine's `finish_reason` (a response, an episode)."""
+
+    finish_reason: str
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
 @dataclass
-class Sample:
+class Sample(Finished):
     """One generated response and what the trainer needs from the engine about it."""
 
     prompt_ids: list[int]
@@ -85,14 +99,6 @@ class Sample:
     rid: str = ""
     server: str = ""
     meta_info: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"
 
 
 class Engine(Protocol):

@@ -17,6 +17,7 @@ from megatron_rl.models.builder import DTYPES
 from megatron_rl.models.lora import LoraState, gather_adapters, merged_weights
 from megatron_rl.models.lora_targets import sglang_target_modules
 from megatron_rl.models.peft_format import adapter_config, write_adapter_folder
+from megatron_rl.models.write_errors import write_failure
 from megatron_rl.run_folder import sync_folder
 from megatron_rl.weight_sync.base import WeightSync, WeightSyncError
 from megatron_rl.weight_sync.send import serialize_named_tensors
@@ -76,7 +77,12 @@ class AdapterSync(WeightSync):
             self._unload(name)
         if self.via == "disk":
             folder = self.root / f"lora-{name}"
-            write_adapter_folder(folder, tensors, self.config, self.dtype)
+            try:
+                write_adapter_folder(folder, tensors, self.config, self.dtype)
+            except OSError as err:  # rank 0 alone writes: the others learn it from the sync's shared outcome
+                shutil.rmtree(folder, ignore_errors=True)
+                self._fail(write_failure(folder, err, "the adapter for the engine", "rollout.sync_dir"))
+                return 0
             self._call(self.client.load_lora_adapter(name, str(folder)), f"POST /load_lora_adapter {folder}")
         else:
             payload, shm_names = serialize_named_tensors(list(tensors.items()))

@@ -493,20 +493,22 @@ def expect_refused(sync, version: str, pattern: str) -> None:  # noqa: ANN001
 
 
 @contextlib.contextmanager
-def full_disk() -> Iterator[None]:
-    """Every safetensors file the export writes fails as on a full disk (ENOSPC)."""
-    import megatron_rl.models.hf_io as hf_io
+def full_disk(module: str = "megatron_rl.models.hf_io") -> Iterator[None]:
+    """Every safetensors file `module` writes (the export's; the adapter folder's: models.peft_format)
+    fails as on a full disk (ENOSPC)."""
+    import importlib
 
-    original = hf_io.write_safetensors
+    writer = importlib.import_module(module)
+    original = writer.write_safetensors
 
     def no_space(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    hf_io.write_safetensors = no_space
+    writer.write_safetensors = no_space
     try:
         yield
     finally:
-        hf_io.write_safetensors = original
+        writer.write_safetensors = original
 
 
 def expect_full_disk(sync) -> None:  # noqa: ANN001
@@ -613,7 +615,7 @@ def w1_lora_sync(ctx) -> None:  # noqa: ANN001
     the adapters' bytes alone; a merged sync then sends the full weights and the base alone serves them."""
     from megatron_rl.config import LoraConfig
     from megatron_rl.models.lora import gather_adapters
-    from megatron_rl.weight_sync import make_weight_sync
+    from megatron_rl.weight_sync import WeightSyncError, make_weight_sync
 
     plain = policy_config(ctx, layout())
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=LORA_ATTENTION)
@@ -637,6 +639,19 @@ def w1_lora_sync(ctx) -> None:  # noqa: ANN001
         assert {s["version"] for s in samples} == {f"lora-{mode}-{step}"}
         check_invariant(actor, samples, f"LoRA adapter-only sync ({mode})")
     assert 20 * adapter_bytes < full, (adapter_bytes, full)
+    with (
+        make_weight_sync(with_mode(cfg, "disk"), engine, actor, bucket_mb=BUCKET_MB) as sync,
+        full_disk("megatron_rl.models.peft_format"),
+    ):
+        try:
+            sync.sync("lora-disk-full")
+        except WeightSyncError as err:  # one line; the engine keeps serving the adapter it had
+            folder = sync.root / "lora-policy-vlora-disk-full"
+            assert f"{folder}: no space left to write the adapter for the engine (" in str(err), err
+            assert "rollout.sync_dir" in str(err) and "\n" not in str(err) and not folder.exists()
+        else:
+            raise AssertionError("an adapter sync onto a full disk was accepted")
+    assert engine is None or engine.client.lora_path == "policy-vlora-tensor-2"
     train_step(actor, samples)
     if engine is not None:
         engine.client.lora_path = None  # the merged policy is the base model's weights

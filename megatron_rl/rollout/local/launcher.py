@@ -143,6 +143,7 @@ def spawn_local_engine(
     host: str = "127.0.0.1",
     port: int | None = None,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     device: str = "cpu",
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
@@ -151,15 +152,18 @@ def spawn_local_engine(
     prefix: list[str] | None = None,
 ) -> StartingEngine:
     """Spawn the engine on `port` (None = a free one) without waiting; `prefix` runs it under a wrapper
-    (`["taskset", "-c", "1"]`). `api_key` reaches it in its environment; without one, `extra_args` must
-    say `--no-auth` (the engine refuses to start otherwise). `timeout_s` counts from the spawn."""
+    (`["taskset", "-c", "1"]`). `api_key` and `admin_api_key` (its control endpoints' key) reach it in its
+    environment; without an API key, `extra_args` must say `--no-auth` (the engine refuses to start otherwise).
+    `timeout_s` counts from the spawn."""
     workdir = tempfile.mkdtemp(prefix="megatron-rl-serve-")
     cmd = [*(prefix or []), sys.executable, "-m", "megatron_rl.cli", "serve", "--model", model_path, "--host", host]
     cmd += ["--port", str(port or 0), "--port-file", os.path.join(workdir, "port"), "--device", device]
     child_env = {**os.environ, **(env or {})}
-    child_env.pop(API_KEY_ENV, None)
-    if api_key:
-        child_env[API_KEY_ENV] = api_key  # not on the command line, which every user of the machine can read
+    # not on the command line, which every user of the machine can read; none inherited from this process
+    for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)):
+        child_env.pop(name, None)
+        if key:
+            child_env[name] = key
     cmd += list(extra_args or [])
     log = open(log_path, "ab") if log_path else tempfile.TemporaryFile()
     try:

@@ -51,8 +51,6 @@ from megatron_rl.rollout.types import MEMORY_TAGS
 
 log = logging.getLogger("megatron_rl.serve")
 
-HELP = "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)"
-
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)

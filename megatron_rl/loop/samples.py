@@ -1,0 +1,159 @@
+"""The sample builder: a step's episodes and rewards (and, with `algorithm.kl_in_reward`, the
+reference's KL) into what the actor trains on.
+
+Each step's data is built here, in verl's order (rewards, old log-probs, the reference, advantages):
+
+- `SampleBuilder.build` (rank 0, once the step's groups are chosen): one sequence per segment of each
+  episode (`segments_of`: the trajectory itself, or an agent's segments), its tokens (prompt then
+  trajectory), its loss mask (`loss_mask`), the engine's log-probs and routed experts (R3), and each
+  sequence's episode reward, weight versions and episode index;
+- the advantages (`advantages_of`), the one function that computes them: group advantages of the
+  episodes' rewards (`algorithm.turn_credit`: one per episode, or per turn and so per token, the
+  turns of an episode counted across its segments). The builder computes them with the sequences
+  when they need no reference; with `algorithm.kl_in_reward` they wait for the reference's
+  log-probs, and the step computes them once, after the reference forward, from R - beta * KL
+  (`kl_penalized_advantages`). They are never computed twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.algorithms import group_advantages, overlong_filter_mask, per_turn_advantages
+from megatron_rl.config import Config
+from megatron_rl.envs import Trajectory, segments_of
+from megatron_rl.loop.async_rollout import trained_versions
+from megatron_rl.loop.scoring import Group
+
+
+@dataclass
+class StepBatch:
+    """The batch to train on (None when no group was usable) and the rollout metrics of the step;
+    `rewards`: float32 [N], the shaped reward of each sample of `batch` (its episode's: its advantages'
+    input); `episodes`: int64 [N], the episode each sample is a sequence of, when an agent episode gave
+    several (`segments_of`), else None (sample i is episode i)."""
+
+    batch: ActorBatch | None
+    metrics: dict[str, float]
+    rewards: torch.Tensor | None = None
+    versions: list[list[int]] | None = None  # the weight version of each trained token, per sample of `batch`
+    episodes: torch.Tensor | None = None
+
+
+def loss_mask(sequence: Trajectory, overlong_filter: bool) -> torch.Tensor:
+    """bool [r]: the response tokens of `sequence` the loss sees: its generated tokens (observation
+    tokens are not trained on), none of them when it was truncated and `algorithm.overlong_filter` is set."""
+    generated = torch.tensor(sequence.loss_mask, dtype=torch.bool).view(1, -1)
+    return overlong_filter_mask(generated, torch.tensor([overlong_filter and sequence.truncated]))[0]
+
+
+def advantages_of(
+    cfg: Config, rewards: torch.Tensor, episodes: Sequence[Trajectory] | None = None
+) -> list[torch.Tensor]:
+    """The advantage of every sequence of `episodes` (`segments_of`, in order), `rewards` [E] being the
+    episodes' (shaped, or KL-penalised), the groups of `rollout.n_samples_per_prompt` episodes
+    contiguous (`algorithm.adv_norm_std`, `adv_eps`). `algorithm.turn_credit`: outcome = one 0-dim
+    advantage per episode, given to each of its sequences; per_turn = [r_i] per token, each token the
+    advantage of its turn (`megatron_rl.algorithms.turn_credit`). Without `episodes` (outcome credit
+    only): one 0-dim advantage per reward."""
+    alg, group_size = cfg.algorithm, cfg.rollout.n_samples_per_prompt
+    if alg.turn_credit == "outcome":
+        adv = group_advantages(rewards, group_size, norm_std=alg.adv_norm_std, eps=alg.adv_eps).unbind(0)
+        if episodes is None:
+            return list(adv)
+        return [a for a, episode in zip(adv, episodes, strict=True) for _ in segments_of(episode)]
+    if episodes is None:
+        raise ValueError("algorithm.turn_credit = 'per_turn': the advantages need the episodes' turns")
+    sequences = [segments_of(episode) for episode in episodes]
+    per_turn = per_turn_advantages(
+        [[r for seq in seqs for r in seq.turn_rewards] for seqs in sequences],
+        rewards,
+        group_size,
+        discount=alg.turn_discount,
+        norm_std=alg.adv_norm_std,
+        eps=alg.adv_eps,
+    )
+    out = []
+    for seqs, adv in zip(sequences, per_turn, strict=True):
+        first_turn = 0
+        for seq in seqs:
+            out.append(adv[torch.tensor(seq.turn_of_token, dtype=torch.long) + first_turn])
+            first_turn += seq.turns
+    return out
+
+
+def kl_penalized_advantages(
+    cfg: Config, rewards: torch.Tensor, kl_sums: torch.Tensor, episodes: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """`algorithm.kl_in_reward`: the advantages (`advantages_of`) of R_i - beta * KL_i, KL_i a response's
+    summed per-token KL to the reference (verl's `use_kl_in_reward` with the outcome advantage of GRPO).
+    `rewards`, `kl_sums` [N]: per sequence; `episodes` [N] (`StepBatch.episodes`): the episode of each
+    sequence, whose KL is the sum over its sequences, and each of them gets the episode's advantage."""
+    if kl_sums.shape != rewards.shape:
+        raise ValueError(f"kl_sums has shape {tuple(kl_sums.shape)}, rewards has {tuple(rewards.shape)}")
+    rewards, kl_sums = rewards.to(torch.float32), kl_sums.to(torch.float32)
+    if episodes is not None:
+        if episodes.shape != rewards.shape:
+            raise ValueError(f"episodes has shape {tuple(episodes.shape)}, rewards has {tuple(rewards.shape)}")
+        owner = episodes.to(torch.long)
+        count = int(owner.max()) + 1 if owner.numel() else 0
+        rewards = torch.zeros(count).index_copy_(0, owner, rewards)  # a sequence carries its episode's reward
+        kl_sums = torch.zeros(count).index_add_(0, owner, kl_sums)
+    penalty = cfg.algorithm.kl_coef * kl_sums
+    metrics = {
+        "reward/kl_penalty_mean": float(penalty.mean()),
+        "reward/kl_penalized_mean": float((rewards - penalty).mean()),
+    }
+    advantages = advantages_of(cfg, rewards - penalty)
+    if episodes is not None:
+        advantages = [advantages[e] for e in episodes.tolist()]
+    return advantages, metrics
+
+
+class SampleBuilder:
+    """Builds a step's `StepBatch` from its chosen groups (see the module doc)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def build(self, groups: Sequence[Group], metrics: dict[str, float]) -> StepBatch:
+        """The actor batch of `groups`, one sequence per segment of each episode, with `metrics` and
+        the batch's own (`reward/train_mean`; agents: `env/trained_sequences_per_episode`)."""
+        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        episodes = [e for g in groups for e in g.episodes]
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        owner = [k for k, e in enumerate(episodes) for _ in segments_of(e)]
+        sequences = [seq for e in episodes for seq in segments_of(e)]
+        masks = [loss_mask(seq, alg.overlong_filter) for seq in sequences]
+        routed = None
+        if ro.return_routed_experts:
+            missing = [i for i, seq in enumerate(sequences) if seq.routed_experts is None]
+            if missing:
+                raise RuntimeError(
+                    f"rollout.return_routed_experts: the engine returned no routed experts for {len(missing)} "
+                    f"responses (first: {missing[0]}); does the server run with --enable-return-routed-experts?"
+                )
+            routed = [torch.tensor(seq.routed_experts, dtype=torch.int32) for seq in sequences]
+        batch = ActorBatch(
+            tokens=[torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long) for seq in sequences],
+            prompt_lengths=[len(seq.prompt_ids) for seq in sequences],
+            response_mask=None if all(bool(m.all()) for m in masks) else masks,
+            advantages=None if alg.kl_in_reward else advantages_of(self.cfg, rewards, episodes),
+            rollout_log_probs=[torch.tensor(seq.logprobs, dtype=torch.float32) for seq in sequences],
+            routed_experts=routed,
+        )
+        metrics = {**metrics, "reward/train_mean": sum(r for g in groups for r in g.rewards) / len(episodes)}
+        if self.cfg.env.type == "agent":
+            metrics["env/trained_sequences_per_episode"] = len(sequences) / len(episodes)
+        several = len(sequences) > len(episodes)
+        return StepBatch(
+            batch,
+            metrics,
+            rewards[owner] if several else rewards,
+            [trained_versions(seq) for seq in sequences],
+            torch.tensor(owner, dtype=torch.int64) if several else None,
+        )

@@ -1,0 +1,133 @@
+"""The sample builder (`loop.samples`) by hand: tokens, loss mask, advantages and KL-in-reward of a
+small step with a multi-turn episode, a truncated one and an agent episode of two segments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config
+from megatron_rl.data import Prompt, RowLocation
+from megatron_rl.envs.trajectory import RoutedExperts, Trajectory, append_generated, append_observation
+from megatron_rl.loop.samples import SampleBuilder, StepBatch, kl_penalized_advantages
+from megatron_rl.loop.scoring import Group
+from megatron_rl.rollout.types import Sample
+from megatron_rl.trainer import reference_kl
+
+
+def episode(prompt: list[int], turns: list[tuple[list[int], list[float], str]], observations=()) -> Trajectory:
+    """An episode built as the episode runner builds it: each turn's engine sample appended, then the
+    observation after it (if any)."""
+    traj, routed = Trajectory(list(prompt), [], [], "stop"), RoutedExperts()
+    for t, (ids, logprobs, finish) in enumerate(turns):
+        append_generated(traj, Sample(list(prompt), ids, logprobs, finish, weight_version="3"), t, routed)
+        if t < len(observations):
+            append_observation(traj, observations[t], t)
+    return traj
+
+
+def step_groups() -> list[Group]:
+    # group 1: A calls a tool (turn reward 0.2), sees a 3-token observation and answers (reward 1);
+    # B runs out of tokens on its first turn (finish "length", reward 0)
+    a = episode([1, 2], [([10, 11], [-0.1, -0.2], "stop"), ([12], [-0.3], "stop")], [[50, 51, 52]])
+    a.turn_rewards[0] = 0.2
+    b = episode([1, 2], [([20, 21, 22], [-0.1, -0.1, -0.1], "length")])
+    # group 2: C, an agent episode whose history was rewritten: an earlier segment S1, then C (reward 1);
+    # D answers at once (reward 0)
+    s1 = episode([3], [([30], [-0.5], "stop")])
+    c = episode([3, 30, 40], [([31, 32], [-0.1, -0.1], "stop")])
+    c.earlier_segments = [s1]
+    d = episode([3], [([33], [-0.2], "stop")])
+    prompt = [Prompt(k, (1, 2), "p", "1", {}, RowLocation("t.jsonl", "line", k + 1)) for k in range(2)]
+    return [Group(prompt[0], [a, b], [1.0, 0.0], [1.0, 0.0]), Group(prompt[1], [c, d], [1.0, 0.0], [1.0, 0.0])]
+
+
+def build(**over: object) -> StepBatch:
+    base = {"rollout.n_samples_per_prompt": 2, "train.prompts_per_step": 2, "algorithm.adv_norm_std": False}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])
+    return SampleBuilder(cfg).build(step_groups(), {"step": 1.0})
+
+
+def floats(values: list[torch.Tensor]) -> list[list[float]]:
+    return [v.reshape(-1).tolist() for v in values]
+
+
+def close(got: list[list[float]], want: list[list[float]]) -> bool:
+    """Equal shapes, and every value within 1e-6."""
+    return [len(g) for g in got] == [len(w) for w in want] and all(
+        g == pytest.approx(w, abs=1e-6) for g, w in zip(got, want, strict=True)
+    )
+
+
+def test_the_builder_gives_tokens_masks_and_outcome_advantages_by_hand() -> None:
+    plan = build()
+    batch = plan.batch
+    # one sequence per segment, in episode order: A, B, S1, C, D
+    assert [t.tolist() for t in batch.tokens] == [
+        [1, 2, 10, 11, 50, 51, 52, 12],
+        [1, 2, 20, 21, 22],
+        [3, 30],
+        [3, 30, 40, 31, 32],
+        [3, 33],
+    ]
+    assert batch.prompt_lengths == [2, 2, 1, 3, 1]
+    # the observation tokens of A are out of the loss; the truncated B is trained (no overlong filter)
+    assert [m.tolist() for m in batch.response_mask] == [
+        [True, True, False, False, False, True],
+        [True, True, True],
+        [True],
+        [True, True],
+        [True],
+    ]
+    assert floats(batch.rollout_log_probs)[0] == pytest.approx([-0.1, -0.2, 0.0, 0.0, 0.0, -0.3])
+    # outcome credit, mean-only: rewards [1, 0] in each group -> +-0.5; S1 gets its episode C's
+    assert floats(batch.advantages) == [[0.5], [-0.5], [0.5], [0.5], [-0.5]]
+    assert plan.rewards.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0] and plan.episodes.tolist() == [0, 1, 2, 2, 3]
+    assert plan.versions == [[3, 3, 3], [3, 3, 3], [3], [3, 3], [3]]
+    assert plan.metrics == {"step": 1.0, "reward/train_mean": 0.5}
+    batch.validate(vocab_size=64, num_layers=1, top_k=1, num_experts=None)
+
+
+def test_the_overlong_filter_takes_the_truncated_episode_out_of_the_loss() -> None:
+    masks = [m.tolist() for m in build(**{"algorithm.overlong_filter": True}).batch.response_mask]
+    assert masks[1] == [False, False, False]
+    assert masks[0] == [True, True, False, False, False, True] and all(all(m) for m in masks[2:])
+
+
+def test_per_turn_credit_discounts_turn_rewards_and_counts_turns_across_segments() -> None:
+    batch = build(**{"algorithm.turn_credit": "per_turn", "algorithm.turn_discount": 0.5}).batch
+    # returns: A [0.2 + 0.5 * 1, 1] = [0.7, 1]; B [0]; C over its segments S1, C: [0.5 * 1, 1] = [0.5, 1]; D [0]
+    # turn 0 against the group's turn 0 (mean-only): A 0.35, B -0.35, C 0.25, D -0.25; turn 1 is reached
+    # by A (and C) alone: 0. A's observation tokens follow turn 0 and carry its advantage (masked anyway);
+    # C's own tokens are the episode's turn 1 (S1 was turn 0)
+    assert close(floats(batch.advantages), [[0.35] * 5 + [0.0], [-0.35] * 3, [0.25], [0.0, 0.0], [-0.25]])
+
+
+def test_kl_in_reward_advantages_wait_for_the_reference_and_penalise_each_episode_once() -> None:
+    cfg_over = {"algorithm.kl_in_reward": True, "algorithm.kl_coef": 0.5, "algorithm.kl_estimator": "k1"}
+    plan = build(**cfg_over)
+    batch = plan.batch
+    assert batch.advantages is None  # not before the reference forward: they are computed once, after it
+    # the reference's log-probs; A's observation tokens are far from it but out of the loss mask
+    ref = [
+        torch.tensor([-0.2, -0.3, -5.0, -5.0, -5.0, -0.5]),
+        torch.tensor([-0.1, -0.1, -0.1]),
+        torch.tensor([-0.7]),
+        torch.tensor([-0.4, -0.4]),
+        torch.tensor([-0.2]),
+    ]
+    masks = [batch.loss_mask(i) for i in range(len(batch))]
+    kl_sums, _ = reference_kl(batch.rollout_log_probs, ref, masks, "k1", 20.0)
+    assert kl_sums.tolist() == pytest.approx([0.4, 0.0, 0.2, 0.6, 0.0])
+    cfg = load_config(
+        None,
+        [
+            f"{k}={v}"
+            for k, v in {"rollout.n_samples_per_prompt": 2, "algorithm.adv_norm_std": False, **cfg_over}.items()
+        ],
+    )
+    advantages, metrics = kl_penalized_advantages(cfg, plan.rewards, kl_sums, plan.episodes)
+    # episodes' KL: A 0.4, B 0, C 0.2 + 0.6 = 0.8, D 0; R - 0.5 KL: [0.8, 0] and [0.6, 0] -> +-0.4, +-0.3
+    assert close(floats(advantages), [[0.4], [-0.4], [0.3], [0.3], [-0.3]])
+    assert metrics["reward/kl_penalty_mean"] == pytest.approx(0.5 * 1.2 / 4)
+    assert metrics["reward/kl_penalized_mean"] == pytest.approx(1.4 / 4)
