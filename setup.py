@@ -45,11 +45,16 @@ setup(
             "sglang-router",
             "openai>=1.40",
             "peft>=0.17",
+            # tests/test_trackers.py: W&B offline and MLflow's client on a local store, the real packages
+            "wandb",
+            "mlflow-skinny",
         ],
         # reward.type=math_verify
         "math": ["math-verify>=0.9"],
-        # logging.tensorboard (on by default; without the package a warning and no curves)
+        # the trackers of logging.backends (tensorboard by default; without its package a warning and no curves)
         "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
+        "mlflow": ["mlflow"],
         # model.lora with rollout.lora_sync=adapter: the local engine serves the adapters through peft
         "lora": ["peft>=0.17"],
     },

@@ -4,9 +4,9 @@
                          CKPT_DIR: checkpoint.dir, default RUN_DIR/checkpoints (`megatron_rl.run_folder`)
 
 A checkpoint is written into CKPT_DIR/step_NNNNNN.tmp: the actor (model, optimizer, schedule,
-per-rank RNG), collectively, then on rank 0 `loop_state.pt` (the step, the prompt sampler's
-position, rank 0's Python, NumPy and torch RNG states, the rollout seed and the asynchronous rollout
-state) and `manifest.json`
+per-rank RNG), collectively, then on rank 0 `loop_state.pt` (the step, rank 0's Python, NumPy and
+torch RNG states, the rollout seed, and the stage's named entries, `stage.Stage.state_dict`: the
+prompt sampler's position; the RL loop's asynchronous rollout state and weight version) and `manifest.json`
 (every file with its size and SHA-256), every file flushed to disk; only then is the folder renamed
 to step_NNNNNN (`commit_checkpoint`). The SHA-256 of the shards and of the loop state is computed
 from the bytes as they are written (`torch_dist_io`), never by a second read; Megatron's small
@@ -38,7 +38,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -55,11 +55,19 @@ ACTOR_DIR = "actor"
 STAGING_SUFFIX = ".tmp"  # step_NNNNNN.tmp: a checkpoint being written
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_DIR = re.compile(r"^step_\d+" + re.escape(STAGING_SUFFIX) + "$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: the entries were fields of their own (read still)
 MANIFEST_VERSION = 2  # 1: sizes, and the SHA-256 of the loop state only
 _HASH_CHUNK = 1 << 20
 # Megatron's metadata and common state are small next to the shards: the manifest hashes them by reading
 _HASHED_ON_READ = (".metadata", "common.pt", "metadata.json")
+
+
+class Stateful(Protocol):
+    """What a checkpoint holds named entries of (torch.distributed.checkpoint's `Stateful`): a stage."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def checkpoint_dir(ckpt_root: str | Path, step: int) -> Path:
@@ -82,18 +90,24 @@ class LoopState:
     """What the loop itself needs to continue where a checkpoint was taken."""
 
     step: int
-    sampler: dict[str, Any]
+    # the stage's named entries (`Stage.state_dict`, given back to its `load_state_dict` on resume):
+    # "sampler" (the prompt sampler's position); the RL loop's "rollout" (`RolloutRuntime.checkpoint_state`:
+    # one_step_off's pre-generated batch, fully_async's buffer and prompts in flight) and "weight_version"
+    # (the last step that trained and synced: below `step` after skipped steps)
+    entries: dict[str, Any]
     rollout_seed: int
-    # rollout.async_mode of the run that saved it (None: an SFT checkpoint, or saved before it was kept)
+    # rollout.async_mode of the run that saved a "rollout" entry (None: an SFT checkpoint)
     async_mode: str | None = None
     rng: dict[str, Any] = field(default_factory=capture_rng)
     format_version: int = FORMAT_VERSION
-    # the rollout side's state, pickled (`RolloutRuntime.checkpoint_state`: one_step_off's pre-generated
-    # batch, fully_async's buffer and prompts in flight); None in checkpoints written before it existed
-    rollout: bytes | None = None
-    # the weight version the engine serves (the last step that trained and synced: below `step` after
-    # skipped steps); None in checkpoints written before it existed (then taken as `step`)
-    weight_version: int | None = None
+
+
+def _named_entries(data: dict[str, Any]) -> dict[str, Any]:
+    """A loop state of format 1, whose entries were fields of their own, in today's form."""
+    entries = {"sampler": data.pop("sampler"), "rollout": data.pop("rollout", None)}
+    version = data.pop("weight_version", None)
+    entries["weight_version"] = data["step"] if version is None else version  # None: saved before it was kept
+    return {**data, "entries": entries, "format_version": FORMAT_VERSION}
 
 
 def save_loop_state(folder: str | Path, state: LoopState) -> str:
@@ -113,6 +127,8 @@ def load_loop_state(folder: str | Path) -> LoopState:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no loop state (not a complete megatron-rl train checkpoint)")
     data = torch.load(path, weights_only=False)  # our own file: Python/NumPy RNG tuples are not tensors
+    if data.get("format_version") == 1:
+        data = _named_entries(data)
     if data.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: loop state format {data.get('format_version')}, this code reads {FORMAT_VERSION}")
     return LoopState(**data)

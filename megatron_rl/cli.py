@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "validate a config as train (or --check sft/convert) would, and print it resolved; or --reference",
     ),
     "serve": (
-        "megatron_rl.rollout.local.server",
+        "megatron_rl.rollout.local.serve",
         "serve a Hugging Face model over SGLang's HTTP API (the local rollout engine)",
     ),
     "convert": (

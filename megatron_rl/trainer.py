@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 2 -m megatron_rl.cli train examples/tiny_math/rl.yaml parallel.expert_model_parallel_size=2
     megatron-rl train CONFIG                  # a single process runs as a world of one
 
-Every rank holds a `Trainer` (the actor, the weight sync, the run folder, the step log); rank 0 also
-holds the `RolloutRuntime` (`megatron_rl.loop.runtime`). Who runs what, the start-up order
-(`Trainer.start`) and one step are described once, in docs/architecture.md.
+Every rank holds a `Trainer`, the RL kind of `megatron_rl.stage.Stage` (the actor, the weight sync, the
+run folder, the step log); rank 0 also holds the `RolloutRuntime` (`megatron_rl.loop.runtime`). Who runs
+what, the start-up order (`Trainer.start`) and one step are described once, in docs/architecture.md.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
 engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,10 +50,10 @@ from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
 from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.rank0 import RankZeroError, on_rank0
-from megatron_rl.parallel.signals import StoppedBySignal, StopRequest, exit_code, stop_at_step_boundary
+from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardFailureError
 from megatron_rl.run_folder import ResumeMode, RunFolder
-from megatron_rl.validation import validate_run
+from megatron_rl.stage import Stage
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
@@ -73,11 +72,6 @@ class LogprobGapError(RuntimeError):
 # the run's own stops, raised on every rank (rank 0's reason reaches the others as RankZeroError): `train`
 # ends them with one line from rank 0; any other error keeps its traceback
 RUN_ERRORS: tuple[type[Exception], ...] = (LogprobGapError, RewardFailureError, RankZeroError, *ROLLOUT_ERRORS)
-
-
-def agreed_stop(request: StopRequest | None) -> int:
-    """At a step boundary: the stop signal any rank received, 0 if none (collective)."""
-    return request.agreed() if request is not None else 0
 
 
 def on_rank0_with(held: V | None, call: Callable[[V], T]) -> T:
@@ -138,19 +132,12 @@ def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) 
     return str(folder) if folder is not None else None
 
 
-def resumed_weight_version(run_folder: RunFolder) -> int:
-    """The weight version a run starts with: 0 from scratch; on resume the checkpoint's (the last step
-    that trained and synced, below the checkpoint's step after skipped steps), or its step for a
-    checkpoint written before the version was saved."""
-    state = run_folder.loop_state
-    if state is None:
-        return 0
-    return state.step if state.weight_version is None else state.weight_version
-
-
-class Trainer:
-    """The loop of one trainer rank: the actor, the weight sync, the run folder and the step log on
+class Trainer(Stage):
+    """The RL stage on one trainer rank: the actor, the weight sync, the run folder and the step log on
     every rank; `rank0`, the rollout runtime, on global rank 0 only (None on the other ranks)."""
+
+    command = "train"
+    evaluates_first = True
 
     def __init__(
         self,
@@ -162,27 +149,24 @@ class Trainer:
         rank0: RolloutRuntime | None,
         reference: FrozenPolicy | AdaptersOffReference | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.run_folder = run_folder
-        self.actor = actor
+        super().__init__(cfg, run_folder, actor, log)
         self.reference = reference
-        self.log = log
         self.weight_sync = weight_sync
         self.rank0 = rank0
-        self.stopped_by = 0  # the stop signal `run` ended on (0: it ran every step)
-        self.version = resumed_weight_version(run_folder)
+        self.version = 0  # the weight version the engine serves (a resumed run: its checkpoint's)
+        self._held_rollout: bytes | None = None  # rank 0's rollout state while a checkpoint is written
 
     @classmethod
     def start(
         cls, cfg: Config, stack: contextlib.ExitStack, *, resume: ResumeMode = False, force: bool = False
     ) -> Trainer:
         """Start every piece in the order docs/architecture.md gives ("Start-up order"), collectively.
-        `stack` closes each piece (the last started first), also when a later one fails to start."""
+        `stack` closes each piece (the last started first), also when a later one fails to start. `cfg`
+        is validated (`Stage.launch`)."""
         from megatron_rl.parallel import read_launch_env
         from megatron_rl.weight_sync import make_weight_sync
         from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
 
-        cfg = validate_run(cfg, "train")
         rank = read_launch_env().rank
         run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force, syncs_weights=True)
         stack.callback(run_folder.close)  # its lock, released last
@@ -206,8 +190,6 @@ class Trainer:
             # with LoRA, the actor with its adapters off
             reference = start_reference(cfg, actor)
             stack.callback(reference.close)
-        if data is not None:
-            run_folder.restore_sampler(data.sampler)
         log = run_folder.open_log(desc="rl")
         stack.callback(log.close)
         model_path = engine_model_path(cfg, run_folder, actor)
@@ -230,6 +212,7 @@ class Trainer:
 
         stack.callback(close_weight_sync)
         trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0, reference)
+        run_folder.restore(trainer)
         if colocated_engines_released(cfg):
             weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
         if (
@@ -241,92 +224,60 @@ class Trainer:
             trainer._sync(trainer.version)  # the engine serves model.hf_path: give it the checkpoint's weights
         return trainer
 
-    # ---- the loop ----
-    def run(self, stop_request: StopRequest | None = None) -> dict[str, Any]:
-        """Train from the resumed step to `train.steps`; returns the last step's record (rank 0; {} elsewhere).
-        `stop_request` (SIGTERM/SIGUSR1) ends the run at a step boundary with a checkpoint."""
-        cfg = self.cfg
-        start_step = self.run_folder.start_step
-        started = time.perf_counter()
-        saved = self.run_folder.loop_state.rollout if self.run_folder.loop_state is not None else None
-        if saved is not None and self.rank0 is not None:
-            self.rank0.load_state_dict(saved)
-        if cfg.eval.every and start_step == 0:
-            self.log.log({"step": 0, **self._evaluate(0)}, advance=False)
-        record: dict[str, Any] = {}
-        checkpoint_s = None
-        if stop_request is not None and self.rank0 is not None:  # a stop signal: the step ends within a bound
-            rank0, grace = self.rank0, cfg.checkpoint.preempt_timeout_s
+    # ---- what the stage's loop calls ----
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"weight_version": self.version}
+        if self.rank0 is not None:
+            state.update(sampler=self.rank0.data.sampler.state_dict(), rollout=self._held_rollout)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = state["weight_version"]
+        if self.rank0 is not None:
+            self.rank0.data.sampler.load_state_dict(state["sampler"])
+            if state.get("rollout") is not None:
+                self.rank0.load_state_dict(state["rollout"])
+
+    @contextlib.contextmanager
+    def holding_still(self) -> Iterator[None]:
+        """Rank 0: the rollout side's state, in `state_dict`; no prompt is drawn while the checkpoint is written."""
+        if self.rank0 is None:
+            yield
+            return
+        with self.rank0.checkpoint_state() as self._held_rollout:
+            try:
+                yield
+            finally:
+                self._held_rollout = None
+
+    def on_stop(self, stop_request: StopRequest) -> None:
+        if self.rank0 is not None:  # a stop signal: the step ends within a bound
+            rank0, grace = self.rank0, self.cfg.checkpoint.preempt_timeout_s
             stop_request.on_stop(lambda: rank0.abort_episodes_after(grace))
-        stop = agreed_stop(stop_request)  # a signal during the start-up: nothing new to save
-        if stop and start_step < cfg.train.steps:
-            self.stopped_by = stop
-            self.log.message(f"{signal.Signals(stop).name}: stopped before step {start_step + 1}")
-            return {}
-        for step in range(start_step + 1, cfg.train.steps + 1):
-            record = self._step(step)
-            last = step == cfg.train.steps
-            if cfg.eval.every and (step % cfg.eval.every == 0 or last):
-                record.update(self._evaluate(step))
-            if checkpoint_s is not None:
-                record["time/checkpoint"], checkpoint_s = checkpoint_s, None
-            record["time/elapsed"] = time.perf_counter() - started
-            # logged before the checkpoint: resuming from step k keeps the records up to k
-            self.log.log(record)
-            if cfg.rollout.async_mode != "sync":
-                self.log.message(
-                    f"step {step}: staleness mean {record['async/staleness_mean']:.2f} max "
-                    f"{record['async/staleness_max']:.0f}, dropped {record['async/dropped_stale']:.0f}, "
-                    f"buffer {record['async/buffer_groups']:.0f}, waited {record['time/wait_batch']:.2f} s"
-                )
-            stop = agreed_stop(stop_request)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last or stop:
-                began = time.perf_counter()
-                sampler = self.rank0.data.sampler if self.rank0 is not None else None
-                with self._rollout_state() as rollout:
-                    folder = self.run_folder.save_checkpoint(
-                        self.actor, step, sampler, rollout=rollout, weight_version=self.version
-                    )
-                checkpoint_s = time.perf_counter() - began
-            if stop and not last:
-                self.stopped_by = stop
-                self.log.message(
-                    f"{signal.Signals(stop).name}: stopped after step {step} of {cfg.train.steps}; "
-                    f"checkpoint {folder}; continue with --resume"
-                )
-                return record if self.rank0 is not None else {}
-        if cfg.checkpoint.export_hf:
+
+    def finish(self) -> None:
+        if self.cfg.checkpoint.export_hf:
             hf_dir = self.run_folder.run_dir / "hf"
             self.run_folder.export(self.actor, hf_dir)
             self.log.message(f"final policy: {hf_dir}")
-        return record if self.rank0 is not None else {}
 
-    @contextlib.contextmanager
-    def _rollout_state(self) -> Iterator[bytes | None]:
-        """Rank 0: the rollout side's loop state (no prompt is drawn while the checkpoint is written)."""
-        if self.rank0 is None:
-            yield None
-            return
-        with self.rank0.checkpoint_state() as state:
-            yield state
-
-    def _step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
         version = self.version
-        plan = self._collect(step, version)
-        metrics: dict[str, Any] = {"step": step, **plan.metrics}
+        step_batch = self._collect(step, version)
+        metrics: dict[str, Any] = {"step": step, **step_batch.metrics}
         if metrics.get("groups/target_missed"):
             self.log.message(
                 f"step {step}: dynamic sampling kept {int(metrics['groups/groups_kept'])} informative groups of "
                 f"{self.cfg.train.prompts_per_step} in {int(metrics['groups/rounds'])} rounds "
                 "(algorithm.max_gen_rounds); training on what there is"
             )
-        if plan.batch is None:
+        if step_batch.batch is None:
             metrics["actor/skipped"] = 1.0  # no informative group: nothing to learn from this step
         else:
             if self.cfg.rollout.colocate:
                 self.weight_sync.release_engine_memory()
-            metrics.update(self._update(plan))
+            metrics.update(self._update(step_batch))
             metrics["actor/skipped"] = 0.0
             trainable = getattr(self.actor, "trainable_params", None)  # an actor stand-in may not count them
             if trainable is not None:
@@ -335,10 +286,16 @@ class Trainer:
         finished = on_rank0_with(self.rank0, lambda rank0: rank0.finish_step())
         metrics["time/wait_batch"] += finished["time/wait_batch"]
         metrics["time/engine_idle"] = finished["time/engine_idle"]
-        if plan.batch is not None:
+        if step_batch.batch is not None:
             metrics.update(self._sync(step))
             self.version = step
         metrics["time/step"] = time.perf_counter() - began
+        if self.cfg.rollout.async_mode != "sync":
+            self.log.message(
+                f"step {step}: staleness mean {metrics['async/staleness_mean']:.2f} max "
+                f"{metrics['async/staleness_max']:.0f}, dropped {metrics['async/dropped_stale']:.0f}, "
+                f"buffer {metrics['async/buffer_groups']:.0f}, waited {metrics['time/wait_batch']:.2f} s"
+            )
         return metrics
 
     def _collect(self, step: int, version: int) -> StepBatch:
@@ -357,9 +314,9 @@ class Trainer:
 
         def collect(rank0: RolloutRuntime) -> tuple[dict[str, float], bool] | None:
             try:
-                plan = rank0.collect(step, version)
-                held[:] = [plan]
-                return plan.metrics, plan.batch is not None
+                step_batch = rank0.collect(step, version)
+                held[:] = [step_batch]
+                return step_batch.metrics, step_batch.batch is not None
             except ResyncAtStepBoundary as err:
                 if mode != "sync":
                     raise WeightSyncError(
@@ -374,20 +331,24 @@ class Trainer:
         metrics, has_batch = head
         if not has_batch:
             return StepBatch(None, metrics)
-        plan = held[0] if held else None
-        sent = WireBatch(plan.batch, plan.rewards, plan.versions, plan.episodes) if plan is not None else None
+        step_batch = held[0] if held else None
+        sent = (
+            WireBatch(step_batch.batch, step_batch.rewards, step_batch.versions, step_batch.episodes)
+            if step_batch is not None
+            else None
+        )
         got, report = scatter_batch(
             sent, updates=self.cfg.train.updates_per_step, num_experts=self.cfg.model.num_experts
         )
         return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions, got.episodes)
 
-    def _update(self, plan: StepBatch) -> dict[str, float]:
+    def _update(self, step_batch: StepBatch) -> dict[str, float]:
         """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
 
         Old log-probs: recomputed (R2 records the routing; R3 replays the engine's) or the engine's.
         The reference runs under the same routing as the updates (R2's recorded, R3's engine routing)."""
         alg = self.cfg.algorithm
-        batch = plan.batch
+        batch = step_batch.batch
         assert batch is not None
         out: dict[str, float] = {}
         began = time.perf_counter()
@@ -403,7 +364,7 @@ class Trainer:
             fresh = [
                 i
                 for i in range(len(batch))
-                if plan.versions is None or all(v == self.version for v in plan.versions[i])
+                if step_batch.versions is None or all(v == self.version for v in step_batch.versions[i])
             ]
             if fresh:
                 self.check_logprob_gap(
@@ -417,7 +378,7 @@ class Trainer:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
         referenced = time.perf_counter()
         if self.reference is not None:
-            batch = self._with_reference(batch, plan, masks, out)
+            batch = self._with_reference(batch, step_batch, masks, out)
         trained = time.perf_counter()
         history = self.actor.train(batch)
         done = time.perf_counter()
@@ -457,7 +418,7 @@ class Trainer:
         )
 
     def _with_reference(
-        self, batch: ActorBatch, plan: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
+        self, batch: ActorBatch, step_batch: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
     ) -> ActorBatch:
         """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, its advantages, which
         the sample builder leaves to this point); KL(pi_old || pi_ref) metrics into `out`."""
@@ -468,9 +429,11 @@ class Trainer:
         kl_sums, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
         out.update(metrics)
         if alg.kl_in_reward:
-            if plan.rewards is None:
+            if step_batch.rewards is None:
                 raise ValueError("algorithm.kl_in_reward: the step's batch came without its rewards")
-            advantages, reward_metrics = kl_penalized_advantages(self.cfg, plan.rewards, kl_sums, plan.episodes)
+            advantages, reward_metrics = kl_penalized_advantages(
+                self.cfg, step_batch.rewards, kl_sums, step_batch.episodes
+            )
             batch = batch.with_fields(advantages=advantages)
             out.update(reward_metrics)
         return batch
@@ -479,7 +442,7 @@ class Trainer:
         report = self.weight_sync.sync(str(step))
         return {"time/sync": report.seconds, "weight_sync/bytes": float(report.bytes)}
 
-    def _evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         scores = on_rank0_with(self.rank0, lambda rank0: rank0.evaluate(step))
         if not scores:  # the episodes were aborted (a stop signal): no evaluation
             return scores
@@ -489,18 +452,5 @@ class Trainer:
 
 
 def run_training(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
-    """Run `megatron-rl train` in this process (one rank of a torchrun/srun launch, or a world of one).
-    Raises `StoppedBySignal` (a SystemExit) after the checkpoint of a run stopped by SIGTERM/SIGUSR1."""
-    from megatron_rl.parallel import destroy_distributed
-
-    with stop_at_step_boundary() as stop:
-        try:
-            with contextlib.ExitStack() as stack:
-                trainer = Trainer.start(cfg, stack, resume=resume, force=force)
-                record = trainer.run(stop)
-        finally:
-            if dist.is_initialized():
-                destroy_distributed()
-    if trainer.stopped_by:
-        raise StoppedBySignal(exit_code(trainer.stopped_by))
-    return record
+    """`megatron-rl train` in this process (`Stage.launch`: validated, started, run, torn down)."""
+    return Trainer.launch(cfg, resume=resume, force=force)

@@ -7,7 +7,8 @@ It runs the configuration's own rules (`megatron_rl.config.check_rules`) on the 
 the model read from its checkpoint, among the checks that need more than the config: the command's needs, the
 files, the model's widths, the launch's world size and the device. The checks, in order: docs/architecture.md,
 "Configuration and validation". It reads config.json and the safetensors headers only, so it is cheap and
-idempotent.
+idempotent. A training stage is validated once per launch, by `megatron_rl.stage.Stage.launch` (which
+`megatron-rl train` and `sft` call).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Literal, get_args
 
 from megatron_rl.config import Config, ConfigError, check_rules
 from megatron_rl.envs.base import environment_class
+from megatron_rl.metrics.trackers import missing_tracker_packages
 from megatron_rl.models.experts_choice import check_grouped_experts
 from megatron_rl.models.lora_rank import check_lora_rank
 from megatron_rl.models.lora_targets import (
@@ -104,10 +106,16 @@ def _check_sft_needs(cfg: Config) -> None:
 
 def _check_stage_folders(cfg: Config, command: Command) -> None:
     """The run folder, the checkpoint folder and the RL loop's disk sync folder are folders (or can
-    be made), not files."""
+    be made), not files; the chosen trackers' packages import."""
     folders = [("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)]
     if command == "train" and cfg.rollout.weight_sync == "disk":
         folders.append(("rollout.sync_dir", cfg.rollout.sync_dir))
+    missing = missing_tracker_packages(list(cfg.logging.backends))
+    if missing:
+        raise ConfigError(
+            f"logging.backends = {list(cfg.logging.backends)}: {', '.join(missing)} cannot be imported; "
+            f"pip install {' '.join(missing)}, or leave it out of logging.backends"
+        )
     for key, value in folders:
         if value is None:
             continue

@@ -68,7 +68,7 @@ def build_work(root: Path, family: str = "qwen3_moe") -> Path:
         "train": {"steps": 2, "prompts_per_step": 4, "lr": 1e-3, "seed": 7},
         "eval": {"every": 2, "max_prompts": 4},
         "checkpoint": {"every": 1},
-        "logging": {"progress": False, "tensorboard": False},
+        "logging": {"progress": False, "backends": []},
     }
     (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
     return root

@@ -14,7 +14,9 @@ allgather dispatcher, and activation recompute) repeats this with packed micro-b
 references, and two packed updates from the world-size-1 checkpoint against its padded parameters.
 Context parallelism on the CPU (tests/mrl_multiproc/scenarios_cp.py): CP=2 does all of the above,
 and GSPO with R3, SFT and DeepSeek-V3's multi-latent attention, padded and packed; TP=2 x CP=2 the
-log-probs, routing and two updates. The run folder's checkpoints
+log-probs, routing and two updates. The remaining layouts (tests/mrl_multiproc/scenarios_layouts.py):
+DP 2, expert-TP 2 with TP 1, TP 2 with expert-TP 1 (EP 1 both), PP 2 x EP 2 and TP 2 x EP 2 x expert-TP 1
+reproduce the log-probs, routing and two updates the same way. The run folder's checkpoints
 (manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
 a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """
@@ -64,8 +66,18 @@ WORLDS = {
         "w2_cp_reductions",
         "w2_cp2",
         "w2_cp2_gspo_sft_mla",
+        "w2_dp2",
+        "w2_etp2",
+        "w2_tp2_etp1",
     ],
-    4: ["w4_tp2_ep2", "w4_tp2_cp2", "w4_load_pp2_checkpoint", "w4_scattered_batch"],
+    4: [
+        "w4_tp2_ep2",
+        "w4_tp2_cp2",
+        "w4_pp2_ep2",
+        "w4_tp2_ep2_etp1",
+        "w4_load_pp2_checkpoint",
+        "w4_scattered_batch",
+    ],
 }
 
 

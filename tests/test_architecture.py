@@ -106,7 +106,7 @@ def test_no_reference_outside_the_repository() -> None:
 # of each server process (the local engine, the reward server), which serves on the loop it starts.
 LOOP_MAKERS = {
     "new_event_loop": {"megatron_rl/rollout/event_loop.py"},
-    "run": {"megatron_rl/rollout/local/server.py", "megatron_rl/rewards/server.py"},
+    "run": {"megatron_rl/rollout/local/serve.py", "megatron_rl/rewards/server.py"},
     "run_until_complete": set(),
 }
 

@@ -241,18 +241,18 @@ def run_steps(driver: RolloutRuntime, engine: VersionedEngine, steps: range, use
     records = []
     version = steps.start - 1
     for step in steps:
-        plan = driver.collect(step, version)
+        step_batch = driver.collect(step, version)
         driver.finish_step()
-        assert plan.batch is not None and plan.versions is not None
+        assert step_batch.batch is not None and step_batch.versions is not None
         seen: set[tuple[int, ...]] = set()  # the step's prompts (a group's samples share theirs)
-        for tokens, length in zip(plan.batch.tokens, plan.batch.prompt_lengths, strict=True):
+        for tokens, length in zip(step_batch.batch.tokens, step_batch.batch.prompt_lengths, strict=True):
             seen.add(tuple(tokens[:length].tolist()))
         for key in seen:
             uses.setdefault(key, []).append(step)
-        staleness = [version - v for vs in plan.versions for v in vs]
-        assert max(staleness) <= driver.cfg.rollout.max_staleness, (step, plan.versions)
-        assert plan.metrics["async/staleness_max"] == max(staleness)
-        records.append(plan.metrics)
+        staleness = [version - v for vs in step_batch.versions for v in vs]
+        assert max(staleness) <= driver.cfg.rollout.max_staleness, (step, step_batch.versions)
+        assert step_batch.metrics["async/staleness_max"] == max(staleness)
+        records.append(step_batch.metrics)
         version = step
         wait_for_producer(driver, engine)
         engine.sync(version)
@@ -385,11 +385,11 @@ def test_fully_async_trains_within_the_staleness_bound(work: Path, tmp_path: Pat
 def _collect_within(driver: RolloutRuntime, step: int, version: int, timeout: float = 120.0):
     """`driver.collect(step, version)` on a thread; fails instead of hanging when it does not return."""
     done: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: done.setdefault("plan", driver.collect(step, version)), daemon=True)
+    worker = threading.Thread(target=lambda: done.setdefault("step_batch", driver.collect(step, version)), daemon=True)
     worker.start()
     worker.join(timeout)
     assert not worker.is_alive(), f"step {step}: collect waited for groups the staleness bound never lets exist"
-    return done["plan"]
+    return done["step_batch"]
 
 
 def test_fully_async_dynamic_sampling_oversampling_past_the_bound_takes_what_the_bound_allows(
@@ -408,9 +408,10 @@ def test_fully_async_dynamic_sampling_oversampling_past_the_bound_takes_what_the
     finally:
         driver.close()
         engine.close()
-    for plan in (first, second):
-        assert plan.batch is None and plan.metrics["groups/target_missed"] == 1.0
-        assert (plan.metrics["groups/rounds"], plan.metrics["groups/groups_generated"]) == (2.0, 16.0)  # 8 a round
+    for step_batch in (first, second):
+        assert step_batch.batch is None and step_batch.metrics["groups/target_missed"] == 1.0
+        metrics = step_batch.metrics
+        assert (metrics["groups/rounds"], metrics["groups/groups_generated"]) == (2.0, 16.0)  # 8 a round
 
 
 def test_a_round_after_kept_groups_takes_the_slots_they_leave(tiny_data: Path) -> None:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def quiet_logging(run_dir: Path) -> LoggingConfig:
-    return LoggingConfig(run_dir=str(run_dir), tensorboard=False, progress=False)
+    return LoggingConfig(run_dir=str(run_dir), backends=[], progress=False)
 
 
 def config(run_dir: Path, *, keep_last: int = 0, async_mode: str = "sync") -> Config:
@@ -57,7 +57,7 @@ def save_steps(run_dir: Path, steps: list[int], *, keep_last: int = 0, **kwargs:
     actor, sampler = ShardWritingActor(), PromptSampler(list(range(10)), seed=1)
     for step in steps:
         sampler.next(2)
-        folder.save_checkpoint(actor, step, sampler, rollout=b"state")  # type: ignore[arg-type]
+        folder.save_checkpoint(actor, step, {"sampler": sampler.state_dict(), "rollout": b"state"})  # type: ignore[arg-type]
     folder.close()
     return folder.ckpt_root
 
@@ -131,7 +131,7 @@ def test_the_manifest_refuses_a_shard_its_writer_did_not_hash(tmp_path: Path, wo
 
     folder = RunFolder(config(tmp_path / "run"), rank=0, resume=False)
     with pytest.raises(ValueError, match=r"__0_0.distcp: no SHA-256 from its writer"):
-        folder.save_checkpoint(Unhashed(), 1, PromptSampler(list(range(4)), seed=1))  # type: ignore[arg-type]
+        folder.save_checkpoint(Unhashed(), 1, {"sampler": PromptSampler(list(range(4)), seed=1).state_dict()})  # type: ignore[arg-type]
     folder.close()
     assert resume_point(folder.ckpt_root) is None
 
@@ -145,7 +145,7 @@ def test_pruning_never_removes_the_newest_checkpoint_that_verified(tmp_path: Pat
         flip_a_bit(checkpoint_dir(root, step) / ACTOR_DIR / "__0_0.distcp")
     folder = RunFolder(config(run_dir, keep_last=1), rank=0, resume=True)
     assert folder.start_step == 1
-    folder.save_checkpoint(ShardWritingActor(), 2, PromptSampler(list(range(10)), seed=1))  # type: ignore[arg-type]
+    folder.save_checkpoint(ShardWritingActor(), 2, {"sampler": PromptSampler(list(range(10)), seed=1).state_dict()})  # type: ignore[arg-type]
     folder.close()
     assert (checkpoint_dir(root, 2)).is_dir()
     point = resume_point(root, warn=False)
@@ -336,7 +336,7 @@ def test_a_lock_file_removed_mid_run_stops_the_run_before_its_next_record_or_che
         log.log({"step": 2})
     second = RunLock(run_dir)  # the second launch
     with pytest.raises(RunFolderError, match=r"was replaced while this run .* stopped before the checkpoint of step 2"):
-        folder.save_checkpoint(ShardWritingActor(), 2, PromptSampler(list(range(4)), seed=1))  # type: ignore[arg-type]
+        folder.save_checkpoint(ShardWritingActor(), 2, {"sampler": PromptSampler(list(range(4)), seed=1).state_dict()})  # type: ignore[arg-type]
     with pytest.raises(RunFolderError, match=r"stopped before the export to"):
         folder.export(None, run_dir / "hf")  # type: ignore[arg-type]
     log.close()
@@ -386,7 +386,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_free_by
     sampler = PromptSampler(list(range(4)), seed=1)
     staging = checkpoint_dir(folder.ckpt_root, 1).with_name("step_000001.tmp")
     with pytest.raises(CheckpointWriteError) as err:
-        folder.save_checkpoint(DiskFull(), 1, sampler)  # type: ignore[arg-type]
+        folder.save_checkpoint(DiskFull(), 1, {"sampler": sampler.state_dict()})  # type: ignore[arg-type]
     message = str(err.value)
     assert message.startswith(f"{staging}: no space left to write the checkpoint (") and "\n" not in message
     assert " bytes free on its file system" in message
@@ -397,7 +397,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_free_by
     monkeypatch.setattr(checkpoints, "save_loop_state", torn_zip)
     monkeypatch.setattr(write_errors, "free_bytes", lambda _: 4096)
     with pytest.raises(CheckpointWriteError, match=r"no space left to write the checkpoint \(4096 bytes free"):
-        folder.save_checkpoint(ShardWritingActor(), 1, sampler)  # type: ignore[arg-type]
+        folder.save_checkpoint(ShardWritingActor(), 1, {"sampler": sampler.state_dict()})  # type: ignore[arg-type]
     folder.close()
 
 
@@ -408,7 +408,7 @@ def test_an_unwritable_checkpoint_folder_mid_run_is_one_line(tmp_path: Path, wor
 
     folder = RunFolder(config(tmp_path / "run"), rank=0, resume=False)
     with pytest.raises(CheckpointWriteError) as err:
-        folder.save_checkpoint(Unwritable(), 1, PromptSampler(list(range(4)), seed=1))  # type: ignore[arg-type]
+        folder.save_checkpoint(Unwritable(), 1, {"sampler": PromptSampler(list(range(4)), seed=1).state_dict()})  # type: ignore[arg-type]
     folder.close()
     message = str(err.value)
     assert "could not be written (PermissionError: [Errno 13] Permission denied" in message and "\n" not in message

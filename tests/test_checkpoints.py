@@ -163,7 +163,7 @@ def save_steps(run_dir: Path, steps: list[int], keep_last: int = 0) -> RunFolder
     actor, sampler = ShardWritingActor(), PromptSampler(list(range(10)), seed=1)
     for step in steps:
         sampler.next(2)
-        folder.save_checkpoint(actor, step, sampler)  # type: ignore[arg-type]
+        folder.save_checkpoint(actor, step, {"sampler": sampler.state_dict()})  # type: ignore[arg-type]
     return folder
 
 
@@ -186,7 +186,7 @@ def test_a_checkpoint_is_renamed_into_place_with_a_manifest_of_its_files(tmp_pat
     assert files[f"{ACTOR_DIR}/__1_0.distcp"]["size"] == 1001
     point = resume_point(root)
     assert point is not None and point[0] == step3 and point[1].step == 3
-    assert point[1].sampler["position"] == 6  # 2 prompts drawn per step
+    assert point[1].entries["sampler"]["position"] == 6  # 2 prompts drawn per step
     assert not list(root.glob("*.tmp"))
 
 
@@ -230,7 +230,7 @@ def test_leftover_staging_folders_are_ignored_then_cleaned_and_pruning_keeps_the
     assert prune_checkpoints(root, keep_last=1) == []  # step 2 is the newest complete one now: kept
     resumed = RunFolder(folder.cfg, rank=0, resume=True)
     assert resumed.start_step == 2
-    resumed.save_checkpoint(ShardWritingActor(), 3, PromptSampler(list(range(10)), seed=1))  # type: ignore[arg-type]
+    resumed.save_checkpoint(ShardWritingActor(), 3, {"sampler": PromptSampler(list(range(10)), seed=1).state_dict()})  # type: ignore[arg-type]
     # the damaged step 3 is replaced by the new one, the staging folder is gone; keep_last = 2
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003"]
     assert resume_point(root)[1].step == 3  # type: ignore[index]

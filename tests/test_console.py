@@ -97,6 +97,6 @@ def test_ctrl_c_while_a_command_is_imported_exits_130_without_a_traceback(
 ) -> None:
     (tmp_path / "slow_to_import.py").write_text("raise KeyboardInterrupt  # Ctrl-C while torch is imported\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(cli.COMMANDS, "slow", "slow_to_import")
+    monkeypatch.setitem(cli.COMMANDS, "slow", ("slow_to_import", "a command whose import is interrupted"))
     assert cli.main(["slow"]) == 130
     assert capsys.readouterr().err == ""

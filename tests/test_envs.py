@@ -844,8 +844,8 @@ def test_an_environment_that_always_fails_is_warned_about_then_stops_the_run(cap
         "'test_envs:BrokenStep'; first: BrokenStep.step: ValueError: the tool server is down"
     )
     with caplog.at_level("WARNING"):
-        plan = on_loop(broken_env_collector("test_envs:BrokenStep", "env.max_failure_frac=1").collect(step=2))
-    assert plan.metrics["env/env_error"] == 2.0
+        step_batch = on_loop(broken_env_collector("test_envs:BrokenStep", "env.max_failure_frac=1").collect(step=2))
+    assert step_batch.metrics["env/env_error"] == 2.0
     warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
     assert warnings == [
         "step 2: 2 of 2 episodes failed in env.type = 'test_envs:BrokenStep'; first: BrokenStep.step: "

@@ -33,7 +33,7 @@ TIMEOUT_S = 600
 
 def _launch(*args: str, log: Path) -> None:
     cmd = rank_launcher(2)
-    cmd += ["-m", "megatron_rl.cli", *args, "logging.progress=false", "logging.tensorboard=false"]
+    cmd += ["-m", "megatron_rl.cli", *args, "logging.progress=false", "logging.backends=[]"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as handle:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)

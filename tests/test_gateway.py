@@ -833,10 +833,10 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
         "env.agent = 'test_gateway:failing_on_bad_rows'; first: RuntimeError: no luck"
     )
     with caplog.at_level("WARNING"):
-        plan = on_loop(
-            agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5").collect(step=3)
-        )
-    assert plan.metrics["env/agent_errors"] == 2.0 and plan.metrics["groups/aborted"] == 1.0 and len(plan.batch) == 2
+        collector = agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5")
+        step_batch = on_loop(collector.collect(step=3))
+    metrics = step_batch.metrics
+    assert metrics["env/agent_errors"] == 2.0 and metrics["groups/aborted"] == 1.0 and len(step_batch.batch) == 2
     (summary,) = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
     assert (
         summary
@@ -917,11 +917,12 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
         started = runtime.loop.submit(runtime._collect(1))
         wait_until(lambda: len(_processes_naming(marker)) >= 2, 60, "the first agent (a shell and python) to start")
         stop.handle(signal.SIGTERM, None)
-        plan = started.result(timeout=120)
+        step_batch = started.result(timeout=120)
         assert runtime.evaluate(1) == {}  # nothing evaluated on aborted episodes
     finally:
         runtime.close()
         runtime.data.close()
-    assert plan.batch is None and plan.metrics["env/end_preempted"] == 2.0 and plan.metrics["groups/aborted"] == 1.0
-    assert "env/agent_errors" not in plan.metrics
+    metrics = step_batch.metrics
+    assert step_batch.batch is None and metrics["env/end_preempted"] == 2.0 and metrics["groups/aborted"] == 1.0
+    assert "env/agent_errors" not in metrics
     assert not _processes_naming(marker)

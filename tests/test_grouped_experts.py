@@ -231,3 +231,26 @@ def test_the_validation_refuses_true_for_such_widths_before_anything_is_built() 
     with pytest.raises(ConfigError, match=r"model.moe_grouped_gemm = true: .* model.hidden_size \(66\)"):
         validate_run(load_config(overrides=odd), "convert", world_size=1, cuda_available=False)
     validate_run(load_config(overrides=odd[1:]), "convert", world_size=1, cuda_available=False)  # auto: the loop
+
+
+def test_experts_reduce_over_the_expert_data_parallel_group_where_megatron_marks_them_dense(built: dict) -> None:
+    """Megatron-Core 0.16 marks the experts' parameters for the expert groups (`allreduce = False`) only
+    under EP > 1; with EP 1 and expert-TP != TP the builder marks them too, and nothing else (the router,
+    attention, the dense layer). The gradients this fixes: tests/mrl_multiproc/scenarios_layouts.py."""
+    from megatron_rl.models.builder import reduce_experts_over_expert_data_parallel
+
+    (chunk,) = _build(built["model"], grouped=True)  # type: ignore[arg-type]
+
+    def marked() -> set[str]:
+        return {name for name, p in chunk.named_parameters() if not getattr(p, "allreduce", True)}
+
+    experts = {name for name, _ in chunk.named_parameters() if ".mlp.experts." in name}
+    assert experts and marked() == set(), "at EP 1 Megatron marks the experts dense"
+    for same_groups in (layout(ep=2), layout(tp=2, sp=True), layout(tp=2, sp=True, ep=2, etp=1)):
+        reduce_experts_over_expert_data_parallel(chunk, same_groups)
+        assert marked() == set(), same_groups
+    reduce_experts_over_expert_data_parallel(chunk, layout(etp=2))
+    assert marked() == experts
+    (chunk,) = _build(built["model"], grouped=True)  # type: ignore[arg-type]
+    reduce_experts_over_expert_data_parallel(chunk, layout(tp=2, sp=True, etp=1))
+    assert marked() == experts

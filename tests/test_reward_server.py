@@ -476,9 +476,9 @@ def test_a_failing_server_mid_run_stops_the_step_naming_it(scripted: ScriptedSer
 def test_one_nan_leaves_its_group_out_and_the_others_are_trained_on(scripted: ScriptedServer) -> None:
     collector = remote_collector(scripted.url, "reward.max_failure_frac=0.25")
     scripted.mode = "nan"  # response 2 (the first of prompt 1's group) gets a NaN score
-    plan = on_loop(collector.collect(step=1))
-    assert (plan.metrics["reward/failures"], plan.metrics["groups/reward_failed"]) == (1.0, 1.0)
-    assert plan.batch is not None and len(plan.batch) == 2 and plan.rewards.tolist() == [1.0, 1.0]
+    step_batch = on_loop(collector.collect(step=1))
+    assert (step_batch.metrics["reward/failures"], step_batch.metrics["groups/reward_failed"]) == (1.0, 1.0)
+    assert step_batch.batch is not None and len(step_batch.batch) == 2 and step_batch.rewards.tolist() == [1.0, 1.0]
     assert collector.sampler.position == 2  # prompt 1 was generated, scored and left out
 
 

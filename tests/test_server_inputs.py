@@ -16,8 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from megatron_rl.http_body import MAX_DEPTH, BodyError, parse_json
+from megatron_rl.http.body import MAX_DEPTH, BodyError, parse_json
 from megatron_rl.rewards import server as reward_server
+from megatron_rl.rollout.local import serve as engine_serve
 from megatron_rl.rollout.local import server as engine_server
 from megatron_rl.rollout.local.engine_thread import EngineThread
 from megatron_rl.rollout.local.generator import Generator
@@ -45,7 +46,7 @@ def engine(model_dir: Path) -> Iterator[engine_server.LocalServer]:
     model, info = load_model(str(model_dir), "cpu", "auto")
     thread = EngineThread(model, info, Generator(model, info, MAX_RUNNING, 1024, seed=0))
     thread.start()
-    server = engine_server.LocalServer(thread, info, KEY, engine_server._tokenizer(str(model_dir)))
+    server = engine_server.LocalServer(thread, info, KEY, engine_serve._tokenizer(str(model_dir)))
     server.read_timeout_s = READ_TIMEOUT_S
     try:
         yield server
@@ -149,7 +150,7 @@ def test_generate_answers_400_naming_the_field_where_it_answered_500(engine, tmp
     ]
 
     async def scenario() -> list[tuple[int, str]]:
-        async with serving(engine_server._serve, engine, tmp_path) as port:
+        async with serving(engine_serve._serve, engine, tmp_path) as port:
             replies = [await post(port, "/generate", body) for body, _ in cases]
             url = f"http://127.0.0.1:{port}/get_weights_by_name?name=lm_head.weight&truncate_size=abc"
             async with aiohttp.ClientSession(headers=AUTH) as session, session.get(url) as reply:
@@ -169,7 +170,7 @@ def test_an_empty_prompt_never_reaches_the_requests_in_flight(engine, tmp_path: 
     running = {"text": "1+1=", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
 
     async def scenario() -> tuple[tuple[int, str], list[tuple[int, str]]]:
-        async with serving(engine_server._serve, engine, tmp_path) as port:
+        async with serving(engine_serve._serve, engine, tmp_path) as port:
             long = asyncio.create_task(post(port, "/generate", running))
             async with asyncio.timeout(WAIT_S):
                 while not await asyncio.wrap_future(engine.engine.call(lambda e: len(e.generator.running))):
@@ -194,7 +195,7 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(which: str, reques
     """A head that never completes is dropped; a body that never completes answers 408 naming the
     timeout. Neither holds the connection open (before: an hour, the aiohttp default, or forever)."""
     if which == "engine":
-        serve, server, path = engine_server._serve, request.getfixturevalue("engine"), "/generate"
+        serve, server, path = engine_serve._serve, request.getfixturevalue("engine"), "/generate"
     else:
         serve, server, path = reward_server._serve, request.getfixturevalue("rewards"), "/score"
     head_only, body_cut = _half_sent(path)
@@ -214,7 +215,7 @@ def test_half_sent_requests_are_closed_after_the_read_timeout(which: str, reques
 @pytest.mark.parametrize("which", ["engine", "reward_server"])
 def test_a_key_that_is_not_utf8_is_401_and_deep_rows_are_400(which: str, request, tmp_path: Path) -> None:
     if which == "engine":  # its /health is open, as SGLang's
-        serve, server, path, keyed = engine_server._serve, request.getfixturevalue("engine"), "/generate", "/model_info"
+        serve, server, path, keyed = engine_serve._serve, request.getfixturevalue("engine"), "/generate", "/model_info"
     else:
         serve, server, path, keyed = reward_server._serve, request.getfixturevalue("rewards"), "/score", "/health"
     wrong = f"GET {keyed} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: Bearer {KEY}".encode()
@@ -235,7 +236,7 @@ def test_a_key_that_is_not_utf8_is_401_and_deep_rows_are_400(which: str, request
 
 def _serve_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    engine_server.add_arguments(parser)
+    engine_serve.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -255,8 +256,8 @@ def test_serve_refuses_to_start_without_a_key_or_with_unusable_limits(
         (["--no-auth", "--read-timeout-s", "0"], "--read-timeout-s 0.0: must be > 0"),
     ]
     for argv, message in refusals:
-        assert engine_server.run(_serve_args("--model", missing, *argv)) == 2, argv
+        assert engine_serve.run(_serve_args("--model", missing, *argv)) == 2, argv
         assert f"megatron-rl serve: {message}" in capsys.readouterr().err, argv
     monkeypatch.setenv(API_KEY_ENV, KEY)  # the key from the environment, off the command line
-    assert engine_server.run(_serve_args("--model", missing, "--no-auth")) == 2
+    assert engine_serve.run(_serve_args("--model", missing, "--no-auth")) == 2
     assert "contradict" in capsys.readouterr().err

@@ -200,7 +200,7 @@ def one_process_sft_command(assets: Path, run_dir: Path, *overrides: str) -> lis
         f"logging.run_dir={run_dir}",
         "train.prompts_per_step=8",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.backends=[]",
     ]
     return [sys.executable, "-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *settings, *overrides]
 

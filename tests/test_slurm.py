@@ -71,7 +71,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "algorithm": {"name": "grpo"},
         "train": {"steps": 2, "prompts_per_step": 2, "lr": 1e-3, "seed": 3},
         "checkpoint": {"every": 1, "export_hf": False},
-        "logging": {"progress": False, "tensorboard": False},
+        "logging": {"progress": False, "backends": []},
     }
     (root / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
     return root

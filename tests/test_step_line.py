@@ -23,7 +23,7 @@ RL_RECORD = {
 def test_a_redirected_log_gets_a_line_per_step_with_the_eta_of_the_mean_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    log = MetricsLogger(tmp_path, enabled=True, total_steps=40, tensorboard=False, terminal=False)
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=40, terminal=False)
     log.log({"step": 1, **RL_RECORD, "time/step": 6.0})
     log.log({"step": 1, "eval/greedy_accuracy": 0.25}, advance=False)  # an evaluation record: no line of its own
     log.log({"step": 2, **RL_RECORD, "actor/kl_ref_mean": 0.0123, "time/step": 9.0})
@@ -40,16 +40,14 @@ def test_a_redirected_log_gets_a_line_per_step_with_the_eta_of_the_mean_step(
 def test_lines_every_n_steps_and_at_the_last_and_none_on_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    log = MetricsLogger(
-        tmp_path, enabled=True, total_steps=5, tensorboard=False, terminal=False, line_every=2, desc="sft"
-    )
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=5, terminal=False, line_every=2, desc="sft")
     for step in range(1, 6):
         log.log({"step": step, "sft/loss": 1.0 / step, "time/step": 2.0})
     log.close()
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["sft step 2/5", "sft step 4/5", "sft step 5/5"]
     assert lines[-1] == "sft step 5/5 | loss 0.2000 | 2.0 s/step | ETA 0m00s"
-    bar = MetricsLogger(tmp_path / "tty", enabled=True, total_steps=5, tensorboard=False, terminal=True)
+    bar = MetricsLogger(tmp_path / "tty", enabled=True, total_steps=5, terminal=True)
     bar.log({"step": 1, "sft/loss": 1.0, "time/step": 2.0})
     bar.close()
     shown = capsys.readouterr().err

@@ -129,9 +129,12 @@ def test_packed_micro_batches_train_the_first_step_as_the_padded_ones(
     work: Path, straight_runs: RunCache, tmp_path: Path
 ) -> None:
     """train.micro_batch_tokens: the same seed's run with packed micro-batches (balanced over the 2 DP
-    ranks) trains step 1 (the same samples) to the loss and gradient norm of the right-padded run."""
+    ranks) trains step 1 (the same samples) to the loss and gradient norm of the right-padded run. The
+    packed run stops after step 1: at a constant learning rate step 1 does not depend on train.steps."""
     padded = straight_runs.records(work, *RESUME_RUN)[0]
-    packed = train(work, tmp_path / "packed", *RESUME_RUN, "train.micro_batch_tokens=40")[0]
+    packed_run = train(work, tmp_path / "packed", *RESUME_RUN, "train.micro_batch_tokens=40", "train.steps=1")
+    assert [r["step"] for r in packed_run] == [1] and padded["step"] == 1
+    packed = packed_run[0]
     assert packed["reward/mean"] == padded["reward/mean"]
     assert packed["actor/micro_batches"] > padded["actor/micro_batches"]  # other micro-batches, not the same ones
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy_mean"):

@@ -6,7 +6,6 @@ import json
 import math
 import random
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -125,9 +124,9 @@ def test_dynamic_sampling_all_wrong_stops_at_the_round_limit_with_the_warning() 
     cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.max_gen_rounds": 3, "algorithm.overlong_buffer_len": 4})
     prompts = [prompt(i, "7") for i in range(10)]
     col, engine = collector(cfg, {100 + i: [WRONG] for i in range(10)}, prompts)
-    plan = on_loop(col.collect(step=1))
-    assert plan.batch is None
-    m = plan.metrics
+    step_batch = on_loop(col.collect(step=1))
+    assert step_batch.batch is None
+    m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/target_missed"], m["groups/groups_used"]) == (3.0, 1.0, 0.0)
     assert (m["groups/groups_generated"], m["groups/filtered"], m["reward/count"]) == (6.0, 6.0, 24.0)
     assert col.sampler.position == 6 and len(engine.calls) == 3
@@ -140,10 +139,10 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
     cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.overlong_buffer_len": 4})
     script = {100: [WRONG], 101: [RIGHT, WRONG, WRONG, WRONG], 102: [RIGHT, RIGHT, WRONG, WRONG], 103: [WRONG]}
     col, _ = collector(cfg, script, [prompt(i, "7") for i in range(4)])
-    plan = on_loop(col.collect(step=1))
-    m = plan.metrics
+    step_batch = on_loop(col.collect(step=1))
+    m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/groups_kept"], m["groups/target_missed"]) == (2.0, 2.0, 0.0)
-    batch = plan.batch
+    batch = step_batch.batch
     assert len(batch) == 8
     # every response is 9 characters + EOS = 10 tokens > L_max - L_cache = 12 - 4: the same -0.5 penalty
     # on every reward, which group advantages cancel
@@ -152,8 +151,8 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
     std2 = math.sqrt(4 / 3) + 1e-6  # rewards [1, 1, -1, -1]
     want = [1.5 / std1, -0.5 / std1, -0.5 / std1, -0.5 / std1, 1 / std2, 1 / std2, -1 / std2, -1 / std2]
     torch.testing.assert_close(adv, torch.tensor(want))
-    assert plan.metrics["reward/train_mean"] == pytest.approx((-2 + 0) / 8 - 0.5)
-    assert plan.rewards.tolist() == [0.5, -1.5, -1.5, -1.5, 0.5, 0.5, -1.5, -1.5]  # shaped: the advantages' input
+    assert step_batch.metrics["reward/train_mean"] == pytest.approx((-2 + 0) / 8 - 0.5)
+    assert step_batch.rewards.tolist() == [0.5, -1.5, -1.5, -1.5, 0.5, 0.5, -1.5, -1.5]  # shaped: the advantages' input
     assert batch.prompt_lengths == [2] * 8 and batch.response_mask is None
     assert batch.tokens[0].tolist() == [101, 61, *[ord(c) for c in RIGHT], 0]
     assert batch.rollout_log_probs[0].tolist() == [-0.5] * 10
@@ -162,11 +161,11 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
 def test_without_dynamic_sampling_one_round_is_used_whole() -> None:
     cfg = make_cfg()
     col, _ = collector(cfg, {100: [WRONG], 101: [RIGHT, WRONG]}, [prompt(0, "7"), prompt(1, "7")])
-    plan = on_loop(col.collect(step=3))
-    m = plan.metrics
+    step_batch = on_loop(col.collect(step=3))
+    m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/groups_used"], m["groups/informative"], m["groups/filtered"]) == (1, 2, 1, 1)
-    assert len(plan.batch) == 8
-    assert torch.stack(plan.batch.advantages[:4]).abs().max() == 0  # the uninformative group trains on nothing
+    assert len(step_batch.batch) == 8
+    assert torch.stack(step_batch.batch.advantages[:4]).abs().max() == 0  # the uninformative group trains on nothing
     assert m["reward/accuracy"] == 2 / 8 and m["reward/mean"] == (2 - 6) / 8
 
 
@@ -175,19 +174,23 @@ def test_aborted_requests_leave_their_group_out_of_the_batch() -> None:
     # prompt 0's third response was aborted (its text would even score as right); prompt 1's group is whole
     script = {100: [RIGHT, WRONG, ABORT, WRONG], 101: [RIGHT, WRONG, WRONG, WRONG]}
     col, _ = collector(cfg, script, [prompt(0, "7"), prompt(1, "7")])
-    plan = on_loop(col.collect(step=1))
-    m = plan.metrics
+    step_batch = on_loop(col.collect(step=1))
+    m = step_batch.metrics
     assert (m["rollout/aborted"], m["groups/aborted"], m["groups/groups_used"]) == (1.0, 1.0, 1.0)
-    assert len(plan.batch) == 4 and all(int(t[0]) == 101 for t in plan.batch.tokens)
+    assert len(step_batch.batch) == 4 and all(int(t[0]) == 101 for t in step_batch.batch.tokens)
     # only the whole group is scored: rewards 1, -1, -1, -1 -> advantages (r - mean) / std
-    adv = torch.stack([a.reshape(-1)[0] for a in plan.batch.advantages])
+    adv = torch.stack([a.reshape(-1)[0] for a in step_batch.batch.advantages])
     std = torch.tensor([1.0, -1.0, -1.0, -1.0]).std()
     torch.testing.assert_close(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (std + 1e-6))
     assert m["reward/count"] == 4.0
     # every group aborted: nothing to train on, the step is skipped (no crash)
     col, _ = collector(cfg, {100: [ABORT], 101: [RIGHT, ABORT]}, [prompt(0, "7"), prompt(1, "7")])
-    plan = on_loop(col.collect(step=1))
-    assert plan.batch is None and plan.metrics["groups/aborted"] == 2.0 and plan.metrics["rollout/aborted"] == 6.0
+    step_batch = on_loop(col.collect(step=1))
+    assert (
+        step_batch.batch is None
+        and step_batch.metrics["groups/aborted"] == 2.0
+        and step_batch.metrics["rollout/aborted"] == 6.0
+    )
 
 
 def test_short_batch_with_fewer_samples_than_data_parallel_ranks_is_dropped() -> None:
@@ -197,10 +200,10 @@ def test_short_batch_with_fewer_samples_than_data_parallel_ranks_is_dropped() ->
         engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
         sampler = PromptSampler([prompt(0, "7"), prompt(1, "7")], shuffle=False)
         col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward), sampler, min_samples=dp)
-        plan = on_loop(col.collect(step=1))
-        assert plan.metrics["groups/target_missed"] == 1.0 and plan.metrics["groups/groups_used"] == 1.0
-        assert plan.metrics["groups/short_batch_dropped"] == float(dropped)
-        assert (plan.batch is None) == dropped and (dropped or len(plan.batch) == 4)
+        step_batch = on_loop(col.collect(step=1))
+        assert step_batch.metrics["groups/target_missed"] == 1.0 and step_batch.metrics["groups/groups_used"] == 1.0
+        assert step_batch.metrics["groups/short_batch_dropped"] == float(dropped)
+        assert (step_batch.batch is None) == dropped and (dropped or len(step_batch.batch) == 4)
 
 
 def test_overlong_shaping_filtering_and_reward_failures() -> None:
@@ -225,18 +228,18 @@ def test_overlong_shaping_filtering_and_reward_failures() -> None:
     )
     sampler = PromptSampler([prompt(0, "1"), prompt(1, "1")], shuffle=False)
     col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), sampler)
-    plan = on_loop(col.collect(step=1))
+    step_batch = on_loop(col.collect(step=1))
     groups, stats = col.score([prompt(0, "1")], [on_loop(engine.generate([[100, 61]] * 4, [SamplingParams()] * 4))])
     # lengths: 3, 10 (9 + EOS), 12 (truncated, no EOS), 4 tokens; L_max 12, L_cache 4: penalty zone above 8
     assert groups[0].scores == [2.0, 9.0, 12.0, 3.0]
     assert groups[0].rewards == pytest.approx([2.0, 9.0 - 2 / 4, 12.0 - 1.0, 3.0])
-    assert stats.failed == 0 and plan.metrics["reward/failures"] == 1.0
+    assert stats.failed == 0 and step_batch.metrics["reward/failures"] == 1.0
     # the group with the failed response is left out whole: only prompt 0's group is trained on
-    assert (plan.metrics["groups/reward_failed"], plan.metrics["groups/groups_used"]) == (1.0, 1.0)
-    assert [int(t[0]) for t in plan.batch.tokens] == [100] * 4
-    assert [m.tolist() for m in plan.batch.response_mask] == [[True] * 3, [True] * 10, [False] * 12, [True] * 4]
-    assert plan.rewards.tolist() == pytest.approx([2.0, 8.5, 11.0, 3.0])
-    assert plan.metrics["response/clipped_frac"] == 0.125 and plan.metrics["response/length_max"] == 12
+    assert (step_batch.metrics["groups/reward_failed"], step_batch.metrics["groups/groups_used"]) == (1.0, 1.0)
+    assert [int(t[0]) for t in step_batch.batch.tokens] == [100] * 4
+    assert [m.tolist() for m in step_batch.batch.response_mask] == [[True] * 3, [True] * 10, [False] * 12, [True] * 4]
+    assert step_batch.rewards.tolist() == pytest.approx([2.0, 8.5, 11.0, 3.0])
+    assert step_batch.metrics["response/clipped_frac"] == 0.125 and step_batch.metrics["response/length_max"] == 12
 
 
 def test_evaluate_is_greedy_accuracy() -> None:
@@ -299,7 +302,7 @@ def test_logprob_gap_by_hand() -> None:
 
 
 def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
-    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, progress=False)
     for step in range(4):
         log.log({"step": step, "reward/mean": step / 2, "actor/grad_norm": float("nan") if step == 2 else 1.0})
     log.close()
@@ -314,21 +317,24 @@ def test_metrics_file_round_trip_and_truncation(tmp_path: Path) -> None:
 def test_tensorboard_on_without_the_package_says_so_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """logging.tensorboard is on by default but tensorboard is no dependency: without it nothing was written
+    """TensorBoard is a tracker by default (logging.backends) but no dependency: without it nothing was written
     and nothing said. Now one warning at start names the package, how to install it and how to turn it off."""
     import sys
 
+    from megatron_rl.config import LoggingConfig
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails, as without the package
-    with caplog.at_level("WARNING", logger="megatron_rl.metrics.records"):
-        log = MetricsLogger(tmp_path, enabled=True, total_steps=2, progress=False)
+    with caplog.at_level("WARNING", logger="megatron_rl.metrics.trackers"):
+        log = MetricsLogger(tmp_path, enabled=True, total_steps=2, progress=False, tracking=LoggingConfig())
         log.log({"step": 1, "reward/mean": 0.5})
         log.log({"step": 2, "reward/mean": 0.7})
         log.close()
-        MetricsLogger(tmp_path / "off", enabled=True, total_steps=2, tensorboard=False, progress=False).close()
+        off = LoggingConfig(backends=[])
+        MetricsLogger(tmp_path / "off", enabled=True, total_steps=2, progress=False, tracking=off).close()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert "TensorBoard cannot be imported" in warnings[0] and "pip install tensorboard" in warnings[0]
-    assert "logging.tensorboard=false" in warnings[0]
+    assert "leave it out of logging.backends" in warnings[0]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and not (tmp_path / "tensorboard").exists()
 
 
@@ -341,12 +347,12 @@ def test_loop_state_round_trip_latest_and_pruning(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         folder = checkpoint_dir(tmp_path, step)
         folder.mkdir()
-        state = LoopState(step=step, sampler={"position": step}, rollout_seed=7, rng=rng)
+        state = LoopState(step=step, entries={"sampler": {"position": step}}, rollout_seed=7, rng=rng)
         write_manifest(folder, step, {"loop_state.pt": save_loop_state(folder, state)})
     checkpoint_dir(tmp_path, 4).mkdir()  # a save that was killed half-way: no loop_state.pt
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     state = load_loop_state(latest_checkpoint(tmp_path))
-    assert (state.step, state.sampler, state.rollout_seed) == (3, {"position": 3}, 7)
+    assert (state.step, state.entries, state.rollout_seed) == (3, {"sampler": {"position": 3}}, 7)
     restore_rng(state.rng)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
     removed = prune_checkpoints(tmp_path, keep_last=2)
@@ -448,7 +454,7 @@ def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from megatron_rl.metrics.plot import plot_run
 
-    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=False, progress=False)
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=3, progress=False)
     log.log({"step": 0, "eval/greedy_accuracy": 0.1}, advance=False)
     for step in (1, 2, 3):
         log.log({"step": step, "reward/mean": step, "reward/accuracy": step / 4, "time/generate": 0.5})
@@ -518,7 +524,8 @@ def _run_trainer(cfg: Config, trained: set[int], *, resume: bool) -> tuple[Any, 
     driver, sync = VersionRecordingDriver(trained), LabelRecordingSync()
     log = run_folder.open_log(desc="rl")
     trainer = Trainer(cfg, run_folder, FileActor(), log, sync, driver)  # type: ignore[arg-type]
-    trainer._update = lambda plan: {}  # the actor's update is not what is tested
+    run_folder.restore(trainer)  # as `Trainer.start` does
+    trainer._update = lambda step_batch: {}  # the actor's update is not what is tested
     try:
         trainer.run()
     finally:
@@ -531,26 +538,31 @@ def test_resume_from_the_checkpoint_of_a_skipped_step_keeps_the_weight_version(t
 
     def cfg(steps: int) -> Config:
         over = {"logging.run_dir": str(tmp_path / "run"), "train.steps": steps, "checkpoint.every": 1}
-        return make_cfg(**over, **{"checkpoint.export_hf": False, "logging.tensorboard": False})
+        return make_cfg(**over, **{"checkpoint.export_hf": False, "logging.backends": []})
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         # step 1 trains (the engine then serves version 1); steps 2 and 3 are skipped (no informative group)
         _, first, sync = _run_trainer(cfg(3), {1}, resume=False)
         assert first.versions == {1: 0, 2: 1, 3: 1} and sync.labels == ["1"]
-        assert load_loop_state(checkpoint_dir(tmp_path / "run" / "checkpoints", 3)).weight_version == 1
+        assert load_loop_state(checkpoint_dir(tmp_path / "run" / "checkpoints", 3)).entries["weight_version"] == 1
         # resumed from step 3's checkpoint: version 1, as the uninterrupted run (which would say 1 at step 4)
         trainer, resumed, sync = _run_trainer(cfg(5), {5}, resume=True)
         assert resumed.versions == {4: 1, 5: 1} and sync.labels == ["5"] and trainer.version == 5
     finally:
         dist.destroy_process_group()
-    # a checkpoint written before the version was saved: its step, as before; from scratch: 0
-    from megatron_rl.trainer import resumed_weight_version
 
-    saved_before = LoopState(step=5, sampler={}, rollout_seed=0)
-    assert saved_before.weight_version is None
-    assert resumed_weight_version(SimpleNamespace(loop_state=saved_before)) == 5  # type: ignore[arg-type]
-    assert resumed_weight_version(SimpleNamespace(loop_state=None)) == 0  # type: ignore[arg-type]
+
+def test_a_loop_state_of_format_1_is_read_as_named_entries(tmp_path: Path) -> None:
+    """Before named entries, the sampler, the rollout state and the weight version were fields of their
+    own; a checkpoint written before the version was kept resumes at its step's version."""
+    fields = {"step": 5, "rollout_seed": 0, "async_mode": None, "rng": capture_rng(), "format_version": 1}
+    for saved_version, resumed_version in ((None, 5), (3, 3)):
+        old = {**fields, "sampler": {"position": 5}, "rollout": None, "weight_version": saved_version}
+        torch.save(old, tmp_path / "loop_state.pt")
+        state = load_loop_state(tmp_path)
+        assert state.entries == {"sampler": {"position": 5}, "rollout": None, "weight_version": resumed_version}
+        assert (state.step, state.format_version) == (5, 2)
 
 
 def test_reward_failures_above_the_fraction_stop_the_step_naming_the_source(caplog: pytest.LogCaptureFixture) -> None:
@@ -576,17 +588,17 @@ def test_reward_failures_above_the_fraction_stop_the_step_naming_the_source(capl
     assert "reward.custom_function = 'mod:fn'; first: response 4: ValueError: x is not allowed" in message
     # at the fraction: the failed group is left out, the other trained, and this step's failures reported
     with caplog.at_level("WARNING", logger="megatron_rl.loop.collect"):
-        plan, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})
-        plan, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})  # again: each step warns, not only the first
+        step_batch, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})
+        step_batch, col = run(0.25, {100: ["ab"], 101: ["x", "b"]})  # again: each step warns, not only the first
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and all(
         "step 4: 2 of 8 rewards failed" in w and "1 group(s) left out" in w for w in warnings
     )
-    assert (plan.metrics["reward/failures"], plan.metrics["groups/reward_failed"]) == (2.0, 1.0)
-    assert len(plan.batch) == 4 and all(int(t[0]) == 100 for t in plan.batch.tokens)
+    assert (step_batch.metrics["reward/failures"], step_batch.metrics["groups/reward_failed"]) == (2.0, 1.0)
+    assert len(step_batch.batch) == 4 and all(int(t[0]) == 100 for t in step_batch.batch.tokens)
     # every group failed under a lenient fraction: nothing is trained on (no made-up reward)
-    plan, _ = run(1.0, {100: ["x"], 101: ["x"]})
-    assert plan.batch is None and plan.metrics["groups/reward_failed"] == 2.0
+    step_batch, _ = run(1.0, {100: ["x"], 101: ["x"]})
+    assert step_batch.batch is None and step_batch.metrics["groups/reward_failed"] == 2.0
     # an evaluation whose rewards fail stops the same way
     cfg = make_cfg(**{"reward.type": "custom", "reward.custom_function": "mod:fn"})
     engine = ScriptedEngine({100: ["x"], 101: ["b"]}, 12)

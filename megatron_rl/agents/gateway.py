@@ -54,7 +54,8 @@ from megatron_rl.agents.render import RenderPool, fresh_ids
 from megatron_rl.agents.segments import EpisodeRecord, EpisodeState, Segment, append_call, cut_at_stop, message_key
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs.episodes import TurnRenderer
-from megatron_rl.http_body import READ_TIMEOUT_S, BodyError, app_runner, authorized, parse_json, read_body
+from megatron_rl.http.body import BodyError, parse_json, read_body
+from megatron_rl.http.server import Serving, application, authorized, key_check, start
 from megatron_rl.rollout.types import Engine, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,33 +89,37 @@ class Gateway:
         self.return_routed_experts, self.max_concurrency = return_routed_experts, max_concurrency
         self._render = RenderPool(renderer)
         self._episodes: dict[str, EpisodeState] = {}
-        self._runner: web.AppRunner | None = None
+        self._serving: Serving | None = None
 
     # ---- life ----
     async def start(self) -> Gateway:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        try:
+            await self._start_server()
+        except BaseException:
+            self._render.close()
+            raise
+        return self
+
+    async def _start_server(self) -> None:
+        refusal = "a valid API key is required (Authorization: Bearer KEY)"
+        checked = key_check(
+            lambda r: authorized(r, self.api_key), lambda: error_response(401, refusal, "authentication_error")
+        )
+        app = application(MAX_BODY_BYTES, [checked])
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
-        # closing waits at most 1 s for a call still generating (its agent timed out): it is left out anyway
-        self._runner = app_runner(app, READ_TIMEOUT_S, access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
+        # closing waits at most 1 s for a call still generating (its agent timed out): it is left out anyway;
         # aiohttp's default listen backlog (128) refuses connections when more agents than that
         # connect at once: their clients then fail on a connect timeout
         backlog = max(128, 2 * self.max_concurrency)
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=backlog)
-        try:
-            await site.start()
-        except BaseException:
-            await self.close()
-            raise
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return self
+        self._serving = await start(app, port=self.port, shutdown_timeout_s=1.0, backlog=backlog)
+        self.port = self._serving.port
 
     async def close(self) -> None:
-        """Stop serving (a call still generating is cancelled) and the render threads."""
+        """Stop serving (a call still generating is cancelled, `Serving.close` bounds it) and the render threads."""
         try:
-            if self._runner is not None:
-                await self._runner.cleanup()
+            if self._serving is not None:
+                await self._serving.close()
         finally:
             self._render.close()
 
@@ -140,8 +145,6 @@ class Gateway:
 
     # ---- endpoints ----
     def _state(self, request: web.Request) -> EpisodeState:
-        if not authorized(request, self.api_key):
-            raise RequestError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
         state = self._episodes.get(request.match_info["episode"])
         if state is None:
             raise RequestError(404, f"no open episode {request.match_info['episode']!r}", "not_found_error")

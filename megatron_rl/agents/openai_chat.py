@@ -4,7 +4,7 @@
 `stop` and `logprobs`; unknown fields are ignored, `stream` and `n` > 1 refused. Every refusal is a
 `RequestError` 400 naming the field. A message is refused past `MAX_MESSAGE_CHARS` characters (its
 content, name, tool-call id and tool calls together), naming its index, its size and the bound; a
-tool call's `arguments` string is parsed as the request body is (`http_body.parse_json`: nesting at
+tool call's `arguments` string is parsed as the request body is (`http.body.parse_json`: nesting at
 most `MAX_DEPTH` levels, ...), and kept as the string it is when it is not JSON.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from megatron_rl.envs.tools import MalformedCall, ToolCall, parse_tool_calls
-from megatron_rl.http_body import BodyError, parse_json
+from megatron_rl.http.body import BodyError, parse_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # 2^20: a message this long is some 250,000 tokens or more, past any context a run trains on; its

@@ -1,5 +1,4 @@
-"""What `megatron-rl train` and `megatron-rl sft` share: their arguments, the validation before the
-slow start, and one error line for a bad config, bad data or a checkpoint that does not fit (the
+"""What `megatron-rl train` and `megatron-rl sft` share: their arguments and one error line for a bad config, bad data or a checkpoint that does not fit (the
 traceback too with `megatron-rl --verbose`), or for a stage's own run errors raised on every rank
 alike (printed by rank 0 only). Ctrl-C (SIGINT) ends the stage at once, with one line on rank 0 and
 exit code 130 on every rank, without a traceback; nothing is saved (SIGTERM/SIGUSR1 stop with a
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import Config, ConfigError, load_config
 from megatron_rl.parallel.launch import LaunchError, read_launch_env
-from megatron_rl.validation import Command, validate_run
+from megatron_rl.validation import Command
 
 if TYPE_CHECKING:
     from megatron_rl.run_folder import ResumeMode
@@ -85,10 +84,11 @@ def run_stage(
     *,
     run_errors: tuple[type[Exception], ...] = (),
 ) -> int:
-    """Validate the config for `command` (a world of one unless launched by torchrun/srun), then
-    `run(cfg, resume, force)`; exit code 2 with one line on a config, data or conversion error or
-    files (a checkpoint, the weight sync's) that could not be written, 1 with one line from rank 0 on
-    one of `run_errors` or a run folder lost while running (raised on every rank alike), 130 on Ctrl-C."""
+    """Load the config, then `run(cfg, resume, force)` (a world of one unless launched by torchrun/srun),
+    which validates it and tears down what it started (`megatron_rl.stage.Stage.launch`); exit code 2
+    with one line on a config, data or conversion error or files (a checkpoint, the weight sync's) that
+    could not be written, 1 with one line from rank 0 on one of `run_errors` or a run folder lost while
+    running (raised on every rank alike), 130 on Ctrl-C."""
     try:
         return _run_stage(args, command, run, run_errors)
     except KeyboardInterrupt:
@@ -103,8 +103,6 @@ def _run_stage(
     run: Callable[[Config, ResumeMode, bool], Any],
     run_errors: tuple[type[Exception], ...],
 ) -> int:
-    import torch.distributed as dist
-
     from megatron_rl.data import DataError
     from megatron_rl.models.hf_config import ConversionError
     from megatron_rl.models.write_errors import StorageWriteError
@@ -116,7 +114,7 @@ def _run_stage(
     remember_stop_signals()  # a SIGUSR1 during the slow start-up must not kill the process
     ensure_launch_env()
     try:
-        cfg = validate_run(load_config(args.config, list(args.overrides)), command)
+        cfg = load_config(args.config, list(args.overrides))
     except ConfigError as err:
         return _config_error(err, verbose, command)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,7 +134,4 @@ def _run_stage(
         if _rank0():
             _error(f"{command}: error: ", err, verbose)
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0

@@ -2,7 +2,7 @@
 beyond the YAML is read. In order: every numeric field's range and finiteness, the `algorithm` section (its loss
 spec and the combinations it cannot run), the model's shape and its parallel layout (unless the architecture still
 comes from a checkpoint's config.json), the secrets, the implied keys, then rollout, the asynchronous modes, reward,
-train and env. Each failure raises one `ConfigError` naming the key path and what is allowed.
+train, env and logging. Each failure raises one `ConfigError` naming the key path and what is allowed.
 
 `check_rules` is step 3 of the one validation every entry point runs, `megatron_rl.validation.validate_run`;
 `load_config` runs it on what it loaded, and the model and layout checks on the sections they build.
@@ -31,8 +31,10 @@ from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
     REDACTED,
     SECRET_KEYS,
+    TRACKERS,
     AlgorithmConfig,
     Config,
+    LoggingConfig,
     ModelConfig,
     RewardConfig,
     TrainConfig,
@@ -59,6 +61,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
     _validate_env(cfg)
+    _validate_logging(cfg.logging)
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,13 @@ def _validate_train(train: TrainConfig) -> None:
         f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}",
     )
     _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+
+
+def _validate_logging(logging: LoggingConfig) -> None:
+    backends = list(logging.backends)
+    unknown = [b for b in backends if b not in TRACKERS]
+    _require(not unknown, f"logging.backends: unknown {unknown}; allowed: any of {list(TRACKERS)}")
+    _require(len(set(backends)) == len(backends), f"logging.backends = {backends} names a backend twice")
 
 
 def _validate_reward(reward: RewardConfig) -> None:

@@ -24,6 +24,7 @@ def _f(default: Any, help: str, **bounds: float) -> Any:
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
 
 @dataclass
@@ -135,8 +136,9 @@ class RolloutConfig:
     )
     admin_api_key: str | None = _f(
         None,
-        "SGLang servers started with --admin-api-key: the key sent to their control endpoints (weight updates, "
-        "pause, memory, abort), which accept no other; null = api_key; written redacted into config.yaml",
+        "the key of the engines' control endpoints (weight updates, pause, memory, abort), which then accept no "
+        "other: sent to SGLang servers started with --admin-api-key, given to the local engine the run starts; "
+        "null = api_key; written redacted into config.yaml",
     )
     n_samples_per_prompt: int = _f(8, "responses per prompt (the group size G)", ge=1)
     temperature: float = _f(1.0, "sampling temperature; also applied to the trainer's log-probs", ge=0)
@@ -452,8 +454,19 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = _f("runs/default", "folder of metrics.jsonl, checkpoints and logs")
-    tensorboard: bool = _f(True, "also write TensorBoard events (RUN_DIR/tensorboard; a warning when not installed)")
-    progress: bool = _f(True, "console progress bar with ETA")
+    backends: list = _f(
+        ["tensorboard"],
+        "experiment trackers beside metrics.jsonl, any of tensorboard (RUN_DIR/tensorboard; a warning when not "
+        "installed), wandb, mlflow (pip install wandb / mlflow: refused at start-up when missing)",
+    )
+    run_name: str | None = _f(None, "the trackers' run name; null = the run folder's name")
+    wandb_project: str = _f("megatron-rl", "W&B project")
+    wandb_entity: str | None = _f(None, "W&B entity (team or user); null = the account's default")
+    wandb_offline: bool = _f(False, "W&B offline: files in RUN_DIR/wandb, uploaded later with `wandb sync`")
+    mlflow_tracking_uri: str | None = _f(None, "MLflow tracking server; null = MLflow's own ($MLFLOW_TRACKING_URI)")
+    mlflow_experiment: str = _f("megatron-rl", "MLflow experiment of the run")
+    progress: bool = _f(True, "console progress: a bar on a terminal, else a line per logging.every steps")
+    every: int = _f(1, "where stderr is not a terminal: a console line every n steps (and at the last)", ge=1)
 
 
 @dataclass

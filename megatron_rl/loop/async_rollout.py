@@ -164,10 +164,10 @@ class OneStepOff:
         began = time.perf_counter()
         self.wait()
         if self.ready is not None and self.ready_step == step:
-            plan, self.ready, self.ready_step = self.ready, None, None
+            step_batch, self.ready, self.ready_step = self.ready, None, None
         else:
-            plan = self._wait(self._submit(step))
-        return plan, time.perf_counter() - began
+            step_batch = self._wait(self._submit(step))
+        return step_batch, time.perf_counter() - began
 
     def start(self, step: int) -> None:
         """Begin collecting step `step`'s batch in the background."""

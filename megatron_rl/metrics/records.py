@@ -1,5 +1,5 @@
-"""Step metrics: RUN_DIR/metrics.jsonl, TensorBoard events (a warning at start when the package is missing), and the
-console: a progress bar on a terminal, else a line per step (`metrics.step_line`: a redirected log, Slurm's .out).
+"""Step metrics: RUN_DIR/metrics.jsonl, the experiment trackers of `logging.backends` (`metrics.trackers`:
+TensorBoard, W&B, MLflow), and the console: a progress bar on a terminal, else a line per step (`metrics.step_line`: a redirected log, Slurm's .out).
 
 One JSON object per line: `{"step": k, "<section>/<name>": value, ...}`. Sections: `reward/`,
 `response/`, `groups/`, `data/`, `actor/` (the update's loss metrics), `logprob_gap/`, `eval/`,
@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config import LoggingConfig
 from megatron_rl.losses import metric_reduce_op
 from megatron_rl.metrics.step_line import step_line
+from megatron_rl.metrics.trackers import Tracker, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -106,20 +108,6 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
     return total - len(kept)
 
 
-def _tensorboard_writer(folder: Path, purge_step: int | None) -> Any:
-    """TensorBoard's SummaryWriter on `folder`, or None with one warning when the package cannot be imported."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        logger.warning(
-            "logging.tensorboard = true, but TensorBoard cannot be imported (%s): no TensorBoard events are written; "
-            "pip install tensorboard, or set logging.tensorboard=false",
-            err,
-        )
-        return None
-    return SummaryWriter(str(folder), purge_step=purge_step)
-
-
 class MetricsLogger:
     """Writes step records on the logging rank (others get a disabled logger that does nothing)."""
 
@@ -130,7 +118,7 @@ class MetricsLogger:
         enabled: bool,
         total_steps: int,
         start_step: int = 0,
-        tensorboard: bool = True,
+        tracking: LoggingConfig | None = None,
         progress: bool = True,
         append: bool = False,
         desc: str = "rl",
@@ -139,12 +127,12 @@ class MetricsLogger:
         terminal: bool | None = None,
     ) -> None:
         """`guard(step)`: called on every rank before the record of `step` is written; it may raise to
-        keep it from being written (the run folder's lock check, collective). `progress`: a bar when stderr is
-        a terminal (`terminal`, None = ask it), else a line every `line_every` steps and at the last."""
+        keep it from being written (the run folder's lock check, collective). `tracking`: the trackers of its
+        `backends` (None: none). `progress`: a bar when stderr is a terminal (`terminal`, None = ask it), else a line every `line_every` steps and at the last."""
         self.enabled = enabled
         self.guard = guard
         self.file = None
-        self.writer: Any = None
+        self.trackers: list[Tracker] = []
         self.bar: Any = None
         self.lines = False
         self.line_every, self.total_steps, self.desc = max(1, line_every), total_steps, desc
@@ -154,8 +142,10 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = (run_dir / METRICS_FILE).open("a" if append else "w", encoding="utf-8")
-        if tensorboard:
-            self.writer = _tensorboard_writer(run_dir / "tensorboard", start_step + 1 if append else None)
+        if tracking is not None:
+            self.trackers = open_trackers(
+                tracking, run_dir, resume=append, tensorboard_purge_step=start_step + 1 if append else None
+            )
         self.lines = progress and not (sys.stderr.isatty() if terminal is None else terminal)
         if progress and not self.lines:
             from tqdm import tqdm
@@ -174,11 +164,14 @@ class MetricsLogger:
         assert self.file is not None
         self.file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
         self.file.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        if self.trackers:
+            scalars = {
+                k: float(v)
+                for k, v in record.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            for tracker in self.trackers:
+                tracker.log(step, scalars)
         if self.bar is not None:
             shown = {name: f"{record[key]:.3f}" for key, name in _BAR_KEYS.items() if key in record}
             if shown:
@@ -210,9 +203,9 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self.file is not None:
             self.file.close()
             self.file = None

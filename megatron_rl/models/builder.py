@@ -17,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -268,4 +269,23 @@ def build_model(
         rotary_base=model.rope_theta,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
+    reduce_experts_over_expert_data_parallel(gpt, parallel)
     return [gpt]
+
+
+def reduce_experts_over_expert_data_parallel(model: torch.nn.Module, parallel: ParallelConfig) -> None:
+    """Mark the routed experts' parameters for Megatron's expert topology (`allreduce = False`: DDP reduces
+    their gradients over the expert-data-parallel group, the optimizer shards and norms them with the
+    expert groups) where Megatron-Core 0.16 leaves them marked dense: with EP = 1 it reduces them over
+    the dense data-parallel group, which under expert-TP != TP holds other shards of the experts (ETP > TP:
+    the shards' gradients summed together) or misses ranks that hold the same ones (ETP < TP: ranks drift
+    apart). Megatron-LM fixed it later (NVIDIA/Megatron-LM#5916, #6080); with EP > 1, or expert-TP = TP,
+    the two groups coincide and Megatron's marks stay."""
+    if parallel.expert_model_parallel_size > 1 or resolve_expert_tensor_parallel(parallel) == (
+        parallel.tensor_model_parallel_size
+    ):
+        return
+    for module in model.modules():
+        if isinstance(module, MoELayer):  # its `experts` only: the router and shared experts are dense
+            for param in module.experts.parameters():
+                param.allreduce = False

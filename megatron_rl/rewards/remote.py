@@ -25,7 +25,14 @@ from typing import Any
 import aiohttp
 
 from megatron_rl.config import ConfigError, RewardConfig
-from megatron_rl.http_body import connection_failure
+from megatron_rl.http.client import (
+    RetriesExhausted,
+    RetryableFailure,
+    RetryPolicy,
+    client_session,
+    connection_failure,
+    retrying,
+)
 from megatron_rl.rewards.protocol import (
     API_KEY_ENV,
     MalformedReplyError,
@@ -122,12 +129,9 @@ class RemoteRewardClient:
         return math.ceil(batches / self.max_concurrency) * one + 1.0
 
     async def _with_session(self, body: Any) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        headers = {"Content-Type": "application/json"}
+        async with client_session(self.api_key, self.max_concurrency, timeout, headers) as session:
             return await body(session, asyncio.Semaphore(self.max_concurrency))
 
     async def _batch(
@@ -147,37 +151,34 @@ class RemoteRewardClient:
             return err
 
     async def _post(self, session: aiohttp.ClientSession, body: bytes, label: str, n: int) -> str | Exception:
-        tries = self.max_retries + 1
-        last = ""
-        for attempt in range(tries):
+        async def attempt(_failed: set[str]) -> str:
             try:
                 async with session.post(self.url, data=body) as reply:
                     status, text = reply.status, await reply.text()
             except asyncio.TimeoutError:
-                last = f"no reply within reward.timeout_s = {self.timeout_s:g} s"
+                raise RetryableFailure(label, f"no reply within reward.timeout_s = {self.timeout_s:g} s") from None
             except aiohttp.ClientError as err:
-                last = connection_failure(err)
-            else:
-                if status < 300:
-                    return text
-                message = text.strip()[:300]
-                if status in (401, 403):
-                    raise RemoteRewardError(
-                        f"{label}: HTTP {status} (the API key is missing or wrong): set reward.api_key "
-                        f"or ${API_KEY_ENV} to the server's --api-key"
-                    )
-                if status == 413:
-                    raise RemoteRewardError(
-                        f"{label}: HTTP 413: the request ({len(body)} bytes, {n} responses) is larger than the "
-                        "server accepts; lower reward.batch_size or raise the server's --max-request-mb"
-                    )
-                if status not in RETRY_STATUSES:
-                    raise RemoteRewardError(
-                        f"{label}: HTTP {status}: {message} (reward.url must be the server's /score endpoint)"
-                    )
-                last = f"HTTP {status}: {message}"
-            if attempt + 1 < tries:
-                delay = self.backoff_s * 2**attempt
-                log.warning("%s failed (%s); try %d of %d in %.1f s", label, last, attempt + 2, tries, delay)
-                await asyncio.sleep(delay)
-        return RemoteRewardFailure(f"{label}: failed after {tries} tries: {last}")
+                raise RetryableFailure(label, connection_failure(err), replied=False) from None
+            if status < 300:
+                return text
+            message = text.strip()[:300]
+            if status in (401, 403):
+                raise RemoteRewardError(
+                    f"{label}: HTTP {status} (the API key is missing or wrong): set reward.api_key "
+                    f"or ${API_KEY_ENV} to the server's --api-key"
+                )
+            if status == 413:
+                raise RemoteRewardError(
+                    f"{label}: HTTP 413: the request ({len(body)} bytes, {n} responses) is larger than the "
+                    "server accepts; lower reward.batch_size or raise the server's --max-request-mb"
+                )
+            if status not in RETRY_STATUSES:
+                raise RemoteRewardError(
+                    f"{label}: HTTP {status}: {message} (reward.url must be the server's /score endpoint)"
+                )
+            raise RetryableFailure(label, f"HTTP {status}: {message}")
+
+        try:
+            return await retrying(attempt, RetryPolicy(self.max_retries, self.backoff_s), log)
+        except RetriesExhausted as out:
+            return RemoteRewardFailure(f"{label}: failed after {out.tries} tries: {out.last.reason}")

@@ -6,8 +6,8 @@ function and the request counts (`in_flight`, `max_in_flight`, `requests`, `item
 in `--workers` processes; each request is split over them. Binds 127.0.0.1 and requires an API key
 (`--api-key` or $MEGATRON_RL_REWARD_API_KEY) unless `--no-auth` is given; bodies larger than
 `--max-request-mb` get HTTP 413, bodies not received within `--read-timeout-s` HTTP 408, and values
-strict JSON refuses (`NaN`, deep nesting, ...) HTTP 400 (`megatron_rl.http_body`, the helpers the
-engine server uses). A call of the function that runs past `--item-timeout-s` fails its
+strict JSON refuses (`NaN`, deep nesting, ...) HTTP 400 (`megatron_rl.http`, the start-up and body
+checks of the engine server too). A call of the function that runs past `--item-timeout-s` fails its
 item, reported with `"timeout": true` (and the worker goes on with the next): the workers are
 `rewards/workers.py`'s, as the trainer's for local rules.
 """
@@ -17,23 +17,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import sys
-from collections.abc import Awaitable, Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from aiohttp import web
 
-from megatron_rl.http_body import (
-    READ_TIMEOUT_S,
-    BodyError,
-    app_runner,
+from megatron_rl.http.body import READ_TIMEOUT_S, BodyError, parse_json, read_body
+from megatron_rl.http.server import (
+    add_read_timeout_argument,
+    application,
     authorized,
-    exposed_without_key,
-    parse_json,
-    read_body,
-    server_api_key,
+    command_start,
+    key_check,
+    start,
 )
 from megatron_rl.rewards.protocol import API_KEY_ENV, SCORE_PATH, RewardItem, decode_request
 from megatron_rl.rewards.registry import RewardConfigError, load_reward_function
@@ -63,16 +59,12 @@ class RewardServer:
         self.requests = self.items = self.in_flight = self.max_in_flight = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=self.max_request_bytes + 1)
+        refusal = {"error": "missing or wrong API key (Authorization: Bearer KEY)"}
+        checked = key_check(lambda r: authorized(r, self.api_key), lambda: web.json_response(refusal, status=401))
+        app = application(self.max_request_bytes, [checked])
         app.router.add_post(SCORE_PATH, self.score)
         app.router.add_get("/health", self.health)
         return app
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if not authorized(request, self.api_key):
-            return web.json_response({"error": "missing or wrong API key (Authorization: Bearer KEY)"}, status=401)
-        return await handler(request)
 
     async def score(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -145,13 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="a call of the function running longer fails that item (0 = no limit; default 60)",
     )
-    parser.add_argument(
-        "--read-timeout-s",
-        type=float,
-        default=READ_TIMEOUT_S,
-        help="a connection without a complete request head, or a body not received, within this many seconds is "
-        "closed (408 for the body)",
-    )
+    add_read_timeout_argument(parser)
     parser.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     parser.add_argument("--log-level", default="info", help="debug, info, warning")
 
@@ -174,17 +160,9 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        api_key = server_api_key(args.api_key, API_KEY_ENV, args.no_auth)
-        problem = _argument_problem(args)
-    except ValueError as err:
-        api_key, problem = None, str(err)
-    if problem is not None:
-        print(f"megatron-rl reward-server: {problem}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if exposed_without_key(args.host, api_key):
-        log.warning("serving on %s without an API key: anyone who reaches the port may use it", args.host)
+    api_key, refused = command_start("reward-server", args, API_KEY_ENV, _argument_problem, "use it")
+    if refused:
+        return refused
     server = RewardServer(
         args.function, args.workers, api_key, args.max_request_mb, args.item_timeout_s, args.read_timeout_s
     )
@@ -198,21 +176,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(server: RewardServer, host: str, port: int, port_file: str | None) -> None:
-    runner = app_runner(server.app(), server.read_timeout_s, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
-    if port_file:
-        with open(port_file, "w") as handle:
-            handle.write(str(bound))
-    auth = "API key required" if server.api_key else "no API key"
-    log.info("serving %s on http://%s:%d%s (%s)", server.spec, host, bound, SCORE_PATH, auth)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    serving = await start(server.app(), host=host, port=port, read_timeout_s=server.read_timeout_s)
     try:
-        await stop.wait()
+        serving.write_port(port_file)
+        auth = "API key required" if server.api_key else "no API key"
+        log.info("serving %s on http://%s:%d%s (%s)", server.spec, host, serving.port, SCORE_PATH, auth)
+        await serving.until_stop_signal()
         log.info("shutting down")
     finally:
-        await runner.cleanup()
+        await serving.close()

@@ -1,26 +1,27 @@
-"""The SGLang client's weight updates: SGLang's weight-update endpoints, its weight-update session
-(0.5.21+, feature-detected), the LoRA adapter endpoints and the bodies they take, sent to every server
-(`SGLangClient.urls`: an sglang-router's workers), each reply required to say success.
+"""The weights client: SGLang's weight-update endpoints, its weight-update session (0.5.21+,
+feature-detected), the LoRA adapter endpoints and the bodies they take, sent to every server
+(`urls`: an sglang-router's workers), each reply required to say success. Its transport (servers,
+retries, keys) is `sglang_transport.SGLangTransport`; the generation client is `sglang.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from megatron_rl.rollout.sglang_errors import BadRequestError, SGLangError
+from megatron_rl.rollout.sglang_transport import SGLangTransport
 
 log = logging.getLogger(__name__)
 
 
-class WeightUpdates:
-    """The weight-update calls of `SGLangClient` (its base): they use its `urls`, `_json` and `_sessions`."""
+class WeightUpdates(SGLangTransport):
+    """The weight-update calls to every server (`SGLangClient` holds them with the generation calls)."""
 
-    urls: list[str]
-    _sessions: set[str]
-    _json: Callable[..., Coroutine[Any, Any, Any]]
+    def __init__(self, urls: Any, **options: Any) -> None:
+        super().__init__(urls, **options)
+        self._sessions: set[str] = set()  # servers with a weight-update session open
 
     async def _update(self, path: str, body: dict, retry: bool, per_server: list[dict] | None = None) -> list[dict]:
         async def one(i: int, url: str) -> dict:

@@ -65,7 +65,7 @@ from megatron_rl.run_folder.lock import RunLock
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.data import PromptSampler
+    from megatron_rl.checkpoints import Stateful
 
 logger = logging.getLogger(__name__)
 
@@ -263,13 +263,13 @@ class RunFolder:
         gc.freeze()
         return actor
 
-    def restore_sampler(self, sampler: PromptSampler) -> None:
-        """Put `sampler` where the resumed run's was; on rank 0 also restore the RNG state saved with it.
-
-        Call it after the actor has started (its start seeds the generators)."""
+    def restore(self, stage: Stateful) -> None:
+        """Give `stage` its named entries of the resumed checkpoint (`load_state_dict`); on rank 0 also
+        restore the RNG state saved with them. Call it once the stage's pieces have started (the actor's
+        start seeds the generators)."""
         if self.loop_state is None:
             return
-        sampler.load_state_dict(self.loop_state.sampler)
+        stage.load_state_dict(self.loop_state.entries)
         if self.rank == 0:
             restore_rng(self.loop_state.rng)
 
@@ -288,8 +288,9 @@ class RunFolder:
             enabled=self.rank == 0,
             total_steps=cfg.train.steps,
             start_step=self.start_step,
-            tensorboard=cfg.logging.tensorboard,
+            tracking=cfg.logging,
             progress=cfg.logging.progress,
+            line_every=cfg.logging.every,
             append=self.resume_from is not None,
             desc=desc,
             guard=lambda step: self.check_lock(f"the record of step {step}"),
@@ -307,18 +308,11 @@ class RunFolder:
             log.message(f"--force: the previous run's {old} was moved to {new}")
         return log
 
-    def save_checkpoint(
-        self,
-        actor: MegatronActor,
-        step: int,
-        sampler: PromptSampler | None,
-        rollout: bytes | None = None,
-        weight_version: int | None = None,
-    ) -> Path:
+    def save_checkpoint(self, actor: MegatronActor, step: int, entries: dict[str, Any]) -> Path:
         """CKPT_DIR/step_NNNNNN (collective): the actor, then rank 0's loop state and manifest into
         step_NNNNNN.tmp, renamed into place once every file is on disk; then pruning to
-        `checkpoint.keep_last`. `sampler` is the stage's prompt sampler, needed on rank 0; `rollout`
-        rank 0's rollout state (`LoopState.rollout`), `weight_version` the RL loop's (`LoopState.weight_version`)."""
+        `checkpoint.keep_last`. `entries`: the stage's named entries (`Stage.state_dict`; rank 0's are
+        written); with a "rollout" entry the loop state records `rollout.async_mode` too."""
         staging = staging_dir(self.ckpt_root, step)
         self.check_lock(f"the checkpoint of step {step}")
         if self.rank == 0:
@@ -332,16 +326,12 @@ class RunFolder:
         dist.all_gather_object(shard_digests, written)  # also: every rank's files are written before rank 0 lists them
 
         def finish() -> None:
-            if sampler is None:
-                raise ValueError("save_checkpoint: rank 0 needs the prompt sampler (its position is loop state)")
             digests = {f"{ACTOR_DIR}/{name}": sha for per_rank in shard_digests for name, sha in per_rank.items()}
             state = LoopState(
                 step=step,
-                sampler=sampler.state_dict(),
+                entries=entries,
                 rollout_seed=self.cfg.train.seed,
-                async_mode=self.cfg.rollout.async_mode if rollout is not None else None,
-                rollout=rollout,
-                weight_version=weight_version,
+                async_mode=self.cfg.rollout.async_mode if entries.get("rollout") is not None else None,
             )
             self.verified = commit_checkpoint(self.ckpt_root, state, digests)
             prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last, keep=self.verified)

@@ -18,6 +18,7 @@ with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy 
 `eval.every` steps and at the end. `--resume` continues from the newest complete checkpoint (the
 actor, the row order's position), as `megatron-rl train --resume` does. SIGTERM and SIGUSR1 stop
 after the current step with a checkpoint of it, as in `megatron-rl train` (`megatron_rl.parallel.signals`).
+Its start-up and loop are `megatron_rl.stage.Stage`'s, as the RL loop's are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -34,12 +34,15 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_rl.config import Config
-from megatron_rl.parallel.signals import StoppedBySignal, exit_code, stop_at_step_boundary
-from megatron_rl.validation import validate_run
+from megatron_rl.stage import Stage
 
 if TYPE_CHECKING:
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.data import PromptSampler
+    from megatron_rl.metrics import MetricsLogger
+    from megatron_rl.parallel.signals import StopRequest
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.run_folder import ResumeMode
+    from megatron_rl.run_folder import ResumeMode, RunFolder
 
 
 class _Evaluator:
@@ -86,89 +89,107 @@ class _Evaluator:
                 self.loop.close()
 
 
-def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
-    """Run the SFT stage of `cfg` in this process (one rank of a torchrun/srun launch); collective.
-    With `resume`, continue from the newest complete checkpoint (refused without one; with
-    `run_folder.RESUME_IF_ANY` a folder that holds no run starts from scratch); with `force`, a run
-    folder that holds a run is moved aside (`run_folder.RunFolder`).
+class SFTStage(Stage):
+    """The SFT stage on one rank: the actor trained on the sampler's rows; rank 0's evaluator, when
+    `data.eval_path` is set (None elsewhere)."""
 
-    Returns the last step's metrics and the paths written (every rank), and the last evaluation
-    (rank 0, when `data.eval_path` is set)."""
-    from megatron_rl.data import PromptSampler, load_tokenizer
-    from megatron_rl.metrics import summarize_updates
-    from megatron_rl.models.source import tokenizer_source
-    from megatron_rl.parallel import destroy_distributed, read_launch_env
-    from megatron_rl.run_folder import RunFolder
-    from megatron_rl.sft.data import load_sft_examples, sft_batch
-    from megatron_rl.sft.loss import cross_entropy_loss
+    command = "sft"
+    log_prefix = "sft: "
 
-    cfg = validate_run(cfg, "sft")
-    rank = read_launch_env().rank
-    run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)  # a run it would overwrite: refused first
-    try:
+    def __init__(
+        self,
+        cfg: Config,
+        run_folder: RunFolder,
+        actor: MegatronActor,
+        log: MetricsLogger,
+        sampler: PromptSampler,
+        evaluator: _Evaluator | None,
+    ) -> None:
+        super().__init__(cfg, run_folder, actor, log)
+        self.sampler = sampler
+        self.evaluator = evaluator
+        self.hf_dir = run_folder.run_dir / "hf"
+        self.started = time.perf_counter()
+
+    @classmethod
+    def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: ResumeMode, force: bool) -> SFTStage:
+        """The run folder (a run it would overwrite: refused first), the examples (bad data fails before
+        the slow actor start), the actor, rank 0's evaluator, the step log; `stack` closes each. `cfg` is
+        validated (`Stage.launch`)."""
+        from megatron_rl.data import PromptSampler, load_tokenizer
+        from megatron_rl.models.source import tokenizer_source
+        from megatron_rl.parallel import read_launch_env
+        from megatron_rl.run_folder import RunFolder
+        from megatron_rl.sft.data import load_sft_examples
+
+        rank = read_launch_env().rank
+        run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
+        stack.callback(run_folder.close)  # its lock, released last
         tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
         examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
         sampler = PromptSampler.from_config(examples, cfg.data)
-    except BaseException:
-        run_folder.close()
-        raise
-    hf_dir = run_folder.run_dir / "hf"
-    result: dict[str, Any] = {"run_dir": str(run_folder.run_dir), "hf_dir": str(hf_dir)}
-    start = time.perf_counter()
-    stopped_by = 0
-    with contextlib.ExitStack() as stack:
-        stack.callback(run_folder.close)  # its lock, released last
-        stop_request = stack.enter_context(stop_at_step_boundary())
+        # log-probs at temperature 1: rollout.temperature is pass@n's sampling temperature
         actor = run_folder.start_actor(
             dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=1.0))
         )
-        stack.callback(destroy_distributed, process_group=False)
         stack.callback(actor.close)
-        run_folder.restore_sampler(sampler)
         evaluator = _Evaluator(cfg, tokenizer) if rank == 0 and cfg.data.eval_path else None
         if evaluator is not None:
             stack.callback(evaluator.close)
         log = run_folder.open_log(desc="sft")
         stack.callback(log.close)
         log.message(f"sft: {report.summary()}")
+        stage = cls(cfg, run_folder, actor, log, sampler, evaluator)
+        run_folder.restore(stage)
+        return stage
 
-        def evaluate(step: int, record: dict[str, Any]) -> None:
-            run_folder.export(actor, hf_dir)  # the engine reads the policy from there
-            if evaluator is not None:
-                began = time.perf_counter()
-                scores = evaluator(hf_dir, step)
-                scores["time/eval"] = time.perf_counter() - began
-                record.update(scores)
-                shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "eval/prompts")
-                log.message(f"sft step {step}: {shown}")
-                result["eval"] = scores
-            dist.barrier()
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
 
-        record: dict[str, Any] = {}
-        for step in range(run_folder.start_step + 1, cfg.train.steps + 1):
-            batch = sft_batch(sampler.next(cfg.train.prompts_per_step))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def step(self, step: int) -> dict[str, Any]:
+        from megatron_rl.metrics import summarize_updates
+        from megatron_rl.sft.data import sft_batch
+        from megatron_rl.sft.loss import cross_entropy_loss
+
+        batch = sft_batch(self.sampler.next(self.cfg.train.prompts_per_step))
+        began = time.perf_counter()
+        history = self.actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
+        step_s = time.perf_counter() - began
+        record = {"step": step, **summarize_updates(history, prefix="sft/")}
+        if not math.isfinite(record["sft/loss"]):
+            raise FloatingPointError(f"sft step {step}: the loss is {record['sft/loss']} (lower train.lr?)")
+        return {**record, "time/step": step_s, "throughput/samples_per_s": len(batch) / step_s}
+
+    def eval_due(self, step: int) -> bool:
+        # the last step always exports RUN_DIR/hf (the RL stage's start), evaluated with data.eval_path
+        return step == self.cfg.train.steps or (bool(self.cfg.data.eval_path) and super().eval_due(step))
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """RUN_DIR/hf exported (collective), then rank 0's held-out scores of it (with `time/eval`)."""
+        self.run_folder.export(self.actor, self.hf_dir)  # the engine reads the policy from there
+        scores: dict[str, float] = {}
+        if self.evaluator is not None:
             began = time.perf_counter()
-            history = actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
-            step_s = time.perf_counter() - began
-            record = {"step": step, **summarize_updates(history, prefix="sft/")}
-            if not math.isfinite(record["sft/loss"]):
-                raise FloatingPointError(f"sft step {step}: the loss is {record['sft/loss']} (lower train.lr?)")
-            record.update({"time/step": step_s, "throughput/samples_per_s": len(batch) / step_s})
-            last = step == cfg.train.steps
-            if last or (cfg.data.eval_path and cfg.eval.every and step % cfg.eval.every == 0):  # same on every rank
-                evaluate(step, record)  # at the end also without evaluator: the final HF folder
-            record["time/elapsed"] = time.perf_counter() - start
-            log.log(record)  # logged before the checkpoint: resuming from step k keeps the records up to k
-            stop = stop_request.agreed()  # SIGTERM/SIGUSR1 on any rank (megatron_rl.parallel.signals)
-            if last or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                result["checkpoint"] = str(run_folder.save_checkpoint(actor, step, sampler))
-            if stop and not last:
-                log.message(f"sft: {signal.Signals(stop).name}: stopped after step {step}; continue with --resume")
-                stopped_by = stop
-                break
-        result["metrics"] = record
-    if stopped_by:
-        raise StoppedBySignal(exit_code(stopped_by))
-    if rank == 0:
-        print(f"sft: done in {time.perf_counter() - start:.0f} s; HF folder {hf_dir}", file=sys.stderr, flush=True)
-    return result
+            scores = self.evaluator(self.hf_dir, step)
+            scores["time/eval"] = time.perf_counter() - began
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "eval/prompts")
+            self.log.message(f"sft step {step}: {shown}")
+        dist.barrier()
+        return scores
+
+    def on_stop(self, stop_request: StopRequest) -> None:
+        """Nothing: a step is the actor's update alone, which ends by itself."""
+
+    def finish(self) -> None:
+        if self.run_folder.rank == 0:
+            done = f"sft: done in {time.perf_counter() - self.started:.0f} s; HF folder {self.hf_dir}"
+            print(done, file=sys.stderr, flush=True)
+
+
+def run_sft(cfg: Config, *, resume: ResumeMode = False, force: bool = False) -> dict[str, Any]:
+    """`megatron-rl sft` in this process (`Stage.launch`: validated, started, run, torn down); the last
+    step's record."""
+    return SFTStage.launch(cfg, resume=resume, force=force)

@@ -1147,7 +1147,7 @@ def _save_steps(ctx, cfg: Config, steps: tuple[int, ...]) -> tuple[MegatronActor
     sampler = PromptSampler(list(range(16)), seed=3)
     for step in steps:
         sampler.next(4)
-        folder.save_checkpoint(actor, step, sampler)
+        folder.save_checkpoint(actor, step, {"sampler": sampler.state_dict()})
     folder.close()
     return actor, folder.ckpt_root
 
@@ -1245,7 +1245,7 @@ def check_a_failed_write_is_one_line(ctx, actor: MegatronActor, cfg: Config) -> 
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
     try:
-        folder.save_checkpoint(actor, 1, PromptSampler(list(range(16)), seed=3))
+        folder.save_checkpoint(actor, 1, {"sampler": PromptSampler(list(range(16)), seed=3).state_dict()})
     except CheckpointWriteError as err:
         message = str(err)
     else:
@@ -1359,5 +1359,7 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
                 assert float(metrics["ratio_sum"]) != 0.0 and float(want_g_logp.abs().sum()) > 0, what
 
 
-# Context parallelism's scenarios live in scenarios_cp.py; the launches run them from here.
+# Context parallelism's scenarios live in scenarios_cp.py, the remaining layouts' in scenarios_layouts.py;
+# the launches run them from here.
 from mrl_multiproc.scenarios_cp import w1_cp_references, w2_cp2, w2_cp2_gspo_sft_mla, w4_tp2_cp2  # noqa: E402, F401
+from mrl_multiproc.scenarios_layouts import w2_dp2, w2_etp2, w2_tp2_etp1, w4_pp2_ep2, w4_tp2_ep2_etp1  # noqa: E402, F401

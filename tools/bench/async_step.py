@@ -76,7 +76,7 @@ def _one_rank(model: Path, train_data: Path, assets: Path, run_dir: Path) -> lis
         f"logging.run_dir={run_dir}",
         "parallel.expert_model_parallel_size=1",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.backends=[]",
     ]
 
 

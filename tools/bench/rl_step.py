@@ -110,7 +110,7 @@ def run_example(policy: Path, assets: Path, run_dir: Path, steps: int, overrides
         "eval.every=0",
         "checkpoint.export_hf=false",
         "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.backends=[]",
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_rl.http_body import parse_json
+from megatron_rl.http.body import parse_json
 from megatron_rl.rollout.local.generator import GenRequest
 from megatron_rl.rollout.local.model import ModelInfo
 from megatron_rl.rollout.wire import flattened_layout

@@ -1,7 +1,7 @@
 """The local engine's weight updates, taken as SGLang 0.5.23 takes them.
 
 - One at a time, in arrival order (`WeightUpdates.queue`, FIFO): group init and destroy, the session's
-  begin and end, distributed, tensor and disk updates, and the LoRA loads and unloads (`server.py`).
+  begin and end, distributed, tensor and disk updates, and the LoRA loads and unloads (`lora_endpoints.py`).
   A request holds the queue until it is done, blocking inside its receive, as SGLang's scheduler runs
   one control request at a time (each communicator's `queueing_call` is FIFO, and the scheduler blocks
   in `init_custom_process_group` and in `receive_weights_from_distributed`'s broadcast).
@@ -14,6 +14,8 @@
   server that is not paused, waits for the generations in flight to end (SGLang's writer lock).
 - An update is validated whole before anything is copied (`weights.py`): a refused one leaves the old
   weights serving.
+- `/update_weight_version` (not queued) and `/get_weights_by_name` (the first values of a served
+  tensor) are served here too.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class WeightUpdates:
             ("/destroy_weights_update_group", ["POST"], self.destroy_group),
             ("/update_weights_from_distributed", ["POST"], self.update_from_distributed),
             ("/update_weights_from_tensor", ["POST"], self.update_from_tensor),
+            ("/update_weight_version", ["POST"], self.update_weight_version),
+            ("/get_weights_by_name", ["GET", "POST"], self.get_weights_by_name),
         ]
 
     def close(self) -> None:
@@ -120,6 +124,40 @@ class WeightUpdates:
         for group in self.groups.values():
             wire.destroy_weights_update_group(group.process_group)
         self.groups.clear()
+
+    # ---- the weight version, and a tensor's values ----
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = check_body(await json_body(request))
+        version = get_field(body, "new_version", "str", required=True)
+        abort_all = get_field(body, "abort_all_requests", "bool", True)
+
+        def set_version(e: EngineThread) -> None:
+            if abort_all:
+                e.abort(lambda r: True)
+            e.generator.set_weight_version(version)
+
+        await on_engine(self.engine, set_version)
+        return web.json_response({"success": True, "message": "Weight version updated", "new_version": version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = check_body(await json_body(request))
+        if request.method == "GET":
+            body = dict(request.query)
+            if "truncate_size" in body:
+                text = body["truncate_size"]
+                try:
+                    body["truncate_size"] = int(text)
+                except ValueError:
+                    raise FieldError(f"truncate_size: expected an integer, got {text[:80]!r}") from None
+        name = get_field(body, "name", "str", required=True)
+        size = get_field(body, "truncate_size", "int", 100)
+
+        def read(e: EngineThread) -> list:
+            if name not in e.layout:
+                raise FieldError(f"name: unknown tensor {name!r}")
+            return e.layout.targets[name][:size].float().cpu().tolist()
+
+        return web.json_response(await on_engine(self.engine, read))
 
     async def _apply(self, options: UpdateOptions, fn: Callable[[EngineThread], int], what: str) -> web.Response:
         def run(e: EngineThread) -> int:

@@ -1,40 +1,32 @@
-"""What the package's HTTP servers (`megatron-rl serve`, `megatron-rl reward-server`) share.
+"""Request bodies, as the package's HTTP servers (the local engine, the reward server, the agent
+gateway) read them.
 
-- `server_api_key` and `authorized`: both require a key unless started with `--no-auth`, compared in
-  constant time.
-- `app_runner` and `read_body`'s timeout: a client that sends no complete request head within the
-  read timeout of connecting (or of its previous answer) is disconnected, and a body that has not
-  arrived within it of the head answers 408, so half-sent requests never hold a connection open.
 - `read_body`: the body within a byte limit the caller derives from what the endpoint can
   legitimately carry; beyond it `BodyError` with status 413, before anything is read when the
-  Content-Length header already says so, else as soon as the limit is passed (never buffering more).
+  Content-Length header already says so, else as soon as the limit is passed (never buffering more);
+  a body that has not arrived within the read timeout of the head answers 408, so half-sent requests
+  never hold a connection open (the head's own timeout: `server.start`).
 - `parse_json`: strict JSON. Python's `json` accepts `NaN`, `Infinity`, `-Infinity` and numbers that
   overflow to infinity (`1e999`); none of them is JSON, and as a temperature or a reward they
   produce garbage. They are refused with status 400, naming the field (`sampling_params.temperature`),
   as are integers over 4300 digits (Python refuses to convert them), strings holding a lone UTF-16
   surrogate (not Unicode: no tokenizer or encoder takes them) and nesting deeper than `MAX_DEPTH`.
-- `connection_failure`: what their clients (the rollout client, the remote reward client) say of a
-  request that met no server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
-import os
 import re
-import socket
 import sys
 from typing import Any
 
 from aiohttp import web
 
-READ_TIMEOUT_S = 60.0  # both servers' --read-timeout-s default
+READ_TIMEOUT_S = 60.0  # the servers' --read-timeout-s default
 MAX_DEPTH = 64  # nesting of JSON objects and arrays: far beyond any body the servers take
 MAX_INT_DIGITS = sys.int_info.default_max_str_digits  # 4300: Python's own limit for int(str)
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class BodyError(ValueError):
@@ -43,53 +35,6 @@ class BodyError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def server_api_key(given: str | None, env_name: str, no_auth: bool) -> str | None:
-    """The key a server requires: `given` (--api-key), else $`env_name`; None only with `no_auth`.
-    ValueError (the line to print) when there is no key without `no_auth`, or a key with it."""
-    key = given or os.environ.get(env_name) or None
-    if key is None and not no_auth:
-        raise ValueError(f"no API key: pass --api-key KEY, set ${env_name}, or serve without one with --no-auth")
-    if key is not None and no_auth:
-        raise ValueError(f"--no-auth and an API key (--api-key or ${env_name}) contradict each other")
-    return key
-
-
-def connection_failure(err: BaseException) -> str:
-    """A request that reached no server, in a few words: "connection refused", "host name not resolved (...)",
-    "cannot connect (...)"; other errors as their type and message."""
-    cause = getattr(err, "os_error", None)  # aiohttp's ClientConnectorError wraps the socket's OSError
-    if isinstance(cause, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(cause, socket.gaierror):
-        return f"host name not resolved ({cause.strerror})"
-    if isinstance(cause, OSError) and cause.strerror:
-        return f"cannot connect ({cause.strerror})"
-    return f"{type(err).__name__}: {err}"
-
-
-def exposed_without_key(host: str, api_key: str | None) -> bool:
-    """A server bound beyond this machine without a key: worth a warning at start."""
-    return api_key is None and host not in _LOOPBACK
-
-
-def authorized(request: web.Request, api_key: str | None) -> bool:
-    """`request` carries `Authorization: Bearer api_key` (always true without a key); compared in
-    constant time, so the answer's timing does not leak how much of a guess was right."""
-    if api_key is None:
-        return True
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # non-UTF-8 bytes too
-    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
-
-
-def app_runner(app: web.Application, read_timeout_s: float, **kwargs: Any) -> web.AppRunner:
-    """The runner of `app` whose connections close when no complete request head arrives within
-    `read_timeout_s` (aiohttp's keep-alive timer runs from the connection's start and from each
-    answer; its default keeps an idle or half-sent connection an hour). After an answer to a request
-    whose body did not all come (413, 408), the rest is awaited at most as long (aiohttp: 10 s)."""
-    lingering_s = min(10.0, read_timeout_s)
-    return web.AppRunner(app, keepalive_timeout=read_timeout_s, lingering_time=lingering_s, **kwargs)
 
 
 async def read_body(request: web.Request, limit: int, what: str = "", timeout_s: float = READ_TIMEOUT_S) -> bytes:

@@ -1,0 +1,136 @@
+"""Experiment trackers beside RUN_DIR/metrics.jsonl (`logging.backends`): TensorBoard, Weights & Biases and
+MLflow, each an optional package, written on the logging rank with every step's numeric metrics.
+
+- `tensorboard`: events in RUN_DIR/tensorboard; the default, so a missing package is one warning, not an error.
+- `wandb`: `logging.wandb_project` (and `_entity`, `_offline`: files in RUN_DIR/wandb to `wandb sync` later).
+- `mlflow`: `logging.mlflow_tracking_uri` (null: MLflow's own, $MLFLOW_TRACKING_URI), experiment
+  `logging.mlflow_experiment`.
+The run's name is `logging.run_name` (null: the run folder's name). A resumed run appends to the same W&B and
+MLflow runs: their ids are kept in RUN_DIR/trackers.json. A chosen wandb or mlflow whose package cannot be
+imported is a config error before the start (`missing_tracker_packages`, run by `validation.validate_run`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from megatron_rl.config import LoggingConfig
+
+logger = logging.getLogger(__name__)
+
+IDS_FILE = "trackers.json"
+
+
+class Tracker(Protocol):
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def missing_tracker_packages(backends: list[str]) -> list[str]:
+    """The chosen backends, other than the default TensorBoard, whose package (of the backend's name) cannot be
+    imported."""
+    return [b for b in backends if b != "tensorboard" and importlib.util.find_spec(b) is None]
+
+
+class _TensorBoard:
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    def __init__(self, settings: LoggingConfig, run_dir: Path, name: str, run_id: str | None) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            project=settings.wandb_project,
+            entity=settings.wandb_entity,
+            name=name,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow" if run_id else None,
+            mode="offline" if settings.wandb_offline else "online",
+        )
+        self.run_id: str = self.run.id
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Mlflow:
+    def __init__(self, settings: LoggingConfig, name: str, run_id: str | None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(settings.mlflow_experiment)
+            experiment_id = (
+                experiment.experiment_id if experiment else self.client.create_experiment(settings.mlflow_experiment)
+            )
+            run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id: str = run_id
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def open_trackers(settings: LoggingConfig, run_dir: Path, *, resume: bool, tensorboard_purge_step: int | None) -> list:
+    """The trackers of `settings.backends` (validated: `config.rules`) for the run in `run_dir`; `resume`: append
+    to the runs whose ids RUN_DIR/trackers.json holds."""
+    ids_path = run_dir / IDS_FILE
+    ids = json.loads(ids_path.read_text(encoding="utf-8")) if resume and ids_path.is_file() else {}
+    name = settings.run_name or run_dir.resolve().name
+    trackers: list[Tracker] = []
+    for backend in settings.backends:
+        if backend == "tensorboard":
+            writer = _tensorboard_writer(run_dir / "tensorboard", tensorboard_purge_step)
+            if writer is not None:
+                trackers.append(_TensorBoard(writer))
+            continue
+        if backend == "wandb":
+            tracker: _Wandb | _Mlflow = _Wandb(settings, run_dir, name, ids.get(backend))
+        else:  # mlflow
+            tracker = _Mlflow(settings, name, ids.get(backend))
+        ids[backend] = tracker.run_id
+        trackers.append(tracker)
+    if ids:
+        ids_path.write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
+    return trackers
+
+
+def _tensorboard_writer(folder: Path, purge_step: int | None) -> Any:
+    """TensorBoard's SummaryWriter on `folder`, or None with one warning when the package cannot be imported."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        logger.warning(
+            "logging.backends has tensorboard, but TensorBoard cannot be imported (%s): no TensorBoard events are "
+            "written; pip install tensorboard, or leave it out of logging.backends",
+            err,
+        )
+        return None
+    return SummaryWriter(str(folder), purge_step=purge_step)
