@@ -91,7 +91,7 @@ class LoopState:
 
     step: int
     # the stage's named entries (`Stage.state_dict`, given back to its `load_state_dict` on resume):
-    # "sampler" (the prompt sampler's position); the RL loop's "rollout" (`RolloutDriver.checkpoint_state`:
+    # "sampler" (the prompt sampler's position); the RL loop's "rollout" (`RolloutRuntime.checkpoint_state`:
     # one_step_off's pre-generated batch, fully_async's buffer and prompts in flight) and "weight_version"
     # (the last step that trained and synced: below `step` after skipped steps)
     entries: dict[str, Any]

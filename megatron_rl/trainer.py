@@ -4,7 +4,7 @@
     megatron-rl train CONFIG                  # a single process runs as a world of one
 
 Every rank holds a `Trainer`, the RL kind of `megatron_rl.stage.Stage` (the actor, the weight sync, the
-run folder, the step log); rank 0 also holds the `RolloutDriver` (`megatron_rl.loop.driver`). Who runs
+run folder, the step log); rank 0 also holds the `RolloutRuntime` (`megatron_rl.loop.runtime`). Who runs
 what, the start-up order (`Trainer.start`) and one step are described once, in docs/architecture.md.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
@@ -37,10 +37,10 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
 from megatron_rl.config import Config, logprob_gap_limit, uses_reference
-from megatron_rl.loop.driver import (
+from megatron_rl.loop.runtime import (
     ROLLOUT_ERRORS,
     RolloutData,
-    RolloutDriver,
+    RolloutRuntime,
     check_rollout_servers,
     spawn_engine_early,
 )
@@ -134,7 +134,7 @@ def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) 
 
 class Trainer(Stage):
     """The RL stage on one trainer rank: the actor, the weight sync, the run folder and the step log on
-    every rank; `rank0`, the rollout driver, on global rank 0 only (None on the other ranks)."""
+    every rank; `rank0`, the rollout runtime, on global rank 0 only (None on the other ranks)."""
 
     command = "train"
     evaluates_first = True
@@ -146,7 +146,7 @@ class Trainer(Stage):
         actor: MegatronActor,
         log: MetricsLogger,
         weight_sync: WeightSync,
-        rank0: RolloutDriver | None,
+        rank0: RolloutRuntime | None,
         reference: FrozenPolicy | AdaptersOffReference | None = None,
     ) -> None:
         super().__init__(cfg, run_folder, actor, log)
@@ -173,13 +173,13 @@ class Trainer(Stage):
         data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
         if data is not None:
             stack.callback(data.close)  # the reward workers, also when a later piece fails to start
-        if rank == 0:  # SGLang servers answer and take the key; colocated ones free their memory before the actor's
-            check_rollout_servers(cfg)
-            release_colocated_engines(cfg)
+        if data is not None:  # SGLang servers answer and take the key; colocated ones free memory before the actor's
+            check_rollout_servers(cfg, data.loop)
+            release_colocated_engines(cfg, data.loop)
         engine_log = run_folder.run_dir / "engine.log"
         starting = spawn_engine_early(cfg, engine_log) if data is not None else None
         if starting is not None:
-            stack.callback(starting.kill)  # a start-up that fails before the driver takes the engine
+            stack.callback(starting.kill)  # a start-up that fails before the runtime takes the engine
         actor = run_folder.start_actor(cfg)
         stack.callback(actor.close)
         reference = None
@@ -193,15 +193,15 @@ class Trainer(Stage):
         log = run_folder.open_log(desc="rl")
         stack.callback(log.close)
         model_path = engine_model_path(cfg, run_folder, actor)
-        drivers: list[RolloutDriver] = []
+        runtimes: list[RolloutRuntime] = []
 
-        def start_driver(data: RolloutData) -> None:
-            driver = RolloutDriver(cfg, data, model_path=model_path, engine_log=engine_log, starting=starting)
-            stack.callback(driver.close)
-            drivers.append(driver)
+        def start_runtime(data: RolloutData) -> None:
+            runtime = RolloutRuntime(cfg, data, model_path=model_path, engine_log=engine_log, starting=starting)
+            stack.callback(runtime.close)
+            runtimes.append(runtime)
 
-        on_rank0_with(data, start_driver)
-        rank0 = drivers[0] if drivers else None
+        on_rank0_with(data, start_runtime)
+        rank0 = runtimes[0] if runtimes else None
         weight_sync = make_weight_sync(cfg, rank0.engine if rank0 is not None else None, actor)
         if rank0 is not None:  # a local engine restarted after its death gets the current weights
             rank0.engine.resync = weight_sync.resync_restarted_engine
@@ -312,7 +312,7 @@ class Trainer(Stage):
 
         held: list[StepBatch] = []  # rank 0's whole batch, scattered below
 
-        def collect(rank0: RolloutDriver) -> tuple[dict[str, float], bool] | None:
+        def collect(rank0: RolloutRuntime) -> tuple[dict[str, float], bool] | None:
             try:
                 step_batch = rank0.collect(step, version)
                 held[:] = [step_batch]

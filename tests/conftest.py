@@ -133,3 +133,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assets = tmp_path_factory.mktemp("sft") / "assets"
     assert prepare.main(["--out", str(assets), "--sft-rows", "512"]) == 0
     return assets
+
+
+@pytest.fixture
+def rank0_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch variables of a world of one (the runtime reads the data-parallel size from them)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)

@@ -102,6 +102,34 @@ def test_no_reference_outside_the_repository() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+# Where a module may start an event loop: the rollout side's one loop (`RolloutLoop`), and the entry point (`run`)
+# of each server process (the local engine, the reward server), which serves on the loop it starts.
+LOOP_MAKERS = {
+    "new_event_loop": {"megatron_rl/rollout/event_loop.py"},
+    "run": {"megatron_rl/rollout/local/serve.py", "megatron_rl/rewards/server.py"},
+    "run_until_complete": set(),
+}
+
+
+def test_one_event_loop_for_the_rollout_side() -> None:
+    """No module starts an event loop (`asyncio.run`, `new_event_loop`, `run_until_complete`) but the rollout
+    side's `RolloutLoop` and the server processes' entry points."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), name)):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            called = node.func.attr
+            if called not in LOOP_MAKERS or (called == "run" and ast.unparse(node.func.value) != "asyncio"):
+                continue
+            if name not in LOOP_MAKERS[called]:
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not offenders, "event loops started outside RolloutLoop and the servers' entry points:\n" + "\n".join(
+        offenders
+    )
+
+
 MODULE_MAX_LINES = 500
 # The modules still over the limit, each at most its length today: they may only shrink (issue 36 splits them).
 OVER_THE_LIMIT = {

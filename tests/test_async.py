@@ -1,11 +1,11 @@
 """Asynchronous rollouts (`rollout.async_mode`, issue 12's loop).
 
-In process (no Megatron; the product's `RolloutDriver` on a test-side engine):
+In process (no Megatron; the product's `RolloutRuntime` on a test-side engine):
 - the version arithmetic and the `async/` metrics by hand-computed values;
 - fully_async: a request held back until the trainer is two versions ahead comes back stale, is
   dropped (counted) and resubmitted; every trained token is within `rollout.max_staleness` of the
   trainer; a checkpoint of the rollout state, a crash two steps later and a resume neither lose nor
-  repeat a prompt (every prompt's uses counted from the batches the driver handed over);
+  repeat a prompt (every prompt's uses counted from the batches the runtime handed over);
 - refused combinations name their keys.
 
 End to end (`megatron-rl train`, one trainer rank, the local engine on the tiny_math model):
@@ -37,7 +37,7 @@ from megatron_rl.loop.async_rollout import (
     trained_versions,
     version_number,
 )
-from megatron_rl.loop.driver import RolloutData, RolloutDriver
+from megatron_rl.loop.runtime import RolloutData, RolloutRuntime
 from megatron_rl.rollout.types import Sample
 
 from mrl_runs import RunCache, assert_resume_matches, kill_after_checkpoint, leftovers, steps_logged, train
@@ -147,7 +147,13 @@ class VersionedEngine:
             self.version = version
             self.cond.notify_all()
 
-    def generate(self, prompts: list[list[int]], params: Any, return_routed_experts: bool = False) -> list[Sample]:
+    async def generate(
+        self, prompts: list[list[int]], params: Any, return_routed_experts: bool = False
+    ) -> list[Sample]:
+        # the hold blocks (on the trainer's `sync`): on a worker thread, never the rollout loop's
+        return await asyncio.to_thread(self._generate, prompts)
+
+    def _generate(self, prompts: list[list[int]]) -> list[Sample]:
         key = tuple(prompts[0])
         with self.cond:
             self.calls[key] += 1
@@ -209,7 +215,7 @@ def prompt_key(data: RolloutData, row: int) -> tuple[int, ...]:
 Uses = dict[tuple[int, ...], list[int]]
 
 
-def wait_for_producer(driver: RolloutDriver, engine: VersionedEngine) -> None:
+def wait_for_producer(driver: RolloutRuntime, engine: VersionedEngine) -> None:
     """Until every group the producer may submit at its version has come back, but a held one: so
     that every response of version v is buffered before v + 1 (no group of an earlier version is
     overtaken by a later one and goes stale by thread timing alone)."""
@@ -226,10 +232,10 @@ def wait_for_producer(driver: RolloutDriver, engine: VersionedEngine) -> None:
         )
 
     # the producer's state is the runtime loop's: the predicate is evaluated there
-    assert driver.runtime.run(producer.wait_until(idle, 30)), (producer.in_flight, producer.allowance())
+    assert driver.run(producer.wait_until(idle, 30)), (producer.in_flight, producer.allowance())
 
 
-def run_steps(driver: RolloutDriver, engine: VersionedEngine, steps: range, uses: Uses) -> list[dict]:
+def run_steps(driver: RolloutRuntime, engine: VersionedEngine, steps: range, uses: Uses) -> list[dict]:
     """The trainer's side of `steps`: take the batch, (no update), let the producer settle, sync the
     next version."""
     records = []
@@ -253,19 +259,11 @@ def run_steps(driver: RolloutDriver, engine: VersionedEngine, steps: range, uses
     return records
 
 
-@pytest.fixture
-def rank0_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch variables of a world of one (the driver reads the data-parallel size from them)."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-
-def start_driver(cfg: Config, root: Path, engine: VersionedEngine, sampler_state: dict | None = None) -> RolloutDriver:
+def start_driver(cfg: Config, root: Path, engine: VersionedEngine, sampler_state: dict | None = None) -> RolloutRuntime:
     data = RolloutData.load(cfg)
     if sampler_state is not None:
         data.sampler.load_state_dict(sampler_state)
-    return RolloutDriver(cfg, data, model_path=None, engine_log=root / "engine.log", engine=engine)
+    return RolloutRuntime(cfg, data, model_path=None, engine_log=root / "engine.log", engine=engine)
 
 
 def test_fully_async_drops_a_stale_group_and_trains_its_prompt_after_resubmission(
@@ -384,7 +382,7 @@ def test_fully_async_trains_within_the_staleness_bound(work: Path, tmp_path: Pat
 
 
 # ---- fully_async with dynamic sampling: a round takes what the staleness bound leaves it ----
-def _collect_within(driver: RolloutDriver, step: int, version: int, timeout: float = 120.0):
+def _collect_within(driver: RolloutRuntime, step: int, version: int, timeout: float = 120.0):
     """`driver.collect(step, version)` on a thread; fails instead of hanging when it does not return."""
     done: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: done.setdefault("step_batch", driver.collect(step, version)), daemon=True)

@@ -1,5 +1,5 @@
 """Engine restarts under concurrency, without processes: a scripted client whose engine dies under
-several rollout threads at once, and the hand-off of the restart and its resync to the main thread."""
+several requests at once on the rollout loop, and the hand-off of the resync to the main thread."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.handoff import HandoffClosedError, MainThreadCalls
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.types import Sample, SamplingParams
@@ -44,6 +45,7 @@ class DyingClient:
     dead_reason = None
     replies = 0
     waiting_for_weights = 0
+    max_retries, timeout_s, backoff_s = 0, 60.0, 0.0
 
     def __init__(self) -> None:
         self.waiting = 0
@@ -72,12 +74,18 @@ class DyingClient:
             done[i] = Sample(list(prompt), [7], [-0.5], "stop", weight_version=self.version)
 
 
-def make_engine(client: DyingClient, restarted: list[str]) -> RolloutEngine:
+@pytest.fixture
+def loop():
+    with RolloutLoop() as rollout_loop:
+        yield rollout_loop
+
+
+def make_engine(client: DyingClient, restarted: list[str], loop: RolloutLoop) -> RolloutEngine:
     def restart(dead: Process) -> Process:
         restarted.append(threading.current_thread().name)
         return Process(dead.serial + 1)
 
-    engine = RolloutEngine(client, Process(0), restart=restart, max_restarts=2)  # type: ignore[arg-type]
+    engine = RolloutEngine(client, loop, Process(0), restart=restart, max_restarts=2)  # type: ignore[arg-type]
 
     def resync() -> None:
         client.version = "trained"
@@ -87,54 +95,69 @@ def make_engine(client: DyingClient, restarted: list[str]) -> RolloutEngine:
     return engine
 
 
-def generate_on_workers(engine: RolloutEngine) -> list:
-    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="worker")
-    return [pool.submit(engine.generate, [[1, 2, i]], PARAMS) for i in range(WORKERS)]
+def generate_on_the_loop(engine: RolloutEngine, loop: RolloutLoop) -> list:
+    return [loop.submit(engine.generate([[1, 2, i]], PARAMS)) for i in range(WORKERS)]
 
 
-def test_workers_that_see_one_death_restart_the_engine_once_on_the_main_thread() -> None:
+def test_requests_that_see_one_death_restart_the_engine_once_and_resync_on_the_main_thread(loop) -> None:
     client, restarted = DyingClient(), []
-    engine = make_engine(client, restarted)
+    engine = make_engine(client, restarted, loop)
     handoff = MainThreadCalls()
     engine.handoff = handoff
     try:
-        futures = generate_on_workers(engine)
+        futures = generate_on_the_loop(engine, loop)
         for future in futures:
             future.add_done_callback(lambda _: handoff.notify())
-        with handoff.cond:  # the main thread's safe point: it runs what the workers hand it
+        with handoff.cond:  # the main thread's safe point: it runs what the loop hands it
             assert handoff.wait_for(lambda: all(f.done() for f in futures), 60)
         samples = [f.result(0)[0] for f in futures]
     finally:
         engine.close()
     main = threading.current_thread().name
-    assert engine.restarts == 1 and restarted == [main, f"resync on {main}"]
+    # the child's start blocks: on a worker thread, not the loop's nor the main thread; only the resync is handed over
+    assert engine.restarts == 1 and restarted[1:] == [f"resync on {main}"]
+    assert restarted[0] not in (main, "rollout-runtime")
     # every request was sent again, and only to the resynced engine
     assert client.answered_with == ["trained"] * WORKERS
     assert sorted(s.prompt_ids[-1] for s in samples) == list(range(WORKERS))
 
 
-def test_without_a_handoff_one_worker_restarts_and_the_others_wait_for_its_resync() -> None:
+def test_without_a_handoff_one_request_restarts_and_the_others_wait_for_its_resync(loop) -> None:
     client, restarted = DyingClient(), []
-    engine = make_engine(client, restarted)
+    engine = make_engine(client, restarted, loop)
     try:
-        futures = generate_on_workers(engine)
-        samples = [f.result(60)[0] for f in futures]
+        samples = [f.result(60)[0] for f in generate_on_the_loop(engine, loop)]
     finally:
         engine.close()
-    assert engine.restarts == 1 and len(restarted) == 2 and restarted[1] == f"resync on {restarted[0]}"
+    assert engine.restarts == 1 and len(restarted) == 2 and restarted[1].startswith("resync on ")
     assert client.answered_with == ["trained"] * WORKERS and len(samples) == WORKERS
 
 
 def test_a_call_handed_to_a_main_thread_that_ends_fails_instead_of_waiting() -> None:
     handoff = MainThreadCalls()
     with ThreadPoolExecutor(1) as pool:
-        handed = pool.submit(handoff.call, lambda: 1, "a resync")
-        with handoff.cond:  # the condition's own wait: handed over, not run
-            assert handoff.cond.wait_for(lambda: bool(handoff._calls), 30)
+        handed = pool.submit(handoff.submit, lambda: 1, "a resync").result(30)
         handoff.close()
-        with pytest.raises(HandoffClosedError, match="a resync: the run is ending"):
+        with pytest.raises(HandoffClosedError, match="the run is ending"):
             handed.result(30)
-    assert handoff.call(lambda: 2, "on the main thread") == 2  # the owner's own call runs at once
+    assert handoff.submit(lambda: 2, "on the main thread").result(0) == 2  # the owner's own call runs at once
+
+
+def test_the_main_thread_waits_for_the_loop_within_a_bound(loop) -> None:
+    handoff = MainThreadCalls()
+    never = asyncio.Event()
+
+    async def stuck() -> None:
+        await never.wait()
+
+    with pytest.raises(TimeoutError, match="within 0 s"):
+        loop.run(stuck(), 0.05, handoff)
+    with pytest.raises(RuntimeError, match="from the loop's own thread"):  # would deadlock: refused
+
+        async def nested() -> None:
+            loop.submit(stuck())
+
+        loop.run(nested(), 30)
 
 
 class StalledClient(DyingClient):
@@ -144,23 +167,21 @@ class StalledClient(DyingClient):
         return {"http://127.0.0.1:30000": 2}
 
 
-def test_threads_waiting_on_one_stall_give_one_warning_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    engine = RolloutEngine(StalledClient(), stall_warning_s=60.0)  # type: ignore[arg-type]
-    try:
-        with caplog.at_level("WARNING", logger="megatron_rl.rollout.engine"):
-            with ThreadPoolExecutor(WORKERS) as pool:  # the episodes' threads, each seeing the same stall
-                list(pool.map(lambda _: engine._warn_stalled(60.0), range(WORKERS)))
-            engine._last_stall_warning -= 60.0  # one interval later
-            engine._warn_stalled(120.0)
-    finally:
-        engine.close()
+def test_a_stall_is_warned_about_once_per_interval_naming_the_requests(loop, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="megatron_rl.rollout.engine"):
+        engine = RolloutEngine(StalledClient(), loop, stall_warning_s=0.05)  # type: ignore[arg-type]
+        try:
+            deadline = time.monotonic() + 30  # a hang guard
+            while len(caplog.records) < 2:
+                assert time.monotonic() < deadline, "no stall warnings"
+                time.sleep(0.01)
+        finally:
+            engine.close()
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2, warnings
     assert warnings[0] == (
-        "no reply from the rollout engine for 60 s (rollout.stall_warning_s): 2 request(s) in flight "
+        "no reply from the rollout engine for 0 s (rollout.stall_warning_s): 2 request(s) in flight "
         "(http://127.0.0.1:30000: 2)"
     )
-    assert warnings[1].startswith("no reply from the rollout engine for 120 s")
 
 
 class ScriptedServer:
@@ -239,7 +260,7 @@ class Child:
         pass
 
 
-def test_a_request_retrying_across_a_restart_reaches_the_engine_only_after_its_resync() -> None:
+def test_a_request_retrying_across_a_restart_reaches_the_engine_only_after_its_resync(loop) -> None:
     """Request R is on the old child when it dies; request Q sees the death and restarts it. R's
     connection error comes only once the new child runs (so R is retried, not restarted), and its
     retry must wait until the resync has ended."""
@@ -251,7 +272,7 @@ def test_a_request_retrying_across_a_restart_reaches_the_engine_only_after_its_r
         server.restarted = True
         return new_child
 
-    engine = RolloutEngine(client, Child(server.url, exited=True), restart=restart, max_restarts=1)  # type: ignore[arg-type]
+    engine = RolloutEngine(client, loop, Child(server.url, exited=True), restart=restart, max_restarts=1)  # type: ignore[arg-type]
 
     def resync() -> None:  # the connection of R drops now, while the new child runs and is not resynced
         server.drop_held()
@@ -264,11 +285,10 @@ def test_a_request_retrying_across_a_restart_reaches_the_engine_only_after_its_r
 
     engine.resync = resync
     try:
-        with ThreadPoolExecutor(2) as pool:
-            held = pool.submit(engine.generate, [[1]], PARAMS)
-            assert server.held_arrived.wait(30)
-            restarting = pool.submit(engine.generate, [[2]], PARAMS)
-            samples = held.result(60) + restarting.result(60)
+        held = loop.submit(engine.generate([[1]], PARAMS))
+        assert server.held_arrived.wait(30)
+        restarting = loop.submit(engine.generate([[2]], PARAMS))
+        samples = held.result(60) + restarting.result(60)
     finally:
         engine.close()
         server.close()

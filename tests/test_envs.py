@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from mrl_engine import FakeEngine, on_loop
 
 from megatron_rl.actor.batch import build_inputs
 from megatron_rl.actor.micro_batches import MicroBatch
@@ -96,34 +97,30 @@ def chars(text: str) -> list[int]:
     return [ord(c) + 10 for c in text]
 
 
-class TurnEngine:
+class TurnEngine(FakeEngine):
     """Answers request k of every episode (by the prompt's first token) with its scripted turn k, plus
     <|im_end|>; log-prob -0.01 * (position); routed experts: call index * 1000 + position."""
 
     def __init__(self, script: dict[int, list[str]], layers: int = 2) -> None:
+        super().__init__()
         self.script, self.layers = script, layers
-        self.requests: list[tuple[list[int], SamplingParams]] = []
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        out = []
-        for ids, p in zip(prompts, params, strict=True):
-            call = len(self.requests)
-            self.requests.append((list(ids), p))
-            turn = sum(1 for r, _ in self.requests if r[0] == ids[0]) - 1
-            turns = self.script[ids[0]]
-            text = turns[min(turn, len(turns) - 1)]
-            gen = chars(text)[: p.max_new_tokens]
-            finish = "stop"
-            if len(gen) < p.max_new_tokens:
-                gen.append(IM_END)
-            else:
-                finish = "length"
-            n = len(ids) + len(gen) - 1
-            routed = None
-            if return_routed_experts:
-                routed = (call * 1000 + np.arange(n, dtype=np.int32))[:, None, None].repeat(self.layers, 1)
-            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed))
-        return out
+    def answer(self, ids, p, return_routed_experts):
+        call = len(self.requests) - 1  # this request's index (recorded before it is answered)
+        turn = sum(1 for r, _ in self.requests if r[0] == ids[0]) - 1
+        turns = self.script[ids[0]]
+        text = turns[min(turn, len(turns) - 1)]
+        gen = chars(text)[: p.max_new_tokens]
+        finish = "stop"
+        if len(gen) < p.max_new_tokens:
+            gen.append(IM_END)
+        else:
+            finish = "length"
+        n = len(ids) + len(gen) - 1
+        routed = None
+        if return_routed_experts:
+            routed = (call * 1000 + np.arange(n, dtype=np.int32))[:, None, None].repeat(self.layers, 1)
+        return Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed)
 
 
 def row(key: int, answer: str = "56088") -> Prompt:
@@ -141,7 +138,7 @@ def run(env: Environment, script: list[str], **env_over: Any):
     cfg = EnvConfig(**{"max_turns": 4, **env_over})
     env.cfg = cfg
     engine = TurnEngine({7: script})
-    (traj,) = run_episodes(engine, [env], [row(7)], params, TurnRenderer(TOK), cfg, return_routed_experts=True)
+    (traj,) = on_loop(run_episodes(engine, [env], [row(7)], params, TurnRenderer(TOK), cfg, return_routed_experts=True))
     return traj, engine
 
 
@@ -222,7 +219,7 @@ def test_first_messages_go_through_the_chat_template_and_token_observations_are_
 
     cfg = EnvConfig(max_turns=3)
     engine = TurnEngine({IM_START: ["x", "y"]})
-    (traj,) = run_episodes(engine, [Scripted(cfg)], [row(9)], params, TurnRenderer(TOK), cfg)
+    (traj,) = on_loop(run_episodes(engine, [Scripted(cfg)], [row(9)], params, TurnRenderer(TOK), cfg))
     first = TOK.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert traj.prompt_ids == first
     assert traj.output_ids == chars("x") + [IM_END, 40, 41] + chars("y") + [IM_END]
@@ -283,8 +280,8 @@ def test_observation_overflow_env_error_and_max_turns_end_the_episode_with_their
             return super().apply_chat_template(messages, tokenize, add_generation_prompt)
 
     cfg = EnvConfig(max_turns=3)
-    (traj,) = run_episodes(
-        TurnEngine({7: [CALL]}), [CalculatorEnv(cfg)], [row(7)], params, TurnRenderer(NoToolRole()), cfg
+    (traj,) = on_loop(
+        run_episodes(TurnEngine({7: [CALL]}), [CalculatorEnv(cfg)], [row(7)], params, TurnRenderer(NoToolRole()), cfg)
     )
     assert (traj.end_reason, traj.events["render_error"]) == ("env_error", 1) and all(traj.loss_mask)
     assert "roles must alternate" in traj.meta_info["env_error"]
@@ -427,7 +424,7 @@ def test_collector_builds_loss_mask_and_per_token_advantages_from_trajectories()
         # two episodes of the same prompt: the first calls the tool then answers; the second answers wrong
         sampler = PromptSampler([row(7)], shuffle=False)
         col = RolloutCollector(cfg, _AlternatingEngine(), TOK, RewardScorer(cfg.reward), sampler)
-        return col.collect(step=0)
+        return on_loop(col.collect(step=0))
 
     outcome = collect()
     batch = outcome.batch
@@ -465,17 +462,14 @@ class _AlternatingEngine(TurnEngine):
         super().__init__({})
         self.wrong_seed = sampling_seed(TrainConfig().seed, 0, 0, 1)
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        out = []
-        for ids, p in zip(prompts, params, strict=True):
-            first_turn = len(ids) == 3
-            if p.sampling_seed == self.wrong_seed:
-                text = "Answer: 1"
-            else:
-                text = CALL if first_turn else "Answer: 56088"
-            gen = chars(text) + [IM_END]
-            out.append(Sample(list(ids), gen, [-0.1] * len(gen), "stop"))
-        return out
+    def answer(self, ids, p, return_routed_experts):
+        first_turn = len(ids) == 3
+        if p.sampling_seed == self.wrong_seed:
+            text = "Answer: 1"
+        else:
+            text = CALL if first_turn else "Answer: 56088"
+        gen = chars(text) + [IM_END]
+        return Sample(list(ids), gen, [-0.1] * len(gen), "stop")
 
 
 # ---- GSPO-token with per-token advantages ----
@@ -515,11 +509,11 @@ class PositionsEngine(TurnEngine):
         super().__init__(script)
         self.positions = positions
 
-    def generate(self, prompts, params, return_routed_experts=False):
+    async def generate(self, prompts, params, return_routed_experts=False):
         for ids, p in zip(prompts, params, strict=True):
             if len(ids) + p.max_new_tokens > self.positions or p.max_new_tokens < 1:
                 raise ValueError(f"{len(ids) + p.max_new_tokens} tokens reach the model's {self.positions} positions")
-        return super().generate(prompts, params, return_routed_experts)
+        return await super().generate(prompts, params, return_routed_experts)
 
 
 def test_the_trajectory_budget_defaults_to_the_models_positions_and_long_episodes_end_in_it(tmp_path) -> None:
@@ -554,7 +548,7 @@ def test_the_trajectory_budget_defaults_to_the_models_positions_and_long_episode
     positions = 256
     cfg = EnvConfig(max_turns=100, max_total_tokens=positions)
     engine = PositionsEngine({7: ["x" * 30]}, positions)
-    (traj,) = run_episodes(engine, [Chatty(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
+    (traj,) = on_loop(run_episodes(engine, [Chatty(cfg)], [row(7)], params, TurnRenderer(TOK), cfg))
     # the episode ends inside the positions: the last observation would not fit, or the turn is cut
     assert traj.end_reason in ("max_total_tokens", "length") and 3 + len(traj.output_ids) <= positions
     assert traj.turns == len(engine.requests) >= 3
@@ -569,8 +563,10 @@ def test_the_trajectory_budget_defaults_to_the_models_positions_and_long_episode
         def step(self, turn):
             return Observation(token_ids=[40, vocab])
 
-    (traj,) = run_episodes(
-        TurnEngine({7: ["x"]}), [OutOfVocabulary(cfg)], [row(7)], params, TurnRenderer(SizedTokenizer()), cfg
+    (traj,) = on_loop(
+        run_episodes(
+            TurnEngine({7: ["x"]}), [OutOfVocabulary(cfg)], [row(7)], params, TurnRenderer(SizedTokenizer()), cfg
+        )
     )
     assert (traj.end_reason, traj.events["render_error"]) == ("env_error", 1) and all(traj.loss_mask)
     assert f"observation token {vocab} is outside the vocabulary (0-{vocab - 1})" in traj.meta_info["env_error"]
@@ -610,8 +606,16 @@ def test_a_hanging_step_is_warned_about_then_abandoned_at_the_step_timeout(caplo
     cfg = EnvConfig(max_turns=2, step_timeout_s=0.5)
     try:
         with caplog.at_level("WARNING", logger="megatron_rl.envs.episodes"):
-            (traj,) = run_episodes(
-                TurnEngine({7: ["x"]}), [Hanging(cfg)], [row(7)], params, TurnRenderer(TOK), cfg, stall_warning_s=0.1
+            (traj,) = on_loop(
+                run_episodes(
+                    TurnEngine({7: ["x"]}),
+                    [Hanging(cfg)],
+                    [row(7)],
+                    params,
+                    TurnRenderer(TOK),
+                    cfg,
+                    stall_warning_s=0.1,
+                )
             )
     finally:
         Hanging.release.set()
@@ -630,7 +634,7 @@ def test_a_turn_reward_that_is_not_a_finite_number_names_the_environment(reward:
 
     cfg = EnvConfig(type="my_envs:BadReward", max_turns=2)
     with pytest.raises(EnvRewardError, match=r"env.type = 'my_envs:BadReward': BadReward.step gave turn 0 the reward"):
-        run_episodes(TurnEngine({7: ["x"]}), [BadReward(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
+        on_loop(run_episodes(TurnEngine({7: ["x"]}), [BadReward(cfg)], [row(7)], params, TurnRenderer(TOK), cfg))
 
 
 def test_the_parser_and_the_calculator_bound_hostile_input() -> None:
@@ -713,39 +717,39 @@ def test_the_steps_of_a_turn_run_side_by_side_up_to_the_bound(episodes: int, max
     Rendezvous.most = 0
     cfg = EnvConfig(max_turns=3, max_concurrent_steps=max_concurrent)
     engine = TurnEngine({k: ["a", "b"] for k in range(episodes)})
-    trajs = run_episodes(
-        engine,
-        [Rendezvous(cfg) for _ in range(episodes)],
-        [row(k) for k in range(episodes)],
-        params,
-        TurnRenderer(TOK),
-        cfg,
+    trajs = on_loop(
+        run_episodes(
+            engine,
+            [Rendezvous(cfg) for _ in range(episodes)],
+            [row(k) for k in range(episodes)],
+            params,
+            TurnRenderer(TOK),
+            cfg,
+        )
     )
     assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2)] * episodes
     assert Rendezvous.most == meet  # every step of the turn at once, never more than env.max_concurrent_steps
 
 
 class OvertakingEngine(TurnEngine):
-    """A TurnEngine (thread-safe) that answers episode 0's (prompt key 0) second turn only once episode 1
+    """A TurnEngine that answers episode 0's (prompt key 0) second turn only once episode 1
     (key 1) has had its third turn generated: with lock-step turns that can never happen (it would wait
     30 s, then fail). `answered[k]` is set once episode 1's turn k is generated."""
 
     def __init__(self, script: dict[int, list[str]]) -> None:
         super().__init__(script)
-        self.lock = threading.Lock()
         self.answered = [threading.Event() for _ in range(3)]
         self.order: list[tuple[int, int]] = []  # (episode, turn) in the order they were generated
 
-    def generate(self, prompts, params, return_routed_experts=False):
+    async def generate(self, prompts, params, return_routed_experts=False):
         turns = [sum(1 for r, _ in self.requests if r[0] == ids[0]) for ids in prompts]
-        if (prompts[0][0], turns[0]) == (0, 1) and not self.answered[2].wait(30):
+        if (prompts[0][0], turns[0]) == (0, 1) and not await asyncio.to_thread(self.answered[2].wait, 30):
             raise AssertionError("episode 1 did not go on to its third turn while episode 0 generated its second")
-        with self.lock:
-            out = super().generate(prompts, params, return_routed_experts)
-            for ids, turn in zip(prompts, turns, strict=True):
-                self.order.append((ids[0], turn))
-                if ids[0] == 1:
-                    self.answered[turn].set()
+        out = await super().generate(prompts, params, return_routed_experts)
+        for ids, turn in zip(prompts, turns, strict=True):
+            self.order.append((ids[0], turn))
+            if ids[0] == 1:
+                self.answered[turn].set()
         return out
 
 
@@ -765,8 +769,10 @@ def test_a_finished_turn_moves_on_while_another_episode_still_generates() -> Non
     cfg = EnvConfig(type="calculator", max_turns=3)
     engine = OvertakingEngine({0: ["a", "b"], 1: [CALL, CALL, "Answer: 56088"]})
     WaitsForTheOther.engine = engine
-    trajs = run_episodes(
-        engine, [WaitsForTheOther(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
+    trajs = on_loop(
+        run_episodes(
+            engine, [WaitsForTheOther(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
+        )
     )
     assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2), ("done", 3)]
     # the first turns are one batch; episode 1's next two turns overtake episode 0's second
@@ -798,10 +804,12 @@ def test_async_steps_run_on_the_episodes_loop_side_by_side_and_time_out() -> Non
     AsyncRendezvous.barrier, AsyncRendezvous.meet, AsyncRendezvous.hang = None, 4, False
     envs = [AsyncRendezvous(cfg) for _ in range(4)]
     cfg_long = dataclasses.replace(cfg, step_timeout_s=60.0)
-    trajs = run_episodes(engine, envs, [row(k) for k in range(4)], params, TurnRenderer(TOK), cfg_long)
+    trajs = on_loop(run_episodes(engine, envs, [row(k) for k in range(4)], params, TurnRenderer(TOK), cfg_long))
     assert [(t.end_reason, t.turn_rewards) for t in trajs] == [("done", [0.25])] * 4
     AsyncRendezvous.hang = True
-    (traj,) = run_episodes(TurnEngine({7: ["x"]}), [AsyncRendezvous(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
+    (traj,) = on_loop(
+        run_episodes(TurnEngine({7: ["x"]}), [AsyncRendezvous(cfg)], [row(7)], params, TurnRenderer(TOK), cfg)
+    )
     assert (traj.end_reason, dict(traj.events)) == ("env_error", {"step_timeout": 1})
     assert "AsyncRendezvous.step ran past env.step_timeout_s = 0.3 s" in traj.meta_info["env_error"]
 
@@ -830,13 +838,13 @@ def test_an_environment_that_always_fails_is_warned_about_then_stops_the_run(cap
     exception stops the step; at the fraction one warning per step says so. P20: `start` raising is one
     line naming the environment."""
     with pytest.raises(EpisodeFailureError) as err:
-        broken_env_collector("test_envs:BrokenStep").collect(step=2)
+        on_loop(broken_env_collector("test_envs:BrokenStep").collect(step=2))
     assert str(err.value) == (
         "step 2: 2 of 2 episodes failed (100%, above env.max_failure_frac = 0.05) in env.type = "
         "'test_envs:BrokenStep'; first: BrokenStep.step: ValueError: the tool server is down"
     )
     with caplog.at_level("WARNING"):
-        step_batch = broken_env_collector("test_envs:BrokenStep", "env.max_failure_frac=1").collect(step=2)
+        step_batch = on_loop(broken_env_collector("test_envs:BrokenStep", "env.max_failure_frac=1").collect(step=2))
     assert step_batch.metrics["env/env_error"] == 2.0
     warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
     assert warnings == [
@@ -844,5 +852,5 @@ def test_an_environment_that_always_fails_is_warned_about_then_stops_the_run(cap
         "ValueError: the tool server is down"
     ]
     with pytest.raises(EnvStartError) as err:
-        broken_env_collector("test_envs:BrokenStart").collect(step=2)
+        on_loop(broken_env_collector("test_envs:BrokenStart").collect(step=2))
     assert str(err.value) == "env.type = 'test_envs:BrokenStart': BrokenStart.start raised KeyError: 'task'"

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mrl_engine import on_loop, rollout_loop
 from test_sft import one_process_sft_command
 from test_slurm import big, job_env, metrics, plan, slurm_cluster, submit, train_args, wait_job
 
@@ -231,13 +232,13 @@ def test_a_killed_engine_restarts_with_the_same_samples_then_stops_past_the_limi
     work: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     rollout = RolloutConfig(max_engine_restarts=1, max_retries=3, max_concurrency=1, stall_warning_s=0)
-    engine = RolloutEngine.from_config(rollout, str(work / "model"), **ENGINE_ARGS)
+    engine = RolloutEngine.from_config(rollout, rollout_loop(), str(work / "model"), **ENGINE_ARGS)
     try:
-        before = engine.generate(PROMPTS, seeded(4))
+        before = on_loop(engine.generate(PROMPTS, seeded(4)))
         first = engine.local_process
         first.process.kill()  # kill -9
         with caplog.at_level(logging.WARNING):
-            again = engine.generate(PROMPTS, seeded(4))
+            again = on_loop(engine.generate(PROMPTS, seeded(4)))
         assert engine.restarts == 1 and engine.local_process is not first and engine.local_process.alive()
         assert engine.local_process.url == first.url  # same port: the client's address holds
         assert [s.output_ids for s in again] == [s.output_ids for s in before]  # seeded: the same samples
@@ -248,7 +249,7 @@ def test_a_killed_engine_restarts_with_the_same_samples_then_stops_past_the_limi
 
         engine.local_process.process.kill()
         with pytest.raises(EngineDiedError, match=r"exited with code -9.*max_engine_restarts = 1.*Last lines of"):
-            engine.generate(PROMPTS, seeded(4))
+            on_loop(engine.generate(PROMPTS, seeded(4)))
     finally:
         engine.close()
 
@@ -260,13 +261,15 @@ def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 @pytest.mark.e2e
 def test_a_stopped_engine_is_reported_with_the_requests_in_flight(work: Path, caplog: pytest.LogCaptureFixture) -> None:
     rollout = RolloutConfig(max_concurrency=1, stall_warning_s=1.0)
-    engine = RolloutEngine.from_config(rollout, str(work / "model"), **ENGINE_ARGS)
+    engine = RolloutEngine.from_config(rollout, rollout_loop(), str(work / "model"), **ENGINE_ARGS)
     pid = engine.local_process.process.pid
     result: dict = {}
     try:
         with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.engine"):
             os.kill(pid, signal.SIGSTOP)
-            worker = threading.Thread(target=lambda: result.update(samples=engine.generate(PROMPTS, seeded(4))))
+            worker = threading.Thread(
+                target=lambda: result.update(samples=on_loop(engine.generate(PROMPTS, seeded(4))))
+            )
             worker.start()
             wait_until(lambda: len(stall_warnings(caplog)) >= 2, 120, "two stall warnings")
             os.kill(pid, signal.SIGCONT)

@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import psutil
 import pytest
+from mrl_engine import FakeEngine, fake_runtime, on_loop, rollout_loop
 from test_envs import IM_END, TOK, ChatTokenizer, chars, row
 
 from megatron_rl.agents import MODEL, Gateway, run_agent_episodes
@@ -29,7 +30,6 @@ from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
 from megatron_rl.envs.failures import EpisodeFailureError
 from megatron_rl.loop.collect import RolloutCollector, evaluate
-from megatron_rl.loop.runtime import RolloutRuntime
 from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.handoff import MainThreadCalls
@@ -59,49 +59,44 @@ class TemplateTokenizer(ChatTokenizer):
 TT = TemplateTokenizer()
 
 
-class ScriptEngine:
+class ScriptEngine(FakeEngine):
     """Answers the k-th request whose prompt holds a script's key with that script's turn k, plus <|im_end|>;
-    log-prob -0.01 * position. Thread-safe (the gateway calls it from a thread pool); records every request."""
+    log-prob -0.01 * position; records every request."""
 
     def __init__(self, script: dict[str, list[str]]) -> None:
+        super().__init__()
         self.script = script
-        self.requests: list[tuple[list[int], SamplingParams]] = []
-        self.lock = threading.Lock()
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        out = []
-        for ids, p in zip(prompts, params, strict=True):
-            text = TOK.decode(ids)
-            with self.lock:
-                key = next(k for k in self.script if k in text)
-                turn = sum(1 for r, _ in self.requests if key in TOK.decode(r))
-                self.requests.append((list(ids), p))
-            turns = self.script[key]
-            gen = chars(turns[min(turn, len(turns) - 1)])[: p.max_new_tokens]
-            finish = "length" if len(gen) >= p.max_new_tokens else "stop"
-            if finish == "stop":
-                gen.append(IM_END)
-            routed = None
-            if return_routed_experts:  # call index * 1000 + position, one layer, top-1
-                routed = (len(self.requests) * 1000 - 1000 + np.arange(len(ids) + len(gen) - 1))[:, None, None]
-            out.append(Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed))
-        return out
+    def answer(self, ids, p, return_routed_experts):
+        text = TOK.decode(ids)
+        key = next(k for k in self.script if k in text)
+        turn = sum(1 for r, _ in self.requests if key in TOK.decode(r)) - 1  # this request is recorded already
+        turns = self.script[key]
+        gen = chars(turns[min(turn, len(turns) - 1)])[: p.max_new_tokens]
+        finish = "length" if len(gen) >= p.max_new_tokens else "stop"
+        if finish == "stop":
+            gen.append(IM_END)
+        routed = None
+        if return_routed_experts:  # call index * 1000 + position, one layer, top-1
+            routed = (len(self.requests) * 1000 - 1000 + np.arange(len(ids) + len(gen) - 1))[:, None, None]
+        return Sample(list(ids), gen, [-0.01 * k for k in range(len(gen))], finish, routed_experts=routed)
 
 
-class TokenizerEngine:
-    """Answers request k with `replies[k]` (the last one after that) in `tok`'s tokens, then its end of text;
-    records every request's prompt."""
+class TokenizerEngine(FakeEngine):
+    """Answers request k with `replies[k]` (the last one after that) in `tok`'s tokens, then its end of text."""
 
     def __init__(self, tok, replies: list[str]) -> None:
+        super().__init__()
         self.tok, self.replies = tok, replies
-        self.requests: list[list[int]] = []
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        (ids,) = prompts
-        self.requests.append(list(ids))
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [ids for ids, _ in self.requests]
+
+    def answer(self, ids, p, return_routed_experts):
         reply = self.replies[min(len(self.requests), len(self.replies)) - 1]
         gen = [*self.tok.encode(reply, add_special_tokens=False), self.tok.eos_token_id]
-        return [Sample(list(ids), gen, [-0.1] * len(gen), "stop")]
+        return Sample(list(ids), gen, [-0.1] * len(gen), "stop")
 
 
 def params(call: int, i: int) -> SamplingParams:
@@ -114,7 +109,7 @@ def task(key: str, answer: str = "56088") -> Prompt:
 
 def run_agents(engine, agent, rows, **env_over):
     cfg = EnvConfig(**{"type": "agent", "max_turns": 8, **env_over})
-    return run_agent_episodes(engine, rows, params, TurnRenderer(TT), cfg, max_concurrency=4, agent=agent)
+    return on_loop(run_agent_episodes(engine, rows, params, TurnRenderer(TT), cfg, max_concurrency=4, agent=agent))
 
 
 def rendered(messages, tools=None) -> list[int]:
@@ -251,8 +246,10 @@ def test_a_stop_string_of_several_tokens_cuts_the_response_as_an_engine_would() 
 
     engine = ScriptEngine({"task-S": ["Think 7\nObs: 9 zz more", "Answer: 7"]})
     cfg = EnvConfig(type="agent", max_turns=8)
-    (episode,) = run_agent_episodes(
-        engine, [task("task-S")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+    (episode,) = on_loop(
+        run_agent_episodes(
+            engine, [task("task-S")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+        )
     )
     assert (seen[0].message.content, seen[0].finish_reason) == ("Think 7", "stop")
     kept = chars("Think 7\nObs:")  # up to the token that completes the first stop string; the rest dropped
@@ -270,12 +267,20 @@ def test_a_stop_string_of_several_tokens_cuts_the_response_as_an_engine_would() 
 @pytest.fixture
 def gateway():
     engine = ScriptEngine({"task": ["ok"]})
-    with Gateway(engine, TurnRenderer(TT), EnvConfig(type="agent", max_turns=4), params, "secret") as gw:
+    gw = on_loop(Gateway(engine, TurnRenderer(TT), EnvConfig(type="agent", max_turns=4), params, "secret").start())
+    try:
         yield gw
+    finally:
+        on_loop(gw.close())
+
+
+async def on_gateway_loop(fn, *args):
+    """`fn(*args)` on the rollout loop (the gateway's episodes are the loop's state)."""
+    return fn(*args)
 
 
 def test_bad_requests_get_openai_errors_and_models_lists_the_policy(gateway) -> None:
-    episode = gateway.open_episode(0)
+    episode = on_loop(on_gateway_loop(gateway.open_episode, 0))
     client = openai.OpenAI(base_url=gateway.base_url(episode), api_key="secret", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
     for messages, why in [
@@ -306,12 +311,12 @@ def test_bad_requests_get_openai_errors_and_models_lists_the_policy(gateway) -> 
         urllib.request.urlopen(unauthorized, timeout=30)
     assert raw.value.code == 401
     # none of them reached the engine or the trajectory
-    record = gateway.finish(episode)
+    record = on_loop(on_gateway_loop(gateway.finish, episode))
     assert record.calls == 0 and record.trajectories == []
 
 
 def test_an_over_long_message_and_deeply_nested_tool_call_arguments_answer_400_naming_them(gateway) -> None:
-    episode = gateway.open_episode(0)
+    episode = on_loop(on_gateway_loop(gateway.open_episode, 0))
     client = openai.OpenAI(base_url=gateway.base_url(episode), api_key="secret", max_retries=0)
     long = [{"role": "user", "content": "task"}, {"role": "tool", "content": "7" * (MAX_MESSAGE_CHARS + 1)}]
     with pytest.raises(openai.BadRequestError) as err:
@@ -329,7 +334,7 @@ def test_an_over_long_message_and_deeply_nested_tool_call_arguments_answer_400_n
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
     messages = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert client.chat.completions.create(model=MODEL, messages=messages).choices[0].message.content == "ok"
-    record = gateway.finish(episode)
+    record = on_loop(on_gateway_loop(gateway.finish, episode))
     assert record.calls == 1 and record.failure is None and record.events["gateway_errors"] == 0
 
 
@@ -365,7 +370,9 @@ def test_a_small_request_is_answered_while_another_episodes_large_render_runs() 
     engine = ScriptEngine({"task-big": ["big"], "task-small": ["small"]})
     cfg = EnvConfig(type="agent", max_turns=1)
     renderer = TurnRenderer(SlowRenderTokenizer())
-    big, small = run_agent_episodes(engine, [task("task-big"), task("task-small")], params, renderer, cfg, agent=agent)
+    big, small = on_loop(
+        run_agent_episodes(engine, [task("task-big"), task("task-small")], params, renderer, cfg, agent=agent)
+    )
     assert order == ["big render started", "task-small answered: small", "task-big answered: big"]
     assert big.error is None and small.error is None
 
@@ -392,16 +399,16 @@ def test_special_token_text_in_a_fresh_render_stays_text(tools_tok) -> None:
 
     engine = TokenizerEngine(tok, ["Answer: 5"])
     cfg = EnvConfig(type="agent", max_turns=2)
-    (episode,) = run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent)
+    (episode,) = on_loop(run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent))
     eos, user, assistant, tool = tok.convert_tokens_to_ids(["<|eos|>", "<|user|>", "<|assistant|>", "<|tool|>"])
     chars_of = {c: tok.convert_tokens_to_ids(c) for c in set(forged) | set("2+3=")}
     text = [chars_of[c] for c in "7<|eos|><|assistant|>Answer: 7"]
     response = tok.convert_tokens_to_ids(["<tool_response>", "</tool_response>"])
-    assert engine.requests == [
+    assert engine.prompts == [
         [user, *[chars_of[c] for c in "2+3="], tool, response[0], *text, response[1], assistant],
         [user, *text, assistant],
     ]
-    assert len(episode.segments) == 2 and episode.segments[1].prompt_ids == engine.requests[1]
+    assert len(episode.segments) == 2 and episode.segments[1].prompt_ids == engine.prompts[1]
 
 
 def test_more_agents_than_the_default_listen_backlog_connect_while_the_gateway_is_busy() -> None:
@@ -409,9 +416,10 @@ def test_more_agents_than_the_default_listen_backlog_connect_while_the_gateway_i
     which aiohttp's default backlog of 128 refuses (the others' connects time out)."""
     engine = ScriptEngine({"task": ["ok"]})
     cfg = EnvConfig(type="agent", max_turns=4)
-    with Gateway(engine, TurnRenderer(TT), cfg, params, "secret", max_concurrency=256) as gw:
+    gw = on_loop(Gateway(engine, TurnRenderer(TT), cfg, params, "secret", max_concurrency=256).start())
+    try:
         release, blocked = threading.Event(), threading.Event()
-        gw._loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(60)))
+        rollout_loop().loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(60)))
         assert blocked.wait(30)
         sockets, connected = [], 0
         try:
@@ -429,6 +437,8 @@ def test_more_agents_than_the_default_listen_backlog_connect_while_the_gateway_i
             for sock in sockets:
                 sock.close()
         assert connected == 300
+    finally:
+        on_loop(gw.close())
 
 
 def test_calls_past_max_turns_are_refused_and_end_the_episode_by_that_limit() -> None:
@@ -508,11 +518,11 @@ def test_an_agent_command_gets_the_gateway_in_its_environment_and_the_row_on_std
     failing.write_text("import sys\nsys.exit('no luck')\n")
     engine = ScriptEngine({"cmd": ["Answer: 3"]})
     cfg = EnvConfig(type="agent", max_turns=2, agent_command=f"{shlex.quote(sys.executable)} {script}")
-    (episode,) = run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg)
+    (episode,) = on_loop(run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg))
     assert episode.error is None and episode.reward == 0.5
     assert episode.trajectory.prompt_ids == rendered([{"role": "user", "content": "cmd cmd"}])
     cfg = EnvConfig(type="agent", agent_command=f"{shlex.quote(sys.executable)} {failing}")
-    (failed,) = run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg)
+    (failed,) = on_loop(run_agent_episodes(engine, [task("cmd")], params, TurnRenderer(TT), cfg))
     assert "status 1" in failed.error and "no luck" in failed.error
     assert failed.trajectory.events["agent_errors"] == 1
 
@@ -560,11 +570,11 @@ def test_the_collector_scores_by_the_agents_reward_with_env_agent_reward() -> No
     cfg = load_config(None, over)
     engine = ScriptEngine({"task-F": ["Answer: 56088", "Answer: 1"]})
     col = RolloutCollector(cfg, engine, TT, RewardScorer(cfg.reward), PromptSampler([task("task-F")], shuffle=False))
-    outcome = col.collect(step=0)
+    outcome = on_loop(col.collect(step=0))
     assert sorted(outcome.rewards.tolist()) == [0.0, 0.75]
     assert outcome.metrics["reward/accuracy"] == 0.5 and outcome.metrics["reward/failures"] == 0.0
     # evaluation: the same agent, the same scores
-    metrics = evaluate(ScriptEngine({"task-F": ["Answer: 56088"]}), [task("task-F")], TT, col.scorer, cfg, 0)
+    metrics = on_loop(evaluate(ScriptEngine({"task-F": ["Answer: 56088"]}), [task("task-F")], TT, col.scorer, cfg, 0))
     assert metrics["eval/greedy_accuracy"] == 1.0 and metrics["eval/reward_mean"] == 0.75
     with pytest.raises(ConfigError, match=r"env\.agent_reward is set but env\.type"):
         load_config(None, ["model.hf_path=unused", "data.train_path=unused", "env.agent_reward=true"])
@@ -584,7 +594,7 @@ def test_the_collector_trains_agent_episodes_scored_by_the_reward_rule() -> None
     engine = ScriptEngine({"task-E": ["Answer: 56088", "Answer: 1"]})  # right, then wrong
     sampler = PromptSampler([task("task-E")], shuffle=False)
     col = RolloutCollector(cfg, engine, TT, RewardScorer(cfg.reward), sampler)
-    outcome = col.collect(step=0)
+    outcome = on_loop(col.collect(step=0))
     assert len(engine.requests) == 2 and outcome.metrics["env/end_done"] == 2.0
     batch = outcome.batch
     assert sorted(outcome.rewards.tolist()) == [-1.0, 1.0]
@@ -634,7 +644,7 @@ def rewrite_step(**over: object):
     col = RolloutCollector(
         cfg, ScriptEngine(REWRITE_SCRIPT), TT, RewardScorer(cfg.reward), PromptSampler([task("task-R")], shuffle=False)
     )
-    outcome = col.collect(step=0)
+    outcome = on_loop(col.collect(step=0))
     owner = outcome.episodes.tolist()
     rewriter = max(set(owner), key=owner.count)
     return outcome, owner, rewriter
@@ -716,35 +726,35 @@ def test_a_real_tokenizer_and_chat_template_give_the_same_tokens_as_rendering_th
 
     engine = TokenizerEngine(tok, [call, "Answer: 5"])
     cfg = EnvConfig(type="agent", max_turns=2)
-    (episode,) = run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent)
+    (episode,) = on_loop(run_agent_episodes(engine, [task("x")], params, TurnRenderer(tok), cfg, agent=agent))
     conversation = [
         {"role": "user", "content": "2+3="},
         {"role": "assistant", "content": call},
         {"role": "tool", "content": "5"},
     ]
     whole = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert tok.decode(engine.requests[1]) == whole  # the same text, built token in, token out
+    assert tok.decode(engine.prompts[1]) == whole  # the same text, built token in, token out
     traj = episode.trajectory
-    assert traj.prompt_ids + traj.output_ids == engine.requests[1] + tok.encode("Answer: 5") + [tok.eos_token_id]
+    assert traj.prompt_ids + traj.output_ids == engine.prompts[1] + tok.encode("Answer: 5") + [tok.eos_token_id]
 
 
 def test_a_call_the_engine_hands_to_the_main_thread_runs_while_the_agents_wait() -> None:
-    """The local engine's restart after its death runs on the trainer's main thread (`engine.handoff`):
-    the agents' episodes must leave that thread free to run it, or the step waits forever."""
+    """A restarted local engine's resync runs on the trainer's main thread (`engine.handoff`): the agents'
+    episodes must leave that thread free to run it while it waits for them, or the step waits forever."""
     ran_on = []
+    handoff = MainThreadCalls()  # built here: this test's thread is the main thread
 
     class RestartingEngine(ScriptEngine):
-        def __init__(self) -> None:
-            super().__init__({"task-G": ["Answer: 1"]})
-            self.handoff = MainThreadCalls()  # built here: this test's thread is the main thread
+        async def generate(self, prompts, params, return_routed_experts=False):
+            if not ran_on:  # the engine "died": its resync is handed to the main thread
+                resync = handoff.submit(lambda: ran_on.append(threading.current_thread()), "resyncing the engine")
+                await asyncio.wrap_future(resync)
+            return await super().generate(prompts, params, return_routed_experts)
 
-        def generate(self, prompts, params, return_routed_experts=False):
-            if not ran_on:  # the engine "died": its restart is handed to the main thread
-                self.handoff.call(lambda: ran_on.append(threading.current_thread()), "restarting the engine")
-            return super().generate(prompts, params, return_routed_experts)
-
-    engine = RestartingEngine()
-    (episode,) = run_agents(engine, answering_agent, [task("task-G")])
+    engine = RestartingEngine({"task-G": ["Answer: 1"]})
+    cfg = EnvConfig(type="agent", max_turns=8)
+    episodes = run_agent_episodes(engine, [task("task-G")], params, TurnRenderer(TT), cfg, agent=answering_agent)
+    (episode,) = rollout_loop().run(episodes, 120, handoff)
     assert ran_on == [threading.current_thread()] and episode.error is None
 
 
@@ -752,10 +762,10 @@ def test_an_agent_that_times_out_while_its_call_generates_leaves_nothing_waiting
     release, generating = threading.Event(), threading.Event()
 
     class StuckEngine(ScriptEngine):
-        def generate(self, prompts, params, return_routed_experts=False):
+        async def generate(self, prompts, params, return_routed_experts=False):
             generating.set()
-            release.wait()
-            return super().generate(prompts, params, return_routed_experts)
+            await asyncio.to_thread(release.wait, 60)
+            return await super().generate(prompts, params, return_routed_experts)
 
     async def agent(base_url, api_key, row):
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -781,8 +791,10 @@ def test_routed_experts_are_assembled_per_token_across_calls() -> None:
 
     cfg = EnvConfig(type="agent", max_turns=2)
     engine = ScriptEngine({"task-R": ["one", "two"]})
-    (episode,) = run_agent_episodes(
-        engine, [task("task-R")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+    (episode,) = on_loop(
+        run_agent_episodes(
+            engine, [task("task-R")], params, TurnRenderer(TT), cfg, agent=agent, return_routed_experts=True
+        )
     )
     traj = episode.trajectory
     first_call = len(engine.requests[0][0]) + len(chars("one")) + 1 - 1  # the rows the first call routed
@@ -812,7 +824,9 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
     """P5: 2 of 4 episodes fail (50%): above env.max_failure_frac the step stops with one line naming the
     agent and the first failure; at the fraction the failed group is left out with one warning for the step."""
     with pytest.raises(EpisodeFailureError) as err:
-        agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.25").collect(step=3)
+        on_loop(
+            agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.25").collect(step=3)
+        )
     message = str(err.value)
     assert "\n" not in message and message.startswith(
         "step 3: 2 of 4 episodes failed (50%, above env.max_failure_frac = 0.25) in "
@@ -820,7 +834,7 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
     )
     with caplog.at_level("WARNING"):
         collector = agent_collector("env.agent=test_gateway:failing_on_bad_rows", "env.max_failure_frac=0.5")
-        step_batch = collector.collect(step=3)
+        step_batch = on_loop(collector.collect(step=3))
     metrics = step_batch.metrics
     assert metrics["env/agent_errors"] == 2.0 and metrics["groups/aborted"] == 1.0 and len(step_batch.batch) == 2
     (summary,) = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.envs.failures"]
@@ -833,7 +847,7 @@ def test_failing_agents_above_the_fraction_stop_the_step_naming_the_agent(caplog
     with pytest.raises(
         EpisodeFailureError, match=r"step 1: 2 of 2 episodes failed .* env\.agent_command = .*status 1: no luck"
     ):
-        agent_collector(f"env.agent_command={failing}", rows=("task-E",)).collect(step=1)
+        on_loop(agent_collector(f"env.agent_command={failing}", rows=("task-E",)).collect(step=1))
 
 
 CHILD_AGENT = """
@@ -850,11 +864,12 @@ from types import SimpleNamespace
 from megatron_rl.agents import run_agent_episodes
 from megatron_rl.config import EnvConfig
 from megatron_rl.envs import TurnRenderer
+from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.types import SamplingParams
 cfg = EnvConfig(type="agent", agent_command=sys.argv[1], agent_timeout_s=600)
 rows = [SimpleNamespace(index=i, text="t", answer="1", raw={}, input_ids=[1]) for i in range(2)]
 tokenizer = SimpleNamespace(all_special_ids=(), chat_template=None)
-run_agent_episodes(None, rows, lambda call, i: SamplingParams(), TurnRenderer(tokenizer), cfg)
+RolloutLoop().run(run_agent_episodes(None, rows, lambda call, i: SamplingParams(), TurnRenderer(tokenizer), cfg), 600)
 """
 
 
@@ -886,7 +901,7 @@ def test_agent_commands_and_their_children_end_when_the_trainer_is_killed(tmp_pa
 SLOW_AGENT = "import sys, time; print('started', flush=True); time.sleep(600)"
 
 
-def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step_ends() -> None:
+def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step_ends(rank0_env: None) -> None:
     """P9: agents that would run for env.agent_timeout_s (600 s): checkpoint.preempt_timeout_s after the
     stop signal they are aborted (their processes killed), the step ends with their group left out, and
     aborts are no failures (no EpisodeFailureError)."""
@@ -895,18 +910,19 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
     # one at a time: the second episode starts after the abort (and ends at once)
     over = (f"env.agent_command={command}", "env.agent_timeout_s=600", "rollout.max_concurrency=1")
     col = agent_collector(*over, rows=("task-E",))
-    runtime = RolloutRuntime(col.cfg, col, MainThreadCalls())
+    runtime = fake_runtime(col.cfg, col.engine, TT, [task("task-E")], eval_prompts=[task("task-E")])
     stop = StopRequest()
     stop.on_stop(lambda: runtime.abort_episodes_after(0.5))
     try:
-        started = runtime.submit(runtime._collect(1))
+        started = runtime.loop.submit(runtime._collect(1))
         wait_until(lambda: len(_processes_naming(marker)) >= 2, 60, "the first agent (a shell and python) to start")
         stop.handle(signal.SIGTERM, None)
         step_batch = started.result(timeout=120)
+        assert runtime.evaluate(1) == {}  # nothing evaluated on aborted episodes
     finally:
         runtime.close()
+        runtime.data.close()
     metrics = step_batch.metrics
     assert step_batch.batch is None and metrics["env/end_preempted"] == 2.0 and metrics["groups/aborted"] == 1.0
     assert "env/agent_errors" not in metrics
     assert not _processes_naming(marker)
-    assert runtime.evaluate([task("task-E")], 1) == {}  # nothing evaluated on aborted episodes

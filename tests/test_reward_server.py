@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from mrl_engine import FakeEngine, on_loop, rollout_loop
 
 from megatron_rl.config import ConfigError, RewardConfig, load_config
 from megatron_rl.data import Prompt, PromptSampler, RowLocation
@@ -131,7 +132,9 @@ def test_remote_scores_equal_the_local_rule(dapo_server: ServerProcess) -> None:
     rewards = dict(correct_reward=2.0, incorrect_reward=-0.5)
     local = RewardScorer(RewardConfig(type="dapo", **rewards)).score(RESPONSES, ANSWERS)
     # 7 responses in batches of 3 (3 requests, 2 at a time): the order survives the batching
-    got = RewardScorer(remote(dapo_server.url, batch_size=3, max_concurrency=2, **rewards)).score(RESPONSES, ANSWERS)
+    got = RewardScorer(
+        remote(dapo_server.url, batch_size=3, max_concurrency=2, **rewards), run=rollout_loop().run
+    ).score(RESPONSES, ANSWERS)
     assert got == local
     assert got.rewards == [2.0, -0.5, -0.5, 2.0, 2.0, 2.0, -0.5] and got.stats.no_answer == 1
     assert got.extracted[4] == "\\boxed{7}"
@@ -143,7 +146,7 @@ def test_remote_math_verify_equals_the_local_rule(workdir: Path) -> None:
     answers = ["\\frac{1}{\\sqrt{2}}", "22", "4", "4"]
     server = ServerProcess(workdir, "math_verify")
     try:
-        got = RewardScorer(remote(server.url)).score(responses, answers)
+        got = RewardScorer(remote(server.url), run=rollout_loop().run).score(responses, answers)
     finally:
         server.stop()
     assert got == RewardScorer(RewardConfig(type="math_verify")).score(responses, answers)
@@ -158,7 +161,9 @@ def test_remote_custom_function_gets_prompt_and_row(custom_server: ServerProcess
     cfg = dict(correct_reward=10.0, failure_reward=-7.0)
     local_cfg = RewardConfig(type="custom", custom_function=str(workdir / "my_verifiers.py") + ":reward", **cfg)
     local = RewardScorer(local_cfg).score(responses, answers, prompts, rows)
-    got = RewardScorer(remote(custom_server.url, batch_size=2, **cfg)).score(responses, answers, prompts, rows)
+    got = RewardScorer(remote(custom_server.url, batch_size=2, **cfg), run=rollout_loop().run).score(
+        responses, answers, prompts, rows
+    )
     # len(prompt) + weight (+ 0.5 when the answer is in the response); a raise or a NaN: the failure reward
     assert got.rewards == local.rewards == [14 + 3 + 0.5, 2 - 1, -7.0, -7.0, 10.0]
     assert got.correct == local.correct and got.failed == local.failed == [False, False, True, True, False]
@@ -185,7 +190,9 @@ def test_the_loop_sends_each_responses_prompt_text_and_row(custom_server: Server
         [Sample([1, 2], [ord(c) for c in text], [0.0] * len(text), "stop") for text in pair]
         for pair in (("7", "x"), ("no", "77"))
     ]
-    collector = RolloutCollector(cfg, None, CodePointTokenizer(), RewardScorer(cfg.reward), PromptSampler(prompts))
+    collector = RolloutCollector(
+        cfg, None, CodePointTokenizer(), RewardScorer(cfg.reward, run=rollout_loop().run), PromptSampler(prompts)
+    )
     groups, stats = collector.score(prompts, grouped)
     # len(prompt text) + row weight (+ 0.5 when the answer "7" is in the response), computed on the server
     assert [g.scores for g in groups] == [[12 + 1 + 0.5, 12 + 1], [6 + 10, 6 + 10 + 0.5]]
@@ -193,7 +200,7 @@ def test_the_loop_sends_each_responses_prompt_text_and_row(custom_server: Server
 
 
 def test_a_hanging_call_fails_its_item_and_the_worker_goes_on(custom_server: ServerProcess) -> None:
-    scorer = RewardScorer(remote(custom_server.url, batch_size=4))
+    scorer = RewardScorer(remote(custom_server.url, batch_size=4), run=rollout_loop().run)
     for _ in range(2):  # the second request finds the workers free again
         result = scorer.score(["hang", "x 1", "hang", "y"], ["1"] * 4, ["pp"] * 4, [{"weight": 1}] * 4)
         assert result.failed == [True, False, True, False] and result.rewards == [-1.0, 3.5, -1.0, 3.0]
@@ -201,7 +208,7 @@ def test_a_hanging_call_fails_its_item_and_the_worker_goes_on(custom_server: Ser
 
 
 def test_requests_over_the_size_limit_name_the_batch_size(custom_server: ServerProcess) -> None:
-    scorer = RewardScorer(remote(custom_server.url))
+    scorer = RewardScorer(remote(custom_server.url), run=rollout_loop().run)
     with pytest.raises(RemoteRewardError, match=r"HTTP 413.*lower reward.batch_size"):
         scorer.score(["x" * 20_000], ["1"], ["p"], [{"weight": 0}])
 
@@ -210,17 +217,19 @@ def test_the_key_is_required(dapo_server: ServerProcess, monkeypatch: pytest.Mon
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     for key in (None, "wrong-key"):
         with pytest.raises(RemoteRewardError, match=r"HTTP 401 .*set reward.api_key"):
-            RewardScorer(remote(dapo_server.url, api_key=key))
+            RewardScorer(remote(dapo_server.url, api_key=key), run=rollout_loop().run)
     monkeypatch.setenv(API_KEY_ENV, KEY)  # the key from the environment, out of config.yaml
-    assert RewardScorer(remote(dapo_server.url, api_key=None)).score(["Answer: 1"], ["1"]).correct == [True]
+    assert RewardScorer(remote(dapo_server.url, api_key=None), run=rollout_loop().run).score(
+        ["Answer: 1"], ["1"]
+    ).correct == [True]
     with pytest.raises(RemoteRewardError, match=r"HTTP 404.*the server's /score endpoint"):
-        RewardScorer(remote(dapo_server.base + "/nope"))
+        RewardScorer(remote(dapo_server.base + "/nope"), run=rollout_loop().run)
 
 
 def test_concurrency_is_bounded(workdir: Path) -> None:
     server = ServerProcess(workdir, "my_verifiers:gated")
     try:
-        scorer = RewardScorer(remote(server.url, batch_size=2, max_concurrency=3))
+        scorer = RewardScorer(remote(server.url, batch_size=2, max_concurrency=3), run=rollout_loop().run)
         with ThreadPoolExecutor(1) as pool:
             scoring = pool.submit(scorer.score, [str(i) for i in range(24)], ["1"] * 24)
             # the gate holds every request: the scorer's three reach the server together
@@ -237,14 +246,14 @@ def test_concurrency_is_bounded(workdir: Path) -> None:
 
 def test_a_server_gone_mid_run_gives_counted_failures(workdir: Path) -> None:
     server = ServerProcess(workdir, "dapo")
-    scorer = RewardScorer(remote(server.url, max_retries=1, failure_reward=-4.0))
+    scorer = RewardScorer(remote(server.url, max_retries=1, failure_reward=-4.0), run=rollout_loop().run)
     server.stop()
     result = scorer.score(["Answer: 1", "Answer: 2"], ["1", "2"])
     assert result.rewards == [-4.0, -4.0] and result.failed == [True, True] and result.stats.failed == 2
     assert "failed after 2 tries: connection refused" in result.stats.errors[0]
     # a server that is not there at start-up fails the run at once, naming reward.url
     with pytest.raises(RemoteRewardError, match=r"reward.url = 'http://127.0.0.1:\d+/score' cannot be used"):
-        RewardScorer(remote(server.url, max_retries=0))
+        RewardScorer(remote(server.url, max_retries=0), run=rollout_loop().run)
 
 
 class ScriptedServer:
@@ -318,10 +327,10 @@ def test_a_reward_server_unusable_at_start_up_is_one_config_error_line(scripted:
 
     url = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(ConfigError) as gone:
-        RewardScorer(remote(url, max_retries=0))
+        RewardScorer(remote(url, max_retries=0), run=rollout_loop().run)
     scripted.mode = "no_key"
     with pytest.raises(ConfigError) as refused:
-        RewardScorer(remote(scripted.url))
+        RewardScorer(remote(scripted.url), run=rollout_loop().run)
     assert str(gone.value) == (
         f"reward.url = {url!r} cannot be used: reward server {url}, an empty batch: failed after 1 tries: connection "
         "refused (is `megatron-rl reward-server` running there?)"
@@ -342,7 +351,7 @@ def test_a_reward_server_unusable_at_start_up_is_one_config_error_line(scripted:
 def test_malformed_replies_are_named_and_counted(
     scripted: ScriptedServer, mode: str, failed: list[bool], message: str
 ) -> None:
-    scorer = RewardScorer(remote(scripted.url, failure_reward=-9.0))
+    scorer = RewardScorer(remote(scripted.url, failure_reward=-9.0), run=rollout_loop().run)
     scripted.mode = mode
     result = scorer.score(["a", "b", "c"], ["1", "1", "1"])
     assert result.failed == failed and result.stats.failed == sum(failed)
@@ -353,7 +362,7 @@ def test_malformed_replies_are_named_and_counted(
 
 @pytest.mark.parametrize("mode", ["slow", "busy"])
 def test_a_slow_or_busy_server_gives_counted_failures_after_the_retries(scripted: ScriptedServer, mode: str) -> None:
-    scorer = RewardScorer(remote(scripted.url, timeout_s=0.5, max_retries=2))
+    scorer = RewardScorer(remote(scripted.url, timeout_s=0.5, max_retries=2), run=rollout_loop().run)
     scripted.mode = mode
     result = scorer.score(["a", "b"], ["1", "1"])
     assert result.rewards == [-1.0, -1.0] and result.stats.failed == 2
@@ -420,11 +429,11 @@ def test_non_finite_json_and_oversized_bodies_are_refused(custom_server: ServerP
     )
 
 
-class OneLetterEngine:
+class OneLetterEngine(FakeEngine):
     """Answers every request with the one token "a" (a finished response)."""
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        return [Sample(list(ids), [ord("a")], [0.0], "stop") for ids in prompts]
+    def answer(self, ids, params, routed):
+        return Sample(list(ids), [ord("a")], [0.0], "stop")
 
 
 def remote_collector(url: str, *overrides: str) -> RolloutCollector:
@@ -434,7 +443,11 @@ def remote_collector(url: str, *overrides: str) -> RolloutCollector:
     )
     prompts = [Prompt(i, (1, 2), "q", "1", {}, RowLocation("t.jsonl", "line", i + 1)) for i in range(2)]
     return RolloutCollector(
-        cfg, OneLetterEngine(), CodePointTokenizer(), RewardScorer(cfg.reward), PromptSampler(prompts)
+        cfg,
+        OneLetterEngine(),
+        CodePointTokenizer(),
+        RewardScorer(cfg.reward, run=rollout_loop().run),
+        PromptSampler(prompts),
     )
 
 
@@ -452,7 +465,7 @@ def test_a_failing_server_mid_run_stops_the_step_naming_it(scripted: ScriptedSer
     collector = remote_collector(scripted.url, "reward.max_retries=1", "reward.timeout_s=0.3")  # the check passed
     scripted.mode = mode
     with pytest.raises(RewardFailureError) as err:
-        collector.collect(step=2)
+        on_loop(collector.collect(step=2))
     message = str(err.value)
     failed = 1 if mode == "nan" else 4
     assert message.startswith(f"step 2: {failed} of 4 rewards failed") and "\n" not in message
@@ -463,14 +476,14 @@ def test_a_failing_server_mid_run_stops_the_step_naming_it(scripted: ScriptedSer
 def test_one_nan_leaves_its_group_out_and_the_others_are_trained_on(scripted: ScriptedServer) -> None:
     collector = remote_collector(scripted.url, "reward.max_failure_frac=0.25")
     scripted.mode = "nan"  # response 2 (the first of prompt 1's group) gets a NaN score
-    step_batch = collector.collect(step=1)
+    step_batch = on_loop(collector.collect(step=1))
     assert (step_batch.metrics["reward/failures"], step_batch.metrics["groups/reward_failed"]) == (1.0, 1.0)
     assert step_batch.batch is not None and len(step_batch.batch) == 2 and step_batch.rewards.tolist() == [1.0, 1.0]
     assert collector.sampler.position == 2  # prompt 1 was generated, scored and left out
 
 
 def test_a_refused_key_mid_run_raises_without_an_unrelated_chained_error(scripted: ScriptedServer) -> None:
-    scorer = RewardScorer(remote(scripted.url))
+    scorer = RewardScorer(remote(scripted.url), run=rollout_loop().run)
     scripted.mode = "unauthorized"
     with pytest.raises(RemoteRewardError, match="HTTP 401") as err:
         scorer.score(["a"], ["1"])

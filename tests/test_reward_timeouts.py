@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from mrl_engine import rollout_loop
 
 from megatron_rl.config import ConfigError, RewardConfig, load_config
 from megatron_rl.rewards import RewardScorer
@@ -58,7 +59,7 @@ def make_scorer(spec: str) -> Iterator[Any]:
 
     def make(**kwargs: Any) -> RewardScorer:
         cfg = RewardConfig(type="custom", custom_function=spec, item_timeout_s=1.0, failure_reward=-5.0, **kwargs)
-        scorers.append(RewardScorer(cfg))
+        scorers.append(RewardScorer(cfg, run=rollout_loop().run))
         return scorers[-1]
 
     yield make
@@ -193,7 +194,9 @@ class InProcessRewardServer:
 def test_the_reward_servers_item_timeouts_are_counted(spec: str) -> None:
     served = InProcessRewardServer(spec)
     try:
-        scorer = RewardScorer(RewardConfig(type="remote", url=served.url, api_key="k", failure_reward=-5.0))
+        scorer = RewardScorer(
+            RewardConfig(type="remote", url=served.url, api_key="k", failure_reward=-5.0), run=rollout_loop().run
+        )
         result = scorer.score(["hang", "1"], ["1", "1"])
     finally:
         served.close()

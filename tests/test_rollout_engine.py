@@ -14,6 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
+from mrl_engine import FakeEngine, on_loop, rollout_loop
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.parallel.launch import free_port
@@ -316,9 +317,9 @@ def test_colocated_engines_release_before_the_trainer_builds_its_state(engine, m
     from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
 
     colocated = RolloutConfig(engine="sglang", sglang_urls=[engine.url], api_key=KEY, colocate=True)
-    assert not release_colocated_engines(Config(rollout=dataclasses.replace(colocated, colocate=False)))
+    assert not release_colocated_engines(Config(rollout=dataclasses.replace(colocated, colocate=False)), rollout_loop())
     assert colocated_engines_released(Config(rollout=colocated))
-    assert release_colocated_engines(Config(rollout=colocated))
+    assert release_colocated_engines(Config(rollout=colocated), rollout_loop())
 
     async def go():
         async with client_for(engine.url) as client:
@@ -364,11 +365,11 @@ def test_rollout_engine_facade_starts_the_local_engine(models):
     from megatron_rl.config import RolloutConfig
 
     cfg = RolloutConfig(api_key=KEY, max_concurrency=8, max_retries=1)  # engine = local, no SGLang address
-    rollout = RolloutEngine.from_config(cfg, models["A"], extra_args=["--threads", "1"], env=ENV)
+    rollout = RolloutEngine.from_config(cfg, rollout_loop(), models["A"], extra_args=["--threads", "1"], env=ENV)
     try:
         assert rollout.client.routed_experts_layout == (2, 2)  # read from the model's config.json
         params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
-        samples = rollout.generate([[5, 6], [5, 6]], params, return_routed_experts=True)
+        samples = on_loop(rollout.generate([[5, 6], [5, 6]], params, return_routed_experts=True))
         assert [len(s.output_ids) for s in samples] == [4, 4]
         check_sample(samples[0], models["A"], 1.0)
         url = rollout.local_process.url
@@ -383,7 +384,7 @@ def test_local_engine_needs_a_model_folder():
     from megatron_rl.config import RolloutConfig
 
     with pytest.raises(ValueError, match="rollout.engine = local needs a model folder"):
-        RolloutEngine.from_config(RolloutConfig())
+        RolloutEngine.from_config(RolloutConfig(), rollout_loop())
 
 
 @pytest.mark.e2e
@@ -445,22 +446,10 @@ def test_multi_turn_episode_is_token_in_token_out_with_routing_across_turns(engi
         def step(self, turn):
             return Observation(token_ids=[20, 21, 22]) if turn.index == 0 else Observation(done=True)
 
-    class Engine:
-        def __init__(self) -> None:
-            self.requests: list[list[int]] = []
-
-        def generate(self, prompts, params, return_routed_experts=False):
-            self.requests += [list(p) for p in prompts]
-
-            async def go():
-                async with client_for(engine.url) as client:
-                    jobs = [
-                        client.generate(p, q, return_routed_experts=return_routed_experts)
-                        for p, q in zip(prompts, params, strict=True)
-                    ]
-                    return await asyncio.gather(*jobs)
-
-            return asyncio.run(go())
+    class Engine(FakeEngine):
+        async def answer(self, ids, params, routed):
+            async with client_for(engine.url) as client:
+                return await client.generate(ids, params, return_routed_experts=routed)
 
     class IdText:
         def batch_decode(self, rows, skip_special_tokens=True):
@@ -478,15 +467,17 @@ def test_multi_turn_episode_is_token_in_token_out_with_routing_across_turns(engi
         )
 
     eng = Engine()
-    (traj,) = run_episodes(
-        eng, [TokenObservations(cfg)], [row], params, TurnRenderer(IdText()), cfg, return_routed_experts=True
+    (traj,) = on_loop(
+        run_episodes(
+            eng, [TokenObservations(cfg)], [row], params, TurnRenderer(IdText()), cfg, return_routed_experts=True
+        )
     )
     out0, out1 = traj.output_ids[:1], traj.output_ids[4:]
     assert traj.output_ids[1:4] == [20, 21, 22] and len(out1) == 6 and traj.end_reason == "length"
-    assert eng.requests == [[5, 6, 7, 8], [5, 6, 7, 8, *out0, 20, 21, 22]]
+    assert [ids for ids, _ in eng.requests] == [[5, 6, 7, 8], [5, 6, 7, 8, *out0, 20, 21, 22]]
     assert traj.loss_mask == [True] + [False] * 3 + [True] * 6
     check_sample(Sample([5, 6, 7, 8], out0, traj.logprobs[:1], "stop"), models["A"], 1.0, routed=False)
-    last = Sample(eng.requests[1], out1, traj.logprobs[4:], "length", routed_experts=traj.routed_experts)
+    last = Sample(eng.requests[1][0], out1, traj.logprobs[4:], "length", routed_experts=traj.routed_experts)
     check_sample(last, models["A"], 1.0)  # routing of every position of the final trajectory
 
 

@@ -358,28 +358,25 @@ def test_moe_layout_reads_the_text_sub_config_as_sglang_does(tmp_path):
     assert moe_layout(str(tmp_path)) is None
 
 
-def test_close_stops_the_local_engine_even_when_the_client_thread_is_stuck(
+def test_close_stops_the_local_engine_even_when_the_client_or_the_loop_is_stuck(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import asyncio
     import threading
 
     from megatron_rl.rollout import engine as engine_module
-
-    release = threading.Event()
+    from megatron_rl.rollout import event_loop
 
     class StuckOnClose:
         routed_experts_layout = (1, 1)
         dead_reason = None
+        max_retries, timeout_s, backoff_s = 0, 60.0, 0.0
 
         async def start(self) -> None:
             pass
 
         async def close(self) -> None:
-            # blocks the loop's thread right after close() has returned (queued behind its result, ahead
-            # of the loop's stop), as a callback that never ends would
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, release.wait, 60)
+            await asyncio.Event().wait()  # a session that never closes
 
     class Process:
         stopped = 0
@@ -387,12 +384,19 @@ def test_close_stops_the_local_engine_even_when_the_client_thread_is_stuck(
         def stop(self) -> None:
             self.stopped += 1
 
-    monkeypatch.setattr(engine_module, "CLIENT_THREAD_JOIN_S", 0.05)
+    monkeypatch.setattr(engine_module, "CLOSE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(event_loop, "CLOSE_TIMEOUT_S", 0.05)
+    loop = event_loop.RolloutLoop()
+    release = threading.Event()
     process = Process()
-    handle = engine_module.RolloutEngine(StuckOnClose(), process)  # type: ignore[arg-type]
+    handle = engine_module.RolloutEngine(StuckOnClose(), loop, process)  # type: ignore[arg-type]
     try:
-        handle.close()
-        assert process.stopped == 1
-        assert "the rollout client's thread did not stop" in caplog.text
+        with pytest.raises(TimeoutError, match="within 0 s"):
+            handle.close()
+        assert process.stopped == 1  # the engine's child ends all the same
+        # a callback that never ends holds the loop's thread: closing the loop warns instead of hanging
+        loop.loop.call_soon_threadsafe(release.wait, 60)
+        loop.close()
+        assert "the rollout loop's thread did not stop" in caplog.text
     finally:
         release.set()

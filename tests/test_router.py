@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mrl_engine import on_loop, rollout_loop
 
 from megatron_rl.config import Config, RolloutConfig
 from megatron_rl.parallel.launch import free_port
@@ -119,12 +120,12 @@ def test_router_generates_and_weight_updates_reach_every_worker(
     worker_urls = [w.url for w in workers]
     router = Router(worker_urls)
     try:
-        engine = RolloutEngine.from_config(_rollout(router.url), models["A"])
+        engine = RolloutEngine.from_config(_rollout(router.url), rollout_loop(), models["A"])
         try:
             client = engine.client
             assert client.router == router.url and sorted(client.urls) == sorted(worker_urls)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-            before = engine.generate([[5, 6, 7]] * 4, greedy)
+            before = on_loop(engine.generate([[5, 6, 7]] * 4, greedy))
             assert {s.server for s in before} == {router.url}  # every request went through the router
             # both workers serve model A (equal up to the rounding of each worker's own batch history)
             assert _spread(before) <= 1e-5, _spread(before)
@@ -133,7 +134,7 @@ def test_router_generates_and_weight_updates_reach_every_worker(
             assert len(replies) == 2 and all(r["success"] for r in replies)
             for url in worker_urls:
                 assert _get(url + "/get_model_info")["weight_version"] == "7"
-            after = engine.generate([[5, 6, 7]] * 4, greedy)
+            after = on_loop(engine.generate([[5, 6, 7]] * 4, greedy))
             assert {s.weight_version for s in after} == {"7"} and _spread(after) <= 1e-5, _spread(after)
             assert _spread([after[0], before[0]]) > 1e-3  # model B's weights serve now
             assert engine.run(client.health()) == dict.fromkeys(client.urls, True)
@@ -162,7 +163,7 @@ def test_a_run_trains_through_the_router_in_front_of_keyed_engines(
 
 def test_plain_servers_are_not_taken_for_a_router(workers: list[LocalEngineProcess], models: dict[str, str]) -> None:
     cfg = RolloutConfig(engine="sglang", sglang_urls=[w.url for w in workers], max_retries=0, api_key=KEY)
-    engine = RolloutEngine.from_config(cfg, models["A"])
+    engine = RolloutEngine.from_config(cfg, rollout_loop(), models["A"])
     try:
         assert engine.client.router is None and engine.client.urls == [w.url for w in workers]
     finally:
@@ -175,7 +176,7 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
     empty = Router([])
     try:
         with pytest.raises(SGLangError, match=rf"sglang-router {empty.url} lists no worker .* pass the servers' own"):
-            RolloutEngine.from_config(_rollout(empty.url), models["A"])
+            RolloutEngine.from_config(_rollout(empty.url), rollout_loop(), models["A"])
     finally:
         empty.stop()
     # a worker the router still lists but this machine cannot reach (here: one of its own that has stopped)
@@ -186,11 +187,11 @@ def test_router_without_reachable_workers_fails_at_start_naming_the_address(
         with pytest.raises(
             SGLangError, match=rf"sglang-router {router.url} (lists workers \['{lost.url}'\], but|lists no)"
         ):
-            RolloutEngine.from_config(_rollout(router.url), models["A"])
+            RolloutEngine.from_config(_rollout(router.url), rollout_loop(), models["A"])
         # a router next to other addresses is ambiguous
         mixed = RolloutConfig(engine="sglang", sglang_urls=[router.url, workers[0].url], max_retries=0, api_key=KEY)
         with pytest.raises(SGLangError, match=rf"{router.url} is an sglang-router; give the router alone"):
-            RolloutEngine.from_config(mixed, models["A"])
+            RolloutEngine.from_config(mixed, rollout_loop(), models["A"])
     finally:
         router.stop()
         lost.stop()
@@ -206,11 +207,11 @@ def test_routed_experts_aborts_and_memory_release_go_to_the_workers_not_the_rout
     worker = workers[0]  # alive in every test of the module
     router = Router([worker.url])
     try:
-        engine = RolloutEngine.from_config(_rollout(router.url), models["A"])
+        engine = RolloutEngine.from_config(_rollout(router.url), rollout_loop(), models["A"])
         try:
             client = engine.client
             greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-            (sample,) = engine.generate([[5, 6, 7]], greedy, return_routed_experts=True)
+            (sample,) = on_loop(engine.generate([[5, 6, 7]], greedy, return_routed_experts=True))
             assert sample.server == worker.url and sample.routed_experts is not None
             assert sample.routed_experts.shape[0] == 3 + 4 - 1
             # a request that cannot finish (the worker is paused) times out through the router
@@ -218,13 +219,13 @@ def test_routed_experts_aborts_and_memory_release_go_to_the_workers_not_the_rout
             client.timeout_s = 2.0
             with caplog.at_level("WARNING", logger="megatron_rl.rollout.sglang"):
                 with pytest.raises(SGLangError, match=rf"POST /generate .* to {router.url} timed out"):
-                    engine.generate([[5, 6, 7]], greedy)
+                    on_loop(engine.generate([[5, 6, 7]], greedy))
             assert not [r.message for r in caplog.records if "could not abort" in r.message]  # no 404
             state = _get(worker.url + "/get_server_info")["internal_states"][0]
             assert state["waiting"] == 0 and state["running"] == 0, state
             engine.run(client.continue_generation())
             colocated = dataclasses.replace(_rollout(router.url), colocate=True)
-            assert release_colocated_engines(Config(rollout=colocated))
+            assert release_colocated_engines(Config(rollout=colocated), rollout_loop())
             with pytest.raises(SGLangError, match="weights are released; call /resume_memory_occupation"):
                 engine.run(client.update_weights_from_disk(models["A"]))  # released: no weights until resumed
             engine.run(client.resume_memory_occupation())

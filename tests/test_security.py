@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from mrl_engine import rollout_loop
 
 from megatron_rl.rollout.local.launcher import start_local_engine
 from megatron_rl.rollout.local.server import (
@@ -302,7 +303,7 @@ def test_the_local_engine_gets_a_per_run_key_off_the_command_line(model: str) ->
     keys = []
     for admin in (None, "the-admin-key"):
         config = RolloutConfig(admin_api_key=admin)
-        with RolloutEngine.from_config(config, model, extra_args=["--threads", "1"], env=ENV) as engine:
+        with RolloutEngine.from_config(config, rollout_loop(), model, extra_args=["--threads", "1"], env=ENV) as engine:
             key = engine.client.api_key
             assert key and len(key) >= 32
             keys.append(key)

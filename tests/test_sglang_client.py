@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
+from mrl_engine import on_loop, rollout_loop
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
@@ -118,18 +119,18 @@ def _partial(url: str, **keys: object) -> RolloutConfig:
 def test_partial_rollouts_refuse_servers_without_per_token_versions(servers: dict[str, FakeSGLang]) -> None:
     old = servers["0.5.18"]
     with pytest.raises(SGLangError, match=rf"{old.url} runs SGLang 0\.5\.18, whose replies give one weight version"):
-        RolloutEngine.from_config(_partial(old.url))
+        RolloutEngine.from_config(_partial(old.url), rollout_loop())
     with pytest.raises(SGLangError, match=r"runs SGLang 0\.5\.9.*SGLang >= 0\.5\.19"):  # via /get_server_info
-        RolloutEngine.from_config(_partial(servers["0.5.9"].url))
+        RolloutEngine.from_config(_partial(servers["0.5.9"].url), rollout_loop())
     params = SamplingParams(max_new_tokens=3)
-    with RolloutEngine.from_config(_partial(servers["0.5.23"].url)) as engine:
-        (sample,) = engine.generate([[1, 2]], params)
+    with RolloutEngine.from_config(_partial(servers["0.5.23"].url), rollout_loop()) as engine:
+        (sample,) = on_loop(engine.generate([[1, 2]], params))
         assert sample.weight_versions == ["3"] * 3
     # without partial rollouts a response has one version: the reply's is every token's
     plain = _partial(old.url)
     plain.partial_rollout = False
-    with RolloutEngine.from_config(plain) as engine:
-        assert engine.generate([[1, 2]], params)[0].weight_versions == ["3"] * 3
+    with RolloutEngine.from_config(plain, rollout_loop()) as engine:
+        assert on_loop(engine.generate([[1, 2]], params))[0].weight_versions == ["3"] * 3
 
     # a server whose version does not tell (a development build) is refused at its first reply without spans
     async def unknown_build() -> None:
@@ -186,15 +187,19 @@ def test_lora_adapter_sync_refuses_servers_too_old_for_its_adapters(servers: dic
         r"\['down_proj', 'gate_proj', 'up_proj'\] with rollout.lora_sync = 'adapter' needs .* SGLang >= 0\.5\.10; "
         r"upgrade the servers or set rollout.lora_sync = 'merged'",
     ):
-        RolloutEngine.from_config(rollout("0.5.9"), model=experts)
+        RolloutEngine.from_config(rollout("0.5.9"), rollout_loop(), model=experts)
     with pytest.raises(
         SGLangError,
         match=r"0\.5\.9, which loads adapters from tensors only as one serialized_tensors string .*0\.5\.17",
     ):
-        RolloutEngine.from_config(rollout("0.5.9", weight_sync="tensor"), model=attention)
-    RolloutEngine.from_config(rollout("0.5.9"), model=attention).close()  # disk, attention only: any version
-    RolloutEngine.from_config(rollout("0.5.9", lora_sync="merged"), model=experts).close()  # full weights
-    RolloutEngine.from_config(rollout("0.5.18", weight_sync="tensor"), model=experts).close()
+        RolloutEngine.from_config(rollout("0.5.9", weight_sync="tensor"), rollout_loop(), model=attention)
+    RolloutEngine.from_config(
+        rollout("0.5.9"), rollout_loop(), model=attention
+    ).close()  # disk, attention only: any version
+    RolloutEngine.from_config(
+        rollout("0.5.9", lora_sync="merged"), rollout_loop(), model=experts
+    ).close()  # full weights
+    RolloutEngine.from_config(rollout("0.5.18", weight_sync="tensor"), rollout_loop(), model=experts).close()
 
 
 def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_model_starts() -> None:
@@ -202,7 +207,7 @@ def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_mo
     slow model start with a `GET /workers failed` traceback; `check_rollout_servers` (rank 0, before the actor
     starts) asks as the engine's start does and raises one ConfigError line naming the address."""
     from megatron_rl.config import Config, ConfigError
-    from megatron_rl.loop.driver import check_rollout_servers
+    from megatron_rl.loop.runtime import check_rollout_servers
     from megatron_rl.parallel.launch import free_port
 
     def run(url: str, key: str) -> Config:
@@ -211,11 +216,11 @@ def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_mo
     gone = f"http://127.0.0.1:{free_port()}"
     server = FakeSGLang("0.5.23")
     try:
-        check_rollout_servers(run(server.url, KEY))  # it answers and takes the key
+        check_rollout_servers(run(server.url, KEY), rollout_loop())  # it answers and takes the key
         with pytest.raises(ConfigError) as refused:
-            check_rollout_servers(run(gone, KEY))
+            check_rollout_servers(run(gone, KEY), rollout_loop())
         with pytest.raises(ConfigError) as wrong_key:
-            check_rollout_servers(run(server.url, "not-the-key"))
+            check_rollout_servers(run(server.url, "not-the-key"), rollout_loop())
     finally:
         server.close()
     assert str(refused.value) == (
@@ -225,4 +230,4 @@ def test_servers_that_do_not_answer_or_refuse_the_key_are_one_line_before_the_mo
         f"rollout.sglang_urls: GET /workers to {server.url}: HTTP 401 (missing or wrong API key); the key sent is "
         "rollout.api_key, else $MEGATRON_RL_ENGINE_API_KEY"
     )
-    check_rollout_servers(Config())  # the local engine: nothing to ask
+    check_rollout_servers(Config(), rollout_loop())  # the local engine: nothing to ask

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from mrl_engine import FakeEngine, on_loop
 
 from megatron_rl.config import ConfigError, DataConfig, EnvConfig, load_config
 from megatron_rl.data import DataError, Prompt, load_prompt_dataset
@@ -119,20 +120,18 @@ def test_tokenizer_words_are_plain_tokens_and_traces_round_trip(tokenizer) -> No
 PROMPT_TOKENS = 10  # <|user|>123*456=<|assistant|>
 
 
-class ReplayEngine:
+class ReplayEngine(FakeEngine):
     """Answers turn k of the episode of a prompt with the token ids of assistant turn k of its trace."""
 
     def __init__(self, turns_of_prompt: dict[tuple[int, ...], list[list[int]]]) -> None:
-        self.turns_of_prompt, self.calls = turns_of_prompt, Counter()
+        super().__init__()
+        self.turns_of_prompt, self.turn_of = turns_of_prompt, Counter()
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        out = []
-        for ids in prompts:
-            key = tuple(ids[:PROMPT_TOKENS])
-            gen = self.turns_of_prompt[key][self.calls[key]]
-            self.calls[key] += 1
-            out.append(Sample(list(ids), list(gen), [-0.5] * len(gen), "stop"))
-        return out
+    def answer(self, ids, params, routed):
+        key = tuple(ids[:PROMPT_TOKENS])
+        gen = self.turns_of_prompt[key][self.turn_of[key]]
+        self.turn_of[key] += 1
+        return Sample(list(ids), list(gen), [-0.5] * len(gen), "stop")
 
 
 def _turns_of(response_ids: tuple[int, ...], mask: tuple[bool, ...]) -> list[list[int]]:
@@ -199,13 +198,15 @@ def test_each_trace_replayed_through_the_environment_is_the_rl_episode(sft_examp
         for k, i in enumerate(picked)
     ]
     cfg = EnvConfig(type=ENV_TYPE, max_turns=3, max_total_tokens=192)
-    trajectories = run_episodes(
-        engine,
-        [env() for _ in picked],
-        prompts,
-        lambda turn, i: SamplingParams(max_new_tokens=24),
-        TurnRenderer(tokenizer),
-        cfg,
+    trajectories = on_loop(
+        run_episodes(
+            engine,
+            [env() for _ in picked],
+            prompts,
+            lambda turn, i: SamplingParams(max_new_tokens=24),
+            TurnRenderer(tokenizer),
+            cfg,
+        )
     )
     seen = Counter()
     for i, traj in zip(picked, trajectories, strict=True):
@@ -246,11 +247,13 @@ def test_the_openai_agent_through_the_gateway_gives_the_environments_trajectorie
     assert {rows[i]["extra_info"]["procedure"] for i in picked} == {"tool", "head", "ignored"}
     params = lambda call, i: SamplingParams(max_new_tokens=24)  # noqa: E731
     renderer, cfg = TurnRenderer(tokenizer), EnvConfig(type=ENV_TYPE, max_turns=3, max_total_tokens=192)
-    in_process = run_episodes(ReplayEngine(turns), [env() for _ in picked], prompts, params, renderer, cfg)
+    in_process = on_loop(run_episodes(ReplayEngine(turns), [env() for _ in picked], prompts, params, renderer, cfg))
     agent_cfg = EnvConfig(
         type="agent", agent="examples.tiny_tools.openai_agent:agent", max_turns=3, max_total_tokens=192
     )
-    agents = run_agent_episodes(ReplayEngine(turns), prompts, params, renderer, agent_cfg, agent=agent_module.agent)
+    agents = on_loop(
+        run_agent_episodes(ReplayEngine(turns), prompts, params, renderer, agent_cfg, agent=agent_module.agent)
+    )
     for traj, episode in zip(in_process, agents, strict=True):
         assert episode.error is None and episode.trajectory.end_reason == "done"
         ours = episode.trajectory
@@ -259,7 +262,7 @@ def test_the_openai_agent_through_the_gateway_gives_the_environments_trajectorie
     command = f"{sys.executable} {EXAMPLE / 'openai_agent.py'}"
     command_cfg = EnvConfig(type="agent", agent_command=command, max_turns=3, max_total_tokens=192)
     tool = next(k for k, i in enumerate(picked) if rows[i]["extra_info"]["procedure"] == "tool")
-    (program,) = run_agent_episodes(ReplayEngine(turns), [prompts[tool]], params, renderer, command_cfg)
+    (program,) = on_loop(run_agent_episodes(ReplayEngine(turns), [prompts[tool]], params, renderer, command_cfg))
     assert program.error is None and program.trajectory.output_ids == in_process[tool].output_ids
 
 
@@ -326,27 +329,25 @@ def test_configs_load_with_the_intended_algorithm(monkeypatch: pytest.MonkeyPatc
         load_config(EXAMPLE / "rl.yaml", ["algorithm.name=gspo"])
 
 
-class ToolUser:
+class ToolUser(FakeEngine):
     """An engine whose policy calls the calculator on the prompts of `callers` and copies the tool's
     result into its answer; on the other prompts it answers the head estimate at once."""
 
     def __init__(self, tokenizer, callers: set[str]) -> None:
+        super().__init__()
         self.tokenizer, self.callers = tokenizer, callers
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        out = []
-        for ids in prompts:
-            seen = self.tokenizer.decode(ids, skip_special_tokens=True)
-            problem = Problem(*(int(x) for x in seen.split("=")[0].split("*")))
-            if "</tool_response>" in seen:
-                text = "Answer: " + seen.split("<tool_response>")[-1].split("</tool_response>")[0]
-            elif problem.prompt in self.callers:
-                text = problem.tool_call()
-            else:
-                text = f"Answer: {problem.head_answer()}"
-            gen = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-            out.append(Sample(list(ids), gen, [-0.1] * len(gen), "stop"))
-        return out
+    def answer(self, ids, params, routed):
+        seen = self.tokenizer.decode(ids, skip_special_tokens=True)
+        problem = Problem(*(int(x) for x in seen.split("=")[0].split("*")))
+        if "</tool_response>" in seen:
+            text = "Answer: " + seen.split("<tool_response>")[-1].split("</tool_response>")[0]
+        elif problem.prompt in self.callers:
+            text = problem.tool_call()
+        else:
+            text = f"Answer: {problem.head_answer()}"
+        gen = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        return Sample(list(ids), gen, [-0.1] * len(gen), "stop")
 
 
 def test_warm_start_pass_at_n_and_greedy_accuracy_run_episodes(tmp_path: Path, tokenizer, monkeypatch) -> None:
@@ -360,7 +361,9 @@ def test_warm_start_pass_at_n_and_greedy_accuracy_run_episodes(tmp_path: Path, t
     cfg = load_config(EXAMPLE / "sft.yaml")
     prompts = load_prompt_dataset(path, tokenizer, cfg.data)
     callers = {p.prompt for p in heldout[:7]}
-    scores = warm_start_scores(ToolUser(tokenizer, callers), prompts, tokenizer, RewardScorer(cfg.reward), cfg, step=0)
+    scores = on_loop(
+        warm_start_scores(ToolUser(tokenizer, callers), prompts, tokenizer, RewardScorer(cfg.reward), cfg, step=0)
+    )
     # only an episode (the call, the tool's answer, the copied result) answers right: 7 of 20 prompts
     assert scores["eval/greedy_accuracy"] == scores["eval/pass@8"] == scores["eval/sampled_accuracy"] == 7 / 20
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from mrl_engine import FakeEngine, on_loop
 
 from megatron_rl.checkpoints import (
     LoopState,
@@ -36,7 +37,7 @@ from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, 
 from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardFailureError, RewardScorer
 from megatron_rl.rollout.local.sampling import sample_tokens
-from megatron_rl.rollout.types import Sample
+from megatron_rl.rollout.types import Sample, SamplingParams
 from megatron_rl.trainer import logprob_gap, reference_kl
 from megatron_rl.validation import validate_run
 
@@ -48,32 +49,28 @@ class CharTokenizer:
         return ["".join(chr(i) for i in row if not (skip_special_tokens and i == 0)) for row in ids]
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """Answers each prompt (by its first token) with the next of its scripted responses, in turn."""
 
     def __init__(self, script: dict[int, list[str]], max_new_tokens: int) -> None:
+        super().__init__()
         self.script = script
         self.max_new_tokens = max_new_tokens
         self.turn: dict[int, int] = {}
-        self.calls: list[list] = []
 
-    def generate(self, prompts, params, return_routed_experts=False):
-        self.calls.append(list(params))
-        out = []
-        for prompt in prompts:
-            key = prompt[0]
-            k = self.turn.get(key, 0)
-            self.turn[key] = k + 1
-            text = self.script[key][k % len(self.script[key])]
-            ids = [ord(c) for c in text][: self.max_new_tokens]
-            finish = "length" if len(text) >= self.max_new_tokens else "stop"
-            if text == ABORT:  # the engine aborted the request after a few tokens
-                finish = "abort"
-            elif finish == "stop":
-                ids.append(0)
-            lps = [-0.5] * len(ids)
-            out.append(Sample(list(prompt), ids, lps, finish, weight_version="0"))
-        return out
+    def answer(self, prompt, params, routed):
+        key = prompt[0]
+        k = self.turn.get(key, 0)
+        self.turn[key] = k + 1
+        text = self.script[key][k % len(self.script[key])]
+        ids = [ord(c) for c in text][: self.max_new_tokens]
+        finish = "length" if len(text) >= self.max_new_tokens else "stop"
+        if text == ABORT:  # the engine aborted the request after a few tokens
+            finish = "abort"
+        elif finish == "stop":
+            ids.append(0)
+        lps = [-0.5] * len(ids)
+        return Sample(list(prompt), ids, lps, finish, weight_version="0")
 
 
 def prompt(index: int, answer: str) -> Prompt:
@@ -127,7 +124,7 @@ def test_dynamic_sampling_all_wrong_stops_at_the_round_limit_with_the_warning() 
     cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.max_gen_rounds": 3, "algorithm.overlong_buffer_len": 4})
     prompts = [prompt(i, "7") for i in range(10)]
     col, engine = collector(cfg, {100 + i: [WRONG] for i in range(10)}, prompts)
-    step_batch = col.collect(step=1)
+    step_batch = on_loop(col.collect(step=1))
     assert step_batch.batch is None
     m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/target_missed"], m["groups/groups_used"]) == (3.0, 1.0, 0.0)
@@ -142,7 +139,7 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
     cfg = make_cfg(**{"algorithm.name": "dapo", "algorithm.overlong_buffer_len": 4})
     script = {100: [WRONG], 101: [RIGHT, WRONG, WRONG, WRONG], 102: [RIGHT, RIGHT, WRONG, WRONG], 103: [WRONG]}
     col, _ = collector(cfg, script, [prompt(i, "7") for i in range(4)])
-    step_batch = col.collect(step=1)
+    step_batch = on_loop(col.collect(step=1))
     m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/groups_kept"], m["groups/target_missed"]) == (2.0, 2.0, 0.0)
     batch = step_batch.batch
@@ -164,7 +161,7 @@ def test_dynamic_sampling_keeps_informative_groups_with_hand_computed_advantages
 def test_without_dynamic_sampling_one_round_is_used_whole() -> None:
     cfg = make_cfg()
     col, _ = collector(cfg, {100: [WRONG], 101: [RIGHT, WRONG]}, [prompt(0, "7"), prompt(1, "7")])
-    step_batch = col.collect(step=3)
+    step_batch = on_loop(col.collect(step=3))
     m = step_batch.metrics
     assert (m["groups/rounds"], m["groups/groups_used"], m["groups/informative"], m["groups/filtered"]) == (1, 2, 1, 1)
     assert len(step_batch.batch) == 8
@@ -177,7 +174,7 @@ def test_aborted_requests_leave_their_group_out_of_the_batch() -> None:
     # prompt 0's third response was aborted (its text would even score as right); prompt 1's group is whole
     script = {100: [RIGHT, WRONG, ABORT, WRONG], 101: [RIGHT, WRONG, WRONG, WRONG]}
     col, _ = collector(cfg, script, [prompt(0, "7"), prompt(1, "7")])
-    step_batch = col.collect(step=1)
+    step_batch = on_loop(col.collect(step=1))
     m = step_batch.metrics
     assert (m["rollout/aborted"], m["groups/aborted"], m["groups/groups_used"]) == (1.0, 1.0, 1.0)
     assert len(step_batch.batch) == 4 and all(int(t[0]) == 101 for t in step_batch.batch.tokens)
@@ -188,7 +185,7 @@ def test_aborted_requests_leave_their_group_out_of_the_batch() -> None:
     assert m["reward/count"] == 4.0
     # every group aborted: nothing to train on, the step is skipped (no crash)
     col, _ = collector(cfg, {100: [ABORT], 101: [RIGHT, ABORT]}, [prompt(0, "7"), prompt(1, "7")])
-    step_batch = col.collect(step=1)
+    step_batch = on_loop(col.collect(step=1))
     assert (
         step_batch.batch is None
         and step_batch.metrics["groups/aborted"] == 2.0
@@ -203,7 +200,7 @@ def test_short_batch_with_fewer_samples_than_data_parallel_ranks_is_dropped() ->
         engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
         sampler = PromptSampler([prompt(0, "7"), prompt(1, "7")], shuffle=False)
         col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward), sampler, min_samples=dp)
-        step_batch = col.collect(step=1)
+        step_batch = on_loop(col.collect(step=1))
         assert step_batch.metrics["groups/target_missed"] == 1.0 and step_batch.metrics["groups/groups_used"] == 1.0
         assert step_batch.metrics["groups/short_batch_dropped"] == float(dropped)
         assert (step_batch.batch is None) == dropped and (dropped or len(step_batch.batch) == 4)
@@ -231,8 +228,8 @@ def test_overlong_shaping_filtering_and_reward_failures() -> None:
     )
     sampler = PromptSampler([prompt(0, "1"), prompt(1, "1")], shuffle=False)
     col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), sampler)
-    step_batch = col.collect(step=1)
-    groups, stats = col.score([prompt(0, "1")], [engine.generate([[100, 61]] * 4, [None] * 4)])
+    step_batch = on_loop(col.collect(step=1))
+    groups, stats = col.score([prompt(0, "1")], [on_loop(engine.generate([[100, 61]] * 4, [SamplingParams()] * 4))])
     # lengths: 3, 10 (9 + EOS), 12 (truncated, no EOS), 4 tokens; L_max 12, L_cache 4: penalty zone above 8
     assert groups[0].scores == [2.0, 9.0, 12.0, 3.0]
     assert groups[0].rewards == pytest.approx([2.0, 9.0 - 2 / 4, 12.0 - 1.0, 3.0])
@@ -248,7 +245,9 @@ def test_overlong_shaping_filtering_and_reward_failures() -> None:
 def test_evaluate_is_greedy_accuracy() -> None:
     cfg = make_cfg(**{"eval.temperature": 0.0})
     engine = ScriptedEngine({100: [RIGHT], 101: [WRONG], 102: [RIGHT]}, 12)
-    out = evaluate(engine, [prompt(i, "7") for i in range(3)], CharTokenizer(), RewardScorer(cfg.reward), cfg, 5)
+    out = on_loop(
+        evaluate(engine, [prompt(i, "7") for i in range(3)], CharTokenizer(), RewardScorer(cfg.reward), cfg, 5)
+    )
     assert out["eval/greedy_accuracy"] == pytest.approx(2 / 3) and out["eval/prompts"] == 3
     assert all(p.temperature == 0.0 and p.sampling_seed is None for p in engine.calls[0])
 
@@ -578,7 +577,7 @@ def test_reward_failures_above_the_fraction_stop_the_step_naming_the_source(capl
         engine = ScriptedEngine(script, cfg.rollout.max_new_tokens)
         sampler = PromptSampler([prompt(0, "1"), prompt(1, "1")], shuffle=False)
         col = RolloutCollector(cfg, engine, CharTokenizer(), RewardScorer(cfg.reward, rule=rule), sampler)
-        return col.collect(step=4), col
+        return on_loop(col.collect(step=4)), col
 
     # 2 of 8 (25%) above 0.2: the step stops with one line naming the function and the first failure
     with pytest.raises(RewardFailureError) as err:
@@ -604,4 +603,8 @@ def test_reward_failures_above_the_fraction_stop_the_step_naming_the_source(capl
     cfg = make_cfg(**{"reward.type": "custom", "reward.custom_function": "mod:fn"})
     engine = ScriptedEngine({100: ["x"], 101: ["b"]}, 12)
     with pytest.raises(RewardFailureError, match=r"the evaluation at step 5: 1 of 2 rewards failed"):
-        evaluate(engine, [prompt(0, "1"), prompt(1, "1")], CharTokenizer(), RewardScorer(cfg.reward, rule=rule), cfg, 5)
+        on_loop(
+            evaluate(
+                engine, [prompt(0, "1"), prompt(1, "1")], CharTokenizer(), RewardScorer(cfg.reward, rule=rule), cfg, 5
+            )
+        )

@@ -23,7 +23,7 @@ import torch
 
 from megatron_rl.config import ConfigError, DataConfig, ModelConfig, load_config
 from megatron_rl.data import DataError, check_tokenizer_vocab, load_prompt_dataset, load_tokenizer
-from megatron_rl.loop.driver import data_metrics
+from megatron_rl.loop.runtime import data_metrics
 from megatron_rl.models.hf_config import hf_config_from_model
 from megatron_rl.models.safetensors_io import write_safetensors
 from megatron_rl.validation import validate_run

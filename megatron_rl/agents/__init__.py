@@ -2,7 +2,7 @@
 
 from megatron_rl.agents.gateway import MODEL, Gateway
 from megatron_rl.agents.openai_chat import ChatRequest, RequestError, parse_request
-from megatron_rl.agents.runner import AgentEpisode, AgentError, row_json, run_agent_episodes, run_agent_episodes_async
+from megatron_rl.agents.runner import AgentEpisode, AgentError, row_json, run_agent_episodes
 from megatron_rl.agents.segments import EpisodeRecord
 
 __all__ = [
@@ -16,5 +16,4 @@ __all__ = [
     "parse_request",
     "row_json",
     "run_agent_episodes",
-    "run_agent_episodes_async",
 ]

@@ -14,8 +14,7 @@ tokens (`TurnRenderer.messages_ids`: the template's delta after an assistant tur
 plain text). Earlier turns are never re-tokenized. A call that does not extend the history starts a
 new segment (`env/gateway_resets`), a trajectory of its own (`segments.py`).
 
-Generation: one engine request per call, the engine's synchronous `generate` on a thread pool
-("gateway-generate"), with the run's sampling (`params(call, episode)`), `max_tokens` capped by it
+Generation: one engine request per call, awaited on the rollout runtime's loop, with the run's sampling (`params(call, episode)`), `max_tokens` capped by it
 and by what is left of `env.max_total_tokens`. The request's `temperature` is ignored (counted,
 `env/gateway_temperature_ignored`): the trainer scores the tokens at `rollout.temperature`. A
 `stop` string that is one token becomes a stop token; a longer one cuts the response after the first
@@ -24,21 +23,18 @@ trained, as if the engine had stopped there; `env/gateway_stop_strings`), and th
 ends before it. More than `env.max_turns` calls, or a prompt that leaves no room in
 `env.max_total_tokens`, answer 400 and mark the episode as ended by that limit.
 
-Threads: the event loop ("agent-gateway") reads requests and owns the episodes' state; parsing a
-body, rendering and decoding run on the render threads (`render.RenderPool`), so a large request
-holds up its own episode only; generation on the generation pool.
+Threads: the gateway's site runs on the event loop that starts it (the rollout runtime's), which reads
+requests, owns the episodes' state and awaits the engine; parsing a body, rendering and decoding run on
+the render threads (`render.RenderPool`), so a large request holds up its own episode only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,7 +56,7 @@ from megatron_rl.config import EnvConfig
 from megatron_rl.envs.episodes import TurnRenderer
 from megatron_rl.http.body import BodyError, parse_json, read_body
 from megatron_rl.http.server import Serving, application, authorized, key_check, start
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Engine, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +65,15 @@ MAX_BODY_BYTES = 32 << 20
 
 
 class Gateway:
-    """The gateway server on 127.0.0.1 (`port` 0: a free one) on its own event-loop thread.
+    """The gateway server on 127.0.0.1 (`port` 0: a free one), on the event loop that `start`s it.
 
     `params(call, episode)` gives the sampling of an episode's call (its `max_new_tokens` the cap);
-    `open_episode(index)` an id whose `base_url` the agent calls; `finish(id)` (or `finish_async`
-    from another event loop) closes it and gives its `EpisodeRecord`."""
+    `open_episode(index)` an id whose `base_url` the agent calls; `finish(id)` closes it and gives its
+    `EpisodeRecord` (both on the gateway's loop)."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         renderer: TurnRenderer,
         cfg: EnvConfig,
         params: Callable[[int, int], SamplingParams],
@@ -91,43 +87,17 @@ class Gateway:
         self.engine, self.renderer, self.cfg, self.params = engine, renderer, cfg, params
         self.api_key, self.model, self.port = api_key, model, port
         self.return_routed_experts, self.max_concurrency = return_routed_experts, max_concurrency
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="gateway-generate")
         self._render = RenderPool(renderer)
         self._episodes: dict[str, EpisodeState] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._serving: Serving | None = None
 
     # ---- life ----
-    def start(self) -> Gateway:
-        started = threading.Event()
-        failure: list[BaseException] = []
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            self._loop = loop
-            try:
-                loop.run_until_complete(self._start_server())
-            except BaseException as err:  # reported to start()
-                failure.append(err)
-                started.set()
-                loop.close()
-                return
-            started.set()
-            loop.run_forever()
-            loop.run_until_complete(self._serving.close())
-            pending = asyncio.all_tasks(loop)  # a call whose agent gave up, still generating: cancelled
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
-
-        self._thread = threading.Thread(target=serve, name="agent-gateway", daemon=True)
-        self._thread.start()
-        started.wait()
-        if failure:
-            raise failure[0]
+    async def start(self) -> Gateway:
+        try:
+            await self._start_server()
+        except BaseException:
+            self._render.close()
+            raise
         return self
 
     async def _start_server(self) -> None:
@@ -145,51 +115,33 @@ class Gateway:
         self._serving = await start(app, port=self.port, shutdown_timeout_s=1.0, backlog=backlog)
         self.port = self._serving.port
 
-    def close(self) -> None:
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._render.close()
+    async def close(self) -> None:
+        """Stop serving (a call still generating is cancelled, `Serving.close` bounds it) and the render threads."""
+        try:
+            if self._serving is not None:
+                await self._serving.close()
+        finally:
+            self._render.close()
 
-    def __enter__(self) -> Gateway:
-        return self.start()
+    async def __aenter__(self) -> Gateway:
+        return await self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     # ---- episodes ----
     def open_episode(self, index: int) -> str:
         episode = uuid.uuid4().hex
-        self._call(self._open(episode, index))
-        return episode
-
-    async def open_episode_async(self, index: int) -> str:
-        """`open_episode` from another event loop."""
-        episode = uuid.uuid4().hex
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._open(episode, index), self._loop))
-        return episode
-
-    async def _open(self, episode: str, index: int) -> None:
         self._episodes[episode] = EpisodeState(index)
+        return episode
 
     def base_url(self, episode: str) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
 
     def finish(self, episode: str) -> EpisodeRecord:
-        return self._call(self._finish(episode))
-
-    async def finish_async(self, episode: str) -> EpisodeRecord:
-        """`finish` from another event loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._finish(episode), self._loop))
-
-    async def _finish(self, episode: str) -> EpisodeRecord:
         state = self._episodes.pop(episode)
         state.closed = True  # a call still generating is answered 404 and left out
         return EpisodeRecord([s.traj for s in state.segments], state.events, state.calls, state.limit, state.failure)
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ---- endpoints ----
     def _state(self, request: web.Request) -> EpisodeState:
@@ -229,7 +181,7 @@ class Gateway:
                 state.events["gateway_errors"] += 1
             return error_response(500, f"{type(err).__name__}: {err}", "server_error")
 
-    # ---- one completion: render (a render thread), generate (a generation thread), answer (a render thread) ----
+    # ---- one completion: render (a render thread), generate (awaited), answer (a render thread) ----
     async def _complete(self, state: EpisodeState, chat: ChatRequest) -> dict[str, Any]:
         cfg = self.cfg
         if state.calls >= cfg.max_turns:
@@ -261,10 +213,7 @@ class Gateway:
                 seg.traj.end_reason = seg.traj.end_reason or "reset"
             seg = prompt.fresh
             state.segments.append(seg)
-        routed = self.return_routed_experts
-        (sample,) = await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: self.engine.generate([ids], [p], return_routed_experts=routed)
-        )
+        (sample,) = await self.engine.generate([ids], [p], return_routed_experts=self.return_routed_experts)
         answer = None if sample.aborted else await self._render.run(_answer, sample, prompt.stop_strings, chat.logprobs)
         if state.closed:  # finish() returned the record: its trajectories are no longer ours to extend
             raise RequestError(404, "the episode ended while the call generated", "not_found_error")

@@ -5,9 +5,7 @@ a plain function runs on a thread) or `env.agent_command` (a shell command per e
 `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` in its environment and the row as JSON on
 stdin: `{"index", "prompt", "answer", "row"}`; a last stdout line `{"reward": x}` is its reward).
 Episodes run side by side, at most `max_concurrency` at once, each within `env.agent_timeout_s`.
-`run_agent_episodes_async` runs them on the running loop (the rollout runtime's); `run_agent_episodes`
-on a loop of its own: called on the trainer's main thread with an engine that hands calls to it
-(`engine.handoff`: a dead local engine's restart), on a thread beside it while it runs those calls.
+`run_agent_episodes` runs them, and the gateway they call, on the running loop (the rollout runtime's).
 
 An episode's trajectory is its last segment (`Gateway`: a call that rewrote the history began it);
 the earlier ones are counted (`env/gateway_resets`) and ride along in its `earlier_segments`: the
@@ -52,9 +50,8 @@ from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import agent_function
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.envs.tools import on_daemon_thread
-from megatron_rl.rollout.handoff import blocking
 from megatron_rl.rollout.preempt import EpisodesAborted, abortable
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,35 +193,8 @@ def _episode(
     return AgentEpisode(traj, segments, reward, error or record.failure)
 
 
-def run_agent_episodes(
-    engine: Any,
-    rows: Sequence[Any],
-    params: Callable[[int, int], SamplingParams],
-    renderer: TurnRenderer,
-    cfg: EnvConfig,
-    *,
-    max_concurrency: int = 64,
-    return_routed_experts: bool = False,
-    agent: Callable[..., Any] | None = None,
-) -> list[AgentEpisode]:
-    """`run_agent_episodes_async` from synchronous code (`megatron_rl.rollout.handoff.blocking`)."""
-    return blocking(
-        engine,
-        lambda: run_agent_episodes_async(
-            engine,
-            rows,
-            params,
-            renderer,
-            cfg,
-            max_concurrency=max_concurrency,
-            return_routed_experts=return_routed_experts,
-            agent=agent,
-        ),
-    )
-
-
-async def run_agent_episodes_async(
-    engine: Any,
+async def run_agent_episodes(
+    engine: Engine,
     rows: Sequence[Any],
     params: Callable[[int, int], SamplingParams],
     renderer: TurnRenderer,
@@ -235,7 +205,7 @@ async def run_agent_episodes_async(
     agent: Callable[..., Any] | None = None,
 ) -> list[AgentEpisode]:
     """One agent episode per row, in order, each a coroutine on the running loop, through a gateway
-    started for them (on its own thread; `agent`: the function to run instead of `env.agent` /
+    started for them (on the same loop; `agent`: the function to run instead of `env.agent` /
     `env.agent_command`). `params(call, i)`: the sampling of episode i's call."""
     if agent is None and cfg.agent:
         agent = agent_function(cfg)
@@ -251,11 +221,8 @@ async def run_agent_episodes_async(
         max_concurrency=max_concurrency,
         return_routed_experts=return_routed_experts,
     )
-    await asyncio.to_thread(gateway.start)
-    try:
+    async with gateway:
         return await _all(gateway, rows, cfg, agent, key, max_concurrency)
-    finally:
-        await asyncio.to_thread(gateway.close)
 
 
 async def _all(
@@ -265,7 +232,7 @@ async def _all(
 
     async def one(i: int, row: Any) -> AgentEpisode:
         async with slots:
-            episode = await gateway.open_episode_async(i)
+            episode = gateway.open_episode(i)
             url = gateway.base_url(episode)
             reward, error, timed_out, end = None, None, False, "agent_error"
             try:
@@ -282,7 +249,7 @@ async def _all(
                 error = f"the agent ran past env.agent_timeout_s = {cfg.agent_timeout_s:g} s"
             except Exception as err:  # the agent's own bug: its episode fails, the step goes on
                 error = f"{type(err).__name__}: {err}"
-            record = await gateway.finish_async(episode)
+            record = gateway.finish(episode)
             if timed_out:
                 record.events["agent_timeouts"] += 1
             result = _episode(row, record, reward, error, end)
@@ -293,4 +260,4 @@ async def _all(
     return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
 
 
-__all__ = ["MODEL", "AgentEpisode", "AgentError", "run_agent_episodes", "run_agent_episodes_async", "row_json"]
+__all__ = ["MODEL", "AgentEpisode", "AgentError", "run_agent_episodes", "row_json"]

@@ -9,7 +9,7 @@ from megatron_rl.envs.base import (
     environment_class,
     environment_factory,
 )
-from megatron_rl.envs.episodes import TurnRenderer, run_episodes, run_episodes_async
+from megatron_rl.envs.episodes import TurnRenderer, run_episodes
 from megatron_rl.envs.tools import MalformedCall, ToolCall, ToolEnvironment, call_with_timeout, parse_tool_calls
 from megatron_rl.envs.trajectory import Trajectory, episode_metrics, segments_of
 
@@ -30,6 +30,5 @@ __all__ = [
     "episode_metrics",
     "parse_tool_calls",
     "run_episodes",
-    "run_episodes_async",
     "segments_of",
 ]

@@ -36,7 +36,6 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -51,9 +50,8 @@ from megatron_rl.envs.trajectory import (
     append_generated,
     append_observation,
 )
-from megatron_rl.rollout.handoff import blocking
 from megatron_rl.rollout.preempt import abortable
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import Engine, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 _USER, _ASSISTANT = "\x00megatron-rl-user\x00", "\x00megatron-rl-assistant\x00"
@@ -200,29 +198,8 @@ class _Episode:
         self.end("preempted")
 
 
-def run_episodes(
-    engine: Any,
-    envs: Sequence[Environment],
-    rows: Sequence[Any],
-    params: Callable[[int, int], SamplingParams],
-    renderer: TurnRenderer,
-    cfg: EnvConfig,
-    *,
-    return_routed_experts: bool = False,
-    stall_warning_s: float = 0.0,
-) -> list[Trajectory]:
-    """`run_episodes_async` from synchronous code (`megatron_rl.rollout.handoff.blocking`)."""
-    routed, stall = return_routed_experts, stall_warning_s
-    return blocking(
-        engine,
-        lambda: run_episodes_async(
-            engine, envs, rows, params, renderer, cfg, return_routed_experts=routed, stall_warning_s=stall
-        ),
-    )
-
-
-async def run_episodes_async(
-    engine: Any,
+async def run_episodes(
+    engine: Engine,
     envs: Sequence[Environment],
     rows: Sequence[Any],
     params: Callable[[int, int], SamplingParams],
@@ -248,13 +225,14 @@ async def run_episodes_async(
 
 class _TurnBatches:
     """The episodes' turn requests made in one iteration of their loop go to the engine as one
-    `generate` call, run on a thread of `pool` (the engine's `generate` blocks): the episodes of a
-    round start together, so their first turns are one batch in episode order; later turns go as the
-    episodes reach them. Each request's future gets its sample, or the call's error."""
+    `generate` call (a task on the loop): the episodes of a round start together, so their first turns
+    are one batch in episode order; later turns go as the episodes reach them. Each request's future
+    gets its sample, or the call's error."""
 
-    def __init__(self, engine: Any, pool: ThreadPoolExecutor, return_routed_experts: bool) -> None:
-        self.engine, self.pool, self.return_routed_experts = engine, pool, return_routed_experts
+    def __init__(self, engine: Engine, return_routed_experts: bool) -> None:
+        self.engine, self.return_routed_experts = engine, return_routed_experts
         self.pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self.calls: set[asyncio.Task] = set()  # the engine calls running (a task is only weakly held by the loop)
 
     async def generate(self, ids: list[int], params: SamplingParams) -> Sample:
         loop = asyncio.get_running_loop()
@@ -266,15 +244,18 @@ class _TurnBatches:
 
     def _send(self) -> None:
         batch, self.pending = self.pending, []
-        call = functools.partial(
-            self.engine.generate,
-            [ids for ids, _, _ in batch],
-            [p for _, p, _ in batch],
-            return_routed_experts=self.return_routed_experts,
+        call = asyncio.ensure_future(
+            self.engine.generate(
+                [ids for ids, _, _ in batch], [p for _, p, _ in batch], return_routed_experts=self.return_routed_experts
+            )
         )
-        asyncio.get_running_loop().run_in_executor(self.pool, call).add_done_callback(
-            functools.partial(self._answer, [answer for _, _, answer in batch])
-        )
+        self.calls.add(call)
+        call.add_done_callback(self.calls.discard)
+        call.add_done_callback(functools.partial(self._answer, [answer for _, _, answer in batch]))
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
 
     @staticmethod
     def _answer(answers: list[asyncio.Future], call: asyncio.Future) -> None:
@@ -292,12 +273,11 @@ class _TurnBatches:
 
 @dataclass
 class _EpisodeRun:
-    """The episodes of one `run_episodes` call, each a coroutine on one event loop (the calling thread's,
-    or a thread of its own beside the trainer's main thread): a turn's `/generate` (`_TurnBatches`),
+    """The episodes of one `run_episodes` call, each a coroutine on the rollout runtime's loop: a turn's `/generate` (`_TurnBatches`),
     then its step. The tokenizer's work (decoding a turn, rendering an observation) runs on the loop's
     thread alone."""
 
-    engine: Any
+    engine: Engine
     params: Callable[[int, int], SamplingParams]
     renderer: TurnRenderer
     cfg: EnvConfig
@@ -306,15 +286,13 @@ class _EpisodeRun:
 
     async def all(self, episodes: list[_Episode]) -> None:
         steps = asyncio.Semaphore(self.cfg.max_concurrent_steps)
-        pool = ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="generate")
+        batches = _TurnBatches(self.engine, self.return_routed_experts)
         try:
-            batches = _TurnBatches(self.engine, pool, self.return_routed_experts)
             await asyncio.gather(
                 *(abortable(self.one(i, ep, batches, steps), ep.abort) for i, ep in enumerate(episodes))
             )
         finally:
-            # not waiting: cancelled (the runtime closing), a /generate still running ends with the engine
-            pool.shutdown(wait=False, cancel_futures=True)
+            batches.cancel()  # a call still generating for episodes that are gone (cancelled, or another failed)
 
     async def one(self, i: int, ep: _Episode, batches: _TurnBatches, steps: asyncio.Semaphore) -> None:
         cfg = self.cfg

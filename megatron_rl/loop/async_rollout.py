@@ -41,7 +41,6 @@ from typing import Any
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import Trajectory, segments_of
-from megatron_rl.rollout.handoff import MainThreadCalls
 
 # how often a round waiting for groups checks that some can still arrive (requests have their own timeouts)
 STARVATION_CHECK_S = 5.0
@@ -150,11 +149,12 @@ class OneStepOff:
     """The batch of the next step, collected on the rollout runtime's loop while this step trains.
 
     `submit(step)` starts collecting step `step`'s batch on the runtime and gives its future; the
-    main thread waits for it through `handoff`, running what the collection hands it meanwhile."""
+    main thread waits for it with `wait(future)` (the runtime's: bounded, running what the collection
+    hands it meanwhile)."""
 
-    def __init__(self, submit: Callable[[int], Future], handoff: MainThreadCalls | None = None) -> None:
+    def __init__(self, submit: Callable[[int], Future], wait: Callable[[Future], Any]) -> None:
         self._submit = submit
-        self._handoff = handoff or MainThreadCalls()  # what the collection hands the main thread, run while it waits
+        self._wait = wait
         self._future: Future | None = None
         self.ready: Any = None  # the next step's finished batch (a checkpoint holds it)
         self.ready_step: int | None = None
@@ -166,7 +166,7 @@ class OneStepOff:
         if self.ready is not None and self.ready_step == step:
             step_batch, self.ready, self.ready_step = self.ready, None, None
         else:
-            step_batch = self._handoff.wait_future(self._submit(step))
+            step_batch = self._wait(self._submit(step))
         return step_batch, time.perf_counter() - began
 
     def start(self, step: int) -> None:
@@ -181,7 +181,7 @@ class OneStepOff:
         began = time.perf_counter()
         if self._future is not None:
             future, self._future = self._future, None
-            self.ready = self._handoff.wait_future(future)  # the collection's requests have their timeouts
+            self.ready = self._wait(future)
         return time.perf_counter() - began
 
     def state_dict(self) -> dict[str, Any]:

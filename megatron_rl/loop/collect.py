@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from megatron_rl.agents import run_agent_episodes_async
+from megatron_rl.agents import run_agent_episodes
 from megatron_rl.algorithms import DynamicSamplingAccumulator
 from megatron_rl.algorithms.dynamic_sampling import filter_groups
 from megatron_rl.config import Config
@@ -44,7 +44,7 @@ from megatron_rl.envs import (
     TurnRenderer,
     environment_factory,
     episode_metrics,
-    run_episodes_async,
+    run_episodes,
     segments_of,
 )
 from megatron_rl.envs.failures import check_episode_failures
@@ -53,8 +53,7 @@ from megatron_rl.loop.samples import advantages_of as advantages_of  # re-export
 from megatron_rl.loop.samples import kl_penalized_advantages as kl_penalized_advantages
 from megatron_rl.loop.scoring import Group, score_groups, score_samples
 from megatron_rl.rewards import RewardScorer, RewardStats
-from megatron_rl.rollout.handoff import blocking
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +88,7 @@ class RolloutCollector:
     """Builds each step's batch from `engine` (anything with `generate(prompts, params, return_routed_experts)`)."""
 
     def __init__(
-        self, cfg: Config, engine: Any, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
+        self, cfg: Config, engine: Engine, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -102,11 +101,7 @@ class RolloutCollector:
         self.builder = SampleBuilder(cfg)
 
     # ---- pieces ----
-    def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Trajectory]]:
-        """`generate_async` from synchronous code (`blocking`)."""
-        return blocking(self.engine, lambda: self.generate_async(prompts, step, round_))
-
-    async def generate_async(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Trajectory]]:
+    async def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Trajectory]]:
         """`rollout.n_samples_per_prompt` seeded trajectories per prompt, grouped by prompt.
 
         Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
@@ -121,7 +116,7 @@ class RolloutCollector:
             round_key = round_ if turn == 0 else f"{round_}.{turn}"
             return SamplingParams.from_config(ro, sampling_seed=sampling_seed(seed, step, round_key, i))
 
-        trajectories = await episodes_async(
+        trajectories = await episodes(
             self.engine,
             rows,
             params,
@@ -144,14 +139,10 @@ class RolloutCollector:
         """One generation round: the sampler's next `n` prompts and their groups (`kept`: the informative
         groups of the step so far, which an asynchronous source needs)."""
         prompts = self.sampler.next(n)
-        return prompts, await self.generate_async(prompts, step, round_)
+        return prompts, await self.generate(prompts, step, round_)
 
     # ---- one step ----
-    def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
-        """`collect_async` from synchronous code (`blocking`)."""
-        return blocking(self.engine, lambda: self.collect_async(step, source))
-
-    async def collect_async(self, step: int, source: RoundSource | None = None) -> StepBatch:
+    async def collect(self, step: int, source: RoundSource | None = None) -> StepBatch:
         """Generate, reward and filter until the step's groups are chosen, then build the batch of the
         chosen groups (`loop.samples.SampleBuilder`; see the module doc).
 
@@ -255,8 +246,8 @@ class RolloutCollector:
         }
 
 
-def episodes(
-    engine: Any,
+async def episodes(
+    engine: Engine,
     rows: Sequence[Prompt],
     params: Callable[[int, int], SamplingParams],
     renderer: TurnRenderer,
@@ -265,29 +256,10 @@ def episodes(
     return_routed_experts: bool = False,
     make_env: Callable[[], Any] | None = None,
 ) -> list[Trajectory]:
-    """`episodes_async` from synchronous code (`blocking`)."""
-    return blocking(
-        engine,
-        lambda: episodes_async(
-            engine, rows, params, renderer, cfg, return_routed_experts=return_routed_experts, make_env=make_env
-        ),
-    )
-
-
-async def episodes_async(
-    engine: Any,
-    rows: Sequence[Prompt],
-    params: Callable[[int, int], SamplingParams],
-    renderer: TurnRenderer,
-    cfg: Config,
-    *,
-    return_routed_experts: bool = False,
-    make_env: Callable[[], Any] | None = None,
-) -> list[Trajectory]:
-    """One episode per row: of the environment (`run_episodes_async`), or of the black-box agent through
+    """One episode per row: of the environment (`run_episodes`), or of the black-box agent through
     the gateway (`env.type=agent`: `megatron_rl.agents`, at most rollout.max_concurrency at once)."""
     if cfg.env.type == "agent":
-        agents = await run_agent_episodes_async(
+        agents = await run_agent_episodes(
             engine,
             rows,
             params,
@@ -298,7 +270,7 @@ async def episodes_async(
         )
         return [e.trajectory for e in agents]
     make_env = make_env or environment_factory(cfg.env)
-    return await run_episodes_async(
+    return await run_episodes(
         engine,
         [make_env() for _ in rows],
         rows,
@@ -315,15 +287,8 @@ def _scores(groups: Sequence[Group]) -> torch.Tensor:
     return torch.tensor([r for grp in groups for r in grp.scores], dtype=torch.float32)
 
 
-def evaluate(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
-) -> dict[str, float]:
-    """`evaluate_async` from synchronous code (`blocking`)."""
-    return blocking(engine, lambda: evaluate_async(engine, prompts, tokenizer, scorer, cfg, step))
-
-
-async def evaluate_async(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+async def evaluate(
+    engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
     """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
     episode of the environment (`env.*`) per prompt."""
@@ -334,7 +299,7 @@ async def evaluate_async(
         seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
         return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
 
-    samples = await episodes_async(engine, prompts, params, TurnRenderer(tokenizer), cfg)
+    samples = await episodes(engine, prompts, params, TurnRenderer(tokenizer), cfg)
     check_episode_failures(cfg.env, samples, f"the evaluation at step {step}")
     result = await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, prompts)
     scorer.check_failures(result.stats, f"the evaluation at step {step}")

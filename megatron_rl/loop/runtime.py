@@ -1,7 +1,13 @@
 """Rank 0's rollout runtime: one object, one event loop, every piece of rollout state.
 
-`RolloutRuntime` owns what rank 0 keeps between steps to make batches: the collector (and through
-it the sampler, the reward scorer and the engine handle), the engine's idle clock, and the state of
+Only global rank 0 builds a `RolloutRuntime`; the trainer ranks reach it through
+`megatron_rl.parallel.rank0.on_rank0` (see `megatron_rl.trainer`). The data is read first
+(`RolloutData.load`, before the slow actor start, so bad data fails at once), which starts the rollout
+side's one event loop (`megatron_rl.rollout.event_loop.RolloutLoop`, thread "rollout-runtime"); the
+runtime is built from it once the engine's model folder exists, and starts the engine on that loop.
+
+`RolloutRuntime` owns what rank 0 keeps between steps to make batches: the engine handle, the
+collector (and through it the sampler, the reward scorer), the engine's idle clock, and the state of
 the scheduling policy `rollout.async_mode` picks:
 
 - `sync`: the step's batch is collected on the loop when the step asks for it;
@@ -10,36 +16,33 @@ the scheduling policy `rollout.async_mode` picks:
 - `fully_async` (`AsyncProducer`): a producer task keeps groups in flight under the staleness
   bound; each step's collection takes its rounds from the producer's buffer.
 
-Threads and tasks, and what each may touch:
+Every step's record gets the `async/` metrics, `time/wait_batch` and `time/engine_idle`.
+
+Threads and tasks, and what each may touch (docs/architecture.md's table is the full list):
 
 - **the trainer's main thread** (the owner of `handoff`) calls `collect`, `finish_step`,
   `checkpoint_state`, `load_state_dict`, `evaluate` and `close`. It never touches the policy state
-  itself: each call hands a coroutine to the loop and waits for it through `handoff.wait_future`,
-  running meanwhile what the engine hands it (a dead local engine's restart and its weight
-  resync: the weight sync's state is the main thread's alone). `OneStepOff`'s `ready` batch is the
-  exception: it is only set by the main thread, from a finished collection's result.
-- **the runtime thread** ("rollout-runtime") runs the event loop; everything below runs on it and
-  owns the policy state (`AsyncProducer`'s counts, buffer, retries and jobs in flight: no lock) and
-  the sampler's draws:
-  - one **collection task** per step (`collector.collect_async`): its generation rounds, its
-    episodes (each a coroutine: generate, environment step, generate...; agents through the
-    gateway), then the rewards;
+  itself: each call hands a coroutine to the loop and waits for it (`run`, bounded), running
+  meanwhile what the loop hands it: a restarted local engine's weight resync, a collective of every
+  trainer rank (the weight sync's state is the main thread's alone). `OneStepOff`'s `ready` batch is
+  the exception: it is only set by the main thread, from a finished collection's result.
+- **the loop's thread** ("rollout-runtime") runs everything else of the rollout side, and owns the
+  policy state (`AsyncProducer`'s counts, buffer, retries and jobs in flight: no lock), the sampler's
+  draws and the engine's restart supervision:
+  - one **collection task** per step (`collector.collect`): its generation rounds, its episodes
+    (each a coroutine: generate, environment step, generate...; agents through the gateway's site,
+    on this loop too), then the rewards;
   - in `fully_async`, the **producer task** (`AsyncProducer._run`), which submits a group per
     free worker slot, and one **group task** per group in flight (`AsyncProducer._work`);
-  - the held-out **evaluation** (`evaluate_async`), while nothing else collects;
+  - the held-out **evaluation**, while nothing else collects;
   - after a stop signal, `checkpoint.preempt_timeout_s` later, the **abort** ("abort-episodes"), which
     ends the episodes still running (`megatron_rl.rollout.preempt`) and, in `fully_async`, stops the
     producer's submissions (a step then takes the groups it has).
-- **worker threads** started from the loop, touching only what they are given: the episodes'
-  generation pool (`/generate` blocks a thread inside the engine handle, whose HTTP client runs on
-  its own event-loop thread), a plain environment `step` on a daemon thread of its own (at most
-  `env.max_concurrent_steps` at once), a plain agent function's thread, the reward scoring
-  (`asyncio.to_thread`: the scorer blocks on its worker processes or the reward server), and the
-  agent gateway's server thread, its render threads and generation pool (`megatron_rl.agents`).
-
-A generation thread that sees the local engine die restarts it through the engine handle, which
-serialises restarts and hands the restart and its resync to the main thread (`handoff`), waiting
-there: no worker thread touches weight-sync state.
+- **worker threads**, touching only what they are given: a plain environment `step` on a daemon
+  thread of its own (at most `env.max_concurrent_steps` at once), a plain agent function's thread, the
+  reward scoring (`asyncio.to_thread`: the scorer blocks on its worker processes, or on the remote
+  reward client it runs back on the loop), a dead local engine's start (`asyncio.to_thread`), the
+  gateway's render threads.
 """
 
 from __future__ import annotations
@@ -47,77 +50,216 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import pickle
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_rl.config import Config
-from megatron_rl.data import Prompt
+from megatron_rl.config import Config, ConfigError
+from megatron_rl.data import LoadReport, Prompt, PromptSampler
 from megatron_rl.envs import Trajectory
+from megatron_rl.envs.episodes import EnvRewardError
+from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
-from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate_async
+from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
+from megatron_rl.models.source import tokenizer_source
+from megatron_rl.parallel.launch import read_launch_env
+from megatron_rl.parallel.layout import check_layout
+from megatron_rl.rewards import RewardScorer
+from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.preempt import abort_episodes
+from megatron_rl.rollout.types import Engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CLOSE_TIMEOUT_S = 30.0
+# the producer's bookkeeping calls (`synced`, `settle`, `hold`, ...) never wait for a generation
+CONTROL_TIMEOUT_S = 60.0
+
+# the rollout's own stops, each one line (`megatron_rl.trainer.RUN_ERRORS`): a NaN turn reward, an environment
+# that cannot start, more failed episodes than env.max_failure_frac
+ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError)
+
+
+def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
+    """`data/<prefix>_rows_kept`, `_rows_skipped` and the skips per reason of one loaded file."""
+    out = {f"data/{prefix}_rows_kept": float(report.kept), f"data/{prefix}_rows_skipped": float(len(report.skipped))}
+    out[f"data/{prefix}_unk_tokens"] = float(report.unk_tokens)  # characters outside the tokenizer's vocabulary
+    out.update({f"data/{prefix}_skipped_{reason}": float(n) for reason, n in report.counts.items()})
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutData:
+    """What rank 0 reads from `data` and `reward` before anything starts, and the rollout side's event
+    loop (started here: the remote-reward client's start-up check runs on it)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    sampler: PromptSampler[Prompt]
+    eval_prompts: list[Prompt]
+    scorer: RewardScorer
+    metrics: dict[str, float]  # the load reports' `data/` counts, added to every step's record
+    loop: RolloutLoop
+
+    @classmethod
+    def load(cls, cfg: Config) -> RolloutData:
+        from megatron_rl.data import load_prompt_dataset, load_tokenizer
+
+        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
+        train = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data)
+        metrics = data_metrics("train", train.report)
+        eval_prompts: list[Prompt] = []
+        if cfg.data.eval_path:
+            held_out = load_prompt_dataset(cfg.data.eval_path, tokenizer, cfg.data)
+            metrics.update(data_metrics("eval", held_out.report))
+            eval_prompts = list(held_out)[: cfg.eval.max_prompts]
+        sampler = PromptSampler.from_config(train, cfg.data)
+        loop = RolloutLoop()
+        try:
+            scorer = RewardScorer(cfg.reward, run=loop.run)
+        except BaseException:
+            loop.close()
+            raise
+        return cls(tokenizer, sampler, eval_prompts, scorer, metrics, loop)
+
+    def close(self) -> None:
+        """End the scorer's reward worker processes (if it started any), then the event loop."""
+        try:
+            self.scorer.close()
+        finally:
+            self.loop.close()
+
+
+def spawn_engine_early(cfg: Config, engine_log: Path) -> Any:
+    """Rank 0's local engine spawned now, when the folder it serves is the policy's HF folder (known
+    before the actor starts): it loads its model while the actor is built, and `RolloutRuntime(starting=...)`
+    waits for it. None for SGLang servers and for a policy exported at start-up (no HF folder)."""
+    from megatron_rl.rollout.engine import spawn_local
+
+    if not cfg.rollout.uses_local_engine or cfg.model.hf_path is None:
+        return None
+    return spawn_local(cfg.rollout, cfg.model.hf_path, log_path=str(engine_log))
+
+
+SERVER_CHECK_TIMEOUT_S = 30.0  # each request of `check_rollout_servers`
+
+
+def check_rollout_servers(cfg: Config, loop: RolloutLoop) -> None:
+    """Rank 0, before the slow model start: the SGLang servers or router of `rollout.sglang_urls` answer from here
+    and take the key, asked as the engine's start asks (the router discovery, `GET /workers`, once, no retries,
+    on `loop`). ConfigError naming the address and what happened (connection refused, HTTP 401, ...); nothing to
+    do for the local engine."""
+    from megatron_rl.rollout.engine import configured_api_key
+    from megatron_rl.rollout.local.launcher import API_KEY_ENV
+    from megatron_rl.rollout.sglang import SGLangClient, SGLangError, UnauthorizedError
+
+    ro = cfg.rollout
+    if ro.uses_local_engine:
+        return
+
+    async def discover() -> None:
+        key = configured_api_key(ro)
+        async with SGLangClient(ro.sglang_urls, api_key=key, timeout_s=SERVER_CHECK_TIMEOUT_S, max_retries=0) as client:
+            await client.use_router()
+
+    try:
+        loop.run(discover(), 2 * SERVER_CHECK_TIMEOUT_S)
+    except UnauthorizedError as err:
+        raise ConfigError(f"rollout.sglang_urls: {err}; the key sent is rollout.api_key, else ${API_KEY_ENV}") from None
+    except SGLangError as err:
+        raise ConfigError(f"rollout.sglang_urls: {err}") from None
+
+
+def collection_bound_s(cfg: Config, prompts: int) -> float:
+    """The longest the main thread waits for one collection or evaluation of `prompts` prompts per round
+    (past it: TimeoutError, a bug rather than slowness). The sum of the bounds of its parts: each round's
+    requests go out `rollout.max_concurrency` at a time, each turn a request (every try's timeout, a
+    restart's resync) then an environment step, or an agent's whole episode; then its rewards, scored one
+    at a time at worst (each within reward.item_timeout_s, or the remote client's bound)."""
+    ro, env, rw = cfg.rollout, cfg.env, cfg.reward
+    requests = prompts * ro.n_samples_per_prompt
+    request_s = (ro.max_retries + 2) * ro.request_timeout_s
+    episode_s = max(env.max_turns * (request_s + env.step_timeout_s), env.agent_timeout_s + request_s)
+    waves = math.ceil(requests / ro.max_concurrency)
+    tries = rw.max_retries + 1
+    rewards_s = requests * rw.item_timeout_s + tries * (rw.timeout_s + rw.retry_backoff_s * 2**tries)
+    return cfg.algorithm.max_gen_rounds * (waves * episode_s + rewards_s)
 
 
 class RolloutRuntime:
-    """Rank 0's rollout runtime (see the module doc). `extra_metrics()` is added to every step's record
-    (the data counts, the engine's restarts)."""
+    """Rank 0's rollout side (see the module doc): starts (or connects to) the engine on `model_path` on
+    the data's event loop, collects each step's batch, evaluates, and closes it all."""
 
     def __init__(
         self,
         cfg: Config,
-        collector: RolloutCollector,
-        handoff: MainThreadCalls,
-        extra_metrics: Callable[[], dict[str, float]] | None = None,
+        data: RolloutData,
+        *,
+        model_path: str | None,
+        engine_log: Path,
+        engine: Engine | None = None,
+        starting: Any = None,
     ) -> None:
-        self.cfg = cfg
-        self.collector = collector
-        self.handoff = handoff
+        """`engine`: one already started (the tests' fake engine), instead of starting or connecting to
+        the configured one; `starting`: the local engine `spawn_engine_early` spawned (waited for here)."""
+        from megatron_rl.rollout.engine import RolloutEngine
+
+        self.cfg, self.data, self.loop = cfg, data, data.loop
+        self.handoff = MainThreadCalls()  # the resync of a restarted engine runs on this, the main, thread
+        if engine is None:
+            # `engine_log` is only used by a local engine; SGLang servers log where they were started
+            engine = RolloutEngine.from_config(
+                cfg.rollout,
+                self.loop,
+                model_path=model_path,
+                starting=starting,
+                model=cfg.model,
+                log_path=str(engine_log),
+            )
+            engine.handoff = self.handoff
+        self.engine = engine
+        # the batch is split over the data-parallel ranks (validate_run checked this layout)
+        dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
+        self.collector = RolloutCollector(cfg, engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
+        per_round = math.ceil(cfg.train.prompts_per_step * cfg.algorithm.oversample_factor)
+        self.collect_timeout_s = collection_bound_s(cfg, per_round)
         self.meter = BusyMeter()
-        self._extra_metrics = extra_metrics or dict
-        self.loop = asyncio.new_event_loop()
         self.aborted = False  # the episodes were aborted: the run stops after this step
-        self._thread = threading.Thread(target=self._serve, name="rollout-runtime", daemon=True)
-        self._thread.start()
         mode = cfg.rollout.async_mode
-        self.one_step_off = OneStepOff(self._submit_collect, handoff) if mode == "one_step_off" else None
+        self.one_step_off = OneStepOff(self._submit_collect, self._wait) if mode == "one_step_off" else None
         self.producer = (
             AsyncProducer(cfg, self._generate_job, self._next_prompt, self.meter) if mode == "fully_async" else None
         )
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.close()
+    def _step_metrics(self) -> dict[str, float]:
+        return {**self.data.metrics, "rollout/engine_restarts": float(self.engine.restarts)}  # so far in this process
 
     # ---- from the main thread ----
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """`coro` on the runtime's loop; its future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CONTROL_TIMEOUT_S) -> T:
+        """`coro`'s result, run on the loop; TimeoutError after `timeout` seconds. The main thread runs what
+        is handed to it while it waits."""
+        return self.loop.run(coro, timeout, self.handoff)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """`coro`'s result, run on the loop; the main thread runs what is handed to it while it waits."""
-        future = self.submit(coro)
-        if threading.current_thread() is self.handoff.owner:
-            return self.handoff.wait_future(future)
-        return future.result()
+    def _wait(self, future: Future[T]) -> T:
+        """(The main thread.) A collection's result, running what is handed to it meanwhile."""
+        return self.handoff.wait_future(future, self.collect_timeout_s)
 
     def abort_episodes_after(self, delay_s: float) -> None:
         """(Any thread; a signal handler too.) The abort (see the module doc) `delay_s` seconds from now."""
 
         def start() -> None:
-            self.loop.create_task(self._abort(), name="abort-episodes")
+            self.loop.loop.create_task(self._abort(), name="abort-episodes")
 
+        loop = self.loop.loop
         with contextlib.suppress(RuntimeError):  # the loop already closed (the signal came during the shutdown)
-            self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, start)
+            loop.call_soon_threadsafe(loop.call_later, delay_s, start)
 
     # ---- on the loop ----
     async def _abort(self) -> None:
@@ -130,12 +272,12 @@ class RolloutRuntime:
             await self.producer.abort()
 
     async def _collect(self, step: int) -> StepBatch:
-        plan = await self.collector.collect_async(step, self._round)
-        plan.metrics.update(self._extra_metrics())
+        plan = await self.collector.collect(step, self._round)
+        plan.metrics.update(self._step_metrics())
         return plan
 
     def _submit_collect(self, step: int) -> Future[StepBatch]:
-        return self.submit(self._collect(step))
+        return self.loop.submit(self._collect(step))
 
     async def _round(self, n: int, step: int, round_: int, kept: int) -> tuple[list[Prompt], list[list[Trajectory]]]:
         if self.producer is not None:
@@ -145,14 +287,14 @@ class RolloutRuntime:
 
     async def _generate_job(self, job: Job) -> list[Trajectory]:
         """One fully asynchronous group, seeded by its serial number and attempt (not by the step it lands in)."""
-        return (await self.collector.generate_async([job.prompt], job.serial, f"async.{job.attempt}"))[0]
+        return (await self.collector.generate([job.prompt], job.serial, f"async.{job.attempt}"))[0]
 
     def _next_prompt(self) -> Prompt:
         return self.collector.sampler.next(1)[0]
 
     # ---- the trainer's calls ----
     def collect(self, step: int, version: int = 0) -> StepBatch:
-        """The step's batch and its rollout metrics (with `extra_metrics` and the `async/` metrics);
+        """The step's batch and its rollout metrics (with the data counts, the engine's restarts and the `async/` metrics);
         `version`: the trainer's weight version at the start of the step (the last one synced)."""
         began = time.perf_counter()
         if self.producer is not None:
@@ -162,7 +304,7 @@ class RolloutRuntime:
             if step < self.cfg.train.steps:
                 self.one_step_off.start(step + 1)  # generates with the weights this step starts from
         else:
-            plan = self.run(self._collect(step))
+            plan = self.run(self._collect(step), self.collect_timeout_s)
             waited = time.perf_counter() - began
         if self.producer is not None:
             used = 0 if plan.batch is None else int(plan.metrics["groups/groups_used"])
@@ -218,25 +360,31 @@ class RolloutRuntime:
         elif self.one_step_off is not None:
             self.one_step_off.load_state_dict(state)
 
-    def evaluate(self, prompts: Sequence[Prompt], step: int) -> dict[str, float]:
-        """Held-out accuracy of the served policy on `prompts` ({} once the episodes were aborted)."""
-        col = self.collector
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy of the served policy, with `time/eval` ({} once the episodes were aborted)."""
+        col, prompts = self.collector, self.data.eval_prompts
         if self.aborted:
             return {}
+        began = time.perf_counter()
         with self.meter.busy():
-            return self.run(evaluate_async(col.engine, prompts, col.tokenizer, col.scorer, self.cfg, step))
+            scores = self.run(
+                evaluate(col.engine, prompts, col.tokenizer, col.scorer, self.cfg, step),
+                collection_bound_s(self.cfg, len(prompts)),
+            )
+        scores["time/eval"] = time.perf_counter() - began
+        return scores
 
     def close(self) -> None:
-        """Stop the producer and cancel what still runs on the loop (a generation still running in a
-        worker thread ends when the engine closes, next), then stop the loop and its thread."""
-        if not self._thread.is_alive():
-            return
+        """Stop the producer and cancel what still runs on the loop, then the engine (the local engine's child
+        process) or disconnect, then the reward worker processes (a collection still scoring gets failures,
+        not new workers) and the loop (`RolloutData.close`, the trainer's)."""
         try:
-            self.submit(self._shutdown()).result(timeout=CLOSE_TIMEOUT_S)
+            self.handoff.close()  # a coroutine waiting for the main thread ends
+            self.run(self._shutdown())
         except Exception as err:  # closing on an error path: the run's own error is the one reported
             log.warning("rollout runtime: closing: %s: %s", type(err).__name__, err)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        finally:
+            self.engine.close()
 
     async def _shutdown(self) -> None:
         if self.producer is not None:

@@ -3,7 +3,8 @@ that speaks `rewards/protocol.py`).
 
 The items go out in batches of `reward.batch_size`, at most `reward.max_concurrency` requests in
 flight. A request without a reply within `reward.timeout_s`, a connection error, or HTTP 429 / 5xx is
-retried `reward.max_retries` times, waiting `reward.retry_backoff_s` (doubled each time); a batch still
+retried `reward.max_retries` times, waiting `reward.retry_backoff_s` (doubled each time), on the rollout
+runtime's event loop (`run`: `RolloutLoop.run`, called from the scoring thread); a batch still
 failing then stands as a failure for each of its items (the scorer counts them; their groups are not
 trained on, and more than `reward.max_failure_frac` of a step's responses stops the run), so one
 batch takes at most (max_retries + 1) x timeout_s plus the waits. A reply that breaks the protocol
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -42,9 +43,10 @@ from megatron_rl.rewards.protocol import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 RETRY_STATUSES = (429, 500, 502, 503, 504)
+# runs a coroutine on the rollout runtime's loop and waits at most the seconds given (`RolloutLoop.run`)
+LoopRunner = Callable[[Coroutine[Any, Any, Any], float], Any]
 
 
 class RemoteRewardError(ConfigError):
@@ -62,6 +64,7 @@ class RemoteRewardClient:
     def __init__(
         self,
         url: str,
+        run: LoopRunner,
         api_key: str | None = None,
         batch_size: int = 64,
         max_concurrency: int = 8,
@@ -71,17 +74,18 @@ class RemoteRewardClient:
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward.url = {url!r} must start with http:// or https://")
-        self.url, self.api_key = url, api_key
+        self.url, self.api_key, self._run = url, api_key, run
         self.batch_size, self.max_concurrency = batch_size, max_concurrency
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig) -> RemoteRewardClient:
-        """The client of reward.url; the key is reward.api_key, else $MEGATRON_RL_REWARD_API_KEY."""
+    def from_config(cls, cfg: RewardConfig, run: LoopRunner) -> RemoteRewardClient:
+        """The client of reward.url, on the loop `run` runs coroutines on; the key is reward.api_key, else $MEGATRON_RL_REWARD_API_KEY."""
         if not cfg.url:
             raise ValueError("reward.type = 'remote' needs reward.url (e.g. http://host:8000/score)")
         return cls(
             cfg.url,
+            run,
             api_key=cfg.api_key or os.environ.get(API_KEY_ENV) or None,
             batch_size=cfg.batch_size,
             max_concurrency=cfg.max_concurrency,
@@ -93,7 +97,8 @@ class RemoteRewardClient:
     def check(self) -> None:
         """One empty batch: raises RemoteRewardError when the server cannot be reached (after the
         retries), refuses the key or does not speak the protocol."""
-        outcome = _run(self._with_session(lambda session, slots: self._batch(session, slots, 0, [])))
+        check = self._with_session(lambda session, slots: self._batch(session, slots, 0, []))
+        outcome = self._run(check, self.bound_s(1))
         if isinstance(outcome, Exception):
             raise RemoteRewardError(
                 f"reward.url = {self.url!r} cannot be used: {outcome} (is `megatron-rl reward-server` running there?)"
@@ -110,10 +115,18 @@ class RemoteRewardClient:
             return list(await asyncio.gather(*batches))
 
         outputs: list[RuleOutput | Exception] = []
-        for start, outcome in zip(starts, _run(self._with_session(every_batch)), strict=True):
+        batches = self._run(self._with_session(every_batch), self.bound_s(len(starts)))
+        for start, outcome in zip(starts, batches, strict=True):
             size = len(items[start : start + self.batch_size])
             outputs += [outcome] * size if isinstance(outcome, Exception) else outcome
         return outputs
+
+    def bound_s(self, batches: int) -> float:
+        """The longest `batches` batches can take: each wave of `max_concurrency` requests with every try's
+        timeout and backoff, plus a second for the session."""
+        tries = self.max_retries + 1
+        one = tries * self.timeout_s + self.backoff_s * (2**tries - 1)
+        return math.ceil(batches / self.max_concurrency) * one + 1.0
 
     async def _with_session(self, body: Any) -> Any:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -169,15 +182,3 @@ class RemoteRewardClient:
             return await retrying(attempt, RetryPolicy(self.max_retries, self.backoff_s), log)
         except RetriesExhausted as out:
             return RemoteRewardFailure(f"{label}: failed after {out.tries} tries: {out.last.reason}")
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` to the end from synchronous code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass  # no loop here: asyncio.run below, outside this block, so its errors chain nothing
-    else:
-        with ThreadPoolExecutor(1, thread_name_prefix="remote-reward") as pool:
-            return pool.submit(asyncio.run, coro).result()
-    return asyncio.run(coro)

@@ -14,7 +14,7 @@ from megatron_rl.rewards.registry import RULE_NAMES, RewardFn, extra_arguments, 
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
-    from megatron_rl.rewards.remote import RemoteRewardClient
+    from megatron_rl.rewards.remote import LoopRunner, RemoteRewardClient
     from megatron_rl.rewards.workers import RewardWorkers
 
 logger = logging.getLogger(__name__)
@@ -95,18 +95,21 @@ class RewardScorer:
     (`rewards/workers.py`, started at the first `score`; `close` ends them), and a response scored
     longer than reward.item_timeout_s is such a failure, counted in `RewardStats.timeouts` too. With
     reward.type = remote the reward server runs the function (`rewards/remote.py`); a batch the server
-    does not answer, or answers against the protocol, is counted the same way. An explicit `rule`
-    runs in this thread, with no time limit.
+    does not answer, or answers against the protocol, is counted the same way; its client runs on the
+    rollout runtime's loop (`run`: `RolloutLoop.run`). An explicit `rule` runs in this thread, with no time
+    limit.
     """
 
-    def __init__(self, cfg: RewardConfig, rule: RewardFn | None = None) -> None:
+    def __init__(self, cfg: RewardConfig, rule: RewardFn | None = None, run: LoopRunner | None = None) -> None:
         self.cfg = cfg
         self.remote: RemoteRewardClient | None = None
         self.workers: RewardWorkers | None = None
         if rule is None and cfg.type == "remote":
             from megatron_rl.rewards.remote import RemoteRewardClient
 
-            self.remote = RemoteRewardClient.from_config(cfg)
+            if run is None:
+                raise ValueError("reward.type = 'remote' scores on the rollout runtime's loop: pass its `run`")
+            self.remote = RemoteRewardClient.from_config(cfg, run)
             self.remote.check()
         elif rule is not None:
             self._call = rule_caller(rule)

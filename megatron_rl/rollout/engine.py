@@ -1,46 +1,44 @@
-"""What the trainer sees of a rollout engine: sampling parameters in, samples out.
+"""The engine handle of the rollout side: sampling parameters in, samples out.
 
-`SamplingParams` and `Sample` are plain data (`types.py`). `RolloutEngine` is the synchronous handle
-the trainer holds: it runs an `SGLangClient` on a private event-loop thread (so the trainer needs no
-asyncio) against real SGLang servers or the local engine, which it starts itself when no SGLang
-address is configured, with `configured_api_key` or else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found at start-up
-(`SGLangClient.use_router`): generation goes through it, control calls and weight updates to the
-workers it lists. Servers older than what the run's options need (`sglang_versions`: per-token versions
-for partial rollouts, LoRA adapters from tensors or on the experts) are refused here, naming their version.
-Any client coroutine can also be run with `run` or started with `submit`
-(e.g. post `/update_weights_from_distributed`, then broadcast, then wait).
+`SamplingParams` and `Sample` are plain data (`types.py`). `RolloutEngine` runs an `SGLangClient` on the
+rollout runtime's event loop (`event_loop.RolloutLoop`): `generate` is a coroutine on that loop (the
+`types.Engine` the episodes, the gateway and the collection await); the weight sync's calls come from
+the trainer's main thread through `run` (bounded) and `submit`. It talks to real SGLang servers or the
+local engine, which it starts itself when no SGLang address is configured, with `configured_api_key` or
+else a random key of its own (`client.api_key`). A configured address that is an sglang-router is found
+at start-up (`SGLangClient.use_router`): generation goes through it, control calls and weight updates to
+the workers it lists. Servers older than what the run's options need (`sglang_versions`: per-token
+versions for partial rollouts, LoRA adapters from tensors or on the experts) are refused here, naming
+their version.
 
-Supervision of the local engine child: a request that cannot connect while the child has exited
-fails at once with `EngineDiedError` (its exit code) instead of being retried; `generate` then
-restarts the child on the same port from the model folder, calls `resync` (the trainer's weight
-sync pushes the current weights), sends the unfinished requests again and goes on; the finished
-ones are kept. One restart runs at a time: the restart and its resync run on the trainer's main
-thread (`handoff`, when the driver gives one: a worker thread that saw the death hands them over
-and waits), and every thread that saw the same death sends its requests again once it is done.
-No request reaches a restarted engine before its resync: the client's `weights_current` (an asyncio
-event on its loop) is cleared before the new child starts and set when the resync has ended, and
-every /generate attempt, retries included, waits for it (at most `rollout.request_timeout_s`). After `rollout.max_engine_restarts` restarts
-the next death stops the run, with the exit code and the tail of the engine's log. Every `rollout.stall_warning_s` without a reply while
-the trainer waits, a warning gives the requests in flight (and whether the child is stopped, e.g.
-by SIGSTOP). Closing cancels what is still pending on the client's loop first (an interrupted
-`generate`), so an interrupted run ends quietly.
+Supervision of the local engine child, on the loop: a request that cannot connect while the child has
+exited fails at once with `EngineDiedError` (its exit code) instead of being retried; `generate` then
+restarts the child on the same port from the model folder (on a worker thread: the start blocks), hands
+`resync` (the trainer's weight sync pushes the current weights: a collective of every trainer rank) to
+the main thread (`handoff`) and awaits it, sends the unfinished requests again and goes on; the finished
+ones are kept. One restart runs at a time (an `asyncio.Lock`), and every coroutine that saw the same
+death sends its requests again once it is done. No request reaches a restarted engine before its resync:
+the client's `weights_current` (an asyncio event) is cleared, in the same loop turn that sees the death,
+before the new child starts, and set when the resync has ended; every /generate attempt, retries
+included, waits for it (at most `rollout.request_timeout_s`). After `rollout.max_engine_restarts`
+restarts the next death stops the run, with the exit code and the tail of the engine's log. A task on
+the loop ("engine-stall-watch") warns every `rollout.stall_warning_s` without a reply while requests are
+in flight, naming them (and whether the child is stopped, e.g. by SIGSTOP).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import logging
 import os
 import secrets
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from megatron_rl.rollout.event_loop import CLOSE_TIMEOUT_S, RolloutLoop
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.local.launcher import (
     API_KEY_ENV,
@@ -56,7 +54,9 @@ from megatron_rl.rollout.types import Sample, SamplingParams
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-CLIENT_THREAD_JOIN_S = 10.0  # how long close() waits for the client thread to stop
+# a resync handed to the main thread (which may be in a long training step) is waited for this long at
+# a time, warning after each wait, until it ran or the hand-off is closed (the run ends)
+HANDOFF_WARN_S = 60.0
 
 
 def configured_api_key(rollout: Any) -> str | None:
@@ -95,33 +95,30 @@ def moe_layout(model_path: str) -> tuple[int, int] | None:
 
 
 class RolloutEngine:
-    """Synchronous access to SGLang servers (or the local engine) for a trainer."""
+    """The engine client on the rollout loop (see the module doc); a `types.Engine`."""
 
     def __init__(
         self,
         client: SGLangClient,
+        loop: RolloutLoop,
         local_process: LocalEngineProcess | None = None,
         *,
         restart: Callable[[LocalEngineProcess], LocalEngineProcess] | None = None,
         max_restarts: int = 0,
         stall_warning_s: float = 0.0,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
-        self._thread.start()
+        self.loop = loop
         self.client = client
         self.local_process = local_process
         self._restart = restart  # starts a new child in place of the dead one (the same port)
         self.max_restarts, self.restarts = max_restarts, 0
         self.stall_warning_s = stall_warning_s
-        self._stall_lock = threading.Lock()
-        self._last_stall_warning = float("-inf")  # one warning per stall for all the threads that wait
         # pushes the current weights to a restarted engine (the trainer's weight sync); None: the
         # model folder the child starts from is current
         self.resync: Callable[[], None] | None = None
-        # where restarts and resyncs run (the driver's); None: on the thread that saw the death
+        # where a resync runs (the runtime's main thread); None: on a worker thread
         self.handoff: MainThreadCalls | None = None
-        self._restart_lock = threading.Lock()
+        self._restart_lock = asyncio.Lock()
         client.weights_current = asyncio.Event()  # cleared from a restart until its resync is done
         client.weights_current.set()
         if local_process is not None:
@@ -129,18 +126,23 @@ class RolloutEngine:
         self.run(client.start())
         if local_process is not None and client.routed_experts_layout is None:
             self.run(client.load_model_layout())
+        self._stall_watch = self.run(self._start_stall_watch()) if stall_warning_s else None
+
+    async def _start_stall_watch(self) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(self._watch_stalls(), name="engine-stall-watch")
 
     @classmethod
     def from_config(
         cls,
         rollout: Any,
+        loop: RolloutLoop,
         model_path: str | None = None,
         starting: StartingEngine | None = None,
         *,
         model: Any = None,
         **local_kwargs: Any,
     ) -> RolloutEngine:
-        """Connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none;
+        """On `loop`: connect to `rollout.sglang_urls`, or start the local engine on `model_path` when there are none;
         `starting`: the local engine `spawn_local(rollout, model_path, ...)` spawned earlier (waited for here);
         `model`: the run's model section, whose LoRA adapters may need a newer SGLang (`sglang_versions`)."""
         process = None
@@ -176,6 +178,7 @@ class RolloutEngine:
         )
         engine = cls(
             client,
+            loop,
             process,
             restart=restart,
             max_restarts=rollout.max_engine_restarts,
@@ -191,37 +194,25 @@ class RolloutEngine:
         return engine
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a client coroutine on the engine's loop and wait for its result (a warning every
-        `stall_warning_s` without a reply from any server)."""
-        future = self.submit(coro)
-        if not self.stall_warning_s:
-            return future.result(timeout)
-        began = time.monotonic()
-        quiet_since, replies = began, self.client.replies
+        """(Not on the loop.) A client coroutine's result, run on the loop; TimeoutError after `timeout`
+        seconds (by default the client's bound on one request with its retries)."""
+        return self.loop.run(coro, self.request_bound_s if timeout is None else timeout)
+
+    @property
+    def request_bound_s(self) -> float:
+        """The longest one client call may take: each try's timeout, the backoffs, a resync's wait."""
+        client = self.client
+        return (client.max_retries + 2) * client.timeout_s + client.backoff_s * 2**client.max_retries
+
+    async def _watch_stalls(self) -> None:
+        replies = self.client.replies
         while True:
-            wait = self.stall_warning_s - (time.monotonic() - quiet_since)
-            if timeout is not None:
-                wait = min(wait, timeout - (time.monotonic() - began))
-            try:
-                return future.result(max(wait, 0.0))
-            except concurrent.futures.TimeoutError:
-                if future.done():  # the coroutine's own timeout, not this wait's
-                    raise
-            now = time.monotonic()
-            if timeout is not None and now - began >= timeout:
-                raise concurrent.futures.TimeoutError(f"no result within {timeout:.0f} s")
-            if self.client.replies != replies:
-                quiet_since, replies = now, self.client.replies
-            elif now - quiet_since >= self.stall_warning_s:
-                self._warn_stalled(now - quiet_since)
-                quiet_since = now  # the next warning after another stall_warning_s
+            await asyncio.sleep(self.stall_warning_s)
+            if self.client.replies == replies and any(self.client.in_flight().values()):
+                self._warn_stalled(self.stall_warning_s)
+            replies = self.client.replies
 
     def _warn_stalled(self, quiet_s: float) -> None:
-        with self._stall_lock:
-            now = time.monotonic()
-            if now - self._last_stall_warning < self.stall_warning_s / 2:
-                return  # another waiting thread has just warned of the same stall
-            self._last_stall_warning = now
         in_flight = self.client.in_flight()
         state = ""
         if self.local_process is not None and self.local_process.stopped():
@@ -247,11 +238,11 @@ class RolloutEngine:
             return None
         return f"the local engine (pid {process.process.pid}) exited with code {code}"
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future:
-        """Start a client coroutine on the engine's loop; returns a `concurrent.futures.Future`."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """(Not on the loop.) Start a client coroutine on the loop; its `concurrent.futures.Future`."""
+        return self.loop.submit(coro)
 
-    def generate(
+    async def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
@@ -267,51 +258,37 @@ class RolloutEngine:
             todo = [i for i in range(len(prompts)) if i not in done]
             finished: dict[int, Sample] = {}
             try:
-                self.run(
-                    self.client.generate_batch(
-                        [prompts[i] for i in todo],
-                        [per_prompt[i] for i in todo],
-                        return_routed_experts=return_routed_experts,
-                        done=finished,
-                    )
+                await self.client.generate_batch(
+                    [prompts[i] for i in todo],
+                    [per_prompt[i] for i in todo],
+                    return_routed_experts=return_routed_experts,
+                    done=finished,
                 )
                 done.update({todo[j]: sample for j, sample in finished.items()})
                 return [done[i] for i in range(len(prompts))]
             except EngineDiedError as err:
                 done.update({todo[j]: sample for j, sample in finished.items()})
-                restart = functools.partial(self._restart_dead_engine, err, serving, len(prompts) - len(done))
-                if self.handoff is None:
-                    restart()
-                else:
-                    self.handoff.call(restart, "restarting the rollout engine")
+                await self._restart_dead_engine(err, serving, len(prompts) - len(done))
 
-    def _restart_dead_engine(self, err: EngineDiedError, dead: LocalEngineProcess | None, unfinished: int) -> None:
+    async def _restart_dead_engine(
+        self, err: EngineDiedError, dead: LocalEngineProcess | None, unfinished: int
+    ) -> None:
         """Start the local engine again in place of `dead` and give it the current weights, unless
-        another thread's report of the same death did already; raises `EngineDiedError` with the
+        another coroutine's report of the same death did already; raises `EngineDiedError` with the
         log's tail once `max_restarts` are used up."""
-        with self._restart_lock:
-            if dead is not None and dead is not self.local_process:
-                return  # restarted meanwhile: send again
-            self._set_weights_current(False)
-            try:
-                self._restart_locked(err, unfinished)
-            finally:
-                self._set_weights_current(True)
-
-    def _set_weights_current(self, current: bool) -> None:
-        """Set or clear the client's `weights_current` on its loop, and wait until that is done."""
         gate = self.client.weights_current
         assert gate is not None
-
-        async def flip() -> None:
-            if current:
+        if dead is None or dead is self.local_process:
+            gate.clear()  # at once, before any other coroutine can send to the new child
+        async with self._restart_lock:
+            if dead is not None and dead is not self.local_process:
+                return  # restarted meanwhile: send again
+            try:
+                await self._restart_locked(err, unfinished)
+            finally:
                 gate.set()
-            else:
-                gate.clear()
 
-        self.submit(flip()).result(CLIENT_THREAD_JOIN_S)
-
-    def _restart_locked(self, err: EngineDiedError, unfinished: int) -> None:
+    async def _restart_locked(self, err: EngineDiedError, unfinished: int) -> None:
         dead = self.local_process
         if dead is None or self._restart is None:
             raise err
@@ -329,34 +306,33 @@ class RolloutEngine:
             self.max_restarts,
             unfinished,
         )
-        self.local_process = self._restart(dead)
-        if self.resync is not None:
-            self.resync()
+        self.local_process = await asyncio.to_thread(self._restart, dead)
+        if self.resync is None:
+            return
+        if self.handoff is None:
+            await asyncio.to_thread(self.resync)
+            return
+        handed = self.handoff.submit(self.resync, "resyncing the restarted rollout engine")
+        began = time.monotonic()
+        while True:  # the main thread runs it at its next wait for the rollout side
+            try:
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(handed)), HANDOFF_WARN_S)
+            except TimeoutError:
+                waited = time.monotonic() - began
+                log.warning("resyncing the restarted rollout engine: waiting %.0f s for the main thread", waited)
 
     def close(self) -> None:
+        """(Not on the loop.) Disconnect, then stop the local engine's child."""
         try:
-            self.submit(_cancel_pending()).result(30)  # e.g. a generate interrupted by Ctrl-C
-            self.run(self.client.close(), timeout=30)
+            if self._stall_watch is not None:
+                self.loop.loop.call_soon_threadsafe(self._stall_watch.cancel)
+            self.run(self.client.close(), timeout=CLOSE_TIMEOUT_S)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=CLIENT_THREAD_JOIN_S)
-            if self.local_process is not None:  # first: a stuck client thread must not leave the engine running
+            if self.local_process is not None:
                 self.local_process.stop()
-            if self._thread.is_alive():  # a running loop cannot be closed; the daemon thread ends with the process
-                log.warning("the rollout client's thread did not stop within %.0f s", CLIENT_THREAD_JOIN_S)
-            else:
-                self._loop.close()
 
     def __enter__(self) -> RolloutEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-async def _cancel_pending() -> None:
-    """Cancel every other task of the running loop and wait until they have finished."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)

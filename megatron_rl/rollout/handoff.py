@@ -1,10 +1,10 @@
-"""Calls a rollout worker thread hands to the trainer's main thread.
+"""Calls the rollout side hands to the trainer's main thread.
 
-What belongs to the main thread (the weight sync's state: a restarted engine's resync) is never
-touched by the threads that generate (the rollout runtime's generation threads). A worker hands the
-call over with `call` and waits for its result; the main thread runs the calls handed to it wherever
+What belongs to the main thread (the weight sync's state: a restarted engine's resync, a collective of
+every trainer rank) is never touched by the rollout runtime's event loop. A coroutine on the loop hands
+the call over with `submit` and awaits its future; the main thread runs the calls handed to it wherever
 it waits for rollout work (`wait_for`, `wait_future`: every call it makes into the rollout runtime),
-which is its next safe point. A call made on the main thread itself runs at once.
+which is its next safe point. A call submitted on the main thread itself runs at once.
 
 `cond` is the lock and condition of that waiting: a call handed over, or the rollout work finishing,
 wakes the waiting main thread.
@@ -12,65 +12,42 @@ wakes the waiting main thread.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
-# a worker waits this long at a time for the main thread (which may be in a long training step),
-# warning after each wait, until the call ran or the hand-off is closed
-HANDOFF_WARN_S = 60.0
 
 
 class HandoffClosedError(RuntimeError):
     """The run is ending: a call handed to the main thread will not run."""
 
 
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    what: str
-    done: bool = False
-    result: Any = None
-    error: BaseException | None = None
-
-
 class MainThreadCalls:
-    """Calls handed from worker threads to the thread that built this object (see the module doc)."""
+    """Calls handed from the rollout loop to the thread that built this object (see the module doc)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.owner = threading.current_thread()
-        self._calls: deque[_Call] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._closed = False
 
-    def call(self, fn: Callable[[], T], what: str) -> T:
-        """`fn()` on the main thread: at once on it, else at its next `wait_for` (this thread waits)."""
+    def submit(self, fn: Callable[[], T], what: str) -> Future[T]:
+        """`fn()` on the main thread, at its next `wait_for` (at once when called on it); its future (failed
+        with `HandoffClosedError` if the run ends first). `what` names the call in the warnings."""
+        future: Future[T] = Future()
         if threading.current_thread() is self.owner:
-            return fn()
-        handed = _Call(fn, what)
+            _run_into(future, fn)
+            return future
         with self.cond:
             if self._closed:
                 raise HandoffClosedError(f"{what}: the run is ending")
-            self._calls.append(handed)
+            self._calls.append((fn, future))
             self.cond.notify_all()
-            began = time.monotonic()
-            while not handed.done:
-                if self._closed:
-                    raise HandoffClosedError(f"{what}: the run is ending")
-                if not self.cond.wait(HANDOFF_WARN_S) and not handed.done:
-                    log.warning("%s: waiting %.0f s for the trainer's main thread", what, time.monotonic() - began)
-        if handed.error is not None:
-            raise handed.error
-        return handed.result
+        return future
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         """(The main thread, holding `cond`.) Wait until `predicate()` holds, at most `timeout` seconds,
@@ -85,26 +62,23 @@ class MainThreadCalls:
                 return False
             self.cond.wait(left)
 
-    def wait_future(self, future: Future[T]) -> T:
-        """(The main thread.) `future`'s result, running the calls handed over until it is done (the
-        work behind it bounds its own waits)."""
+    def wait_future(self, future: Future[T], timeout: float) -> T:
+        """(The main thread.) `future`'s result, running the calls handed over until it is done; TimeoutError
+        after `timeout` seconds."""
         future.add_done_callback(lambda _: self.notify())
         with self.cond:
-            self.wait_for(future.done, None)
+            if not self.wait_for(future.done, timeout):
+                raise TimeoutError(f"no result from the rollout runtime within {timeout:.0f} s")
         return future.result()
 
     def _run_handed(self) -> None:
         while self._calls:
-            handed = self._calls.popleft()
+            fn, future = self._calls.popleft()
             self.cond.release()
             try:
-                handed.result = handed.fn()
-            except BaseException as err:  # the worker that handed it over raises it
-                handed.error = err
+                _run_into(future, fn)
             finally:
                 self.cond.acquire()
-            handed.done = True
-            self.cond.notify_all()
 
     def notify(self) -> None:
         """Wake the main thread's `wait_for` (what it waits for may have changed)."""
@@ -112,24 +86,17 @@ class MainThreadCalls:
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Calls not run yet fail (`HandoffClosedError`) in the threads that handed them over."""
+        """Calls not run yet fail (`HandoffClosedError`) in the coroutines that handed them over."""
         with self.cond:
             self._closed = True
+            calls, self._calls = self._calls, deque()
             self.cond.notify_all()
+        for _, future in calls:
+            future.set_exception(HandoffClosedError("the run is ending"))
 
 
-def run_serving_handoff(handoff: MainThreadCalls | None, work: Callable[[], T]) -> T:
-    """`work()`. On the thread that owns `handoff` (the trainer's main thread), `work` runs on a thread
-    of its own while this one runs what `work`'s generating threads hand it (a dead local engine's
-    restart and resync), which would otherwise wait for it forever."""
-    if handoff is None or threading.current_thread() is not handoff.owner:
-        return work()
-    with ThreadPoolExecutor(1, thread_name_prefix="rollout-work") as pool:
-        return handoff.wait_future(pool.submit(work))
-
-
-def blocking(engine: Any, make: Callable[[], Awaitable[T]]) -> T:
-    """A rollout coroutine (`make()`) run from synchronous code on an event loop of its own: on the
-    trainer's main thread (the owner of `engine.handoff`), on a thread beside it while it runs what the
-    engine hands it (`run_serving_handoff`). The rollout runtime awaits the coroutines instead."""
-    return run_serving_handoff(getattr(engine, "handoff", None), lambda: asyncio.run(make()))
+def _run_into(future: Future[T], fn: Callable[[], T]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as err:  # the coroutine that handed it over raises it
+        future.set_exception(err)

@@ -1,13 +1,15 @@
 """Plain data the trainer and the engines share: sampling parameters in, samples out, memory tags.
 
-Nothing here talks to an engine: the SGLang client (`sglang.py`), the trainer's synchronous handle
-(`engine.py`), the local engine (`local/`) and the weight sync (`megatron_rl/weight_sync/`) import it.
+Nothing here talks to an engine: the SGLang client (`sglang.py`), the engine handle (`engine.py`), the
+local engine (`local/`) and the weight sync (`megatron_rl/weight_sync/`) import it. `Engine` is what the
+rollout side (episodes, agents' gateway, collection, evaluation) asks of an engine handle.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -97,3 +99,24 @@ class Sample(Finished):
     rid: str = ""
     server: str = ""
     meta_info: dict = field(default_factory=dict, repr=False)
+
+
+class Engine(Protocol):
+    """What the rollout side needs of an engine (`engine.RolloutEngine`, and the tests' fake engine).
+    `generate` runs on the rollout runtime's event loop."""
+
+    restarts: int  # how many times the engine was restarted after a death, so far in this process
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        return_routed_experts: bool = False,
+    ) -> list[Sample]:
+        """One response per prompt (repeat a prompt for a group), in prompt order; `params` shared or one
+        per prompt."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine (a local engine's child process) or disconnect."""
+        ...

@@ -1,4 +1,5 @@
-"""Held-out accuracy of a warm start: greedy (the loop's `evaluate`) and pass@n of seeded samples.
+"""Held-out accuracy of a warm start: greedy (the loop's `evaluate`) and pass@n of seeded samples, coroutines
+on the rollout loop.
 
 A warm start is useful for RL when greedy accuracy is low while some of n samples are right
 (pass@n high): RL then has informative groups from the first step on.
@@ -6,6 +7,7 @@ A warm start is useful for RL when greedy accuracy is low while some of n sample
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -15,11 +17,11 @@ from megatron_rl.data import Prompt
 from megatron_rl.envs import TurnRenderer
 from megatron_rl.loop.collect import episodes, evaluate, sampling_seed, score_samples
 from megatron_rl.rewards import RewardScorer
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import Engine, SamplingParams
 
 
-def pass_at_n(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, n: int, step: int
+async def pass_at_n(
+    engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, n: int, step: int
 ) -> dict[str, float]:
     """`eval/pass@n`: the share of prompts with at least one correct answer among n samples at
     `rollout.temperature` (seeded per request from `train.seed` and `step`), each sample one episode
@@ -32,17 +34,17 @@ def pass_at_n(
         return SamplingParams.from_config(cfg.rollout, sampling_seed=sampling_seed(cfg.train.seed, step, key, i))
 
     rows = [p for p in prompts for _ in range(n)]
-    samples = episodes(engine, rows, params, TurnRenderer(tokenizer), cfg)
-    correct = score_samples(cfg, scorer, tokenizer, samples, rows).correct
+    samples = await episodes(engine, rows, params, TurnRenderer(tokenizer), cfg)
+    correct = (await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, rows)).correct
     hits = sum(any(correct[i * n : (i + 1) * n]) for i in range(len(prompts)))
     return {f"eval/pass@{n}": hits / len(prompts), "eval/sampled_accuracy": sum(correct) / len(correct)}
 
 
-def warm_start_scores(
-    engine: Any, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
+async def warm_start_scores(
+    engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
     """Greedy accuracy (`eval.temperature` 0) and pass@`rollout.n_samples_per_prompt`."""
     greedy = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=0.0))
-    scores = evaluate(engine, prompts, tokenizer, scorer, greedy, step)
-    scores.update(pass_at_n(engine, prompts, tokenizer, scorer, cfg, cfg.rollout.n_samples_per_prompt, step))
+    scores = await evaluate(engine, prompts, tokenizer, scorer, greedy, step)
+    scores.update(await pass_at_n(engine, prompts, tokenizer, scorer, cfg, cfg.rollout.n_samples_per_prompt, step))
     return scores

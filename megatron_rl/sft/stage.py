@@ -46,27 +46,36 @@ if TYPE_CHECKING:
 
 
 class _Evaluator:
-    """Rank 0's held-out evaluation: one engine serving RUN_DIR/hf, reloaded from disk after each export."""
+    """Rank 0's held-out evaluation: one engine serving RUN_DIR/hf, reloaded from disk after each export, on
+    the rollout side's one event loop (`RolloutLoop`), where the evaluation's coroutines run."""
 
     def __init__(self, cfg: Config, tokenizer: Any) -> None:
         from megatron_rl.data import load_prompt_dataset
         from megatron_rl.rewards import RewardScorer
+        from megatron_rl.rollout.event_loop import RolloutLoop
 
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.prompts = load_prompt_dataset(cfg.data.eval_path, tokenizer, cfg.data)[: cfg.eval.max_prompts]
-        self.scorer = RewardScorer(cfg.reward)
+        self.loop = RolloutLoop()
+        try:
+            self.scorer = RewardScorer(cfg.reward, run=self.loop.run)
+        except BaseException:
+            self.loop.close()
+            raise
         self.engine: RolloutEngine | None = None  # started at the first evaluation: RUN_DIR/hf exists from then on
 
     def __call__(self, hf_dir: Path, step: int) -> dict[str, float]:
+        from megatron_rl.loop.runtime import collection_bound_s
         from megatron_rl.rollout.engine import RolloutEngine
         from megatron_rl.sft.evaluate import warm_start_scores
 
         if self.engine is None:
-            self.engine = RolloutEngine.from_config(self.cfg.rollout, model_path=str(hf_dir))
+            self.engine = RolloutEngine.from_config(self.cfg.rollout, self.loop, model_path=str(hf_dir))
         else:
             self.engine.run(self.engine.client.update_weights_from_disk(str(hf_dir), weight_version=str(step)))
-        return warm_start_scores(self.engine, self.prompts, self.tokenizer, self.scorer, self.cfg, step)
+        scores = warm_start_scores(self.engine, self.prompts, self.tokenizer, self.scorer, self.cfg, step)
+        return self.loop.run(scores, 2 * collection_bound_s(self.cfg, len(self.prompts)))  # greedy, then pass@n
 
     def close(self) -> None:
         try:
@@ -74,7 +83,10 @@ class _Evaluator:
                 self.engine.close()
                 self.engine = None
         finally:
-            self.scorer.close()  # the reward worker processes
+            try:
+                self.scorer.close()  # the reward worker processes
+            finally:
+                self.loop.close()
 
 
 class SFTStage(Stage):

@@ -10,7 +10,6 @@ its shard) to pinned host memory; it comes back when the engines release again, 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from megatron_rl.rollout.types import MEMORY_TAGS
 
 if TYPE_CHECKING:
     from megatron_rl.config import Config
+    from megatron_rl.rollout.event_loop import RolloutLoop
 
 
 def optimizer_state_tensors(optimizer: Any) -> Iterator[tuple[dict, str]]:
@@ -79,10 +79,10 @@ def empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def release_colocated_engines(cfg: Config) -> bool:
+def release_colocated_engines(cfg: Config, loop: RolloutLoop) -> bool:
     """Rank 0, before the trainer builds its model and optimizer: ask running colocated SGLang servers
     (`rollout.colocate`, `rollout.sglang_urls`; an sglang-router's workers, which it lists: the router
-    answers the memory endpoints with an empty 404) to release their memory. Whether it applies (the
+    answers the memory endpoints with an empty 404) to release their memory, on `loop`. Whether it applies (the
     same on every rank: the next weight sync must then resume the engines, so the trainer syncs at once)."""
     if not colocated_engines_released(cfg):
         return False
@@ -99,7 +99,7 @@ def release_colocated_engines(cfg: Config) -> bool:
             await client.use_router()
             await client.release_memory_occupation(list(MEMORY_TAGS))
 
-    asyncio.run(release())
+    loop.run(release(), 3 * ro.request_timeout_s)  # the health wait, the router's discovery, the release
     return True
 
 

@@ -89,8 +89,10 @@ def params_device(chunks: list[torch.nn.Module]) -> torch.device:
 
 def sender_engine(controller: Any, is_sender: bool) -> Any:
     """A `RolloutEngine` for the controller's servers (its client's addresses, keys and timeouts) on
-    a sender other than rank 0; the controller's own engine on rank 0; None elsewhere (collective)."""
+    a sender other than rank 0, on an event loop of its own (`close` ends both); the controller's own
+    engine on rank 0; None elsewhere (collective)."""
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.event_loop import RolloutLoop
     from megatron_rl.rollout.sglang import SGLangClient
 
     settings = None
@@ -107,7 +109,12 @@ def sender_engine(controller: Any, is_sender: bool) -> Any:
     settings = shared_outcome(settings)
     if controller is not None or not is_sender:
         return controller
-    return RolloutEngine(SGLangClient(**settings))
+    loop = RolloutLoop()
+    try:
+        return RolloutEngine(SGLangClient(**settings), loop)
+    except BaseException:
+        loop.close()
+        raise
 
 
 class FromSenders(WeightSync):
@@ -174,5 +181,8 @@ class FromSenders(WeightSync):
 
     def close(self) -> None:
         if self.is_sender and not self.is_controller and self.engine is not None:
-            self.engine.close()
-            self.engine = None
+            try:
+                self.engine.close()
+            finally:
+                self.engine.loop.close()
+                self.engine = None

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from mrl_engine import on_loop, rollout_loop
 
 from megatron_rl.config import Config, ParallelConfig, RolloutConfig, TrainConfig, validate
 
@@ -87,7 +88,7 @@ def build_actor(cfg: Config):  # noqa: ANN201 - MegatronActor
 def connect(cfg: Config):  # noqa: ANN201 - RolloutEngine on rank 0, None elsewhere
     from megatron_rl.rollout.engine import RolloutEngine
 
-    return RolloutEngine.from_config(cfg.rollout, cfg.model.hf_path) if dist.get_rank() == 0 else None
+    return RolloutEngine.from_config(cfg.rollout, rollout_loop(), cfg.model.hf_path) if dist.get_rank() == 0 else None
 
 
 def weight_bytes(cfg: Config) -> int:
@@ -114,7 +115,7 @@ def rollout(engine, cfg: Config, seed: int, greedy: bool = False) -> list[dict]:
             params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
         else:
             params = SamplingParams.from_config(cfg.rollout, ignore_eos=True)
-        got = engine.generate(prompts, params, return_routed_experts=not greedy)
+        got = on_loop(engine.generate(prompts, params, return_routed_experts=not greedy))
         samples = [
             dict(
                 prompt=s.prompt_ids,

@@ -79,12 +79,17 @@ def timed_engine(engine: Any, busy: Intervals) -> Any:
     """`engine` whose `generate` calls are recorded in `busy`."""
 
     class Timed:
-        def generate(self, *args: Any, **kwargs: Any) -> Any:
+        restarts = 0
+
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
             try:
-                return engine.generate(*args, **kwargs)
+                return await engine.generate(*args, **kwargs)
             finally:
                 busy.add(began, time.perf_counter())
+
+        def close(self) -> None:
+            pass
 
     return Timed()
 
@@ -160,11 +165,13 @@ def collect(engine: Any, tokenizer: Any, url: str, args: argparse.Namespace, sid
     agent = tool_agent(url, waiting, args.turns) if side == "gateway" else None
     began = time.perf_counter()
     if agent is not None:
-        episodes = run_agent_episodes(timed, rows, params, renderer, cfg, max_concurrency=args.episodes, agent=agent)
+        agents = run_agent_episodes(timed, rows, params, renderer, cfg, max_concurrency=args.episodes, agent=agent)
+        episodes = engine.loop.run(agents, 3600)
         trajectories = [e.trajectory for e in episodes]
     else:
         env_class = tool_environment(url, waiting, args.turns)
-        trajectories = run_episodes(timed, [env_class(cfg) for _ in rows], rows, params, renderer, cfg)
+        run = run_episodes(timed, [env_class(cfg) for _ in rows], rows, params, renderer, cfg)
+        trajectories = engine.loop.run(run, 3600)
     wall = time.perf_counter() - began
     turns = sum(t.turns for t in trajectories)
     return {
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.config import RolloutConfig
     from megatron_rl.data import load_tokenizer
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.event_loop import RolloutLoop
 
     import tiny_model
 
@@ -200,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         tiny_model.build_model(model, seed=0)
         tokenizer = load_tokenizer(str(model))
         rollout = RolloutConfig(max_concurrency=args.episodes, request_timeout_s=600)
-        engine = RolloutEngine.from_config(rollout, str(model), extra_args=["--threads", str(args.threads)])
+        engine = RolloutEngine.from_config(
+            rollout, RolloutLoop(), str(model), extra_args=["--threads", str(args.threads)]
+        )
         try:
             runs: dict[str, list[dict]] = {name: [] for name in ("one_by_one", "side_by_side", "gateway")}
             for _ in range(args.repeats):
@@ -208,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name].append(collect(engine, tokenizer, url, args, name))
         finally:
             engine.close()
+            engine.loop.close()
             tool.shutdown()
     median = {}
     for name, results in runs.items():

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from megatron_rl.models.hf_config import hf_config_from_model
     from megatron_rl.parallel.launch import read_launch_env
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.event_loop import RolloutLoop
     from megatron_rl.weight_sync import make_weight_sync
 
     modes = [m for m in args.modes.split(",") if m]
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             servers = _start_servers(args.servers, str(folder), engine_device, local)
             urls = [s.url for s in servers]
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="sglang", sglang_urls=urls))
-        engine = RolloutEngine.from_config(cfg.rollout, str(folder), device=engine_device, **local)
+        engine = RolloutEngine.from_config(cfg.rollout, RolloutLoop(), str(folder), device=engine_device, **local)
     syncs = {m: make_weight_sync(_with_mode(cfg, m), engine, actor, bucket_mb=args.bucket_mb) for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     memcpy: dict[str, list[float]] = {m: [] for m in modes}
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             sync.close()
         if engine is not None:
             engine.close()
+            engine.loop.close()
         for server in servers:
             server.stop()
     lines = []

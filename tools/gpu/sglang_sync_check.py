@@ -178,6 +178,7 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
     from megatron_rl.models.import_hf import load_hf_weights, open_hf_checkpoint
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.event_loop import RolloutLoop
     from megatron_rl.weight_sync import make_weight_sync
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -208,7 +209,7 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
         for chunk in actor.chunks:
             for param in chunk.parameters():
                 param.add_((0.05 * torch.randn(param.shape, generator=gen)).to(param.device, param.dtype))
-    engine = RolloutEngine.from_config(cfg.rollout, model)
+    engine = RolloutEngine.from_config(cfg.rollout, RolloutLoop(), model)
     started = time.perf_counter()
     with make_weight_sync(cfg, engine, actor) as sync:
         if mode == "tensor":
@@ -222,6 +223,7 @@ def _trainer(mode: str, url: str, model: str, workdir: Path) -> dict[str, Any]:
     info = _get(url + "/model_info")
     gap = _logprob_gap(engine, actor, cfg) if mode == "tensor" else {}
     engine.close()
+    engine.loop.close()
     actor.close()
     ok = info.get("weight_version") == f"check-{mode}" and diff < 2e-2  # the engine holds bf16
     return {
@@ -248,7 +250,7 @@ def _logprob_gap(engine: Any, actor: Any, cfg: Any) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, cfg.model.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 13, 17)]
-    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True))
+    samples = engine.run(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)))
     batch = ActorBatch(
         tokens=[torch.tensor(s.prompt_ids + s.output_ids) for s in samples],
         prompt_lengths=[len(s.prompt_ids) for s in samples],
