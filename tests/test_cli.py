@@ -13,6 +13,13 @@ import megatron_rl
 from megatron_rl.cli import COMMANDS, main
 
 
+def launched(monkeypatch: pytest.MonkeyPatch, *, rank: str, world_size: str) -> None:
+    """The variables torchrun gives a rank (one node), so that the command does not set its own in this process."""
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+
+
 def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
@@ -36,13 +43,15 @@ def test_a_config_error_is_printed_by_the_first_rank_of_a_node(
     local_rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:
     (tmp_path / "rl.yaml").write_text("train:\n  steps: -1\n")
-    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    launched(monkeypatch, rank=local_rank, world_size="2")
     assert main(["train", str(tmp_path / "rl.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("config error: train.steps") == (local_rank == "0"), err
 
 
-def test_a_layout_for_more_ranks_says_how_to_launch_them(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_a_layout_for_more_ranks_says_how_to_launch_them(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     from megatron_rl.config import ModelConfig
     from megatron_rl.models.hf_config import hf_config_from_model
 
@@ -56,6 +65,7 @@ def test_a_layout_for_more_ranks_says_how_to_launch_them(capsys: pytest.CaptureF
         "parallel": {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     }
     (tmp_path / "rl.yaml").write_text(json.dumps(config))  # JSON is YAML
+    launched(monkeypatch, rank="0", world_size="1")
     assert main(["config", str(tmp_path / "rl.yaml"), "--check", "none"]) == 0  # the config itself is fine
     capsys.readouterr()
     assert main(["sft", str(tmp_path / "rl.yaml")]) == 2  # a world of one rank
