@@ -8,15 +8,15 @@ unfused. `SDPAttention` computes the same causal attention without one:
 - a packed (THD) micro-batch on CUDA in bf16/fp16: `torch.nn.attention.varlen.varlen_attn` over the
   whole pack with the packer's `cu_seqlens` (on the device) and `max_seqlen` (an int), no host sync.
   Its signature changed after torch 2.10 (`is_causal` became `window_size=(-1, 0)`; `scale` and
-  `enable_gqa` came later): `_VARLEN` reads which one is installed. Its flash kernel wants one head
-  width, so multi-latent attention's narrower values are zero-padded to the keys' width and the
-  padding sliced off the result;
+  `enable_gqa` came later): `_VARLEN` reads which one is installed;
 - a packed micro-batch elsewhere (the CPU, fp32, a torch without varlen): one causal SDPA per
   sequence (the block-diagonal mask without building it), the bounds read once per micro-batch
   (`_segment_sizes`), not once per layer.
 Grouped-query attention is SDPA's `enable_gqa` (query head i uses key group i // (heads / groups), as
 Megatron's `repeat_interleave`). Multi-latent attention's widths and softmax scale come in as
-`MLADotProductAttention` takes them (SDPA takes values narrower than the keys).
+`MLADotProductAttention` takes them; flash kernels take one head width, so its narrower values are
+zero-padded to the keys' width and the padding sliced off the result (without it SDPA would fall back
+to its unfused kernel, which writes the scores).
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ class SDPAttention(MLADotProductAttention):
             out = self._varlen(query, key, value, packed_seq_params)
         else:
             sizes = _segment_sizes(packed_seq_params.cu_seqlens_q)
-            parts = [
-                self._sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None).transpose(0, 1)
-                for q, k, v in zip(query.split(sizes), key.split(sizes), value.split(sizes), strict=True)
+            parts = [  # [n, heads, dim] -> [1, heads, n, dim]: the fused kernels take 4-D tensors only
+                self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in qkv), None)[0].transpose(0, 1)
+                for qkv in zip(query.split(sizes), key.split(sizes), value.split(sizes), strict=True)
             ]
             out = torch.cat(parts, dim=0)
         return out.reshape(out.shape[0], 1, -1)  # [t, 1, heads x v dim]
@@ -111,16 +111,18 @@ class SDPAttention(MLADotProductAttention):
         return self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
 
     def _sdpa(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """SDPA of [..., heads, s, dim] tensors: causal, or where Megatron's mask (True hides a key) allows."""
-        return F.scaled_dot_product_attention(
+        """SDPA of [b, heads, s, dim] tensors: causal, or where Megatron's mask (True hides a key) allows."""
+        v_width = value.shape[-1]
+        out = F.scaled_dot_product_attention(
             query,
             key,
-            value,
+            _pad_to(value, key.shape[-1]),
             attn_mask=None if attention_mask is None else ~attention_mask,
             is_causal=attention_mask is None,
             scale=self.scale,
             enable_gqa=query.shape[-3] != key.shape[-3],
         )
+        return out[..., :v_width]
 
     def _rows(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
         """Right-padded rows: [s, b, n, d] -> SDPA on [b, n, s, d] -> [s, b, heads x v dim]."""
@@ -130,8 +132,7 @@ class SDPAttention(MLADotProductAttention):
     def _varlen(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
         """The whole pack in one varlen attention: [t, heads, dim] -> [t, heads, v dim]."""
         width, v_width = query.shape[-1], value.shape[-1]
-        if v_width != width:  # MLA: one head width for flash
-            value = F.pad(value, (0, width - v_width))
+        value = _pad_to(value, width)
         kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in _VARLEN else {"window_size": (-1, 0)}
         if "scale" in _VARLEN:
             kwargs["scale"] = self.scale
@@ -146,3 +147,9 @@ class SDPAttention(MLADotProductAttention):
         cu = params.cu_seqlens_q
         out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_q, **kwargs)
         return out[..., :v_width]
+
+
+def _pad_to(value: Tensor, width: int) -> Tensor:
+    """Multi-latent attention's values zero-padded to the keys' width: flash kernels (CUDA's and the CPU's)
+    take one head width; the padded channels of the result are zeros, sliced off by the caller."""
+    return value if value.shape[-1] == width else F.pad(value, (0, width - value.shape[-1]))
