@@ -132,8 +132,7 @@ def test_the_backend_key_and_autos_choice() -> None:
     with pytest.raises(ConfigError, match=r"model.attention_backend.*allowed: \['auto', 'local', 'sdpa'\]"):
         load_config(overrides=["model.attention_backend=flash"])
     model = tiny_model("qwen3_moe")
-    for device_has_cuda in (False, True):  # the choice does not depend on the device: sdpa on both
-        assert use_sdpa(model, layout()), device_has_cuda
+    assert use_sdpa(model, layout())  # on every device (measured faster on the CPU too); varlen for packs: below
     assert not use_sdpa(model, layout(cp=2))  # context parallelism gathers the keys in the local attention
     assert use_sdpa(dataclasses.replace(model, attention_backend="sdpa"), layout())
     assert not use_sdpa(dataclasses.replace(model, attention_backend="local"), layout())
