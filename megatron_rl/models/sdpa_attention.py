@@ -31,6 +31,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_rl.models.mla_attention import MLADotProductAttention
+from megatron_rl.models.packed_attention import check_packed
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -84,10 +85,7 @@ class SDPAttention(MLADotProductAttention):
             raise ValueError("SDPA attention takes no attention_bias (Megatron's local attention takes none either)")
         if packed_seq_params is None:
             return self._rows(query, key, value, attention_mask)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed attention needs qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
-        if attention_mask is not None:
-            raise ValueError("packed attention: the sequences' bounds are the mask; attention_mask must be None")
+        check_packed(packed_seq_params, attention_mask)
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if cu_kv is not cu_q and not torch.equal(cu_kv, cu_q):  # the actor passes one tensor: no sync
             raise ValueError(
