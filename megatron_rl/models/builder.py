@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.models.attention_choice import check_attention_backend, use_sdpa
 from megatron_rl.models.context_attention import ContextParallelAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.families import check_family, moe_layer_pattern
@@ -31,6 +32,7 @@ from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
+from megatron_rl.models.sdpa_attention import SDPAttention
 from megatron_rl.parallel.device import local_device, transformer_engine_available
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
@@ -157,11 +159,12 @@ def mla_fields(model: ModelConfig) -> dict[str, Any]:
     )
 
 
-def _local_layer(spec: ModuleSpec, context_parallel: bool, grouped_experts: bool) -> ModuleSpec:
+def _local_layer(spec: ModuleSpec, context_parallel: bool, grouped_experts: bool, sdpa: bool) -> ModuleSpec:
     """A copy of a local layer spec with every norm replaced by the sequence-parallel RMSNorm, the
-    core attention by one that also takes packed sequences (`packed_attention`) and, under context
-    parallelism, gathers the keys and values over the CP ranks (`context_attention`), and with
-    `grouped_experts`, Megatron's `SequentialMLP` experts by `GroupedExperts` (same parameters)."""
+    core attention by `SDPAttention` with `sdpa`, else by one that also takes packed sequences
+    (`packed_attention`) and, under context parallelism, gathers the keys and values over the CP ranks
+    (`context_attention`), and with `grouped_experts`, Megatron's `SequentialMLP` experts by
+    `GroupedExperts` (same parameters)."""
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = SequenceParallelRMSNorm
@@ -171,7 +174,9 @@ def _local_layer(spec: ModuleSpec, context_parallel: bool, grouped_experts: bool
         experts.module = GroupedExperts
     attn = sub.self_attention.submodules
     mla = hasattr(attn, "linear_kv_down_proj")
-    if context_parallel:
+    if sdpa:
+        attn.core_attention = SDPAttention
+    elif context_parallel:
         attn.core_attention = ContextParallelAttention
     else:
         attn.core_attention = MLADotProductAttention if mla else PackedDotProductAttention
@@ -182,19 +187,25 @@ def _local_layer(spec: ModuleSpec, context_parallel: bool, grouped_experts: bool
 
 
 def decoder_block_spec(
-    config: TransformerConfig, use_transformer_engine: bool, pp_rank: int | None = None, grouped_experts: bool = False
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    pp_rank: int | None = None,
+    grouped_experts: bool = False,
+    sdpa: bool = False,
 ) -> TransformerBlockSubmodules:
     """Layer specs of this pipeline stage: Transformer Engine's (grouped experts: `config.moe_grouped_gemm`), or
     Megatron's local ones whose norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence
     parallel), whose core attention takes packed (THD) sequences too, and context parallelism, and whose
-    experts are `GroupedExperts` with `grouped_experts`."""
+    experts are `GroupedExperts` with `grouped_experts`, whose core attention is `SDPAttention` with `sdpa`."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_local_layer(s, config.context_parallel_size > 1, grouped_experts) for s in block.layer_specs],
+        layer_specs=[
+            _local_layer(s, config.context_parallel_size > 1, grouped_experts, sdpa) for s in block.layer_specs
+        ],
         layer_norm=SequenceParallelRMSNorm,
     )
 
@@ -245,6 +256,7 @@ def build_model(
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     check_grouped_experts(model, parallel, transformer_engine=use_te)
     grouped = use_grouped_experts(model, parallel, transformer_engine=use_te)
+    check_attention_backend(model, parallel, transformer_engine=use_te)
     config = transformer_config(
         model,
         parallel,
@@ -255,7 +267,9 @@ def build_model(
     RouterReplay.clear_global_router_replay_instances()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, use_te, grouped_experts=grouped),
+        transformer_layer_spec=decoder_block_spec(
+            config, use_te, grouped_experts=grouped, sdpa=not use_te and use_sdpa(model, parallel)
+        ),
         vocab_size=padded_vocab_size(
             model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
         ),

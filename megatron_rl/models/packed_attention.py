@@ -34,10 +34,7 @@ class PackedDotProductAttention(DotProductAttention):
     ) -> Tensor:
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed attention needs qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
-        if attention_mask is not None:
-            raise ValueError("packed attention: the sequences' bounds are the mask; attention_mask must be None")
+        check_packed(packed_seq_params, attention_mask)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if bounds != packed_seq_params.cu_seqlens_kv.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(
@@ -52,3 +49,11 @@ class PackedDotProductAttention(DotProductAttention):
             for q, k, v in zip(query.split(sizes), key.split(sizes), value.split(sizes), strict=True)
         ]
         return torch.cat(parts, dim=0)  # [t, 1, heads x dim]
+
+
+def check_packed(packed_seq_params: PackedSeqParams, attention_mask: Tensor | None) -> None:
+    """ValueError unless the pack is THD and comes without a mask (its sequences' bounds are the mask)."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"packed attention needs qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
+    if attention_mask is not None:
+        raise ValueError("packed attention: the sequences' bounds are the mask; attention_mask must be None")

@@ -1,0 +1,40 @@
+"""Which core attention the local specs run (`model.attention_backend`); torch-free, so the validation reads it.
+
+- `local`: Megatron's `DotProductAttention` (a [b x heads, s, s] score buffer, an unfused fp32 softmax), packed
+  sequences one at a time (`packed_attention`), under context parallelism `context_attention`.
+- `sdpa`: `models.sdpa_attention.SDPAttention` (torch's fused attention, varlen attention for packs on CUDA).
+- `auto`: `sdpa` with CUDA and on the CPU (measured: docs/benchmarks.md), `local` under context parallelism,
+  whose attention gathers the keys over the CP ranks and is local's.
+
+With Transformer Engine its own attention runs; the key chooses among the local specs only.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+
+
+def use_sdpa(model: ModelConfig, parallel: ParallelConfig) -> bool:
+    """Whether the local specs' core attention is `SDPAttention`."""
+    if model.attention_backend == "auto":
+        return parallel.context_parallel_size == 1
+    return model.attention_backend == "sdpa"
+
+
+def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, transformer_engine: bool) -> None:
+    """ConfigError for a backend that cannot run: `sdpa` under context parallelism, `local`/`sdpa` with
+    Transformer Engine (its attention runs there)."""
+    choice = model.attention_backend
+    if choice == "auto":
+        return
+    if transformer_engine:
+        raise ConfigError(
+            f"model.attention_backend = {choice} chooses the local specs' attention, but Transformer Engine's "
+            "runs here; set it to auto"
+        )
+    if choice == "sdpa" and parallel.context_parallel_size > 1:
+        raise ConfigError(
+            f"model.attention_backend = sdpa does not run under context parallelism (parallel.context_parallel_size "
+            f"= {parallel.context_parallel_size}: its keys are gathered over the CP ranks by the local attention); "
+            "set it to auto or local"
+        )
