@@ -132,10 +132,11 @@ def test_the_backend_key_and_autos_choice() -> None:
     with pytest.raises(ConfigError, match=r"model.attention_backend.*allowed: \['auto', 'local', 'sdpa'\]"):
         load_config(overrides=["model.attention_backend=flash"])
     model = tiny_model("qwen3_moe")
-    assert use_sdpa(model, layout())  # on every device (measured faster on the CPU too); varlen for packs: below
-    assert not use_sdpa(model, layout(cp=2))  # context parallelism gathers the keys in the local attention
-    assert use_sdpa(dataclasses.replace(model, attention_backend="sdpa"), layout())
-    assert not use_sdpa(dataclasses.replace(model, attention_backend="local"), layout())
+    assert use_sdpa(model, layout(), cuda=True) and not use_sdpa(model, layout(), cuda=False)  # varlen: below
+    assert not use_sdpa(model, layout(cp=2), cuda=True)  # context parallelism gathers the keys in the local attention
+    for cuda in (True, False):  # either forced on any device
+        assert use_sdpa(dataclasses.replace(model, attention_backend="sdpa"), layout(), cuda=cuda)
+        assert not use_sdpa(dataclasses.replace(model, attention_backend="local"), layout(), cuda=cuda)
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,9 @@ class ModelConfig:
     yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     moe_grouped_gemm: Literal["auto", True, False] = _f("auto", "experts as grouped GEMMs (auto: where the widths fit)")
-    attention_backend: Literal["auto", "local", "sdpa"] = _f("auto", "core attention (auto: sdpa, local under CP)")
+    attention_backend: Literal["auto", "local", "sdpa"] = _f(
+        "auto", "core attention of the local specs (auto: sdpa with CUDA, else local; local under CP)"
+    )
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})

@@ -3,8 +3,10 @@
 - `local`: Megatron's `DotProductAttention` (a [b x heads, s, s] score buffer, an unfused fp32 softmax), packed
   sequences one at a time (`packed_attention`), under context parallelism `context_attention`.
 - `sdpa`: `models.sdpa_attention.SDPAttention` (torch's fused attention, varlen attention for packs on CUDA).
-- `auto`: `sdpa` with CUDA and on the CPU (measured: docs/benchmarks.md), `local` under context parallelism,
-  whose attention gathers the keys over the CP ranks and is local's.
+- `auto`: `sdpa` with CUDA, `local` on the CPU (where SDPA is faster, docs/benchmarks.md, but moves the
+  log-probs by up to ~1.5e-5 from transformers' eager attention, past the 1e-5 the equality tests hold the
+  local specs to: force `sdpa` for speed) and under context parallelism, whose attention gathers the keys
+  over the CP ranks and is local's.
 
 With Transformer Engine its own attention runs; the key chooses among the local specs only.
 """
@@ -14,10 +16,10 @@ from __future__ import annotations
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 
 
-def use_sdpa(model: ModelConfig, parallel: ParallelConfig) -> bool:
-    """Whether the local specs' core attention is `SDPAttention`."""
+def use_sdpa(model: ModelConfig, parallel: ParallelConfig, *, cuda: bool) -> bool:
+    """Whether the local specs' core attention is `SDPAttention` (`cuda`: the model runs on a GPU)."""
     if model.attention_backend == "auto":
-        return parallel.context_parallel_size == 1
+        return cuda and parallel.context_parallel_size == 1
     return model.attention_backend == "sdpa"
 
 

@@ -268,7 +268,10 @@ def build_model(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(
-            config, use_te, grouped_experts=grouped, sdpa=not use_te and use_sdpa(model, parallel)
+            config,
+            use_te,
+            grouped_experts=grouped,
+            sdpa=not use_te and use_sdpa(model, parallel, cuda=torch.cuda.is_available()),
         ),
         vocab_size=padded_vocab_size(
             model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
