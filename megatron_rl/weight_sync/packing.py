@@ -8,8 +8,9 @@ from typing import TypeVar
 
 import torch
 
+from megatron_rl.models.shard_peers import file_system_sharing
 from megatron_rl.rollout.wire import FlattenedTensorMetadata, flattened_layout
-from megatron_rl.weight_sync.send import file_system_sharing, tensor_specs
+from megatron_rl.weight_sync.send import tensor_specs
 
 Bucket = list[tuple[str, torch.Tensor]]
 T = TypeVar("T")

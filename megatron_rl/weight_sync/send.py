@@ -14,32 +14,18 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import copyreg
 import io
 import pickle
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.models.shard_peers import file_system_sharing
 from megatron_rl.rollout.wire import SGLANG_METADATA_CLASS, FlattenedTensorMetadata, cuda_device_uuid
 from megatron_rl.weight_sync.rendezvous import in_daemon_thread
-
-
-@contextlib.contextmanager
-def file_system_sharing() -> Iterator[None]:
-    """torch.multiprocessing's file-system sharing strategy for the duration of the block."""
-    import torch.multiprocessing as tmp
-
-    previous = tmp.get_sharing_strategy()
-    tmp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        tmp.set_sharing_strategy(previous)
 
 
 class _SGLangPickler(pickle._Pickler):
