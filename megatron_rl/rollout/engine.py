@@ -45,7 +45,6 @@ from megatron_rl.rollout.local.launcher import (
     LocalEngineProcess,
     StartingEngine,
     spawn_local_engine,
-    start_local_engine,
 )
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.sglang_versions import require_versions, version_needs
@@ -64,17 +63,20 @@ def configured_api_key(rollout: Any) -> str | None:
     return rollout.api_key or os.environ.get(API_KEY_ENV) or None
 
 
-def spawn_local(rollout: Any, model_path: str | None, **local_kwargs: Any) -> StartingEngine:
-    """The local engine's child spawned with the run's key, not waited for (`from_config(starting=...)`
-    waits): it loads its model while the trainer starts the actor."""
+def spawn_local(
+    rollout: Any, model_path: str | None, *, port: int | None = None, api_key: str | None = None, **local_kwargs: Any
+) -> StartingEngine:
+    """The local engine's child spawned with the run's keys, not waited for (`from_config(starting=...)`
+    waits): it loads its model while the trainer starts the actor. `port` and `api_key` (a restart's: the
+    dead engine's) default to `rollout.port` and the run's key."""
     if model_path is None:
         raise ValueError("rollout.engine = local needs a model folder (model.hf_path) to serve")
     # the engine this run starts requires a key: without one, any local process could post it weights
-    api_key = configured_api_key(rollout) or secrets.token_urlsafe(32)
+    api_key = api_key or configured_api_key(rollout) or secrets.token_urlsafe(32)
     return spawn_local_engine(
         model_path,
         host=rollout.host,
-        port=rollout.port,
+        port=rollout.port if port is None else port,
         api_key=api_key,
         admin_api_key=rollout.admin_api_key,
         **local_kwargs,
@@ -156,14 +158,7 @@ class RolloutEngine:
             urls = [process.url]
 
             def start_again(dead: LocalEngineProcess) -> LocalEngineProcess:
-                return start_local_engine(
-                    model_path,
-                    host=rollout.host,
-                    port=dead.port,
-                    api_key=api_key,
-                    admin_api_key=rollout.admin_api_key,
-                    **local_kwargs,
-                )
+                return spawn_local(rollout, model_path, port=dead.port, api_key=api_key, **local_kwargs).wait()
 
             restart = start_again
 
