@@ -115,15 +115,15 @@ def outcome_advantages(
     if estimator == "grpo":
         adv = group_advantages(rewards, group_size, norm_std=alg.adv_norm_std, eps=alg.adv_eps).unbind(0)
         return [adv[k] for k in owner]
-    episodes = rewards.shape[0]
-    if rewards.dim() != 1 or group_size < 1 or episodes % group_size != 0:
+    count = rewards.shape[0]
+    if rewards.dim() != 1 or group_size < 1 or count % group_size != 0:
         raise ValueError(
             f"algorithm.advantage_estimator = '{estimator}': rewards of shape {tuple(rewards.shape)} do not "
             f"split into groups of rollout.n_samples_per_prompt = {group_size}"
         )
-    index = torch.arange(episodes) // group_size
+    index = torch.arange(count) // group_size
     if estimator == "rloo":
-        per_episode = compute_rloo_outcome_advantage(rewards.float().unsqueeze(-1), torch.ones(episodes, 1), index)
+        per_episode = compute_rloo_outcome_advantage(rewards.float().unsqueeze(-1), torch.ones(count, 1), index)
         return [per_episode[0][k, 0] for k in owner]
     if masks is None or len(masks) != len(owner):
         raise ValueError(
