@@ -185,3 +185,20 @@ def test_kl_in_reward_takes_the_loss_masks_for_the_batch_whitened_baseline() -> 
     # 3 * (0.34^2 + 0.46^2 + 0.24^2) + 0.36^2 = 1.284, unbiased variance 1.284 / 9 -> (a - 0.06) / 0.377712
     p, q, r, s = 0.900156, -1.217858, 0.635404, -0.953106
     assert close(floats(advantages), [[p], [q], [r], [r], [s]])
+
+
+def test_a_response_filtered_out_of_the_loss_still_counts_in_its_group_baseline() -> None:
+    # B (truncated, out of the loss with the overlong filter) now has reward 1 and A 0: group 1's mean is
+    # 0.5 with B's reward, so A's advantage is -0.5 (it would be 0 were B's reward lost with its tokens)
+    groups = step_groups()
+    groups[0] = Group(groups[0].prompt, groups[0].episodes, [0.0, 1.0], [0.0, 1.0])
+    over = {"algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "algorithm.overlong_filter": True}
+    base = {"rollout.n_samples_per_prompt": 2, "train.prompts_per_step": 2, **over}
+    cfg = load_config(None, [f"{k}={v}" for k, v in base.items()])
+    batch = SampleBuilder(cfg).build(groups, {}).batch
+    # trained: A -0.5 on 3 tokens, C 0.5 on 3 (S1 + C), D -0.5 on 1; B none. Mean (-1.5 + 1.5 - 0.5) / 7
+    # = -1/14; squared deviations 3 * (3/7)^2 + 3 * (4/7)^2 + (3/7)^2 = 84/49, unbiased variance 84/49 / 6
+    # = 2/7 -> A, D: (-3/7) / sqrt(2/7) = -0.801784; C: (4/7) / sqrt(2/7) = 1.069045; B: (0.5 + 1/14) /
+    # sqrt(2/7) on no token, so 0
+    a, c = -0.801784, 1.069045
+    assert close(floats(batch.advantages), [[a], [0.0], [c], [c], [a]])

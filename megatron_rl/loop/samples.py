@@ -145,9 +145,11 @@ def outcome_advantages(
 def episode_rows(
     rewards: torch.Tensor, owner: Sequence[int], masks: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-    """verl's layout of the episodes: token_level_rewards and response_mask, each [E, L] (right-padded),
-    one row per episode, its sequences' masks end to end and its reward on the row's last masked token
-    (none when no token is masked); and each sequence's (start, end) in its episode's row."""
+    """verl's layout of the episodes: token_level_rewards and response_mask, each [E, L] (right-padded,
+    L >= 1), one row per episode, its sequences' masks end to end and its reward on the row's last
+    trained token, or, in a row without one (filtered out of the loss), on its last token, where it still
+    counts in its group's mean (as in verl, whose reward sits on the last response token) but no token
+    trains on it; and each sequence's (start, end) in its episode's row."""
     rows: list[list[torch.Tensor]] = [[] for _ in range(rewards.shape[0])]
     spans = []
     for k, mask in zip(owner, masks, strict=True):
@@ -155,13 +157,13 @@ def episode_rows(
         rows[k].append(mask.bool().reshape(-1))
         spans.append((start, start + len(rows[k][-1])))
     joined = [torch.cat(r) if r else torch.zeros(0, dtype=torch.bool) for r in rows]
-    response_mask = torch.zeros(len(joined), max((len(r) for r in joined), default=0), dtype=torch.bool)
+    response_mask = torch.zeros(len(joined), max([1, *(len(r) for r in joined)]), dtype=torch.bool)
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     for k, row in enumerate(joined):
         response_mask[k, : len(row)] = row
         trained = torch.nonzero(row).flatten()
-        if trained.numel():
-            token_rewards[k, int(trained[-1])] = float(rewards[k])
+        last = int(trained[-1]) if trained.numel() else max(len(row) - 1, 0)
+        token_rewards[k, last] = float(rewards[k])
     return token_rewards, response_mask, spans
 
 
