@@ -432,7 +432,7 @@ class Trainer(Stage):
             if step_batch.rewards is None:
                 raise ValueError("algorithm.kl_in_reward: the step's batch came without its rewards")
             advantages, reward_metrics = kl_penalized_advantages(
-                self.cfg, step_batch.rewards, kl_sums, step_batch.episodes
+                self.cfg, step_batch.rewards, kl_sums, step_batch.episodes, masks
             )
             batch = batch.with_fields(advantages=advantages)
             out.update(reward_metrics)

@@ -131,3 +131,74 @@ def test_kl_in_reward_advantages_wait_for_the_reference_and_penalise_each_episod
     assert close(floats(advantages), [[0.4], [-0.4], [0.3], [0.3], [-0.3]])
     assert metrics["reward/kl_penalty_mean"] == pytest.approx(0.5 * 1.2 / 4)
     assert metrics["reward/kl_penalized_mean"] == pytest.approx(1.4 / 4)
+
+
+def test_the_advantage_estimator_key_selects_rloo_and_the_reinforce_plus_plus_pair() -> None:
+    # the step's episodes: A (reward 1) and B (0); C (1: its segments S1 and C) and D (0). Trained tokens
+    # (the loss masks above): A 3 (its observation is not), B 3, C 3 over S1 + C, D 1
+    rloo = build(**{"algorithm.advantage_estimator": "rloo", "algorithm.adv_norm_std": True}).batch
+    # rewards minus the other response's: +-1 in both groups; S1 gets its episode C's
+    assert floats(rloo.advantages) == [[1.0], [-1.0], [1.0], [1.0], [-1.0]]
+    baseline = build(
+        **{"algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "algorithm.adv_norm_std": True}
+    )
+    # minus the group mean: +-0.5, on 3, 3, 3, 1 tokens: mean (1.5 - 1.5 + 1.5 - 0.5) / 10 = 0.1, squared
+    # deviations 6 * 0.4^2 + 4 * 0.6^2 = 2.4, unbiased variance 2.4 / 9 -> 0.4 / 0.5164 and -0.6 / 0.5164
+    p, q = 0.774597, -1.161895
+    assert close(floats(baseline.batch.advantages), [[p], [q], [p], [p], [q]])
+    plus = build(
+        **{
+            "algorithm.advantage_estimator": "reinforce_plus_plus",
+            "algorithm.adv_norm_std": True,
+            "algorithm.gamma": 0.5,
+        }
+    ).batch
+    # per trained token, gamma 0.5, the reward on the episode's last trained token: A 0.25, 0.5, (obs 0 0 0), 1;
+    # B 0 0 0; C's row S1 + C: 0.25 | 0.5, 1; D 0. Mean 3.5 / 10 = 0.35, squared deviations 2 * (0.1^2 +
+    # 0.15^2 + 0.65^2) + 4 * 0.35^2 = 1.4, unbiased variance 1.4 / 9 -> (G - 0.35) / 0.394405; observations 0
+    a, b, c, z = -0.253546, 0.380319, 1.648051, -0.887412
+    assert close(floats(plus.advantages), [[a, b, 0, 0, 0, c], [z, z, z], [a], [b, c], [z]])
+    plus.validate(vocab_size=64, num_layers=1, top_k=1, num_experts=None)
+
+
+def test_kl_in_reward_takes_the_loss_masks_for_the_batch_whitened_baseline() -> None:
+    over = {
+        "algorithm.kl_in_reward": True,
+        "algorithm.kl_coef": 0.5,
+        "algorithm.kl_estimator": "k1",
+        "algorithm.adv_norm_std": True,
+        "rollout.n_samples_per_prompt": 2,
+    }
+    plan = build(**over)
+    masks = [plan.batch.loss_mask(i) for i in range(len(plan.batch))]
+    kl_sums = torch.tensor([0.4, 0.0, 0.2, 0.6, 0.0])  # the previous test's reference; episodes' KL 0.4, 0, 0.8, 0
+    rloo_cfg = load_config(None, [f"{k}={v}" for k, v in {**over, "algorithm.advantage_estimator": "rloo"}.items()])
+    advantages, _ = kl_penalized_advantages(rloo_cfg, plan.rewards, kl_sums, plan.episodes)
+    # R - 0.5 KL: [0.8, 0] and [0.6, 0]; leave-one-out: +-0.8, +-0.6
+    assert close(floats(advantages), [[0.8], [-0.8], [0.6], [0.6], [-0.6]])
+    name = "reinforce_plus_plus_baseline"
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**over, "algorithm.advantage_estimator": name}.items()])
+    with pytest.raises(ValueError, match=r"'reinforce_plus_plus_baseline' whitens .* the 5 sequences, got None"):
+        kl_penalized_advantages(cfg, plan.rewards, kl_sums, plan.episodes)
+    advantages, _ = kl_penalized_advantages(cfg, plan.rewards, kl_sums, plan.episodes, masks)
+    # minus the group mean: 0.4, -0.4, 0.3, -0.3 on 3, 3, 3, 1 tokens: mean 0.6 / 10 = 0.06, squared deviations
+    # 3 * (0.34^2 + 0.46^2 + 0.24^2) + 0.36^2 = 1.284, unbiased variance 1.284 / 9 -> (a - 0.06) / 0.377712
+    p, q, r, s = 0.900156, -1.217858, 0.635404, -0.953106
+    assert close(floats(advantages), [[p], [q], [r], [r], [s]])
+
+
+def test_a_response_filtered_out_of_the_loss_still_counts_in_its_group_baseline() -> None:
+    # B (truncated, out of the loss with the overlong filter) now has reward 1 and A 0: group 1's mean is
+    # 0.5 with B's reward, so A's advantage is -0.5 (it would be 0 were B's reward lost with its tokens)
+    groups = step_groups()
+    groups[0] = Group(groups[0].prompt, groups[0].episodes, [0.0, 1.0], [0.0, 1.0])
+    over = {"algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "algorithm.overlong_filter": True}
+    base = {"rollout.n_samples_per_prompt": 2, "train.prompts_per_step": 2, **over}
+    cfg = load_config(None, [f"{k}={v}" for k, v in base.items()])
+    batch = SampleBuilder(cfg).build(groups, {}).batch
+    # trained: A -0.5 on 3 tokens, C 0.5 on 3 (S1 + C), D -0.5 on 1; B none. Mean (-1.5 + 1.5 - 0.5) / 7
+    # = -1/14; squared deviations 3 * (3/7)^2 + 3 * (4/7)^2 + (3/7)^2 = 84/49, unbiased variance 84/49 / 6
+    # = 2/7 -> A, D: (-3/7) / sqrt(2/7) = -0.801784; C: (4/7) / sqrt(2/7) = 1.069045; B: (0.5 + 1/14) /
+    # sqrt(2/7) on no token, so 0
+    a, c = -0.801784, 1.069045
+    assert close(floats(batch.advantages), [[a], [0.0], [c], [c], [a]])

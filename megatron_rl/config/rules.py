@@ -153,6 +153,7 @@ def _validate_algorithm(alg: AlgorithmConfig) -> None:
         "algorithm.kl_in_reward = true penalises each trajectory's reward once, which algorithm.turn_credit = "
         "'per_turn' does not take; use the KL in the loss (kl_in_reward = false) or turn_credit = 'outcome'",
     )
+    _validate_estimator(alg)
     _require(
         not (alg.kl_estimator == "k1" and alg.kl_coef > 0 and not alg.kl_in_reward),
         "algorithm.kl_estimator = 'k1' in the loss (algorithm.kl_coef > 0, kl_in_reward = false): the gradient "
@@ -170,6 +171,40 @@ def _validate_algorithm(alg: AlgorithmConfig) -> None:
                 f"algorithm.{key} = {getattr(alg, key)!r} but no reference model is built "
                 "(algorithm.kl_coef = 0 and algorithm.ref_kl_metrics = false)",
             )
+
+
+def _validate_estimator(alg: AlgorithmConfig) -> None:
+    """The combinations of `algorithm.advantage_estimator` that cannot run, and its keys read by one estimator."""
+    estimator = alg.advantage_estimator
+    _require(
+        not (alg.turn_credit == "per_turn" and estimator != "grpo"),
+        f"algorithm.turn_credit = 'per_turn' normalises each turn's return within its group (GRPO's form), which "
+        f"algorithm.advantage_estimator = '{estimator}' does not take; use advantage_estimator = 'grpo' or "
+        "turn_credit = 'outcome'",
+    )
+    _require(
+        not (estimator == "reinforce_plus_plus" and alg.kl_in_reward),
+        "algorithm.kl_in_reward = true subtracts each response's summed KL from its outcome reward, but "
+        "algorithm.advantage_estimator = 'reinforce_plus_plus' discounts token-level rewards (verl's per-token KL "
+        "penalty, not built here); put the KL in the loss (kl_in_reward = false) or use "
+        "reinforce_plus_plus_baseline, rloo or grpo",
+    )
+    _require(
+        not (estimator == "reinforce_plus_plus" and alg.ratio_level == "sequence"),
+        "algorithm.advantage_estimator = 'reinforce_plus_plus' gives each token its own advantage, but "
+        "algorithm.ratio_level = 'sequence' (GSPO) has one ratio and one advantage per sequence; use "
+        "ratio_level = 'sequence_token' (gspo_token) or another estimator",
+    )
+    _require(
+        alg.gamma == 1.0 or estimator == "reinforce_plus_plus",
+        f"algorithm.gamma = {alg.gamma} is read only by algorithm.advantage_estimator = 'reinforce_plus_plus', "
+        f"not by '{estimator}' (per-turn discounting is algorithm.turn_discount)",
+    )
+    _require(
+        alg.adv_norm_std or estimator == "grpo",
+        f"algorithm.adv_norm_std = false is read only by algorithm.advantage_estimator = 'grpo', not by "
+        f"'{estimator}' (rloo never divides by a std; reinforce_plus_plus(_baseline) whiten over the batch)",
+    )
 
 
 def _validate_model(model: ModelConfig) -> None:

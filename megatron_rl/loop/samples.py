@@ -7,9 +7,10 @@ Each step's data is built here, in verl's order (rewards, old log-probs, the ref
   episode (`segments_of`: the trajectory itself, or an agent's segments), its tokens (prompt then
   trajectory), its loss mask (`loss_mask`), the engine's log-probs and routed experts (R3), and each
   sequence's episode reward, weight versions and episode index;
-- the advantages (`advantages_of`), the one function that computes them: group advantages of the
-  episodes' rewards (`algorithm.turn_credit`: one per episode, or per turn and so per token, the
-  turns of an episode counted across its segments). The builder computes them with the sequences
+- the advantages (`advantages_of`), the one function that computes them, over the whole step's batch:
+  `algorithm.advantage_estimator` of the episodes' rewards (`outcome_advantages`: grpo, rloo,
+  reinforce_plus_plus(_baseline)), or per turn and so per token (`algorithm.turn_credit`, the turns of
+  an episode counted across its segments). The builder computes them with the sequences
   when they need no reference; with `algorithm.kl_in_reward` they wait for the reference's
   log-probs, and the step computes them once, after the reference forward, from R - beta * KL
   (`kl_penalized_advantages`). They are never computed twice.
@@ -23,7 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.algorithms import group_advantages, overlong_filter_mask, per_turn_advantages
+from megatron_rl.algorithms import (
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    group_advantages,
+    overlong_filter_mask,
+    per_turn_advantages,
+)
 from megatron_rl.config import Config
 from megatron_rl.envs import Trajectory, segments_of
 from megatron_rl.loop.async_rollout import trained_versions
@@ -52,20 +60,26 @@ def loss_mask(sequence: Trajectory, overlong_filter: bool) -> torch.Tensor:
 
 
 def advantages_of(
-    cfg: Config, rewards: torch.Tensor, episodes: Sequence[Trajectory] | None = None
+    cfg: Config,
+    rewards: torch.Tensor,
+    episodes: Sequence[Trajectory] | None = None,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The advantage of every sequence of `episodes` (`segments_of`, in order), `rewards` [E] being the
     episodes' (shaped, or KL-penalised), the groups of `rollout.n_samples_per_prompt` episodes
-    contiguous (`algorithm.adv_norm_std`, `adv_eps`). `algorithm.turn_credit`: outcome = one 0-dim
-    advantage per episode, given to each of its sequences; per_turn = [r_i] per token, each token the
+    contiguous. `algorithm.turn_credit`: outcome = `outcome_advantages` of the episodes' rewards
+    (`algorithm.advantage_estimator`); per_turn (GRPO's form only) = [r_i] per token, each token the
     advantage of its turn (`megatron_rl.algorithms.turn_credit`). Without `episodes` (outcome credit
-    only): one 0-dim advantage per reward."""
+    only): one advantage per reward. `masks`: the loss mask of every sequence (`loss_mask`), which the
+    estimators that whiten over the step's tokens need."""
     alg, group_size = cfg.algorithm, cfg.rollout.n_samples_per_prompt
     if alg.turn_credit == "outcome":
-        adv = group_advantages(rewards, group_size, norm_std=alg.adv_norm_std, eps=alg.adv_eps).unbind(0)
-        if episodes is None:
-            return list(adv)
-        return [a for a, episode in zip(adv, episodes, strict=True) for _ in segments_of(episode)]
+        if episodes is not None and len(episodes) != rewards.shape[0]:
+            raise ValueError(f"advantages_of: {len(episodes)} episodes for {rewards.shape[0]} rewards")
+        owner = (
+            range(rewards.shape[0]) if episodes is None else [k for k, e in enumerate(episodes) for _ in segments_of(e)]
+        )
+        return outcome_advantages(cfg, rewards, owner, masks)
     if episodes is None:
         raise ValueError("algorithm.turn_credit = 'per_turn': the advantages need the episodes' turns")
     sequences = [segments_of(episode) for episode in episodes]
@@ -86,32 +100,103 @@ def advantages_of(
     return out
 
 
+def outcome_advantages(
+    cfg: Config, rewards: torch.Tensor, owner: Sequence[int], masks: Sequence[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """`algorithm.advantage_estimator` of the episodes' outcome rewards `rewards` [E] (groups of
+    `rollout.n_samples_per_prompt` contiguous), for every sequence i of episode `owner[i]` (an episode's
+    sequences in order). grpo, rloo and reinforce_plus_plus_baseline: one 0-dim advantage per episode,
+    given to each of its sequences; reinforce_plus_plus: [r_i] per token. The batch-whitened two
+    (reinforce_plus_plus, _baseline) see each episode as one response, its sequences' loss masks
+    (`masks[i]`, bool [r_i]) end to end and its reward on its last trained token, and whiten over all
+    the step's trained tokens (`megatron_rl.algorithms.estimators`)."""
+    alg, group_size = cfg.algorithm, cfg.rollout.n_samples_per_prompt
+    estimator = alg.advantage_estimator
+    if estimator == "grpo":
+        adv = group_advantages(rewards, group_size, norm_std=alg.adv_norm_std, eps=alg.adv_eps).unbind(0)
+        return [adv[k] for k in owner]
+    count = rewards.shape[0]
+    if rewards.dim() != 1 or group_size < 1 or count % group_size != 0:
+        raise ValueError(
+            f"algorithm.advantage_estimator = '{estimator}': rewards of shape {tuple(rewards.shape)} do not "
+            f"split into groups of rollout.n_samples_per_prompt = {group_size}"
+        )
+    index = torch.arange(count) // group_size
+    if estimator == "rloo":
+        per_episode = compute_rloo_outcome_advantage(rewards.float().unsqueeze(-1), torch.ones(count, 1), index)
+        return [per_episode[0][k, 0] for k in owner]
+    if masks is None or len(masks) != len(owner):
+        raise ValueError(
+            f"algorithm.advantage_estimator = '{estimator}' whitens over the step's trained tokens: it needs the "
+            f"loss mask of each of the {len(owner)} sequences, got {None if masks is None else len(masks)}"
+        )
+    token_rewards, response_mask, spans = episode_rows(rewards, owner, masks)
+    if not bool(response_mask.any()):  # nothing trains this step: no token would read an advantage
+        return [torch.zeros(()) if estimator != "reinforce_plus_plus" else torch.zeros(len(m)) for m in masks]
+    if estimator == "reinforce_plus_plus_baseline":
+        adv, _ = compute_reinforce_plus_plus_baseline_outcome_advantage(token_rewards, response_mask, index)
+        # constant over an episode's trained tokens: its sum over them / their count (0 for none)
+        per_episode = (adv.sum(dim=-1) / response_mask.sum(dim=-1).clamp(min=1)).unbind(0)
+        return [per_episode[k] for k in owner]
+    adv, _ = compute_reinforce_plus_plus_outcome_advantage(token_rewards, response_mask, gamma=alg.gamma)
+    return [adv[k, start:end] for k, (start, end) in zip(owner, spans, strict=True)]
+
+
+def episode_rows(
+    rewards: torch.Tensor, owner: Sequence[int], masks: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """verl's layout of the episodes: token_level_rewards and response_mask, each [E, L] (right-padded,
+    L >= 1), one row per episode, its sequences' masks end to end and its reward on the row's last
+    trained token, or, in a row without one (filtered out of the loss), on its last token, where it still
+    counts in its group's mean (as in verl, whose reward sits on the last response token) but no token
+    trains on it; and each sequence's (start, end) in its episode's row."""
+    rows: list[list[torch.Tensor]] = [[] for _ in range(rewards.shape[0])]
+    spans = []
+    for k, mask in zip(owner, masks, strict=True):
+        start = sum(len(m) for m in rows[k])
+        rows[k].append(mask.bool().reshape(-1))
+        spans.append((start, start + len(rows[k][-1])))
+    joined = [torch.cat(r) if r else torch.zeros(0, dtype=torch.bool) for r in rows]
+    response_mask = torch.zeros(len(joined), max([1, *(len(r) for r in joined)]), dtype=torch.bool)
+    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    for k, row in enumerate(joined):
+        response_mask[k, : len(row)] = row
+        trained = torch.nonzero(row).flatten()
+        last = int(trained[-1]) if trained.numel() else max(len(row) - 1, 0)
+        token_rewards[k, last] = float(rewards[k])
+    return token_rewards, response_mask, spans
+
+
 def kl_penalized_advantages(
-    cfg: Config, rewards: torch.Tensor, kl_sums: torch.Tensor, episodes: torch.Tensor | None = None
+    cfg: Config,
+    rewards: torch.Tensor,
+    kl_sums: torch.Tensor,
+    episodes: torch.Tensor | None = None,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """`algorithm.kl_in_reward`: the advantages (`advantages_of`) of R_i - beta * KL_i, KL_i a response's
-    summed per-token KL to the reference (verl's `use_kl_in_reward` with the outcome advantage of GRPO).
-    `rewards`, `kl_sums` [N]: per sequence; `episodes` [N] (`StepBatch.episodes`): the episode of each
-    sequence, whose KL is the sum over its sequences, and each of them gets the episode's advantage."""
+    """`algorithm.kl_in_reward`: the advantages (`outcome_advantages`) of R_i - beta * KL_i, KL_i a response's
+    summed per-token KL to the reference (verl's `use_kl_in_reward` with an outcome estimator, whose
+    summed token rewards this is). `rewards`, `kl_sums` [N]: per sequence; `episodes` [N]
+    (`StepBatch.episodes`): the episode of each sequence, whose KL is the sum over its sequences, and
+    each of them gets the episode's advantage; `masks` [N]: the sequences' loss masks (`advantages_of`)."""
     if kl_sums.shape != rewards.shape:
         raise ValueError(f"kl_sums has shape {tuple(kl_sums.shape)}, rewards has {tuple(rewards.shape)}")
     rewards, kl_sums = rewards.to(torch.float32), kl_sums.to(torch.float32)
+    owner: Sequence[int] = range(rewards.shape[0])
     if episodes is not None:
         if episodes.shape != rewards.shape:
             raise ValueError(f"episodes has shape {tuple(episodes.shape)}, rewards has {tuple(rewards.shape)}")
-        owner = episodes.to(torch.long)
-        count = int(owner.max()) + 1 if owner.numel() else 0
-        rewards = torch.zeros(count).index_copy_(0, owner, rewards)  # a sequence carries its episode's reward
-        kl_sums = torch.zeros(count).index_add_(0, owner, kl_sums)
+        owner = episodes.to(torch.long).tolist()
+        count = max(owner) + 1 if owner else 0
+        index = torch.tensor(owner, dtype=torch.long)
+        rewards = torch.zeros(count).index_copy_(0, index, rewards)  # a sequence carries its episode's reward
+        kl_sums = torch.zeros(count).index_add_(0, index, kl_sums)
     penalty = cfg.algorithm.kl_coef * kl_sums
     metrics = {
         "reward/kl_penalty_mean": float(penalty.mean()),
         "reward/kl_penalized_mean": float((rewards - penalty).mean()),
     }
-    advantages = advantages_of(cfg, rewards - penalty)
-    if episodes is not None:
-        advantages = [advantages[e] for e in episodes.tolist()]
-    return advantages, metrics
+    return outcome_advantages(cfg, rewards - penalty, owner, masks), metrics
 
 
 class SampleBuilder:
@@ -142,7 +227,7 @@ class SampleBuilder:
             tokens=[torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long) for seq in sequences],
             prompt_lengths=[len(seq.prompt_ids) for seq in sequences],
             response_mask=None if all(bool(m.all()) for m in masks) else masks,
-            advantages=None if alg.kl_in_reward else advantages_of(self.cfg, rewards, episodes),
+            advantages=None if alg.kl_in_reward else advantages_of(self.cfg, rewards, episodes, masks),
             rollout_log_probs=[torch.tensor(seq.logprobs, dtype=torch.float32) for seq in sequences],
             routed_experts=routed,
         )
