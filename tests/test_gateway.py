@@ -29,7 +29,8 @@ from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
 from megatron_rl.envs.failures import EpisodeFailureError
-from megatron_rl.loop.collect import RolloutCollector, evaluate
+from megatron_rl.loop.collect import RolloutCollector
+from megatron_rl.loop.evaluation import evaluate
 from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.handoff import MainThreadCalls

@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_rl.config.data_files import files_of_config
 from megatron_rl.config.derived import loss_spec, optimizer_steps, uses_reference
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
@@ -61,6 +62,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_async(cfg)
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
+    _validate_data(cfg)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
 
@@ -317,6 +319,23 @@ def _validate_train(train: TrainConfig) -> None:
         f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}",
     )
     _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+
+
+def _validate_data(cfg: Config) -> None:
+    """Several train or eval files, their weights and names (`megatron_rl.data.files` reads them); the
+    sampled evaluation's n_samples and pass@k."""
+    files_of_config(cfg.data)
+    ev = cfg.eval
+    _require(
+        ev.n_samples == 1 or ev.temperature > 0,
+        f"eval.n_samples = {ev.n_samples} with eval.temperature = 0: greedy responses to one prompt are all the "
+        "same; set eval.temperature > 0 (e.g. 0.6, or rollout.temperature) or eval.n_samples = 1",
+    )
+    for i, k in enumerate(ev.pass_k):
+        _require(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k < ev.n_samples,
+            f"eval.pass_k[{i}] = {k!r}: a k in [1, eval.n_samples = {ev.n_samples}) (pass@N is always reported)",
+        )
 
 
 def _validate_logging(logging: LoggingConfig) -> None:
