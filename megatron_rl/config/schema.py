@@ -371,7 +371,9 @@ class EnvConfig:
     )
     tool_api_key: str | None = _f(None, "http_tool: sent as 'Authorization: Bearer KEY'")
     agent: str | None = _f(
-        None, "agent: module:function, an async agent(base_url, api_key, row) -> reward or None, one call per episode"
+        None,
+        "agent: module:function or file.py:function, an async agent(base_url, api_key, row) -> reward or None, one "
+        "call per episode",
     )
     agent_command: str | None = _f(
         None,
