@@ -101,6 +101,10 @@ def _check_rl_batch(cfg: Config, data_parallel_size: int) -> None:
 def _check_sft_needs(cfg: Config) -> None:
     if not cfg.data.train_path:
         raise ConfigError("data.train_path: megatron-rl sft needs the SFT rows (prompt + response) file")
+    for key in ("train_path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"data.{key}: megatron-rl sft reads one file, not a list ({value!r})")
     if not cfg.model.hf_path and not cfg.checkpoint.load:
         raise ConfigError("model.hf_path or checkpoint.load: megatron-rl sft needs a model to start from")
 

@@ -218,6 +218,16 @@ def test_lr_schedule_warmup_then_decay() -> None:
     assert _lrs(constant) == pytest.approx([0.075, 0.15])
 
 
+def test_lr_warmup_ratio_is_the_floored_fraction_of_all_updates_and_not_with_warmup_steps() -> None:
+    # 0.25 x (5 x 2 = 10 updates) = 2.5, floored to a warm-up of 2: the schedule of lr_warmup_steps = 2, whose
+    # linear decay then runs over N - (W - 1) = 9 updates
+    ratio = TrainConfig(steps=5, updates_per_step=2, lr=1.0, min_lr=0.0, lr_warmup_ratio=0.25, lr_decay_style="linear")
+    steps = TrainConfig(steps=5, updates_per_step=2, lr=1.0, min_lr=0.0, lr_warmup_steps=2, lr_decay_style="linear")
+    assert _lrs(ratio) == pytest.approx(_lrs(steps)) and _lrs(ratio)[:3] == pytest.approx([0.5, 1.0, 1.0 - 1 / 9])
+    with pytest.raises(ValueError, match=r"train.lr_warmup_steps \(2\) and train.lr_warmup_ratio \(0.25\) both"):
+        validate(Config(train=TrainConfig(lr_warmup_steps=2, lr_warmup_ratio=0.25)))
+
+
 def test_lr_schedule_does_not_advance_on_skipped_updates() -> None:
     linear = TrainConfig(steps=4, updates_per_step=1, lr=1.0, min_lr=0.0, lr_decay_style="linear")
     # the 2nd update is skipped (non-finite gradients): the 3rd runs at the value the 2nd would have had

@@ -257,3 +257,19 @@ def test_a_key_read_only_for_one_choice_implies_it_and_refuses_another(tmp_path,
     explicit = load_config(path, [f"{section}.{key}={value}"])  # the same choice given: nothing to refuse
     assert getattr(getattr(explicit, section), key) == value
     assert getattr(getattr(load_config(None, []), section), key) == other  # nothing set: the default holds
+
+
+def test_rollout_stops_reach_the_engines_request_and_bad_ones_are_refused():
+    from megatron_rl.rollout.types import SamplingParams
+
+    cfg = load_config(None, ["rollout.stop=[</answer>,'Q:']", "rollout.stop_token_ids=[7,1000]"])
+    params = SamplingParams.from_config(cfg.rollout, temperature=0.5).to_sglang()
+    assert params["stop"] == ["</answer>", "Q:"] and params["stop_token_ids"] == [7, 1000]
+    assert "stop" not in SamplingParams.from_config(load_config(None, []).rollout).to_sglang()
+    for override, message in (
+        ("rollout.stop=['']", r"rollout.stop\[0\] = '' is not a non-empty string"),
+        ("rollout.stop_token_ids=[3,-1]", r"rollout.stop_token_ids\[1\] = -1 is not a token id"),
+        ("rollout.stop_token_ids=[1024]", r"rollout.stop_token_ids\[0\] = 1024 .*model.vocab_size = 1024"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])

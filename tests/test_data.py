@@ -238,3 +238,87 @@ def test_sampler_refuses_a_state_from_other_data_or_seed() -> None:
         PromptSampler(list(range(9)), seed=3).load_state_dict(state)
     sampler = PromptSampler.from_config(list(range(4)), DataConfig(shuffle=False, seed=1))
     assert sampler.next(5) == [0, 1, 2, 3, 0]
+
+
+def test_several_train_files_pool_or_mix_by_weight_and_resume(tmp_path: Path, tokenizer) -> None:
+    """Two files: pooled, every row once an epoch with its position in the pool; weighted 3:1, about 3/4 of
+    the prompts from the first (4000 draws: 3 standard deviations are 0.021), each file's rows epoch by epoch;
+    a restored state continues the same stream, and other weights are refused."""
+    from megatron_rl.data import WeightedSampler, pooled
+
+    files = []
+    for name, rows in (("a", ["1+1=", "2+2=", "3+3="]), ("b", ["4*4=", "5*5="])):
+        path = write_lines(tmp_path / f"{name}.jsonl", [json.dumps({"prompt": r, "answer": "0"}) for r in rows])
+        files.append(load_prompt_dataset(path, tokenizer, DataConfig(answer_key="answer")))
+    pool = pooled(files)
+    assert [p.index for p in pool] == list(range(5)) and [p.text for p in pool[3:]] == [p.text for p in files[1]]
+    assert sorted(p.index for p in PromptSampler(pool, seed=3).next(5)) == [0, 1, 2, 3, 4]
+
+    mixed = WeightedSampler(files, [3.0, 1.0], shuffle=True, seed=3)
+    drawn = [p.location.path for _ in range(500) for p in mixed.next(8)]
+    share = sum(path.endswith("a.jsonl") for path in drawn) / len(drawn)
+    assert abs(share - 0.75) < 0.021, share
+    first_b = [p.text for p in WeightedSampler(files, [1.0, 1e-9], True, 3).next(3)]
+    assert sorted(first_b) == sorted(p.text for p in files[0])  # a file's own epoch: each row once
+    state = mixed.state_dict()
+    expected = [p.text for p in mixed.next(16)]
+    resumed = WeightedSampler(files, [3.0, 1.0], shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    assert [p.text for p in resumed.next(16)] == expected
+    with pytest.raises(ValueError, match=r"weights are \[0.5, 0.5\] but the checkpoint was saved with \[0.75"):
+        WeightedSampler(files, [1.0, 1.0], shuffle=True, seed=3).load_state_dict(state)
+
+
+def test_lists_of_data_files_with_weights_and_names_are_checked_naming_the_key() -> None:
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.data_files import eval_files, train_files
+
+    cfg = load_config(None, ["data.train_path=[x/a.jsonl,y/b.parquet]", "data.train_weights=[2,1]"])
+    assert [(f.path, f.weight) for f in train_files(cfg.data)] == [("x/a.jsonl", 2.0), ("y/b.parquet", 1.0)]
+    cfg = load_config(None, ["data.eval_path=[x/aime.jsonl,y/math.jsonl]"])
+    assert [f.name for f in eval_files(cfg.data)] == ["aime", "math"]
+    assert [f.name for f in eval_files(load_config(None, ["data.eval_path=x/aime.jsonl"]).data)] == [""]
+    for overrides, message in (
+        (["data.train_path=a.jsonl", "data.train_weights=[1]"], r"data.train_weights has 1 weights for 1 file"),
+        (["data.train_path=[a.jsonl,b.jsonl]", "data.train_weights=[1,0]"], r"train_weights\[1\] = 0 is not a"),
+        (["data.train_path=[a.jsonl,'']"], r"data.train_path\[1\] = '' is not a file path"),
+        (["data.eval_path=[x/a.jsonl,y/a.jsonl]"], r"names \['a', 'a'\] repeat"),
+        (["data.eval_path=[a.jsonl,b.jsonl]", "data.eval_names=[a]"], r"data.eval_names has 1 names for 2 files"),
+        (["data.eval_path=a.jsonl", "data.eval_names=[a]"], r"data.eval_names names the files of a list"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+
+
+def test_the_rollout_data_of_lists_of_files(tmp_path: Path) -> None:
+    """RolloutData.load: a weighted mixture of the train files, the eval prompts by file name, the data/
+    counts summed over the files."""
+    from megatron_rl.config import load_config
+    from megatron_rl.data import WeightedSampler
+    from megatron_rl.loop.runtime import RolloutData
+
+    tiny_tokenizer.build_tokenizer(tmp_path / "tok")
+    paths = [
+        write_lines(tmp_path / f"{n}.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})] * k)
+        for n, k in (("a", 2), ("b", 3))
+    ]
+    cfg = load_config(
+        None,
+        [
+            f"data.tokenizer_path={tmp_path / 'tok'}",
+            f"data.train_path=[{paths[0]},{paths[1]}]",
+            "data.train_weights=[1,1]",
+            f"data.eval_path=[{paths[0]},{paths[1]}]",
+            "data.eval_names=[small,big]",
+            "data.answer_key=answer",
+            "eval.max_prompts=2",
+            "model.vocab_size=28",
+        ],
+    )
+    data = RolloutData.load(cfg)
+    try:
+        assert isinstance(data.sampler, WeightedSampler) and len(data.sampler.samplers) == 2
+        assert {name: len(ps) for name, ps in data.eval_prompts.items()} == {"small": 2, "big": 2}
+        assert data.metrics["data/train_rows_kept"] == 5.0 and data.metrics["data/eval_rows_kept"] == 5.0
+    finally:
+        data.close()

@@ -29,7 +29,8 @@ from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.envs import TurnRenderer, environment_class, episode_metrics
 from megatron_rl.envs.base import AgentEpisodes
 from megatron_rl.envs.failures import EpisodeFailureError
-from megatron_rl.loop.collect import RolloutCollector, evaluate
+from megatron_rl.loop.collect import RolloutCollector
+from megatron_rl.loop.evaluation import evaluate
 from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.handoff import MainThreadCalls
@@ -541,7 +542,7 @@ def test_config_refuses_an_agent_type_without_exactly_one_agent() -> None:
     assert environment_class(EnvConfig(type="agent", agent="test_gateway:answering_agent")) is AgentEpisodes
     with pytest.raises(ConfigError, match=r"env\.agent = 'no_such_module:f': cannot import"):
         environment_class(EnvConfig(type="agent", agent="no_such_module:f"))
-    with pytest.raises(ConfigError, match="no callable 'nope'"):
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
         environment_class(EnvConfig(type="agent", agent="test_gateway:nope"))
 
 
@@ -926,3 +927,14 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
     assert step_batch.batch is None and metrics["env/end_preempted"] == 2.0 and metrics["groups/aborted"] == 1.0
     assert "env/agent_errors" not in metrics
     assert not _processes_naming(marker)
+
+
+def test_env_agent_is_loaded_from_a_file_as_reward_custom_function_is(tmp_path) -> None:
+    from megatron_rl.config import ConfigError, EnvConfig
+    from megatron_rl.envs.base import agent_function
+
+    (tmp_path / "my_agent.py").write_text("async def run(base_url, api_key, row):\n    return 0.5\n")
+    agent = agent_function(EnvConfig(type="agent", agent=f"{tmp_path}/my_agent.py:run"))
+    assert asyncio.run(agent("u", "k", {})) == 0.5
+    with pytest.raises(ConfigError, match=r"env.agent = '.*my_agent.py:nope': module .* has no function 'nope'"):
+        agent_function(EnvConfig(type="agent", agent=f"{tmp_path}/my_agent.py:nope"))

@@ -221,3 +221,119 @@ def test_multi_sender_update_payloads_are_sglangs() -> None:
     control = sglang_wheel.source("srt/managers/tokenizer_control_mixin.py").read_text()
     assert '("update_weights_from_distributed", UpdateWeightsFromDistributedReqOutput)' in control
     assert 'mode = spec[2] if len(spec) > 2 else "queueing"' in control
+
+
+# ---- stop strings and stop tokens: the local engine ends a response where SGLang's scheduler does ----
+
+_FINISH_METHODS = (
+    "finished",
+    "update_finish_state",
+    "_check_vocab_boundary_finish",
+    "_check_str_based_finish",
+    "_locate_str_stop_finished_len",
+    "_stop_match_tail_len",
+    "tail_str",
+    "_check_token_based_finish",
+    "_cap_finished_len_at_max_new_tokens",
+)
+_FINISH_CLASSES = ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_MATCHED_STR", "FINISH_LENGTH", "FINISH_ABORT")
+
+
+def _sglang_request_class() -> type:
+    """A class whose finish checks are SGLang 0.5.23's `Req` methods (schedule_batch.py), run as they are."""
+    import ast
+    import logging
+    import typing
+    from http import HTTPStatus
+
+    path = "srt/managers/schedule_batch.py"
+    tree = ast.parse(sglang_wheel.source(path).read_text(encoding="utf-8"))
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in _FINISH_CLASSES]
+    namespace = {"re": re, "logger": logging.getLogger("sglang"), "HTTPStatus": HTTPStatus}
+    namespace.update(List=list, Optional=typing.Optional, Union=typing.Union)  # its source's annotations
+    exec(compile(ast.Module(body=classes, type_ignores=[]), path, "exec"), namespace)
+    methods = "\n".join(
+        "    " + line
+        for name in _FINISH_METHODS
+        for line in sglang_wheel.function_source(path, name, "Req").splitlines()
+    )
+    exec(compile(f"class Req:\n{methods}\n", path, "exec"), namespace)
+    return namespace["Req"]
+
+
+def _sglang_finish(tokenizer, tokens, stops, stop_ids, max_new_tokens):
+    """(output_ids through the stop, finish_reason as JSON) of SGLang's scheduler fed `tokens` one per step;
+    no end-of-text token but `stop_ids` (the local requests below send ignore_eos)."""
+    from types import SimpleNamespace
+
+    req = _sglang_request_class()()
+    req.sampling_params = SimpleNamespace(
+        stop_strs=list(stops),
+        stop_regex_strs=[],
+        stop_str_max_len=max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0),
+        stop_regex_max_len=0,
+        stop_token_ids=set(stop_ids) or None,
+        ignore_eos=False,
+        max_new_tokens=max_new_tokens,
+    )
+    decoder = SimpleNamespace(decode=tokenizer.decode, eos_token_id=None, additional_stop_token_ids=None)
+    req.tokenizer, req.eos_token_ids, req.vocab_size, req.decoded_text = decoder, None, len(tokenizer), ""
+    req.output_ids, req.finished_reason, req.finished_len, req.to_finish, req.grammar = [], None, None, None, None
+    for token in tokens:
+        req.output_ids.append(token)
+        req.update_finish_state()
+        if req.finished():
+            break
+    return req.output_ids[: req.finished_len], req.finished_reason.to_json()
+
+
+def test_stop_strings_and_tokens_end_a_local_response_where_sglang_ends_it(tmp_path) -> None:
+    """A stop string completed inside a multi-character token, one spanning two tokens, a stop string and
+    a stop token completed by the same token (the string wins), a stop token: the local engine's output
+    ids and finish reason are those of SGLang's scheduler on the same tokens; the text is trimmed before
+    the stop as SGLang's detokenizer trims it."""
+    from megatron_rl.rollout.local.generator import Generator, GenRequest
+    from megatron_rl.rollout.local.model import load_model
+    from megatron_rl.rollout.local.protocol import parse_generate
+    from megatron_rl.rollout.local.server import LocalServer
+
+    import tiny_tokenizer
+    from mrl_configs import make_tiny_model
+
+    tok = tiny_tokenizer.build_tokenizer(words=("Answer:", "wer"))
+    model, info = load_model(make_tiny_model(str(tmp_path / "m"), "qwen3", seed=11, vocab_size=len(tok)))
+    gen = Generator(model, info, tokenizer=tok)
+    probe = GenRequest(rid="probe", input_ids=[4, 7, 8], max_new_tokens=24, temperature=0.0)
+    gen.add(probe)
+    while gen.has_work:
+        gen.step()
+    out = probe.output_ids
+    pieces = [tok.decode([t]) for t in out]
+    long_piece = next(i for i in range(3, len(out)) if len(pieces[i]) > 1 or i == len(out) - 1)
+    cases = [
+        ([pieces[4] + pieces[5]], []),  # spans two tokens
+        ([pieces[long_piece][1:]], []),  # completed inside one token's text
+        ([pieces[6]], [out[6]]),  # the same token completes both: the string wins
+        ([], [out[5]]),
+    ]
+    for stops, stop_ids in cases:
+        body = {"input_ids": probe.input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24}}
+        body["sampling_params"].update(stop=stops, stop_token_ids=stop_ids, ignore_eos=True)
+        (req,) = parse_generate(body, info, tok).requests
+        gen.add(req)
+        while gen.has_work:
+            gen.step()
+        want_ids, want_finish = _sglang_finish(tok, out, stops, stop_ids, 24)
+        assert (req.output_ids, req.finish_reason) == (want_ids, want_finish), (stops, stop_ids)
+        assert req.finish_reason["type"] == "stop" and len(req.output_ids) < len(out)
+        server = LocalServer.__new__(LocalServer)
+        server.tokenizer = tok
+        text = server._text(req)
+        full = tok.decode(req.output_ids, skip_special_tokens=True)
+        if stops:
+            assert text == full[: full.find(req.finish_reason["matched"])]
+        else:
+            assert text == tok.decode(req.output_ids[:-1], skip_special_tokens=True)
+    # the match window, stop_str_max_len, is SGLang's normaliser's (the oracle above computes it the same way)
+    normalize = sglang_wheel.function_source("srt/sampling/sampling_params.py", "normalize", "SamplingParams")
+    assert "tokenizer.encode(stop_str, add_special_tokens=False)" in normalize

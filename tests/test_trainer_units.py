@@ -29,10 +29,10 @@ from megatron_rl.data import Prompt, PromptSampler, RowLocation
 from megatron_rl.loop.collect import (
     RolloutCollector,
     advantages_of,
-    evaluate,
     kl_penalized_advantages,
     sampling_seed,
 )
+from megatron_rl.loop.evaluation import evaluate, pass_at_k
 from megatron_rl.metrics import MetricsLogger, read_metrics, summarize_updates, truncate_metrics
 from megatron_rl.models.source import resolve_model
 from megatron_rl.rewards import RewardFailureError, RewardScorer
@@ -250,6 +250,34 @@ def test_evaluate_is_greedy_accuracy() -> None:
     )
     assert out["eval/greedy_accuracy"] == pytest.approx(2 / 3) and out["eval/prompts"] == 3
     assert all(p.temperature == 0.0 and p.sampling_seed is None for p in engine.calls[0])
+
+
+def test_pass_at_k_is_the_codex_estimator() -> None:
+    # 1 - C(n - c, k) / C(n, k): n = 5, c = 2, k = 2 gives 1 - 3/10; k = 1 is c / n; k = n is "any correct"
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7) and pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert (pass_at_k(4, 1, 4), pass_at_k(4, 0, 4), pass_at_k(4, 3, 2)) == (1.0, 0.0, 1.0)
+    assert pass_at_k(20, 3, 7) == pytest.approx(1 - math.comb(17, 7) / math.comb(20, 7))
+
+
+def test_sampled_evaluation_reports_mean_and_pass_at_k_pooled_and_per_file() -> None:
+    """4 seeded samples per prompt: prompt 0 right once, prompt 1 never, prompt 2 three times; files a = {0, 1},
+    b = {2}: mean@4 = 4/12, pass@4 = 2/3, pass@2 = (1 - C(3,2)/C(4,2) + 0 + 1) / 3 = 0.5, and per file."""
+    cfg = make_cfg(**{"eval.temperature": 0.6, "eval.n_samples": 4, "eval.pass_k": "[2]"})
+    script = {100: [RIGHT, WRONG, WRONG, WRONG], 101: [WRONG], 102: [RIGHT, RIGHT, WRONG, RIGHT]}
+    engine = ScriptedEngine(script, 12)
+    files = {"a": [prompt(0, "7"), prompt(1, "7")], "b": [prompt(2, "7")]}
+    out = on_loop(evaluate(engine, files, CharTokenizer(), RewardScorer(cfg.reward), cfg, 5))
+    assert out["eval/mean@4"] == pytest.approx(4 / 12) and out["eval/pass@4"] == pytest.approx(2 / 3)
+    assert out["eval/pass@2"] == pytest.approx(0.5) and out["eval/prompts"] == 3
+    assert (out["eval/a/mean@4"], out["eval/a/pass@4"], out["eval/a/pass@2"]) == pytest.approx((1 / 8, 0.5, 0.25))
+    assert (out["eval/b/mean@4"], out["eval/b/pass@4"], out["eval/b/prompts"]) == pytest.approx((0.75, 1.0, 1.0))
+    assert "eval/accuracy" not in out and "eval/a/greedy_accuracy" not in out
+    seeds = [p.sampling_seed for call in engine.calls for p in call]
+    assert len(set(seeds)) == 12 and all(p.temperature == 0.6 for call in engine.calls for p in call)
+    with pytest.raises(ConfigError, match=r"eval.n_samples = 4 with eval.temperature = 0"):
+        make_cfg(**{"eval.n_samples": 4})
+    with pytest.raises(ConfigError, match=r"eval.pass_k\[0\] = 4: a k in \[1, eval.n_samples = 4\)"):
+        make_cfg(**{"eval.temperature": 1.0, "eval.n_samples": 4, "eval.pass_k": "[4]"})
 
 
 def test_loop_config_checks_name_the_key() -> None:

@@ -10,7 +10,8 @@ DP x CP as it reduces the gradients over DP x CP. `loss_scale` is the one factor
 LR schedule: Megatron's `OptimizerParamScheduler`, advanced as Megatron's own training loop does,
 once after each APPLIED optimizer step (`apply_update`: not before the step, not on a step the
 optimizer skipped), so update k (1-based, counting applied updates) runs at the schedule's value
-after k - 1 of them: linear warm-up lr * k / W for k <= W = `train.lr_warmup_steps`, then
+after k - 1 of them: linear warm-up lr * k / W for k <= W = `config.warmup_steps` (`train.lr_warmup_steps`,
+or `train.lr_warmup_ratio` of N), then
 `train.lr_decay_style` from lr towards `train.min_lr`, which it reaches after the last update
 (N = `train.steps x train.updates_per_step`): the last update runs at
 min_lr + (lr - min_lr) / (N - max(W - 1, 0)) with linear decay, not at min_lr.
@@ -29,7 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_rl.config import ParallelConfig, TrainConfig
+from megatron_rl.config import ParallelConfig, TrainConfig, optimizer_steps, warmup_steps
 
 
 @dataclass
@@ -86,11 +87,11 @@ def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerP
     Its value after n applied updates is lr * (n + 1) / W during the warm-up (Megatron's warm-up of
     W - 1 steps from lr / W), then the decay, reaching min_lr at n = N.
     """
-    total = train.steps * train.updates_per_step  # warm-up and min_lr were checked by config.validate
-    warmup = max(train.lr_warmup_steps - 1, 0)
+    total, warmup_updates = optimizer_steps(train), warmup_steps(train)  # checked by config.check_rules
+    warmup = max(warmup_updates - 1, 0)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=train.lr / train.lr_warmup_steps if train.lr_warmup_steps > 0 else train.lr,
+        init_lr=train.lr / warmup_updates if warmup_updates > 0 else train.lr,
         max_lr=train.lr,
         min_lr=train.min_lr,
         lr_warmup_steps=warmup,

@@ -5,7 +5,9 @@
 - `loading.py`: `load_config` (defaults < preset < YAML file < `key=value` overrides, implied keys, validated)
   and `to_yaml`;
 - `rules.py`: `check_rules`, the configuration's own rules (ranges, choices, combinations, implied keys);
-- `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound);
+- `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound,
+  the optimizer steps and warm-up of the learning-rate schedule);
+- `data_schema.py`: the `data` and `eval` sections; `fields.py`: `described`, how every field is declared;
 - `reference.py`: the values a key allows, and the reference table of every key;
 - `errors.py`: `ConfigError`.
 
@@ -13,7 +15,14 @@ A run is validated by `megatron_rl.validation.validate_run`, the one check every
 the model from its checkpoint and runs `check_rules` among the checks that need more than the config.
 """
 
-from megatron_rl.config.derived import LOGPROB_GAP_BY_DTYPE, logprob_gap_limit, loss_spec, uses_reference
+from megatron_rl.config.derived import (
+    LOGPROB_GAP_BY_DTYPE,
+    logprob_gap_limit,
+    loss_spec,
+    optimizer_steps,
+    uses_reference,
+    warmup_steps,
+)
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.loading import load_config, parse_overrides, to_yaml
 from megatron_rl.config.presets import PRESETS, preset
@@ -71,10 +80,12 @@ __all__ = [
     "load_config",
     "logprob_gap_limit",
     "loss_spec",
+    "optimizer_steps",
     "parse_overrides",
     "preset",
     "reference_rows",
     "to_yaml",
     "uses_reference",
     "validate",
+    "warmup_steps",
 ]

@@ -1,12 +1,13 @@
 """What a run reads off its configuration beyond single keys: the loss spec of its `algorithm` section, whether
-it builds the frozen reference policy, and the log-prob gap bound in force."""
+it builds the frozen reference policy, the log-prob gap bound in force, and the optimizer steps of the learning
+-rate schedule and its warm-up."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.schema import AlgorithmConfig, Config
+from megatron_rl.config.schema import AlgorithmConfig, Config, TrainConfig
 from megatron_rl.losses.spec import LossSpec
 
 # rollout.max_logprob_gap's default by model.params_dtype. fp32: measured on CPU (<= 2e-7, the local
@@ -38,3 +39,14 @@ def loss_spec(alg: AlgorithmConfig) -> LossSpec:
         return LossSpec.from_section(section)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+
+
+def optimizer_steps(train: TrainConfig) -> int:
+    """The optimizer steps of the whole run, which the learning-rate schedule spans: steps x updates_per_step."""
+    return train.steps * train.updates_per_step
+
+
+def warmup_steps(train: TrainConfig) -> int:
+    """The warm-up in optimizer steps: train.lr_warmup_steps, or train.lr_warmup_ratio of all optimizer steps
+    floored (verl's int(lr_warmup_steps_ratio x total_training_steps)); the rules refuse both set."""
+    return train.lr_warmup_steps or int(train.lr_warmup_ratio * optimizer_steps(train))

@@ -22,6 +22,8 @@ def field_meta(cls: type, name: str) -> dict[str, Any]:
 
 def describe_type(tp: Any, meta: dict[str, Any]) -> str:
     """The values a field of type `tp` and bounds `meta` allows: the choices, or the type and its bounds."""
+    if tp is Any:
+        return "str, list or null"  # data.train_path / eval_path: one file or a list of them
     args = [a for a in get_args(tp) if a is not type(None)]
     if get_origin(tp) is Literal:
         return str(list(get_args(tp)))

@@ -25,7 +25,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config.derived import loss_spec, uses_reference
+from megatron_rl.config.data_files import files_of_config
+from megatron_rl.config.derived import loss_spec, optimizer_steps, uses_reference
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
@@ -54,12 +55,14 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     if model_shape:
         _validate_model(cfg.model)
         _validate_parallel(cfg)
+    _check_stops(cfg, vocab_size=cfg.model.vocab_size if model_shape else None)
     _validate_secrets(cfg)
     check_implied(cfg)
     _validate_rollout(cfg)
     _validate_async(cfg)
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
+    _validate_data(cfg)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
 
@@ -302,6 +305,24 @@ def _validate_rollout(cfg: Config) -> None:
     )
 
 
+MAX_STOP_STRINGS = 32  # SGLang's limit on a request's stop strings
+
+
+def _check_stops(cfg: Config, vocab_size: int | None) -> None:
+    """rollout.stop and rollout.stop_token_ids; the ids against the vocabulary once the model's is known."""
+    stops, ids = list(cfg.rollout.stop), list(cfg.rollout.stop_token_ids)
+    _require(
+        len(stops) <= MAX_STOP_STRINGS, f"rollout.stop: {len(stops)} stop strings; SGLang takes {MAX_STOP_STRINGS}"
+    )
+    for i, stop in enumerate(stops):
+        _require(isinstance(stop, str) and stop != "", f"rollout.stop[{i}] = {stop!r} is not a non-empty string")
+    for i, token in enumerate(ids):
+        _require(
+            isinstance(token, int) and not isinstance(token, bool) and 0 <= token < (vocab_size or token + 1),
+            f"rollout.stop_token_ids[{i}] = {token!r} is not a token id in [0, model.vocab_size = {vocab_size})",
+        )
+
+
 def _validate_async(cfg: Config) -> None:
     ro = cfg.rollout
     if ro.async_mode == "sync":
@@ -321,13 +342,35 @@ def _validate_async(cfg: Config) -> None:
 
 
 def _validate_train(train: TrainConfig) -> None:
-    total = train.steps * train.updates_per_step
+    _require(
+        not (train.lr_warmup_steps and train.lr_warmup_ratio),
+        f"train.lr_warmup_steps ({train.lr_warmup_steps}) and train.lr_warmup_ratio ({train.lr_warmup_ratio}) both "
+        "set the warm-up: set one of them",
+    )
+    total = optimizer_steps(train)  # a ratio below 1 always leaves a step after the warm-up
     _require(
         train.lr_warmup_steps < max(total, 2) or train.lr_decay_style == "constant",
         f"train.lr_warmup_steps ({train.lr_warmup_steps}) must be below the number of optimizer steps "
         f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}",
     )
     _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+
+
+def _validate_data(cfg: Config) -> None:
+    """Several train or eval files, their weights and names (`megatron_rl.data.files` reads them); the
+    sampled evaluation's n_samples and pass@k."""
+    files_of_config(cfg.data)
+    ev = cfg.eval
+    _require(
+        ev.n_samples == 1 or ev.temperature > 0,
+        f"eval.n_samples = {ev.n_samples} with eval.temperature = 0: greedy responses to one prompt are all the "
+        "same; set eval.temperature > 0 (e.g. 0.6, or rollout.temperature) or eval.n_samples = 1",
+    )
+    for i, k in enumerate(ev.pass_k):
+        _require(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k < ev.n_samples,
+            f"eval.pass_k[{i}] = {k!r}: a k in [1, eval.n_samples = {ev.n_samples}) (pass@N is always reported)",
+        )
 
 
 def _validate_logging(logging: LoggingConfig) -> None:

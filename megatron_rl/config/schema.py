@@ -8,19 +8,12 @@ optional numeric bounds (`ge`, `gt`, `le`, `lt`) that `megatron_rl.config.rules`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from megatron_rl.config.data_schema import DataConfig, EvalConfig
+from megatron_rl.config.fields import described as _f
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
-
-
-def _f(default: Any, help: str, **bounds: float) -> Any:
-    """A field with documentation and optional bounds (ge, gt, le, lt)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -148,6 +141,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(-1, "top-k sampling; -1 = all tokens", ge=-1)
     max_new_tokens: int = _f(1024, "longest response in tokens (L_max)", ge=1)
+    stop: list = _f(
+        [],
+        "stop strings (SGLang's stop): a response ends with the token that completes one, kept in the tokens "
+        "trained on and scored; also in evaluation",
+    )
+    stop_token_ids: list = _f([], "token ids that end a response (kept in it) besides the tokenizer's end of text")
     max_concurrency: int = _f(64, "requests in flight per engine", ge=1)
     request_timeout_s: float = _f(600.0, "seconds before one request is abandoned", gt=0)
     max_retries: int = _f(3, "tries after a connection error or 503", ge=0)
@@ -300,24 +299,6 @@ class AlgorithmConfig:
 
 
 @dataclass
-class DataConfig:
-    train_path: str | None = _f(None, "training prompts (.jsonl or .parquet)")
-    eval_path: str | None = _f(None, "held-out prompts for evaluation")
-    tokenizer_path: str | None = _f(None, "tokenizer folder; null = model.hf_path")
-    prompt_key: str = _f("prompt", "row key of the prompt (a string or chat messages); dots for nesting")
-    answer_key: str = _f("reward_model.ground_truth", "row key of the reference answer; dots for nesting")
-    response_key: str = _f(
-        "response",
-        "row key of the target response (megatron-rl sft): text, or a multi-turn trace as a list of chat "
-        "messages (assistant turns trained on, the others out of the loss); dots for nesting",
-    )
-    apply_chat_template: bool = _f(True, "wrap prompts with the tokenizer's chat template when it has one")
-    max_prompt_tokens: int = _f(1024, "longer prompts are skipped and counted", ge=1)
-    shuffle: bool = _f(True, "shuffle prompts every epoch")
-    seed: int = _f(1234, "data order seed")
-
-
-@dataclass
 class RewardConfig:
     type: Literal["dapo", "boxed", "math_verify", "custom", "remote"] = _f(
         "dapo", "reward rule; remote = POST batches to the reward server at reward.url"
@@ -394,7 +375,9 @@ class EnvConfig:
     )
     tool_api_key: str | None = _f(None, "http_tool: sent as 'Authorization: Bearer KEY'")
     agent: str | None = _f(
-        None, "agent: module:function, an async agent(base_url, api_key, row) -> reward or None, one call per episode"
+        None,
+        "agent: module:function or file.py:function, an async agent(base_url, api_key, row) -> reward or None, one "
+        "call per episode",
     )
     agent_command: str | None = _f(
         None,
@@ -430,6 +413,9 @@ class TrainConfig:
     lr: float = _f(1e-6, "peak learning rate (0 = a frozen policy, for diagnostics)", ge=0)
     min_lr: float = _f(0.0, "final learning rate of the decay", ge=0)
     lr_warmup_steps: int = _f(0, "linear warm-up in optimizer steps", ge=0)
+    lr_warmup_ratio: float = _f(
+        0.0, "linear warm-up as a fraction of all optimizer steps (floored; not with lr_warmup_steps)", ge=0, lt=1
+    )
     lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule after warm-up")
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     adam_beta1: float = _f(0.9, "Adam beta1", ge=0, lt=1)
@@ -437,13 +423,6 @@ class TrainConfig:
     adam_eps: float = _f(1e-8, "Adam epsilon", gt=0)
     grad_clip: float = _f(1.0, "global gradient-norm clip; 0 = off", ge=0)
     seed: int = _f(1234, "model init and sampling seed")
-
-
-@dataclass
-class EvalConfig:
-    every: int = _f(0, "evaluate every n steps; 0 = never", ge=0)
-    max_prompts: int = _f(500, "held-out prompts per evaluation", ge=1)
-    temperature: float = _f(0.0, "evaluation sampling temperature (0 = greedy)", ge=0)
 
 
 @dataclass

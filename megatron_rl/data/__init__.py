@@ -1,7 +1,9 @@
-"""Prompt datasets (jsonl, parquet), chat templates, tokenization and the per-step prompt sampler."""
+"""Prompt datasets (jsonl, parquet), chat templates, tokenization and the per-step prompt sampler (one file,
+or several pooled or mixed by weight: `mixture.py`)."""
 
 from megatron_rl.data.dataset import SKIP_REASONS, LoadReport, Prompt, PromptDataset, SkippedRow, load_prompt_dataset
 from megatron_rl.data.fields import MISSING, get_field
+from megatron_rl.data.mixture import WeightedSampler, pooled
 from megatron_rl.data.prompts import PromptFormatError, PromptRenderer, as_messages, render_prompt, uses_chat_template
 from megatron_rl.data.readers import DataError, RawRow, RowLocation, iter_rows
 from megatron_rl.data.sampler import PromptSampler
@@ -11,6 +13,7 @@ __all__ = [
     "MISSING",
     "SKIP_REASONS",
     "TOKENIZER_FILES",
+    "WeightedSampler",
     "DataError",
     "LoadReport",
     "Prompt",
@@ -28,6 +31,7 @@ __all__ = [
     "iter_rows",
     "load_prompt_dataset",
     "load_tokenizer",
+    "pooled",
     "render_prompt",
     "uses_chat_template",
 ]

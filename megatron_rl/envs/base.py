@@ -112,12 +112,14 @@ def _named(key: str, name: str, expected: str) -> tuple[str, Any]:
 
 
 def agent_function(cfg: EnvConfig) -> Callable[..., Any]:
-    """The callable `env.agent` (module:function) names; ConfigError naming the key otherwise."""
-    name = str(cfg.agent)
-    module_name, fn = _named("env.agent", name, "expected module:function (an async agent(base_url, api_key, row))")
-    if not callable(fn):
-        raise ConfigError(f"env.agent = {name!r}: {module_name} has no callable {name.partition(':')[2]!r}")
-    return fn
+    """The callable `env.agent` names, `module:function` or `path/to/file.py:function` (loaded as
+    reward.custom_function is); ConfigError naming the key otherwise."""
+    from megatron_rl.rewards import RewardConfigError, load_custom_function
+
+    try:
+        return load_custom_function(str(cfg.agent), where=f"env.agent = {cfg.agent!r}")
+    except RewardConfigError as err:
+        raise ConfigError(str(err)) from err
 
 
 def environment_class(cfg: EnvConfig) -> type[Environment]:

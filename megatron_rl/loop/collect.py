@@ -51,7 +51,7 @@ from megatron_rl.envs.failures import check_episode_failures
 from megatron_rl.loop.samples import SampleBuilder, StepBatch
 from megatron_rl.loop.samples import advantages_of as advantages_of  # re-exported: the step's one advantage function
 from megatron_rl.loop.samples import kl_penalized_advantages as kl_penalized_advantages
-from megatron_rl.loop.scoring import Group, score_groups, score_samples
+from megatron_rl.loop.scoring import Group, score_groups
 from megatron_rl.rewards import RewardScorer, RewardStats
 from megatron_rl.rollout.types import Engine, SamplingParams
 
@@ -285,28 +285,3 @@ async def episodes(
 def _scores(groups: Sequence[Group]) -> torch.Tensor:
     """float32 [N]: the reward rule's scores of the groups' episodes (what dynamic sampling filters on)."""
     return torch.tensor([r for grp in groups for r in grp.scores], dtype=torch.float32)
-
-
-async def evaluate(
-    engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
-) -> dict[str, float]:
-    """Held-out accuracy of the served policy: greedy (`eval.temperature` 0) or seeded sampling, one
-    episode of the environment (`env.*`) per prompt."""
-    temperature = cfg.eval.temperature
-
-    def params(turn: int, i: int) -> SamplingParams:
-        key = "eval" if turn == 0 else f"eval.{turn}"
-        seed = sampling_seed(cfg.train.seed, step, key, i) if temperature > 0 else None
-        return SamplingParams.from_config(cfg.rollout, temperature=temperature, sampling_seed=seed)
-
-    samples = await episodes(engine, prompts, params, TurnRenderer(tokenizer), cfg)
-    check_episode_failures(cfg.env, samples, f"the evaluation at step {step}")
-    result = await asyncio.to_thread(score_samples, cfg, scorer, tokenizer, samples, prompts)
-    scorer.check_failures(result.stats, f"the evaluation at step {step}")
-    name = "eval/greedy_accuracy" if temperature == 0 else "eval/accuracy"
-    return {
-        name: result.stats.correct / len(prompts),
-        "eval/reward_mean": result.stats.reward_sum / len(prompts),
-        "eval/length_mean": sum(len(s.output_ids) for s in samples) / len(prompts),
-        "eval/prompts": float(len(prompts)),
-    }

@@ -60,12 +60,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_rl.config import Config, ConfigError
-from megatron_rl.data import LoadReport, Prompt, PromptSampler
+from megatron_rl.config.data_files import eval_files, train_files
+from megatron_rl.data import LoadReport, Prompt, PromptSampler, WeightedSampler, pooled
 from megatron_rl.envs import Trajectory
 from megatron_rl.envs.episodes import EnvRewardError
 from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
-from megatron_rl.loop.collect import RolloutCollector, StepBatch, evaluate
+from megatron_rl.loop.collect import RolloutCollector, StepBatch
+from megatron_rl.loop.evaluation import evaluate
 from megatron_rl.models.source import tokenizer_source
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
@@ -88,6 +90,14 @@ CONTROL_TIMEOUT_S = 60.0
 ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError)
 
 
+def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
     """`data/<prefix>_rows_kept`, `_rows_skipped` and the skips per reason of one loaded file."""
     out = {f"data/{prefix}_rows_kept": float(report.kept), f"data/{prefix}_rows_skipped": float(len(report.skipped))}
@@ -102,10 +112,10 @@ class RolloutData:
     loop (started here: the remote-reward client's start-up check runs on it)."""
 
     tokenizer: PreTrainedTokenizerBase
-    sampler: PromptSampler[Prompt]
-    eval_prompts: list[Prompt]
+    sampler: PromptSampler[Prompt] | WeightedSampler
+    eval_prompts: list[Prompt] | dict[str, list[Prompt]]  # by eval file name when data.eval_path is a list
     scorer: RewardScorer
-    metrics: dict[str, float]  # the load reports' `data/` counts, added to every step's record
+    metrics: dict[str, float]  # the load reports' `data/` counts (summed over the files), added to every step
     loop: RolloutLoop
 
     @classmethod
@@ -113,14 +123,19 @@ class RolloutData:
         from megatron_rl.data import load_prompt_dataset, load_tokenizer
 
         tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
-        train = load_prompt_dataset(cfg.data.train_path, tokenizer, cfg.data)
-        metrics = data_metrics("train", train.report)
-        eval_prompts: list[Prompt] = []
-        if cfg.data.eval_path:
-            held_out = load_prompt_dataset(cfg.data.eval_path, tokenizer, cfg.data)
-            metrics.update(data_metrics("eval", held_out.report))
-            eval_prompts = list(held_out)[: cfg.eval.max_prompts]
-        sampler = PromptSampler.from_config(train, cfg.data)
+        files = train_files(cfg.data)
+        train = [load_prompt_dataset(f.path, tokenizer, cfg.data) for f in files]
+        metrics = _summed([data_metrics("train", ds.report) for ds in train])
+        held_out = {f.name: load_prompt_dataset(f.path, tokenizer, cfg.data) for f in eval_files(cfg.data)}
+        metrics.update(_summed([data_metrics("eval", ds.report) for ds in held_out.values()]))
+        eval_sets = {name: list(ds)[: cfg.eval.max_prompts] for name, ds in held_out.items()}
+        eval_prompts = eval_sets.get("", []) if set(eval_sets) <= {""} else eval_sets
+        if files[0].weight is None:
+            sampler: PromptSampler[Prompt] | WeightedSampler = PromptSampler.from_config(
+                train[0] if len(train) == 1 else pooled(train), cfg.data
+            )
+        else:
+            sampler = WeightedSampler(train, [f.weight for f in files], cfg.data.shuffle, cfg.data.seed)
         loop = RolloutLoop()
         try:
             scorer = RewardScorer(cfg.reward, run=loop.run)
@@ -366,10 +381,11 @@ class RolloutRuntime:
         if self.aborted:
             return {}
         began = time.perf_counter()
+        count = sum(map(len, prompts.values())) if isinstance(prompts, dict) else len(prompts)
         with self.meter.busy():
             scores = self.run(
                 evaluate(col.engine, prompts, col.tokenizer, col.scorer, self.cfg, step),
-                collection_bound_s(self.cfg, len(prompts)),
+                collection_bound_s(self.cfg, count * self.cfg.eval.n_samples),
             )
         scores["time/eval"] = time.perf_counter() - began
         return scores

@@ -26,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 1024
+    stop: tuple[str, ...] = ()  # SGLang's stop strings: the output ends with the token that completes one
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None  # the request's own random stream: same seed, same tokens
@@ -44,12 +45,14 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, rollout: Any, **overrides: Any) -> SamplingParams:
-        """From a `RolloutConfig` (temperature, top_p, top_k, max_new_tokens)."""
+        """From a `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids)."""
         values = dict(
             temperature=rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
             max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(str(s) for s in rollout.stop),
+            stop_token_ids=tuple(int(t) for t in rollout.stop_token_ids),
         )
         values.update(overrides)
         return cls(**values)
@@ -62,6 +65,8 @@ class SamplingParams:
             "max_new_tokens": int(self.max_new_tokens),
             "ignore_eos": bool(self.ignore_eos),
         }
+        if self.stop:
+            params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
         if self.sampling_seed is not None:

@@ -15,7 +15,8 @@ from typing import Any
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import TurnRenderer
-from megatron_rl.loop.collect import episodes, evaluate, sampling_seed, score_samples
+from megatron_rl.loop.collect import episodes, sampling_seed, score_samples
+from megatron_rl.loop.evaluation import evaluate
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import Engine, SamplingParams
 
@@ -44,7 +45,7 @@ async def warm_start_scores(
     engine: Engine, prompts: Sequence[Prompt], tokenizer: Any, scorer: RewardScorer, cfg: Config, step: int
 ) -> dict[str, float]:
     """Greedy accuracy (`eval.temperature` 0) and pass@`rollout.n_samples_per_prompt`."""
-    greedy = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=0.0))
+    greedy = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=0.0, n_samples=1))
     scores = await evaluate(engine, prompts, tokenizer, scorer, greedy, step)
     scores.update(await pass_at_n(engine, prompts, tokenizer, scorer, cfg, cfg.rollout.n_samples_per_prompt, step))
     return scores

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ class GenRequest:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()  # SGLang's stop strings, matched in the decoded tail of the output
+    stop_str_max_len: int = 0  # the longest stop string's token count: the tail decoded is one token longer
+    no_stop_trim: bool = False  # the response's text keeps the matched stop (its output_ids always do)
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False
@@ -77,8 +81,10 @@ class Generator:
         max_running: int = 256,
         max_prefill_tokens: int = 16384,
         seed: int = 0,
+        tokenizer: Any = None,
     ):
-        self.model, self.info = model, info
+        """`tokenizer`: what decodes the output's tail for stop strings (None: requests carry none)."""
+        self.model, self.info, self.tokenizer = model, info, tokenizer
         self.adapters = LocalAdapters(model)  # LoRA adapters loaded through the LoRA endpoints
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.cache = SlotKVCache(
@@ -309,7 +315,10 @@ class Generator:
             else:
                 n = len(req.output_ids)
                 req.weight_versions.append({"version": self.weight_version, "start": n - 1, "end": n})
-            if tok in req.stop_token_ids:
+            matched_str = self._matched_stop_str(req)
+            if matched_str is not None:
+                req.finish_reason = {"type": "stop", "matched": matched_str}
+            elif tok in req.stop_token_ids:
                 req.finish_reason = {"type": "stop", "matched": tok}
             elif len(req.output_ids) >= req.max_new_tokens or req.cached_len + 1 >= self.info.max_positions:
                 req.finish_reason = {"type": "length", "length": len(req.output_ids)}
@@ -317,6 +326,15 @@ class Generator:
                 finished.append(req)
         self._retire(finished)
         return finished
+
+    def _matched_stop_str(self, req: GenRequest) -> str | None:
+        """The first of the request's stop strings in its last stop_str_max_len + 1 output tokens, decoded as
+        SGLang's `Req.tail_str` does (special tokens kept). A stop string beats a stop token of the same step,
+        and the output keeps every token up to the one that completed it, as SGLang's `output_ids` do."""
+        if not req.stop_strs:
+            return None
+        tail = self.tokenizer.decode(req.output_ids[-(req.stop_str_max_len + 1) :])
+        return next((s for s in req.stop_strs if s in tail), None)
 
     def _request_rng(self, req: GenRequest) -> torch.Generator:
         if req.sampling_seed is None:

@@ -35,7 +35,6 @@ async def json_body(request: web.Request) -> Any:
 
 # SGLang 0.5.23 sampling keys, with the value at which an unimplemented one is harmless.
 _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
-    "stop": None,
     "stop_regex": None,
     "min_p": 0.0,
     "frequency_penalty": 0.0,
@@ -53,9 +52,11 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "watermark": None,
     "choice": None,
 }
-_HARMLESS_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+_HARMLESS_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "stream_interval"}
 _SUPPORTED_SAMPLING = {
     "max_new_tokens",
+    "stop",
+    "no_stop_trim",
     "temperature",
     "top_p",
     "top_k",
@@ -127,7 +128,25 @@ def _float_field(body: dict, key: str, default: float, where: str) -> float:
         raise FieldError(f"{where}{key}: an integer of {len(str(abs(value)))} digits is out of range") from None
 
 
-def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
+MAX_STOP_COUNT = 32  # SGLang's limit on a request's stop strings
+
+
+def _stop_strings(raw: dict, where: str, tokenizer: Any, req: GenRequest) -> None:
+    """`stop` (a string or a list of them) as SGLang normalises it: the matching window is the longest stop
+    string's token count + 1 (`stop_str_max_len`), and without a tokenizer stop strings are refused."""
+    stop = raw.get("stop")
+    stops = [stop] if isinstance(stop, str) else get_field(raw, "stop", "str_list", [], where=where)
+    if not stops:
+        return
+    if len(stops) > MAX_STOP_COUNT:
+        raise FieldError(f"{where}stop: at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stops)}")
+    if tokenizer is None:
+        raise FieldError(f"{where}stop: this engine has no tokenizer to match stop strings with; use stop_token_ids")
+    req.stop_strs = tuple(stops)
+    req.stop_str_max_len = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops)
+
+
+def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest, tokenizer: Any = None) -> None:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -157,6 +176,8 @@ def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest) -> None:
     req.sampling_seed = get_field(raw, "sampling_seed", "int", None, where=w)
     if req.sampling_seed is not None and not 0 <= req.sampling_seed < 2**63:
         raise FieldError(f"{w}sampling_seed: must be in [0, 2**63), got {req.sampling_seed}")
+    _stop_strings(raw, w, tokenizer, req)
+    req.no_stop_trim = get_field(raw, "no_stop_trim", "bool", False, where=w)
     stops = set(get_field(raw, "stop_token_ids", "int_list", [], where=w))
     if not get_field(raw, "ignore_eos", "bool", False, where=w):
         stops |= set(info.eos_token_ids)
@@ -198,7 +219,7 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
         if len(ids) >= info.max_positions:
             raise FieldError(f"input_ids{where}: {len(ids)} tokens reach the model's {info.max_positions} positions")
         req = GenRequest(rid=rids[i], input_ids=list(ids))
-        _sampling(samplings[i], f"sampling_params{where}", info, req)
+        _sampling(samplings[i], f"sampling_params{where}", info, req, tokenizer)
         lp = return_logprob[i]
         if lp is not None and not isinstance(lp, bool):
             raise FieldError(f"return_logprob{where}: expected bool, got {type(lp).__name__}")

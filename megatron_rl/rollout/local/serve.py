@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         time.monotonic() - started,
     )
     tokenizer = None if args.skip_tokenizer_init else _tokenizer(args.model)
-    generator = Generator(model, info, args.max_running_requests, args.max_prefill_tokens, args.random_seed)
+    generator = Generator(
+        model, info, args.max_running_requests, args.max_prefill_tokens, args.random_seed, tokenizer=tokenizer
+    )
     generator.set_weight_version(args.weight_version)
     engine = EngineThread(model, info, generator)
     engine.start()

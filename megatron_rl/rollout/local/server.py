@@ -199,7 +199,18 @@ class LocalServer:
         if req.return_routed_experts and req.routed:
             routed = np.ascontiguousarray(np.concatenate(req.routed)[req.routed_experts_start_len :], dtype=np.int32)
             meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
-        return {"text": self._decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
+        return {"text": self._text(req), "output_ids": req.output_ids, "meta_info": meta}
+
+    def _text(self, req: GenRequest) -> str:
+        """The output's text trimmed of its matched stop as SGLang's detokenizer trims it (unless no_stop_trim):
+        a stop token is left out, and the text ends before a stop string; `output_ids` keep both."""
+        matched = (req.finish_reason or {}).get("matched")
+        if isinstance(matched, int) and not req.no_stop_trim:
+            return self._decode(req.output_ids[:-1])
+        text = self._decode(req.output_ids)
+        if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+            return text[: pos + len(matched)] if req.no_stop_trim else text[:pos]
+        return text
 
     async def _engine(self, fn) -> Any:
         return await on_engine(self.engine, fn)
