@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config.derived import loss_spec, uses_reference
+from megatron_rl.config.distill import check_distill
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
@@ -62,6 +63,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_train(cfg.train)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
+    check_distill(cfg)
 
 
 @dataclass(frozen=True)

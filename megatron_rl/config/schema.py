@@ -8,19 +8,12 @@ optional numeric bounds (`ge`, `gt`, `le`, `lt`) that `megatron_rl.config.rules`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from megatron_rl.config.distill import DistillConfig
+from megatron_rl.config.fields import documented as _f
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
-
-
-def _f(default: Any, help: str, **bounds: float) -> Any:
-    """A field with documentation and optional bounds (ge, gt, le, lt)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -485,9 +478,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 # Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
 # REDACTED in their place, and a config that still says REDACTED is refused.
-SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key")
+SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key", "distill.api_key")
 REDACTED = "<redacted>"
