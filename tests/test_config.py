@@ -23,7 +23,9 @@ def test_presets_carry_published_defaults():
     assert (sapo.gate, sapo.sapo_tau_pos, sapo.sapo_tau_neg) == ("soft", 1.0, 1.05)
     grpo = preset("grpo")
     assert (grpo.clip_eps_low, grpo.clip_eps_high, grpo.kl_estimator) == (0.2, 0.2, "k3")
-    assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "sapo"]
+    opd = preset("opd")  # on-policy distillation: the token-level clipped surrogate, token-mean
+    assert (opd.ratio_level, opd.loss_agg_mode, opd.kl_coef) == ("token", "token-mean", 0.0)
+    assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "opd", "sapo"]
 
 
 def test_yaml_then_overrides_win_over_preset(tmp_path):

@@ -280,7 +280,8 @@ def test_config_yaml_redacts_every_key_and_a_redacted_key_is_refused(tmp_path: P
     from megatron_rl.config import REDACTED, SECRET_KEYS, ConfigError, load_config, to_yaml
 
     secrets = {key: f"secret-{i}-value" for i, key in enumerate(SECRET_KEYS)}
-    cfg = load_config(overrides=[f"{k}={v}" for k, v in secrets.items()])
+    teacher = ["distill.teacher_urls=[http://127.0.0.1:1]", "distill.tokenizer=/t"]  # distill.api_key's owner
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in secrets.items()] + teacher)
     assert cfg.rollout.api_key == secrets["rollout.api_key"]  # the run itself has the key
     text = to_yaml(cfg)
     assert not [v for v in secrets.values() if v in text] and text.count(REDACTED) == len(SECRET_KEYS)

@@ -56,6 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         loss_agg_mode="seq-mean-token-mean",
         kl_coef=0.0,
     ),
+    # on-policy distillation: the teacher's per-token advantage alone (distill.*; docs/training.md)
+    "opd": dict(
+        ratio_level="token",
+        gate="clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        loss_agg_mode="token-mean",
+        kl_coef=0.0,
+    ),
 }
 
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config.data_files import files_of_config
 from megatron_rl.config.derived import loss_spec, optimizer_steps, uses_reference
+from megatron_rl.config.distill import check_distill
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
@@ -65,6 +66,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_data(cfg)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
+    check_distill(cfg)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
+from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
@@ -468,9 +469,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 # Keys that hold secrets: what to_yaml writes (RUN_DIR/config.yaml, `megatron-rl config`) has
 # REDACTED in their place, and a config that still says REDACTED is refused.
-SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key")
+SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key", "reward.api_key", "env.tool_api_key", "distill.api_key")
 REDACTED = "<redacted>"

@@ -47,6 +47,8 @@ class Trajectory(Finished):
     end_reason: str = ""
     events: Counter = field(default_factory=Counter)
     earlier_segments: list[Trajectory] = field(default_factory=list)
+    # on-policy distillation: the teacher's log-prob of every output token (observations' unused), once scored
+    teacher_logprobs: list[float] | None = None
 
     @property
     def turns(self) -> int:

@@ -48,11 +48,13 @@ from megatron_rl.envs import (
     segments_of,
 )
 from megatron_rl.envs.failures import check_episode_failures
+from megatron_rl.loop.distill import TeacherMeter, reverse_kl_metrics, score_with_teacher
 from megatron_rl.loop.samples import SampleBuilder, StepBatch
 from megatron_rl.loop.samples import advantages_of as advantages_of  # re-exported: the step's one advantage function
 from megatron_rl.loop.samples import kl_penalized_advantages as kl_penalized_advantages
 from megatron_rl.loop.scoring import Group, score_groups
 from megatron_rl.rewards import RewardScorer, RewardStats
+from megatron_rl.rollout.teacher import Teacher
 from megatron_rl.rollout.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,10 +90,21 @@ class RolloutCollector:
     """Builds each step's batch from `engine` (anything with `generate(prompts, params, return_routed_experts)`)."""
 
     def __init__(
-        self, cfg: Config, engine: Engine, tokenizer: Any, scorer: RewardScorer, sampler: Any, *, min_samples: int = 1
+        self,
+        cfg: Config,
+        engine: Engine,
+        tokenizer: Any,
+        scorer: RewardScorer,
+        sampler: Any,
+        *,
+        min_samples: int = 1,
+        teacher: Teacher | None = None,
     ) -> None:
+        """`teacher`: on-policy distillation's (`distill`), which scores every generated sample."""
         self.cfg = cfg
         self.engine = engine
+        self.teacher = teacher
+        self.teacher_meter = TeacherMeter()
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.sampler = sampler
@@ -106,7 +119,8 @@ class RolloutCollector:
 
         Each is one episode of the environment (`env.*`; `single_turn`: one response, as the
         engine returned it). Turn 0 of request i is seeded with (train.seed, step, round, i),
-        turn t > 0 with (train.seed, step, "round.t", i)."""
+        turn t > 0 with (train.seed, step, "round.t", i). With a teacher, each is scored by it
+        before it is returned (`loop.distill.score_with_teacher`)."""
         ro = self.cfg.rollout
         g = ro.n_samples_per_prompt
         rows = [p for p in prompts for _ in range(g)]
@@ -125,6 +139,8 @@ class RolloutCollector:
             return_routed_experts=ro.return_routed_experts,
             make_env=self.make_env,
         )
+        if self.teacher is not None:
+            await score_with_teacher(self.teacher, trajectories, self.teacher_meter)
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
     def score(
@@ -228,6 +244,8 @@ class RolloutCollector:
         metrics = {**tally.stats.metrics("reward/"), **groups, **self._response_metrics(responses)}
         if self.cfg.env.type != "single_turn":
             metrics.update(episode_metrics(tally.generated))
+        if self.teacher is not None:
+            metrics.update({**reverse_kl_metrics(responses), **self.teacher_meter.take()})
         metrics["time/generate"] = tally.generate_s
         metrics["time/reward"] = tally.reward_s
         tokens = metrics["response/tokens"]

@@ -34,6 +34,8 @@ Threads and tasks, and what each may touch (docs/architecture.md's table is the 
     on this loop too), then the rewards;
   - in `fully_async`, the **producer task** (`AsyncProducer._run`), which submits a group per
     free worker slot, and one **group task** per group in flight (`AsyncProducer._work`);
+  - with a teacher (`distill`), its **scoring** of each round's or group's episodes, inside their
+    collection or group task (`megatron_rl.loop.distill`), on the teacher's own engine handle;
   - the held-out **evaluation**, while nothing else collects;
   - after a stop signal, `checkpoint.preempt_timeout_s` later, the **abort** ("abort-episodes"), which
     ends the episodes still running (`megatron_rl.rollout.preempt`) and, in `fully_async`, stops the
@@ -67,6 +69,7 @@ from megatron_rl.envs.episodes import EnvRewardError
 from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
 from megatron_rl.loop.async_rollout import AsyncProducer, BusyMeter, Job, OneStepOff, staleness_metrics
 from megatron_rl.loop.collect import RolloutCollector, StepBatch
+from megatron_rl.loop.distill import check_teacher_tokenizer
 from megatron_rl.loop.evaluation import evaluate
 from megatron_rl.models.source import tokenizer_source
 from megatron_rl.parallel.launch import read_launch_env
@@ -75,6 +78,7 @@ from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.event_loop import RolloutLoop
 from megatron_rl.rollout.handoff import MainThreadCalls
 from megatron_rl.rollout.preempt import abort_episodes
+from megatron_rl.rollout.teacher import Teacher, TeacherError, start_teacher
 from megatron_rl.rollout.types import Engine
 
 if TYPE_CHECKING:
@@ -86,8 +90,8 @@ T = TypeVar("T")
 CONTROL_TIMEOUT_S = 60.0
 
 # the rollout's own stops, each one line (`megatron_rl.trainer.RUN_ERRORS`): a NaN turn reward, an environment
-# that cannot start, more failed episodes than env.max_failure_frac
-ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError)
+# that cannot start, more failed episodes than env.max_failure_frac, a teacher that cannot score (distill)
+ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError, TeacherError)
 
 
 def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -136,6 +140,8 @@ class RolloutData:
             )
         else:
             sampler = WeightedSampler(train, [f.weight for f in files], cfg.data.shuffle, cfg.data.seed)
+        if cfg.distill.enabled:
+            check_teacher_tokenizer(cfg, tokenizer)
         loop = RolloutLoop()
         try:
             scorer = RewardScorer(cfg.reward, run=loop.run)
@@ -221,9 +227,11 @@ class RolloutRuntime:
         engine_log: Path,
         engine: Engine | None = None,
         starting: Any = None,
+        teacher: Teacher | None = None,
     ) -> None:
         """`engine`: one already started (the tests' fake engine), instead of starting or connecting to
-        the configured one; `starting`: the local engine `spawn_engine_early` spawned (waited for here)."""
+        the configured one; `starting`: the local engine `spawn_engine_early` spawned (waited for here);
+        `teacher`: on-policy distillation's, already started, instead of the configured one (`distill`)."""
         from megatron_rl.rollout.engine import RolloutEngine
 
         self.cfg, self.data, self.loop = cfg, data, data.loop
@@ -240,9 +248,18 @@ class RolloutRuntime:
             )
             engine.handoff = self.handoff
         self.engine = engine
+        if teacher is None and cfg.distill.enabled:
+            try:
+                teacher = start_teacher(cfg.rollout, cfg.distill, self.loop, str(engine_log.with_name("teacher.log")))
+            except BaseException:
+                engine.close()
+                raise
+        self.teacher = teacher
         # the batch is split over the data-parallel ranks (validate_run checked this layout)
         dp = check_layout(cfg.parallel, read_launch_env().world_size).data_parallel_size
-        self.collector = RolloutCollector(cfg, engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp)
+        self.collector = RolloutCollector(
+            cfg, engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp, teacher=teacher
+        )
         per_round = math.ceil(cfg.train.prompts_per_step * cfg.algorithm.oversample_factor)
         self.collect_timeout_s = collection_bound_s(cfg, per_round)
         self.meter = BusyMeter()
@@ -400,7 +417,11 @@ class RolloutRuntime:
         except Exception as err:  # closing on an error path: the run's own error is the one reported
             log.warning("rollout runtime: closing: %s: %s", type(err).__name__, err)
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                if self.teacher is not None:
+                    self.teacher.close()
 
     async def _shutdown(self) -> None:
         if self.producer is not None:

@@ -13,7 +13,8 @@ Each step's data is built here, in verl's order (rewards, old log-probs, the ref
   an episode counted across its segments). The builder computes them with the sequences
   when they need no reference; with `algorithm.kl_in_reward` they wait for the reference's
   log-probs, and the step computes them once, after the reference forward, from R - beta * KL
-  (`kl_penalized_advantages`). They are never computed twice.
+  (`kl_penalized_advantages`). They are never computed twice. With a teacher (`distill`), each
+  generated token's advantage also holds its distillation term (`distill_advantage`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ def loss_mask(sequence: Trajectory, overlong_filter: bool) -> torch.Tensor:
     return overlong_filter_mask(generated, torch.tensor([overlong_filter and sequence.truncated]))[0]
 
 
+def distill_advantage(sequence: Trajectory) -> torch.Tensor:
+    """float32 [r]: on-policy distillation's advantage of each output token of `sequence`,
+    -(log pi_student(y_t) - log pi_teacher(y_t)), pi_student being the engine's sampling log-prob of y_t
+    and pi_teacher the teacher's (`Trajectory.teacher_logprobs`); 0 on observation tokens (never scored).
+
+    The gradient: with A_t held constant, the objective's surrogate at ratio r_t = 1 (on-policy) has the
+    gradient -sum_t W_t A_t grad log pi_theta(y_t) (W_t its aggregation weight; clipping and importance
+    weights as the objective's spec), i.e. a descent on the sampled estimate of the reverse KL:
+    grad KL(pi_theta || pi_teacher) = E_{y ~ pi_theta}[(log pi_theta(y) - log pi_teacher(y)) grad log pi_theta(y)]
+    (the term E[grad log pi_theta] is 0). tests/test_distill.py pins both on a hand-computed case."""
+    if sequence.teacher_logprobs is None or len(sequence.teacher_logprobs) != len(sequence.output_ids):
+        given = None if sequence.teacher_logprobs is None else len(sequence.teacher_logprobs)
+        raise RuntimeError(
+            f"distill: sample {sequence.rid!r} has {given} teacher log-probs for {len(sequence.output_ids)} output "
+            "tokens; a sample the teacher did not score is never trained on"
+        )
+    teacher = torch.tensor(sequence.teacher_logprobs, dtype=torch.float32)
+    student = torch.tensor(sequence.logprobs, dtype=torch.float32)
+    generated = torch.tensor(sequence.loss_mask, dtype=torch.bool)
+    return torch.where(generated, teacher - student, torch.zeros(()))
+
+
 def advantages_of(
     cfg: Config,
     rewards: torch.Tensor,
@@ -71,7 +94,25 @@ def advantages_of(
     (`algorithm.advantage_estimator`); per_turn (GRPO's form only) = [r_i] per token, each token the
     advantage of its turn (`megatron_rl.algorithms.turn_credit`). Without `episodes` (outcome credit
     only): one advantage per reward. `masks`: the loss mask of every sequence (`loss_mask`), which the
-    estimators that whiten over the step's tokens need."""
+    estimators that whiten over the step's tokens need. With a teacher (`distill`), each sequence's is [r_i]: the
+    reward advantage (none with `algorithm.name = opd`) plus `distill.kl_coef` x `distill_advantage`."""
+    if not cfg.distill.enabled:
+        return _reward_advantages(cfg, rewards, episodes, masks)
+    if episodes is None:
+        raise ValueError("distill: the advantages need the episodes (their teacher log-probs)")
+    sequences = [seq for episode in episodes for seq in segments_of(episode)]
+    distilled = [cfg.distill.kl_coef * distill_advantage(seq) for seq in sequences]
+    if cfg.algorithm.name == "opd":
+        return distilled
+    return [a + d for a, d in zip(_reward_advantages(cfg, rewards, episodes, masks), distilled, strict=True)]
+
+
+def _reward_advantages(
+    cfg: Config,
+    rewards: torch.Tensor,
+    episodes: Sequence[Trajectory] | None,
+    masks: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
     alg, group_size = cfg.algorithm, cfg.rollout.n_samples_per_prompt
     if alg.turn_credit == "outcome":
         if episodes is not None and len(episodes) != rewards.shape[0]:

@@ -265,6 +265,29 @@ class RolloutEngine:
                 done.update({todo[j]: sample for j, sample in finished.items()})
                 await self._restart_dead_engine(err, serving, len(prompts) - len(done))
 
+    async def prompt_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """Each sequence's log-probs of its tokens from its start on (`GenerationClient.prompt_logprobs`), the
+        requests concurrent within the client's bound: the teacher's scoring in on-policy distillation. A local
+        engine that dies meanwhile is restarted as for `generate`, and only the unscored sequences sent again."""
+        done: dict[int, list[float]] = {}
+
+        async def one(i: int) -> None:
+            done[i] = await self.client.prompt_logprobs(sequences[i], starts[i])
+
+        while True:
+            serving = self.local_process
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(sequences)) if i not in done]
+            try:
+                await asyncio.gather(*tasks)
+                return [done[i] for i in range(len(sequences))]
+            except BaseException as err:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if not isinstance(err, EngineDiedError):
+                    raise
+                await self._restart_dead_engine(err, serving, len(sequences) - len(done))
+
     async def _restart_dead_engine(
         self, err: EngineDiedError, dead: LocalEngineProcess | None, unfinished: int
     ) -> None:

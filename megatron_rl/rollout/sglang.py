@@ -12,6 +12,8 @@ router discovery, health and info).
 - The abort of a request that timed out goes where it runs; through a router, to every worker (the
   router answers /abort_request with 404).
 - Control endpoints (pause, continue, abort, flush, memory) go to every server.
+- `prompt_logprobs`: the log-probs of given tokens, a prefill only (`max_new_tokens` 0,
+  `logprob_start_len`): the teacher's answer in on-policy distillation.
 """
 
 from __future__ import annotations
@@ -176,6 +178,37 @@ class GenerationClient(SGLangTransport):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    async def prompt_logprobs(self, input_ids: Sequence[int], start: int, rid: str | None = None) -> list[float]:
+        """The server's log-prob of each token of `input_ids[start:]` given the tokens before it (0 < start <
+        len): a prefill only (/generate with `max_new_tokens` 0, `return_logprob`, `logprob_start_len`
+        `start`), at temperature 1, retried as a generation is. What the teacher of on-policy distillation
+        answers (`megatron_rl.rollout.teacher`)."""
+        if not 0 < start < len(input_ids):
+            raise ValueError(f"prompt_logprobs: start {start} is not inside the {len(input_ids)} tokens")
+        rid = rid or uuid.uuid4().hex
+        params = SamplingParams(temperature=1.0, max_new_tokens=1)
+        body = self.generate_body(input_ids, params, rid)
+        body["sampling_params"]["max_new_tokens"] = 0
+        body["logprob_start_len"] = start - 1  # SGLang's first entry is None: one token before `start`
+        await self.start()
+        assert self._slots is not None
+        async with self._slots:
+            url, _, text = await self._call("POST", "/generate", body, what=f"rid={rid}")
+        where = f"/generate (prompt log-probs) rid={rid} on {url}"
+        try:
+            entries = json.loads(text)["meta_info"]["input_token_logprobs"]
+            values = [(None if e[0] is None else float(e[0]), int(e[1])) for e in entries]
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            raise SGLangError(f"{where}: malformed reply ({err}): {text[:200]!r}", server=url) from None
+        expected = [int(t) for t in input_ids[start - 1 :]]
+        if [t for _, t in values] != expected or any(lp is None for lp, _ in values[1:]):
+            raise SGLangError(
+                f"{where}: {len(values)} input log-probs do not follow tokens {start - 1}..{len(input_ids) - 1} "
+                f"({len(expected)} of them, the first unscored)",
+                server=url,
+            )
+        return [lp for lp, _ in values[1:]]  # type: ignore[misc]
 
     async def _quiet_abort(self, url: str, rid: str) -> None:
         """Abort `rid` where it runs: on `url`, or on every worker when `url` is the router."""

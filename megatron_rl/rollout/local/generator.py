@@ -11,6 +11,10 @@ prompt and the tokens it has so far, with the weights served then, and samples i
 that prefill, so every token's log-prob is the one a plain forward of the version that sampled it
 gives. Each request records which version sampled which output tokens, as SGLang's
 `meta_info.weight_versions` spans `[{version, start, end}]`.
+
+A request with `max_new_tokens` 0 is a prefill only (SGLang's prompt scoring, which the teacher of
+on-policy distillation asks for): its prompt log-probs from `logprob_start_len` (the first entry
+None, as SGLang's), finish reason length 0, no token. Prompt log-probs are log_softmax of the logits at temperature 1, as SGLang's.
 """
 
 from __future__ import annotations
@@ -218,8 +222,16 @@ class Generator:
                 if req.return_logprob and req.logprob_start_len >= 0:
                     req.input_logprobs = self._input_logprobs(req, hidden[s])
                 req.weight_versions.append({"version": self.weight_version, "start": 0, "end": 0})
-        index = torch.tensor(src, device=dev)
-        return self._sample_and_finish(ordered, logits.index_select(0, index))
+        # a prefill only (max_new_tokens 0, SGLang's prompt scoring) ends here, with no token
+        scored = [req for req in ordered if req.max_new_tokens == 0]
+        for req in scored:
+            req.finish_reason = {"type": "length", "length": 0}
+        sampled = [k for k, req in enumerate(ordered) if req.max_new_tokens > 0]
+        index = torch.tensor([src[k] for k in sampled], device=dev, dtype=torch.long)
+        self._retire(scored)
+        if not sampled:
+            return scored
+        return scored + self._sample_and_finish([ordered[k] for k in sampled], logits.index_select(0, index))
 
     def _decode(self) -> list[GenRequest]:
         rows = len(self.running)
@@ -284,13 +296,16 @@ class Generator:
         return out.reshape(rows, width, info.num_layers, info.top_k)
 
     def _input_logprobs(self, req: GenRequest, hidden: torch.Tensor) -> list[float | None]:
+        """Entries for tokens `logprob_start_len`.., as SGLang 0.5.23's: the first always None (its context
+        is not scored: "the first token logprob has no meaning in sglang"), then each token's log-prob."""
         start = min(req.logprob_start_len, len(req.input_ids))
-        values: list[float | None] = [None] if start == 0 else []
-        first = max(start, 1)
+        if start == len(req.input_ids):
+            return []
+        values: list[float | None] = [None]
+        first = start + 1
         if first < len(req.input_ids):
             logits = self.model.lm_head(hidden[first - 1 : len(req.input_ids) - 1]).float()
-            temp = req.temperature if req.temperature >= 1e-6 else 1.0
-            lp = torch.log_softmax(logits / temp, dim=-1)
+            lp = torch.log_softmax(logits, dim=-1)  # as SGLang 0.5.23: the prompt's, at temperature 1
             targets = torch.tensor(req.input_ids[first:], device=lp.device)
             values += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         return values

@@ -160,8 +160,8 @@ def _sampling(raw: Any, where: str, info: ModelInfo, req: GenRequest, tokenizer:
             raise FieldError(f"{where}.{key}: not supported by the local engine (only the default {default!r})")
     w = f"{where}."
     req.max_new_tokens = get_field(raw, "max_new_tokens", "int", 128, where=w)
-    if req.max_new_tokens < 1:
-        raise FieldError(f"{w}max_new_tokens: must be >= 1 in the local engine, got {req.max_new_tokens}")
+    if req.max_new_tokens < 0:  # 0: a prefill only (SGLang's prompt scoring), no token generated
+        raise FieldError(f"{w}max_new_tokens: must be at least 0, got {req.max_new_tokens}")
     req.temperature = _float_field(raw, "temperature", 1.0, w)
     if req.temperature < 0:
         raise FieldError(f"{w}temperature: must be >= 0, got {req.temperature}")
@@ -216,10 +216,11 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
     requests = []
     for i, ids in enumerate(batch):
         where = f"[{i}]" if is_batch else ""
-        if len(ids) >= info.max_positions:
-            raise FieldError(f"input_ids{where}: {len(ids)} tokens reach the model's {info.max_positions} positions")
         req = GenRequest(rid=rids[i], input_ids=list(ids))
         _sampling(samplings[i], f"sampling_params{where}", info, req, tokenizer)
+        # a prefill only (max_new_tokens 0) may fill every position; a generation needs one more
+        if len(ids) > info.max_positions - (req.max_new_tokens > 0):
+            raise FieldError(f"input_ids{where}: {len(ids)} tokens reach the model's {info.max_positions} positions")
         lp = return_logprob[i]
         if lp is not None and not isinstance(lp, bool):
             raise FieldError(f"return_logprob{where}: expected bool, got {type(lp).__name__}")
