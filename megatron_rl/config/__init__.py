@@ -1,11 +1,14 @@
 """The run's configuration: the typed tree, the objectives' presets, loading and the configuration's own rules.
 
 - `schema.py`: the sections (OmegaConf structured dataclasses), each field with its help and bounds;
+- `parallel_schema.py`: the `parallel` section (the layout, uneven pipeline stages, the optimizer's place);
+- `fields.py`: `described_field`, how every field is declared (default, help, bounds);
 - `presets.py`: the published defaults of each objective (`algorithm.name`);
 - `loading.py`: `load_config` (defaults < preset < YAML file < `key=value` overrides, implied keys, validated)
   and `to_yaml`;
 - `rules.py`: `check_rules`, the configuration's own rules (ranges, choices, combinations, implied keys);
-- `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound);
+- `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound, the
+  transformer layers of each pipeline stage);
 - `reference.py`: the values a key allows, and the reference table of every key;
 - `errors.py`: `ConfigError`.
 
@@ -13,7 +16,13 @@ A run is validated by `megatron_rl.validation.validate_run`, the one check every
 the model from its checkpoint and runs `check_rules` among the checks that need more than the config.
 """
 
-from megatron_rl.config.derived import LOGPROB_GAP_BY_DTYPE, logprob_gap_limit, loss_spec, uses_reference
+from megatron_rl.config.derived import (
+    LOGPROB_GAP_BY_DTYPE,
+    logprob_gap_limit,
+    loss_spec,
+    pipeline_stage_layers,
+    uses_reference,
+)
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.loading import load_config, parse_overrides, to_yaml
 from megatron_rl.config.presets import PRESETS, preset
@@ -70,6 +79,7 @@ __all__ = [
     "imply",
     "load_config",
     "logprob_gap_limit",
+    "pipeline_stage_layers",
     "loss_spec",
     "parse_overrides",
     "preset",

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_rl.config.derived import loss_spec, uses_reference
+from megatron_rl.config.derived import loss_spec, pipeline_stage_layers, uses_reference
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
@@ -192,7 +192,7 @@ def _validate_model(model: ModelConfig) -> None:
 
 def _validate_parallel(cfg: Config) -> None:
     par, model = cfg.parallel, cfg.model
-    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
     _require(
         model.num_attention_heads % tp == 0,
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_attention_heads "
@@ -202,10 +202,7 @@ def _validate_parallel(cfg: Config) -> None:
         model.num_query_groups % tp == 0,
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups ({model.num_query_groups})",
     )
-    _require(
-        model.num_layers % pp == 0,
-        f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({model.num_layers})",
-    )
+    pipeline_stage_layers(model, par)
     if model.family == "deepseek_v3":  # MLA's down projections are column-parallel on the local spec
         latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
         if model.q_lora_rank is not None:

@@ -8,19 +8,12 @@ optional numeric bounds (`ge`, `gt`, `le`, `lt`) that `megatron_rl.config.rules`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from megatron_rl.config.fields import described_field as _f
+from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
-
-
-def _f(default: Any, help: str, **bounds: float) -> Any:
-    """A field with documentation and optional bounds (ge, gt, le, lt)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -104,28 +97,6 @@ class ModelConfig:
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = _f(1, "TP: ranks sharing every matrix", ge=1)
-    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages", ge=1)
-    expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
-    expert_tensor_parallel_size: int | None = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
-    sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
-    context_parallel_size: int = _f(
-        1,
-        "CP: ranks sharing every sequence, 2 x CP load-balanced chunks each (GPU or CPU); 1 = off",
-        ge=1,
-    )
-    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = _f(
-        "p2p",
-        "CP: how Transformer Engine's attention exchanges keys and values: p2p (a ring, overlapped with compute), "
-        "all_gather, a2a (heads all-to-all; CP must divide the query groups); packed micro-batches "
-        "(train.micro_batch_tokens) need p2p; without Transformer Engine (CPUs) the local attention all-gathers",
-    )
-    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
-    use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
 
 
 @dataclass
