@@ -40,3 +40,12 @@ class ParallelConfig:
     )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
+    optimizer_cpu_offload: bool = _f(
+        False,
+        "Adam's moments and update on the host (Megatron's HybridDeviceOptimizer): GPU memory for more of the "
+        "model, the fp32 master shard stays on the GPU; needs CUDA, model.params_dtype bf16 or fp16 and "
+        "use_distributed_optimizer",
+    )
+    optimizer_offload_fraction: float = _f(
+        1.0, "with optimizer_cpu_offload: the share of the optimizer state (by parameters) on the host", gt=0, le=1
+    )

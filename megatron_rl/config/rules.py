@@ -228,6 +228,17 @@ def _validate_parallel(cfg: Config) -> None:
             f"parallel.cp_comm_type = 'a2a' needs parallel.tensor_model_parallel_size ({tp}) x "
             f"parallel.context_parallel_size ({cp}) to divide model.num_query_groups ({model.num_query_groups})",
         )
+    if par.optimizer_cpu_offload:
+        _require(
+            model.params_dtype != "fp32",
+            "parallel.optimizer_cpu_offload = true with model.params_dtype = 'fp32': Megatron-Core 0.16.1's "
+            "HybridDeviceOptimizer takes the fp32 master shards of bf16/fp16 parameters only (fp32 ones are views "
+            "it cannot optimize); use bf16 or fp16",
+        )
+        _require(
+            par.use_distributed_optimizer,
+            "parallel.optimizer_cpu_offload = true needs parallel.use_distributed_optimizer = true",
+        )
     if par.sequence_parallel is False and tp > 1 and model.num_experts is not None:
         raise ConfigError(
             "parallel.sequence_parallel = false with parallel.tensor_model_parallel_size > 1 on an MoE "
