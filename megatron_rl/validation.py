@@ -36,7 +36,7 @@ from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
-from megatron_rl.parallel.state import resolve_backend
+from megatron_rl.parallel.state import check_optimizer_offload, resolve_backend
 
 Command = Literal["train", "sft", "convert"]
 
@@ -219,4 +219,5 @@ def validate_run(
     if command == "train":
         _check_rl_batch(resolved, layout.data_parallel_size)
     resolve_backend(resolved.parallel.backend, cuda_available)
+    check_optimizer_offload(resolved.parallel, cuda_available)
     return resolved

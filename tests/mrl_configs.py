@@ -215,12 +215,22 @@ def tiny_model(family: str = "qwen3_moe", **overrides: object) -> ModelConfig:
 
 
 def layout(
-    tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool | None = None, cp: int = 1
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    sp: bool | None = None,
+    cp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
 ) -> ParallelConfig:
-    """The parallel section with TP, PP, EP, expert-TP, sequence and context parallelism as given."""
+    """The parallel section with TP, PP (`first` / `last`: the layers of its first / last stage), EP,
+    expert-TP, sequence and context parallelism as given."""
     return ParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         sequence_parallel=sp,

@@ -15,8 +15,9 @@ references, and two packed updates from the world-size-1 checkpoint against its 
 Context parallelism on the CPU (tests/mrl_multiproc/scenarios_cp.py): CP=2 does all of the above,
 and GSPO with R3, SFT and DeepSeek-V3's multi-latent attention, padded and packed; TP=2 x CP=2 the
 log-probs, routing and two updates. The remaining layouts (tests/mrl_multiproc/scenarios_layouts.py):
-DP 2, expert-TP 2 with TP 1, TP 2 with expert-TP 1 (EP 1 both), PP 2 x EP 2 and TP 2 x EP 2 x expert-TP 1
-reproduce the log-probs, routing and two updates the same way. The run folder's checkpoints
+DP 2, expert-TP 2 with TP 1, TP 2 with expert-TP 1 (EP 1 both), PP 2 split 3 + 1 layers (which also resumes
+from the world-size-1 checkpoint), PP 2 x EP 2 and TP 2 x EP 2 x expert-TP 1 reproduce the log-probs, routing
+and two updates the same way. The run folder's checkpoints
 (manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
 a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """
@@ -69,6 +70,7 @@ WORLDS = {
         "w2_dp2",
         "w2_etp2",
         "w2_tp2_etp1",
+        "w2_pp2_uneven",
     ],
     4: [
         "w4_tp2_ep2",

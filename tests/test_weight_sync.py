@@ -7,7 +7,7 @@ rollouts a sync under running requests retracts and continues them, each token's
 without partial rollouts a distributed sync pauses them with mode "abort" for the whole transfer.
 
 Two engine subprocesses serve both launches (world size 1: every mode and the refusals, into the
-first; world size 2: TP=2 into the first, EP=2 and PP=2 into both: several senders into servers that
+first; world size 2: TP=2 into the first, EP=2 and PP=2 (uneven stages: 1 + 3 layers) into both: several senders into servers that
 take one update at a time, as SGLang's do, each behind a proxy that holds every control request a
 random few milliseconds, so that requests posted at once reach the two in different orders).
 """

@@ -64,7 +64,10 @@ def wrap_ddp(chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool)
 
 
 def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype: torch.dtype) -> OptimizerConfig:
-    """Adam (decoupled weight decay) with the `train` section's hyper-parameters."""
+    """Adam (decoupled weight decay) with the `train` section's hyper-parameters; with
+    `parallel.optimizer_cpu_offload`, Megatron's HybridDeviceOptimizer keeps `optimizer_offload_fraction` of the
+    state on the host and updates it there (torch's AdamW, the same update), the fp32 master shards staying on
+    the GPU (Megatron's precision-aware optimizer, which moves them too, needs Transformer Engine)."""
     return OptimizerConfig(
         optimizer="adam",
         lr=train.lr,
@@ -78,6 +81,8 @@ def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype:
         fp16=params_dtype is torch.float16,
         params_dtype=params_dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        optimizer_cpu_offload=parallel.optimizer_cpu_offload,
+        optimizer_offload_fraction=parallel.optimizer_offload_fraction,
     )
 
 

@@ -1,13 +1,15 @@
 """The run's configuration: the typed tree, the objectives' presets, loading and the configuration's own rules.
 
 - `schema.py`: the sections (OmegaConf structured dataclasses), each field with its help and bounds;
+- `parallel_schema.py`: the `parallel` section (the layout, uneven pipeline stages, the optimizer's place);
+- `fields.py`: `described`, how every field is declared (default, help, bounds);
 - `presets.py`: the published defaults of each objective (`algorithm.name`);
 - `loading.py`: `load_config` (defaults < preset < YAML file < `key=value` overrides, implied keys, validated)
   and `to_yaml`;
 - `rules.py`: `check_rules`, the configuration's own rules (ranges, choices, combinations, implied keys);
 - `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound,
-  the optimizer steps and warm-up of the learning-rate schedule);
-- `data_schema.py`: the `data` and `eval` sections; `fields.py`: `described`, how every field is declared;
+  the optimizer steps and warm-up of the learning-rate schedule, the transformer layers of each pipeline stage);
+- `data_schema.py`: the `data` and `eval` sections;
 - `reference.py`: the values a key allows, and the reference table of every key;
 - `errors.py`: `ConfigError`.
 
@@ -20,6 +22,7 @@ from megatron_rl.config.derived import (
     logprob_gap_limit,
     loss_spec,
     optimizer_steps,
+    pipeline_stage_layers,
     uses_reference,
     warmup_steps,
 )
@@ -79,6 +82,7 @@ __all__ = [
     "imply",
     "load_config",
     "logprob_gap_limit",
+    "pipeline_stage_layers",
     "loss_spec",
     "optimizer_steps",
     "parse_overrides",

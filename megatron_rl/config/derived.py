@@ -1,13 +1,14 @@
 """What a run reads off its configuration beyond single keys: the loss spec of its `algorithm` section, whether
-it builds the frozen reference policy, the log-prob gap bound in force, and the optimizer steps of the learning
--rate schedule and its warm-up."""
+it builds the frozen reference policy, the log-prob gap bound in force, the optimizer steps of the learning-rate
+schedule and its warm-up, and the transformer layers of each pipeline stage."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.schema import AlgorithmConfig, Config, TrainConfig
+from megatron_rl.config.parallel_schema import ParallelConfig
+from megatron_rl.config.schema import AlgorithmConfig, Config, ModelConfig, TrainConfig
 from megatron_rl.losses.spec import LossSpec
 
 # rollout.max_logprob_gap's default by model.params_dtype. fp32: measured on CPU (<= 2e-7, the local
@@ -50,3 +51,49 @@ def warmup_steps(train: TrainConfig) -> int:
     """The warm-up in optimizer steps: train.lr_warmup_steps, or train.lr_warmup_ratio of all optimizer steps
     floored (verl's int(lr_warmup_steps_ratio x total_training_steps)); the rules refuse both set."""
     return train.lr_warmup_steps or int(train.lr_warmup_ratio * optimizer_steps(train))
+
+
+def pipeline_stage_layers(model: ModelConfig, parallel: ParallelConfig) -> tuple[range, ...]:
+    """The global transformer layers of each pipeline stage, as Megatron-Core splits them
+    (`get_num_layers_to_build`, `get_transformer_layer_offset`); ConfigError naming the keys and numbers
+    when the split cannot be made.
+
+    Even: every stage model.num_layers / PP. Uneven: the first and/or last stage hold
+    `parallel.num_layers_in_first_pipeline_stage` / `..._last_...`, the stages between them (the other
+    stages of PP = 2 when only one is given) split the remaining layers evenly, at least one each.
+    """
+    layers, pp = model.num_layers, parallel.pipeline_model_parallel_size
+    first, last = parallel.num_layers_in_first_pipeline_stage, parallel.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        if layers % pp:
+            raise ConfigError(
+                f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({layers}), "
+                "or set parallel.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
+            )
+        return tuple(range(i * layers // pp, (i + 1) * layers // pp) for i in range(pp))
+    given = {
+        f"parallel.num_layers_in_{which}_pipeline_stage ({n})": n
+        for which, n in (("first", first), ("last", last))
+        if n is not None
+    }
+    named = " + ".join(given)
+    if pp == 1:
+        raise ConfigError(f"{named} splits pipeline stages, but parallel.pipeline_model_parallel_size = 1")
+    others, rest = pp - len(given), layers - sum(given.values())
+    if others == 0 and rest != 0:
+        raise ConfigError(
+            f"{named} must equal model.num_layers ({layers}) with parallel.pipeline_model_parallel_size = 2"
+        )
+    if others > 0 and (rest < others or rest % others):
+        raise ConfigError(
+            f"model.num_layers ({layers}) - {named} leaves {rest} layer(s) for the other {others} of "
+            f"parallel.pipeline_model_parallel_size = {pp} stages: they must split evenly, at least 1 each"
+        )
+    middle = rest // others if others else 0
+    sizes = [middle] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True))

@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_rl.config.data_files import files_of_config
-from megatron_rl.config.derived import loss_spec, optimizer_steps, uses_reference
+from megatron_rl.config.derived import loss_spec, optimizer_steps, pipeline_stage_layers, uses_reference
 from megatron_rl.config.distill import check_distill
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
@@ -232,7 +232,7 @@ def _validate_model(model: ModelConfig) -> None:
 
 def _validate_parallel(cfg: Config) -> None:
     par, model = cfg.parallel, cfg.model
-    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
     _require(
         model.num_attention_heads % tp == 0,
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_attention_heads "
@@ -242,10 +242,7 @@ def _validate_parallel(cfg: Config) -> None:
         model.num_query_groups % tp == 0,
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups ({model.num_query_groups})",
     )
-    _require(
-        model.num_layers % pp == 0,
-        f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers ({model.num_layers})",
-    )
+    pipeline_stage_layers(model, par)
     if model.family == "deepseek_v3":  # MLA's down projections are column-parallel on the local spec
         latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
         if model.q_lora_rank is not None:
@@ -270,6 +267,17 @@ def _validate_parallel(cfg: Config) -> None:
             par.cp_comm_type != "a2a" or model.num_query_groups % (tp * cp) == 0,
             f"parallel.cp_comm_type = 'a2a' needs parallel.tensor_model_parallel_size ({tp}) x "
             f"parallel.context_parallel_size ({cp}) to divide model.num_query_groups ({model.num_query_groups})",
+        )
+    if par.optimizer_cpu_offload:
+        _require(
+            model.params_dtype != "fp32",
+            "parallel.optimizer_cpu_offload = true with model.params_dtype = 'fp32': Megatron-Core 0.16.1's "
+            "HybridDeviceOptimizer takes the fp32 master shards of bf16/fp16 parameters only (fp32 ones are views "
+            "it cannot optimize); use bf16 or fp16",
+        )
+        _require(
+            par.use_distributed_optimizer,
+            "parallel.optimizer_cpu_offload = true needs parallel.use_distributed_optimizer = true",
         )
     if par.sequence_parallel is False and tp > 1 and model.num_experts is not None:
         raise ConfigError(

@@ -13,6 +13,7 @@ from typing import Literal
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
+from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
@@ -98,28 +99,6 @@ class ModelConfig:
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
     recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = _f(1, "TP: ranks sharing every matrix", ge=1)
-    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages", ge=1)
-    expert_model_parallel_size: int = _f(1, "EP: ranks sharing the experts", ge=1)
-    expert_tensor_parallel_size: int | None = _f(None, "ETP: TP inside an expert; null = same as TP", ge=1)
-    sequence_parallel: bool | None = _f(None, "sequence parallel; null = on whenever TP > 1")
-    context_parallel_size: int = _f(
-        1,
-        "CP: ranks sharing every sequence, 2 x CP load-balanced chunks each (GPU or CPU); 1 = off",
-        ge=1,
-    )
-    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = _f(
-        "p2p",
-        "CP: how Transformer Engine's attention exchanges keys and values: p2p (a ring, overlapped with compute), "
-        "all_gather, a2a (heads all-to-all; CP must divide the query groups); packed micro-batches "
-        "(train.micro_batch_tokens) need p2p; without Transformer Engine (CPUs) the local attention all-gathers",
-    )
-    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
-    use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
 
 
 @dataclass

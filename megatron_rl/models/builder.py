@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.config import ModelConfig, ParallelConfig, pipeline_stage_layers
 from megatron_rl.models.attention_choice import check_attention_backend, use_sdpa
 from megatron_rl.models.context_attention import ContextParallelAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
@@ -91,6 +91,8 @@ def transformer_config(
         sequence_parallel=resolve_sequence_parallel(parallel),
         context_parallel_size=parallel.context_parallel_size,
         cp_comm_type=parallel.cp_comm_type if parallel.context_parallel_size > 1 else None,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
     )
     if model.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -235,6 +237,19 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
         raise RuntimeError(f"config and Megatron parallel state disagree: {detail}")
 
 
+def _check_stage_layers(gpt: GPTModel, model: ModelConfig, parallel: ParallelConfig) -> None:
+    """RuntimeError unless this stage holds the global layers `pipeline_stage_layers` gives it: conversion,
+    checkpoints and weight sync name every layer by its global number (`models.init`)."""
+    stage = ps.get_pipeline_model_parallel_rank()
+    want = pipeline_stage_layers(model, parallel)[stage]
+    built = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+    if built != list(want):
+        raise RuntimeError(
+            f"pipeline stage {stage} built global layers {built}, but the config's split gives it "
+            f"{want.start}..{want.stop - 1}"
+        )
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -286,6 +301,7 @@ def build_model(
         rotary_base=model.rope_theta,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
+    _check_stage_layers(gpt, model, parallel)
     reduce_experts_over_expert_data_parallel(gpt, parallel)
     return [gpt]
 

@@ -41,6 +41,16 @@ def resolve_backend(requested: str, cuda_available: bool | None = None) -> str:
     return requested
 
 
+def check_optimizer_offload(parallel: ParallelConfig, cuda_available: bool | None = None) -> None:
+    """ConfigError for `parallel.optimizer_cpu_offload` without CUDA: Megatron's HybridDeviceOptimizer copies
+    the state of GPU parameters to the host, and with the parameters on the host it fails at the first step."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if parallel.optimizer_cpu_offload and not cuda:
+        raise ConfigError(
+            "parallel.optimizer_cpu_offload = true needs CUDA (without it the optimizer state is on the host already)"
+        )
+
+
 def _megatron_sizes(layout: ParallelLayout) -> tuple[int, int, int, int, int]:
     return (
         layout.tensor_model_parallel_size,

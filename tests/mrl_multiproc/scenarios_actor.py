@@ -365,6 +365,18 @@ def check_log_probs_and_routing(ctx, actor: MegatronActor, batch: ActorBatch, wh
         check_replayed_experts(actor, batch, r3)
 
 
+def check_w1_checkpoint_resumes(ctx, actor: MegatronActor, batch: ActorBatch, what: str) -> None:  # noqa: ANN001
+    """`w1_reference`'s checkpoint (after 2 updates; model and optimizer state) loaded into `actor`: its
+    log-probs, then 2 more updates (the LR schedule, the parameters) are the world-size-1 run's."""
+    info = actor.load(ref_dir(ctx) / "ckpt_w1")
+    assert info["step"] == 2 and actor.step == 2 and not info["rng_restored"], info
+    after_load = actor.compute_log_probs(batch)
+    assert_close(after_load.log_probs, load_ref(ctx, "log_probs_2"), LOGPROB_TOL, f"log-probs after loading, {what}")
+    history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
+    assert [h["lr"] for h in history] == [h["lr"] for h in load_ref(ctx, "history_4")], "LR schedule after loading"
+    assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"parameters after loading + 2 steps, {what}")
+
+
 def check_layout_against_reference(
     ctx, parallel: ParallelConfig, *, direct_routing_check: bool, save_as: str = ""
 ) -> None:  # noqa: ANN001
@@ -390,13 +402,7 @@ def check_layout_against_reference(
     if save_as:
         actor.save(ref_dir(ctx) / save_as)
 
-    info = actor.load(ref_dir(ctx) / "ckpt_w1")
-    assert info["step"] == 2 and actor.step == 2 and not info["rng_restored"], info
-    after_load = actor.compute_log_probs(batch)
-    assert_close(after_load.log_probs, load_ref(ctx, "log_probs_2"), LOGPROB_TOL, f"log-probs after loading, {what}")
-    history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), ref_routing))
-    assert [h["lr"] for h in history] == [h["lr"] for h in load_ref(ctx, "history_4")], "LR schedule after loading"
-    assert_params_close(actor.full_params(), load_ref(ctx, "params_4"), f"parameters after loading + 2 steps, {what}")
+    check_w1_checkpoint_resumes(ctx, actor, batch, what)
 
     with packed(actor):  # the same two updates from the same checkpoint, packed
         actor.load(ref_dir(ctx) / "ckpt_w1")
@@ -1362,4 +1368,11 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
 # Context parallelism's scenarios live in scenarios_cp.py, the remaining layouts' in scenarios_layouts.py;
 # the launches run them from here.
 from mrl_multiproc.scenarios_cp import w1_cp_references, w2_cp2, w2_cp2_gspo_sft_mla, w4_tp2_cp2  # noqa: E402, F401
-from mrl_multiproc.scenarios_layouts import w2_dp2, w2_etp2, w2_tp2_etp1, w4_pp2_ep2, w4_tp2_ep2_etp1  # noqa: E402, F401
+from mrl_multiproc.scenarios_layouts import (  # noqa: E402, F401
+    w2_dp2,
+    w2_etp2,
+    w2_pp2_uneven,
+    w2_tp2_etp1,
+    w4_pp2_ep2,
+    w4_tp2_ep2_etp1,
+)

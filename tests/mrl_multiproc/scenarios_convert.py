@@ -207,9 +207,12 @@ def w2_pp2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_across_layouts(ctx) -> None:  # noqa: ANN001
-    """Converted under PP=2 (vocab padded to 384), loaded and exported under TP=2 (512) and EP=2."""
+    """Converted under PP=2 (vocab padded to 384), loaded and exported under TP=2 (512) and EP=2; converted
+    under uneven PP=2 stages of 3 + 1 layers, loaded and exported under 1 + 3 (layers 1 and 2 change stage: the
+    checkpoint and the HF names go by global layer)."""
     roundtrip(ctx, "mixtral", layout(pp=2), layout(tp=2), "pp2-to-tp2")
     roundtrip(ctx, "qwen3", layout(tp=2), layout(pp=2), "tp2-to-pp2")
+    roundtrip(ctx, "qwen3_moe", layout(pp=2, first=3), layout(pp=2, last=3), "pp2-3+1-to-1+3")
 
 
 # --- world size 4 ---------------------------------------------------------------------------

@@ -18,11 +18,13 @@ update, so the parameters would move otherwise too. Tolerances: metrics 1e-5 rel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 
 from megatron_rl.actor.actor import MegatronActor
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.config import Config, ParallelConfig, preset, validate
 from megatron_rl.parallel import destroy_distributed
 from megatron_rl.sft.loss import cross_entropy_loss
@@ -134,9 +136,13 @@ def check_cp_sequences(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     assert_params_close(got["params"], want["params"], f"parameters, {what}")
 
 
-def check_layout_briefly(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
+def check_layout_briefly(
+    ctx,  # noqa: ANN001
+    parallel: ParallelConfig,
+    then: Callable[[MegatronActor, ActorBatch], None] | None = None,
+) -> None:
     """`check_layout_against_reference`'s log-probs, entropy, recorded routing and R3 log-probs, padded
-    and packed, and its first two (padded) updates: loss, grad norm, parameters."""
+    and packed, and its first two (padded) updates: loss, grad norm, parameters; then `then(actor, batch)`."""
     actor = MegatronActor(actor_config(parallel))
     cfg = actor.cfg
     batch = make_batch(cfg.model.vocab_size)
@@ -155,6 +161,8 @@ def check_layout_briefly(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     history = actor.train(train_batch(batch, load_ref(ctx, "log_probs"), load_ref(ctx, "routing")))
     _close_metrics(history, load_ref(ctx, "history"), ("loss", "grad_norm", "tokens"), f"GRPO R2, {parallel}")
     assert_params_close(actor.full_params(), load_ref(ctx, "params_2"), f"parameters after 2 updates, {parallel}")
+    if then is not None:
+        then(actor, batch)
     actor.close()
 
 

@@ -681,13 +681,19 @@ def w2_ep2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
-    """PP=2: each stage sends its own buckets in every mode (its own files, group or handles), into two
-    engines that take one update at a time.
+    """PP=2 with uneven stages (`parallel.num_layers_in_last_pipeline_stage` = 3: the embedding and layer 0,
+    then layers 1-3 and the head): each stage sends its own buckets, its layers under their global numbers,
+    in every mode (its own files, group or handles), into two engines that take one update at a time.
     A tensor of stage 1 refused mid-stream: the error reaches both ranks, the version stays, the
     group stays usable, and the next sync restores the invariant."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     from megatron_rl.weight_sync import make_weight_sync
 
-    cfg, actor, engine, samples = run_modes(ctx, layout(pp=2), ("distributed", "tensor", "disk"), servers=2)
+    cfg, actor, engine, samples = run_modes(ctx, layout(pp=2, last=3), ("distributed", "tensor", "disk"), servers=2)
+    layers = [m.layer_number - 1 for c in actor.chunks for m in c.modules() if isinstance(m, TransformerLayer)]
+    assert layers == ([0] if ps.is_pipeline_first_stage() else [1, 2, 3]), layers
     with make_weight_sync(with_mode(cfg, "distributed"), engine, actor, bucket_mb=BUCKET_MB) as sync:
         sync.sync("pp-good")
         train_step(actor, rollout(engine, cfg, seed=11))
