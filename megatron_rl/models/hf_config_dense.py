@@ -53,6 +53,7 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope, within = dict(hf_section(hf, source, key)), f"{source}: {key}"
     kind = rope.get("rope_type") or rope.get("type") or "default"
+    _refuse(kind in ("default", "llama3"), source, f"{key} rope_type = {kind!r} is not supported (default or llama3)")
     allowed = _ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
     unknown = sorted(set(rope) - allowed)
     _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled with rope_type {kind!r}")
@@ -62,7 +63,6 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         theta = hf_float(hf, source, "rope_theta")
     if kind == "default":
         return dict(rope_theta=theta)
-    _refuse(kind == "llama3", source, f"{key} rope_type = {kind!r} is not supported (default or llama3)")
     _refuse(family == "llama", source, f"{key} rope_type = 'llama3' is only supported for llama")
     for name, fixed in MEGATRON_LLAMA3.items():
         value = hf_float(rope, within, name)
