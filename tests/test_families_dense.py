@@ -48,15 +48,30 @@ MISTRAL_NEMO: dict[str, Any] = {
 def test_published_configs() -> None:
     llama = model_config_from_hf(LLAMA_31_8B)
     assert (llama.family, llama.num_layers, llama.hidden_size, llama.ffn_hidden_size) == ("llama", 32, 4096, 14336)
-    assert (llama.num_attention_heads, llama.num_query_groups, llama.kv_channels, llama.vocab_size) == (32, 8, None, 128256)
+    assert (llama.num_attention_heads, llama.num_query_groups, llama.kv_channels, llama.vocab_size) == (
+        32,
+        8,
+        None,
+        128256,
+    )
     assert (llama.rope_theta, llama.rope_scaling, llama.llama3_factor) == (500000.0, "llama3", 8.0)
-    assert (llama.norm_epsilon, llama.params_dtype, llama.qk_layernorm, llama.add_qkv_bias) == (1e-5, "bf16", False, False)
+    assert (llama.norm_epsilon, llama.params_dtype, llama.qk_layernorm, llama.add_qkv_bias) == (
+        1e-5,
+        "bf16",
+        False,
+        False,
+    )
     small = model_config_from_hf(LLAMA_32_1B)
     assert (small.kv_channels, small.tie_word_embeddings, small.llama3_factor) == (None, True, 32.0)
     plain = {**LLAMA_31_8B, "rope_scaling": None, "max_position_embeddings": 8192}  # Llama 3 8B
     assert model_config_from_hf(plain).rope_scaling == "none"
     mistral = model_config_from_hf(MISTRAL_7B_V03)
-    assert (mistral.family, mistral.rope_theta, mistral.rope_scaling, mistral.num_experts) == ("mistral", 1e6, "none", None)
+    assert (mistral.family, mistral.rope_theta, mistral.rope_scaling, mistral.num_experts) == (
+        "mistral",
+        1e6,
+        "none",
+        None,
+    )
     nemo = model_config_from_hf(MISTRAL_NEMO)
     assert (nemo.kv_channels, nemo.hidden_size, nemo.num_attention_heads) == (128, 5120, 32)  # 32 x 128 != 5120
 
