@@ -4,8 +4,9 @@ Every value the architecture needs is derived (family from `architectures`, laye
 KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
-config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`). Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight)
-keep the `ModelConfig` defaults unless passed as overrides.
+config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`).
+Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
+defaults unless passed as overrides.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ from typing import Any
 
 from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
 
-DENSE_FAMILIES = ("llama", "mistral")
-
 # Keys that are not architecture (training, generation, tokenizer, loader and bookkeeping settings).
 _IGNORED = frozenset(
     {
