@@ -27,6 +27,8 @@ _MEGATRON_FAMILY_SWITCHES = {
     "qwen3": dict(qk_layernorm=True, add_qkv_bias=False, num_experts=None),
     "qwen2": dict(qk_layernorm=False, add_qkv_bias=True, num_experts=None),
     "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
+    "llama": dict(qk_layernorm=False, add_qkv_bias=False, num_experts=None),
+    "mistral": dict(qk_layernorm=False, add_qkv_bias=False, num_experts=None),
 }
 
 # The sigmoid-router families (DeepSeek-V3, GLM-4.5): group-limited routing with 8 experts in 4 groups,
@@ -41,6 +43,13 @@ _DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, 
 _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
             use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
+
+# The bias-free dense families: Llama with Llama 3.1's RoPE scaling (factor 4; head_dim 24 or 8 puts
+# frequencies in all three of its bands: kept, smoothed, divided) and a head_dim that is not hidden / heads;
+# Mistral with tied embeddings and another RoPE base. Megatron-Core fixes the other llama3 values.
+DENSE_FAMILIES = ("llama", "mistral")
+_LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=8192, rope_theta=10000.0)  # fmt: skip
 
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
@@ -76,6 +85,8 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
                 moe_intermediate_size=12,
             ),
             "glm4_moe": dict(_GLM, head_dim=12, intermediate_size=40, moe_intermediate_size=12),
+            "llama": dict(head_dim=24, intermediate_size=64, rope_scaling=_LLAMA3),
+            "mistral": dict(intermediate_size=64, sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
         },
     ),
     "split": (
@@ -112,6 +123,8 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
                 rope_scaling=dict(_YARN, original_max_position_embeddings=16),
             ),
             "glm4_moe": dict(_GLM, head_dim=20, moe_intermediate_size=20, routed_scaling_factor=1.8),
+            "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
+            "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
         },
     ),
 }
@@ -241,12 +254,14 @@ def layout(
 def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
     """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"); `overrides`
     replace its fields."""
-    from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    import transformers
 
-    classes = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}
-    classes.update(deepseek_v3=DeepseekV3Config, glm4_moe=Glm4MoeConfig)
+    classes = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
+    classes.update(qwen3=transformers.Qwen3Config, qwen2=transformers.Qwen2Config, llama=transformers.LlamaConfig)
+    classes.update(mistral=transformers.MistralConfig)
+    classes.update(deepseek_v3=transformers.DeepseekV3Config, glm4_moe=transformers.Glm4MoeConfig)
     if family not in classes:
-        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES)}")
+        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES + DENSE_FAMILIES)}")
     if size not in _HF_SIZES:
         raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")
     common, per_family = _HF_SIZES[size]

@@ -125,7 +125,8 @@ def test_transformers_5_config_spellings() -> None:
 @pytest.mark.parametrize(
     "change, culprit",
     [
-        ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
+        ({"architectures": ["PhiForCausalLM"]}, "PhiForCausalLM"),
+        ({"architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*logit soft-capping"),
         ({"architectures": None}, "architectures"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
@@ -140,7 +141,7 @@ def test_unsupported_configs(change: dict, culprit: str) -> None:
         model_config_from_hf({**QWEN3_30B_A3B, **change}, source="x/config.json")
 
 
-FAMILIES = ["qwen3_moe", "mixtral", "qwen3", "qwen2"]
+FAMILIES = ["qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "mistral"]
 
 
 def _family_model(family: str) -> ModelConfig:
@@ -151,6 +152,12 @@ def _family_model(family: str) -> ModelConfig:
         return tiny_model("qwen3", tie_word_embeddings=True, num_layers=2, moe_ffn_hidden_size=128)
     if family == "qwen2":
         return tiny_model("qwen2", num_layers=2, kv_channels=24, moe_ffn_hidden_size=128)
+    if family == "llama":
+        return tiny_model(
+            "llama", num_layers=2, kv_channels=24, rope_scaling="llama3", llama3_factor=4.0, moe_ffn_hidden_size=128
+        )
+    if family == "mistral":
+        return tiny_model("mistral", num_layers=2, tie_word_embeddings=True, rope_theta=1e6, moe_ffn_hidden_size=128)
     return tiny_model("qwen3_moe", num_layers=3, kv_channels=24)  # head_dim x heads != hidden
 
 
@@ -345,12 +352,10 @@ def test_cli_errors(moe_folder: tuple[Path, ModelConfig], tmp_path: Path, capsys
     assert len(err) == 1 and str(out) in err[0] and "--force" in err[0], err
     assert (out / "keep.txt").exists()
 
-    llama = _tampered(
-        moe_folder[0], tmp_path / "llama", edit_config=lambda c: c.update(architectures=["LlamaForCausalLM"])
-    )
-    assert tool_main("hf-to-megatron", ["--hf-dir", str(llama), "--out", str(tmp_path / "o2")]) == 2
+    phi = _tampered(moe_folder[0], tmp_path / "phi", edit_config=lambda c: c.update(architectures=["PhiForCausalLM"]))
+    assert tool_main("hf-to-megatron", ["--hf-dir", str(phi), "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "LlamaForCausalLM" in err[0] and "Qwen3MoeForCausalLM" in err[0], err
+    assert len(err) == 1 and "PhiForCausalLM" in err[0] and "Qwen3MoeForCausalLM" in err[0], err
 
     assert tool_main("megatron-to-hf", ["--ckpt", str(moe_folder[0]), "--out", str(tmp_path / "o3")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

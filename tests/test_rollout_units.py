@@ -18,14 +18,14 @@ from megatron_rl.rollout.local.sampling import sample_tokens
 from megatron_rl.rollout.local.weights import CheckpointLayout, WeightUpdateError, apply_named_tensors
 from megatron_rl.weight_sync import send
 
-from mrl_configs import SIGMOID_FAMILIES, hf_config, make_tiny_model, save_random_hf_model
+from mrl_configs import DENSE_FAMILIES, SIGMOID_FAMILIES, hf_config, make_tiny_model, save_random_hf_model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     out = {f: make_tiny_model(str(root / f), f, seed=3) for f in ("qwen3_moe", "mixtral", "qwen3", "qwen2")}
-    for family in SIGMOID_FAMILIES:  # random weights with a non-zero expert bias
+    for family in SIGMOID_FAMILIES + DENSE_FAMILIES:  # O(1) random weights (sigmoid: a non-zero expert bias)
         out[family] = str(save_random_hf_model(root / family, hf_config(family), seed=3))
     return out
 
@@ -71,7 +71,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 # ---- checkpoint names <-> fused in-memory experts ----
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", *SIGMOID_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", *SIGMOID_FAMILIES, "llama"])  # untied ones
 def test_layout_covers_exactly_the_checkpoint_names(models, family):
     from safetensors.torch import load_file
 
@@ -204,7 +204,7 @@ def _check_sigmoid_against_forward(model, info, req: GenRequest, full: torch.Ten
     assert not routed[:, 0].any(), "the dense first layer has no routing"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3", *SIGMOID_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3", *SIGMOID_FAMILIES, *DENSE_FAMILIES])
 def test_continuous_batching_matches_a_plain_forward(models, family):
     model, info = load_model(models[family])
     gen = Generator(model, info, max_running=4, max_prefill_tokens=64, seed=5)

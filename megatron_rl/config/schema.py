@@ -17,7 +17,7 @@ from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
@@ -84,7 +84,10 @@ class ModelConfig:
     qk_rope_head_dim: int = _f(64, "MLA: query/key head dimension with RoPE", ge=1)
     v_head_dim: int = _f(128, "MLA: value head dimension", ge=1)
     rotary_percent: float = _f(1.0, "share of each head's dimensions RoPE rotates (partial_rotary_factor)", gt=0, le=1)
-    rope_scaling: Literal["none", "yarn"] = _f("none", "RoPE scaling (yarn: DeepSeek's, MLA families only)")
+    rope_scaling: Literal["none", "yarn", "llama3"] = _f(
+        "none", "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, family llama only)"
+    )
+    llama3_factor: float = _f(8.0, "llama3: factor (low/high frequency factors 1 and 4 over 8192 positions)", ge=1)
     yarn_factor: float = _f(1.0, "yarn: context extension factor", ge=1)
     yarn_original_max_position_embeddings: int = _f(4096, "yarn: pre-training context length", ge=1)
     yarn_beta_fast: float = _f(32.0, "yarn: beta_fast", gt=0)

@@ -299,6 +299,8 @@ def build_model(
         position_embedding_type="rope",
         rotary_percent=model.rotary_percent,
         rotary_base=model.rope_theta,
+        rope_scaling=model.rope_scaling == "llama3",  # Megatron's: low/high frequency factors 1, 4; 8192 positions
+        rope_scaling_factor=model.llama3_factor,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
     _check_stage_layers(gpt, model, parallel)

@@ -40,6 +40,10 @@ FAMILIES: dict[str, FamilySpec] = {
     ),
     # GLM-4.5: GQA with QKV biases, optional QK-norm, partial RoPE; DeepSeek's sigmoid router.
     "glm4_moe": FamilySpec(moe=True, qk_layernorm=None, add_qkv_bias=None, norm_topk=True, score_function="sigmoid"),
+    # Llama 2/3/3.1/3.2/3.3 dense: no bias, no QK-norm; Llama 3.1's RoPE scaling (rope_scaling = llama3).
+    "llama": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False),
+    # Mistral dense (v0.2+, Nemo; full attention): no bias, no QK-norm.
+    "mistral": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False),
 }
 
 
@@ -60,10 +64,10 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if spec.norm_topk is not None and model.moe_router_norm_topk != spec.norm_topk:
         raise ConfigError(f"{fam} needs model.moe_router_norm_topk = {str(spec.norm_topk).lower()}")
     _check_sigmoid_router(model, spec, fam)
-    if model.rope_scaling != "none" and not spec.multi_latent_attention:
-        raise ConfigError(
-            f"{fam}: model.rope_scaling = {model.rope_scaling!r} is only supported with MLA (deepseek_v3)"
-        )
+    if model.rope_scaling == "yarn" and not spec.multi_latent_attention:
+        raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported with MLA (deepseek_v3)")
+    if model.rope_scaling == "llama3" and model.family != "llama":
+        raise ConfigError(f"{fam}: model.rope_scaling = 'llama3' is only supported for model.family = 'llama'")
     if spec.multi_latent_attention and model.rotary_percent != 1.0:
         raise ConfigError(f"{fam} rotates the whole qk_rope_head_dim: needs model.rotary_percent = 1.0")
     return spec

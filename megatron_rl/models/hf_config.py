@@ -4,8 +4,9 @@ Every value the architecture needs is derived (family from `architectures`, laye
 KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
-config.json key. Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight)
-keep the `ModelConfig` defaults unless passed as overrides.
+config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`).
+Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
+defaults unless passed as overrides.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+}
+# Architectures that Megatron-Core 0.16's GPT layer cannot compute exactly, and what it lacks.
+_GEMMA = (
+    "the sqrt(hidden_size) embedding scale, (1 + weight) RMSNorm, the sandwich norms (post_attention_layernorm and "
+    "post_feedforward_layernorm around each block), query_pre_attn_scalar, per-layer sliding-window attention"
+)
+_GEMMA3 = f"{_GEMMA}, (1 + weight) QK-norm, the sliding layers' own RoPE base (rope_local_base_freq)"
+UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": f"{_GEMMA}, attention and final logit soft-capping",
+    "Gemma3ForCausalLM": _GEMMA3,
+    "Gemma3ForConditionalGeneration": f"a vision tower, {_GEMMA3}",
 }
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -54,6 +68,11 @@ def family_of(hf: dict[str, Any], source: str = "config.json") -> str:
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or len(archs) != 1:
         raise ConversionError(f"{source}: architectures = {archs!r}; expected one of {sorted(ARCHITECTURES)}")
+    if archs[0] in UNSUPPORTED_ARCHITECTURES:
+        raise ConversionError(
+            f"{source}: architectures = {archs!r} is not supported: Megatron-Core's GPT layer has none of "
+            f"{UNSUPPORTED_ARCHITECTURES[archs[0]]}"
+        )
     if archs[0] not in ARCHITECTURES:
         raise ConversionError(
             f"{source}: architectures = {archs!r} is not supported; supported: {sorted(ARCHITECTURES)}"
@@ -168,6 +187,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_sigmoid import sigmoid_model_fields
 
         return _finish(sigmoid_model_fields(hf, family, source), hf, hf_path, source, overrides)
+    if family in ("llama", "mistral"):
+        from megatron_rl.models.hf_config_dense import dense_model_fields
+
+        return _finish(dense_model_fields(hf, family, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -258,6 +281,11 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(sigmoid_hf_config(model))
+    elif model.family in ("llama", "mistral"):
+        from megatron_rl.models.hf_config_dense import dense_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(dense_hf_config(model))
     elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,

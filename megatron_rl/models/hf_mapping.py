@@ -144,6 +144,8 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "glm4_moe": _COMMON + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
     "qwen3": _COMMON,
     "qwen2": _COMMON,
+    "llama": _COMMON,
+    "mistral": _COMMON,
     "mixtral": _COMMON
     + _experts(
         "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"

@@ -56,6 +56,8 @@ LORA_TARGETS: dict[str, tuple[Target, ...]] = {
     "qwen3": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
     "qwen2": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
     "mixtral": _attention() + _mlp("w1", "w3", "w2", "block_sparse_moe.experts"),
+    "llama": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
+    "mistral": _attention() + _mlp("gate_proj", "up_proj", "down_proj", ""),
 }
 
 

@@ -190,8 +190,8 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 
 
 def w2_tp2(ctx) -> None:  # noqa: ANN001
-    """TP=2 (with SP): the MoE family and the one with QKV biases."""
-    for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe"):
+    """TP=2 (with SP): the MoE family, the one with QKV biases, Llama with llama3 RoPE scaling."""
+    for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "llama"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
 
 
@@ -201,8 +201,8 @@ def w2_ep2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
-    """PP=2, including embeddings tied across the two stages (qwen3)."""
-    for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"):
+    """PP=2, including embeddings tied across the two stages (qwen3, mistral)."""
+    for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "mistral"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
 
 
