@@ -34,6 +34,7 @@ WORLDS = {
         "logits_sigmoid_tp2_sp",
         "logits_sigmoid_ep2",
         "logits_sigmoid_pp2",
+        "values_tp2_sp_pp2",
     ],
     4: ["logits_tp2_ep2", "logits_tp2_ep2_etp1", "logits_sigmoid_tp2_ep2_etp1", "logits_pp2_tp2"],
 }
