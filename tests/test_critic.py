@@ -134,3 +134,21 @@ def test_folders_a_value_model_cannot_start_from_are_refused(tmp_path: Path) -> 
     (unbiased / "config.json").write_text(json.dumps({**config, "token_classification_bias": False}))
     with pytest.raises(ConversionError, match=r"unexpected tensor 'score.bias'"):
         value_initializer(model, SEED, hf_path=str(unbiased))
+
+
+def test_the_critic_section_refuses_contradictions_naming_the_keys() -> None:
+    from megatron_rl.config import load_config
+
+    assert load_config(None, ["critic.hf_path=/some/critic"]).critic.enabled  # implied
+    refused = {
+        "critic.hf_path=/c critic.enabled=false": "critic.hf_path = '/c' is read only with critic.enabled = true, "
+        "but critic.enabled = false",
+        "critic.warmup_steps=2": "critic.warmup_steps = 2 trains the critic alone first, but critic.enabled = false",
+        "critic.enabled=true critic.warmup_steps=5 train.steps=5": r"critic.warmup_steps \(5\) must be below "
+        r"train.steps \(5\): the policy would never be updated",
+        "critic.cliprange_value=0": r"critic.cliprange_value = 0.0 is out of range; allowed: float > 0",
+    }
+    for overrides, needle in refused.items():
+        with pytest.raises(ConfigError, match=f"^{needle}") as err:
+            load_config(None, overrides.split())
+        assert "\n" not in str(err.value)

@@ -8,19 +8,12 @@ optional numeric bounds (`ge`, `gt`, `le`, `lt`) that `megatron_rl.config.rules`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from megatron_rl.config.critic import CriticConfig
+from megatron_rl.config.fields import documented as _f
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
-
-
-def _f(default: Any, help: str, **bounds: float) -> Any:
-    """A field with documentation and optional bounds (ge, gt, le, lt)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -478,6 +471,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
