@@ -1,6 +1,7 @@
 """Megatron models across layouts, one gloo launch per world size (tests/mrl_multiproc/model_scenarios.py).
 
-Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5);
+Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5), and so do the
+critic's values under TP 2 with sequence parallelism and PP 2;
 the unsplit model equals the transformers model of each family with the same weights (DeepSeek-V3 and
 GLM-4.5: log-probs within 1e-5, with a non-zero expert bias).
 """
