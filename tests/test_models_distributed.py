@@ -1,6 +1,7 @@
 """Megatron models across layouts, one gloo launch per world size (tests/mrl_multiproc/model_scenarios.py).
 
-Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5);
+Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5), and so do the
+critic's values under TP 2 with sequence parallelism and PP 2;
 the unsplit model equals the transformers model of each family with the same weights (DeepSeek-V3 and
 GLM-4.5: log-probs within 1e-5, with a non-zero expert bias).
 """
@@ -34,6 +35,7 @@ WORLDS = {
         "logits_sigmoid_tp2_sp",
         "logits_sigmoid_ep2",
         "logits_sigmoid_pp2",
+        "values_tp2_sp_pp2",
     ],
     4: ["logits_tp2_ep2", "logits_tp2_ep2_etp1", "logits_sigmoid_tp2_ep2_etp1", "logits_pp2_tp2"],
 }

@@ -66,6 +66,17 @@ def _head_dim(model: ModelConfig) -> int:
     return model.kv_channels or model.hidden_size // model.num_attention_heads
 
 
+def check_architecture(model: ModelConfig, expected: ModelConfig, source: str) -> None:
+    """ConfigError naming the `model.*` key whose value differs from `expected`, the architecture `source` describes."""
+    pairs = [(name, getattr(model, name), getattr(expected, name)) for name in _HF_ARCHITECTURE_FIELDS]
+    pairs.append(("kv_channels", _head_dim(model), _head_dim(expected)))
+    if model.num_experts is None or model.first_k_dense_layers > 0:  # otherwise no layer has a dense MLP
+        pairs.append(("ffn_hidden_size", model.ffn_hidden_size, expected.ffn_hidden_size))
+    for name, have, want in pairs:
+        if have != want:
+            raise ConfigError(f"model.{name} = {have!r}, but {source} describes {want!r}")
+
+
 def hf_initializer(model: ModelConfig, folder: str | None = None, key: str = "model.hf_path") -> Initializer:
     """Loads this rank's shard of every weight from the HF folder `folder` (default `model.hf_path`, read lazily).
 
@@ -74,14 +85,7 @@ def hf_initializer(model: ModelConfig, folder: str | None = None, key: str = "mo
     tensors do not fit (name and both shapes)."""
     folder = str(model.hf_path if folder is None else folder)
     source = f"{folder}/config.json ({key})"
-    expected = model_config_from_hf(read_hf_config(folder), source=source)
-    pairs = [(name, getattr(model, name), getattr(expected, name)) for name in _HF_ARCHITECTURE_FIELDS]
-    pairs.append(("kv_channels", _head_dim(model), _head_dim(expected)))
-    if model.num_experts is None or model.first_k_dense_layers > 0:  # otherwise no layer has a dense MLP
-        pairs.append(("ffn_hidden_size", model.ffn_hidden_size, expected.ffn_hidden_size))
-    for name, have, want in pairs:
-        if have != want:
-            raise ConfigError(f"model.{name} = {have!r}, but {source} describes {want!r}")
+    check_architecture(model, model_config_from_hf(read_hf_config(folder), source=source), source)
     checkpoint = open_hf_checkpoint(folder, model, source)
 
     def load(chunks: list[torch.nn.Module]) -> None:

@@ -2,14 +2,14 @@
 beyond the YAML is read. In order: every numeric field's range and finiteness, the `algorithm` section (its loss
 spec and the combinations it cannot run), the model's shape and its parallel layout (unless the architecture still
 comes from a checkpoint's config.json), the secrets, the implied keys, then rollout, the asynchronous modes, reward,
-train, env and logging. Each failure raises one `ConfigError` naming the key path and what is allowed.
+train, the critic, env and logging. Each failure raises one `ConfigError` naming the key path and what is allowed.
 
 `check_rules` is step 3 of the one validation every entry point runs, `megatron_rl.validation.validate_run`;
 `load_config` runs it on what it loaded, and the model and layout checks on the sections they build.
 
 Implied keys: a key that reads another's value only for one choice of it implies that choice:
-`reward.custom_function` is read only with `reward.type = custom`, and `rollout.sglang_urls` only with
-`rollout.engine = sglang`. `imply` sets the implied key while loading when no layer (YAML file, overrides)
+`reward.custom_function` is read only with `reward.type = custom`, `rollout.sglang_urls` only with
+`rollout.engine = sglang`, and `critic.hf_path` only with `critic.enabled = true`. `imply` sets the implied key while loading when no layer (YAML file, overrides)
 gives it; `check_implied` refuses the two together with another choice, naming both keys, so that a setting is
 never silently ignored (also in a `Config` built in code, where nothing is implied).
 """
@@ -64,6 +64,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_reward(cfg.reward)
     _validate_train(cfg.train)
     _validate_data(cfg)
+    _validate_critic(cfg)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
     check_distill(cfg)
@@ -75,12 +76,13 @@ class Implied:
 
     key: str
     target: str
-    value: str
+    value: str | bool
 
 
 IMPLIED = (
     Implied("reward.custom_function", "reward.type", "custom"),
     Implied("rollout.sglang_urls", "rollout.engine", "sglang"),
+    Implied("critic.hf_path", "critic.enabled", True),
 )
 _ABSENT = object()
 
@@ -98,11 +100,16 @@ def check_implied(cfg: Config) -> None:
     for rule in IMPLIED:
         value, target = _value(cfg, rule.key), _value(cfg, rule.target)
         if value and target != rule.value:
+            want, have = _shown(rule.value), _shown(target)
             raise ConfigError(
-                f"{rule.key} = {value!r} is read only with {rule.target} = {rule.value!r}, but {rule.target} = "
-                f"{target!r}: set {rule.target} = {rule.value!r} (or leave it out: {rule.key} implies it), or remove "
-                f"{rule.key}"
+                f"{rule.key} = {value!r} is read only with {rule.target} = {want}, but {rule.target} = "
+                f"{have}: set {rule.target} = {want} (or leave it out: {rule.key} implies it), or remove {rule.key}"
             )
+
+
+def _shown(value: Any) -> str:
+    """A value as the YAML file writes it (true/false), or its repr."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _value(cfg: Any, key: str) -> Any:
@@ -381,6 +388,20 @@ def _validate_data(cfg: Config) -> None:
             isinstance(k, int) and not isinstance(k, bool) and 1 <= k < ev.n_samples,
             f"eval.pass_k[{i}] = {k!r}: a k in [1, eval.n_samples = {ev.n_samples}) (pass@N is always reported)",
         )
+
+
+def _validate_critic(cfg: Config) -> None:
+    critic = cfg.critic
+    _require(
+        critic.enabled or critic.warmup_steps == 0,
+        f"critic.warmup_steps = {critic.warmup_steps} trains the critic alone first, but critic.enabled = false: "
+        "set critic.enabled = true, or critic.warmup_steps = 0",
+    )
+    _require(
+        not critic.enabled or critic.warmup_steps < cfg.train.steps,
+        f"critic.warmup_steps ({critic.warmup_steps}) must be below train.steps ({cfg.train.steps}): "
+        "the policy would never be updated",
+    )
 
 
 def _validate_logging(logging: LoggingConfig) -> None:

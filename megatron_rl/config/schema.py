@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
@@ -444,6 +445,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

@@ -23,7 +23,7 @@ from megatron_rl.config import ModelConfig
 from megatron_rl.models.hf_config import ConversionError, hf_int, read_hf_config
 from megatron_rl.models.hf_io import HFCheckpoint, check_tensors
 from megatron_rl.models.hf_mapping import HFMapping
-from megatron_rl.models.init import iter_param_shards, take_shard
+from megatron_rl.models.init import ParamShard, iter_param_shards, take_shard
 from megatron_rl.parallel.launch import launch_rank
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,13 @@ def check_config_against_checkpoint(
     shape_check(width, dims["M"], gate, 0)
 
 
-def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = None) -> HFCheckpoint:
+def open_hf_checkpoint(
+    folder: str, model: ModelConfig, source: str | None = None, head: dict[str, tuple[int, ...]] | None = None
+) -> HFCheckpoint:
     """The checkpoint of `folder`, checked against `model` from the headers. (The one tensor ever
-    read: an lm_head.weight stored next to tied embeddings, ignored when it equals them.)"""
+    read: an lm_head.weight stored next to tied embeddings, ignored when it equals them.) `head`: the
+    tensors and shapes the folder holds in place of lm_head.weight (a token-classification model's
+    score.weight and score.bias: the critic's value model)."""
     ckpt = HFCheckpoint(folder)
     ckpt.split_fused_experts()
     _drop_mtp_layers(ckpt, model, read_hf_config(folder))
@@ -103,7 +107,11 @@ def open_hf_checkpoint(folder: str, model: ModelConfig, source: str | None = Non
         if head.shape == embed.shape and torch.equal(head, embed):
             del ckpt.shapes["lm_head.weight"], ckpt.files["lm_head.weight"], ckpt.dtypes["lm_head.weight"]
     check_config_against_checkpoint(model, ckpt.shapes, source or f"{folder}/config.json")
-    check_tensors(ckpt, HFMapping(model).expected_hf_shapes(), f"the {model.family} model of config.json")
+    expected = HFMapping(model).expected_hf_shapes()
+    if head is not None:
+        expected.pop("lm_head.weight", None)
+        expected.update(head)
+    check_tensors(ckpt, expected, f"the {model.family} model of config.json")
     return ckpt
 
 
@@ -134,12 +142,16 @@ def load_hf_weights(
     model: ModelConfig,
     ckpt: HFCheckpoint,
     progress: Callable[[int], None] | None = None,
+    skip: Callable[[ParamShard], bool] | None = None,
 ) -> int:
     """Copy this rank's share of every parameter from `ckpt` (cast to the parameter's dtype);
-    returns the number of parameters set. `progress(n)` is called after each parameter."""
+    returns the number of parameters set. `progress(n)` is called after each parameter; the
+    parameters `skip` names are left as they are (the critic's value head)."""
     mapping = HFMapping(model)
     count = 0
     for shard in iter_param_shards(chunks, model):
+        if skip is not None and skip(shard):
+            continue
         if shard.partition_dim is None:  # this rank holds the whole tensor: build it in place
             mapping.to_megatron(shard.global_name, ckpt.read, shard.full_shape, out=shard.param.data)
         else:

@@ -134,7 +134,8 @@ def _is_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight") or (grouped is not None and grouped.group(1) == "linear_fc1")
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A generator whose draws depend on `seed` and `name` only (the same on every rank and layout)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
@@ -148,7 +149,7 @@ def deterministic_full_tensor(
     N(0,1)/sqrt(fan_in), so activations and logits are O(1) and a wrong shard shows. Rows of the
     vocabulary padding are zero, so models with different padding (different TP) agree.
     """
-    gen = _generator(seed, global_name)
+    gen = seeded_generator(seed, global_name)
     if global_name in _VOCAB_PARAMS:
         rows = min(model.vocab_size, full_shape[0])
         values = torch.randn((rows, *full_shape[1:]), generator=gen)

@@ -220,6 +220,26 @@ def logits_pp2_tied(ctx) -> None:  # noqa: ANN001
     _equivalence(ctx, tiny_model("qwen3", tie_word_embeddings=True), layout(pp=2))
 
 
+def values_tp2_sp_pp2(ctx) -> None:  # noqa: ANN001
+    """The critic's value model (deterministic backbone, seeded head) under TP 2 with sequence parallelism (the
+    head's values gathered over TP) and under PP 2 (the head on the last stage) gives the one-rank values."""
+    from megatron_rl.critic.value_model import build_value_model, value_initializer
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+
+    model = tiny_model("qwen3_moe")
+    ids = sample_batch(model)
+    values = []
+    for parallel in (layout(), layout(tp=2, sp=True), layout(pp=2)):
+        init_distributed(parallel, model)
+        chunks = build_value_model(model, parallel)
+        value_initializer(model, seed=3)(chunks)
+        values.append(forward_logits(chunks, ids, 1)[..., 0])
+        destroy_distributed(process_group=False)
+    assert values[0].shape == ids.shape and float(values[0].std()) > 1e-3, values[0]
+    assert_close(values[1], values[0], LOGIT_TOL, "values under TP 2 with SP")
+    assert_close(values[2], values[0], LOGIT_TOL, "values under PP 2")
+
+
 def _sigmoid_equivalence(ctx, parallel: ParallelConfig, dispatchers: tuple[str, str] = ("alltoall",) * 2) -> None:  # noqa: ANN001
     """`_equivalence` for each sigmoid-router family (deterministic weights: a non-zero expert bias)."""
     from megatron_rl.parallel import destroy_distributed
