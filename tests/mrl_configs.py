@@ -9,6 +9,7 @@ and "split" (4 layers, width 64, vocabulary 300: splits over TP = 2, EP = 2 and 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from collections.abc import Iterator
@@ -321,3 +322,31 @@ def seeded_batch(vocab: int, lengths: tuple[int, ...], prompts: tuple[int, ...])
         prompt_lengths=list(prompts),
         advantages=[torch.randn((), generator=gen) for _ in lengths],
     )
+
+
+def with_key(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `base` with the dotted `path` set to `value` (`...`: removed)."""
+    out = copy.deepcopy(base)
+    *parents, key = path.split(".")
+    node = out
+    for parent in parents:
+        node = node[parent]
+    if value is ...:
+        del node[key]
+    else:
+        node[key] = value
+    return out
+
+
+def megatron_names(mapping: Any) -> list[str]:
+    """Every global Megatron name of the mapping's model (layers, experts)."""
+    model, names = mapping.model, []
+    for rule in mapping.rules:
+        if "{layer}" not in rule.megatron:
+            names.append(rule.megatron)
+            continue
+        for layer in range(model.num_layers):
+            if mapping._applies(rule, layer):
+                experts = range(model.num_experts or 0) if "{expert}" in rule.megatron else [None]
+                names += [rule.megatron.format(layer=layer, expert=e) for e in experts]
+    return names

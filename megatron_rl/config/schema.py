@@ -22,7 +22,7 @@ def _f(default: Any, help: str, **bounds: float) -> Any:
     return field(default=default, metadata=meta)
 
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe"]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 

@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -168,6 +169,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_sigmoid import sigmoid_model_fields
 
         return _finish(sigmoid_model_fields(hf, family, source), hf, hf_path, source, overrides)
+    if family == "minimax_m2":
+        from megatron_rl.models.hf_config_minimax import minimax_model_fields
+
+        return _finish(minimax_model_fields(hf, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -258,6 +263,11 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(sigmoid_hf_config(model))
+    elif model.family == "minimax_m2":
+        from megatron_rl.models.hf_config_minimax import minimax_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(minimax_hf_config(model))
     elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,
