@@ -170,3 +170,84 @@ def test_megatron_forward_equals_transformers(tmp_path: Path) -> None:
     gap = (logp - expected).abs().max().item()
     assert gap <= 1e-5, gap
     assert (unbiased - expected).abs().max().item() > 1e-2
+
+
+def _log_probs(actor, batch, budget, mode=None):  # noqa: ANN001, ANN202
+    from megatron_rl.actor.forward import compute_log_probs
+
+    cfg = actor.cfg
+    return compute_log_probs(
+        actor.state.model, batch, temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size, budget=budget,
+        chunk_tokens=cfg.train.logprob_chunk_tokens, routing=actor.routing, routing_mode=mode,
+    )  # fmt: skip
+
+
+def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> None:
+    """The local engine loads MiniMax-M2 through transformers, its weight-update names are the checkpoint's
+    (block_sparse_moe, the expert bias included), and the routed experts it returns (SGLang's layout
+    [tokens - 1, layers, top_k]) are the routers' own choice (sigmoid + expert bias). The trainer (one rank,
+    the actor loading the folder) gives the sampled tokens the engine's log-probs within 1e-5 (fp32; the
+    engine attends with SDPA), right-padded on its own routing and packed replaying the engine's (R3);
+    replaying other experts moves them by far more (the replay is what routes)."""
+    import dataclasses
+
+    import numpy as np
+
+    from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.actor.micro_batches import TokenBudget
+    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
+    from megatron_rl.rollout.local.generator import Generator, GenRequest
+    from megatron_rl.rollout.local.model import load_model
+    from megatron_rl.rollout.local.weights import CheckpointLayout
+
+    from mrl_configs import actor_of_one, layout
+
+    folder = _tiny_folder(tmp_path / "hf")
+    served, info = load_model(str(folder))
+    assert (info.family, info.moe_layers, info.num_experts, info.top_k) == ("minimax_m2", (0, 1), 6, 3)
+    assert set(CheckpointLayout(served, info.family).targets) == set(load_file(folder / "model.safetensors"))
+    gen = Generator(served, info, max_running=3, max_prefill_tokens=64, seed=5)
+    prompts = ([5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16])
+    reqs = [
+        GenRequest(rid=str(i), input_ids=p, max_new_tokens=6 + 3 * i, temperature=1.0, top_p=1.0, top_k=-1,
+                   return_logprob=True, return_routed_experts=True)
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    for req in reqs:
+        gen.add(req)
+    while gen.has_work:
+        gen.step()
+    tokens = [torch.tensor(r.input_ids + r.output_ids) for r in reqs]
+    routed = [torch.from_numpy(np.concatenate(r.routed)) for r in reqs]
+    chosen: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for layer in served.model.layers]
+    for req, ids, experts in zip(reqs, tokens, routed, strict=True):
+        chosen.clear()
+        with torch.no_grad():
+            served(ids[None])
+        assert experts.shape == (len(ids) - 1, 2, 3)
+        for layer in range(2):
+            assert torch.equal(experts[:, layer].sort(-1).values, chosen[layer][:-1].sort(-1).values), (req.rid, layer)
+    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
+    cfg = Config(
+        model=dataclasses.replace(model, params_dtype="fp32"),
+        parallel=layout(),
+        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
+        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
+        train=TrainConfig(max_tokens_per_micro_batch=48, logprob_chunk_tokens=16),
+    )
+    batch = ActorBatch(
+        tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
+    )
+    engine = [torch.tensor(r.output_logprobs) for r in reqs]
+    with actor_of_one(cfg) as actor:
+        own = _log_probs(actor, batch, TokenBudget(48)).log_probs
+        replayed = _log_probs(actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay")
+        shifted = [(r + 1) % 6 for r in routed]
+        other = _log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(48), "replay").log_probs
+    for name, got in (("own routing", own), ("R3 replay", replayed.log_probs)):
+        gap = max((g - e).abs().max().item() for g, e in zip(got, engine, strict=True))
+        assert gap <= 1e-5, (name, gap)
+    assert max((g - e).abs().max().item() for g, e in zip(other, engine, strict=True)) > 1e-2
+    for hook in hooks:
+        hook.remove()
