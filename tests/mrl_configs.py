@@ -43,6 +43,28 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
             use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
 
+# A tiny MiniMax-M2 (transformers' field names): GQA 6/2 with head_dim 10, partial RoPE on 6 of them, top-3 of 6
+# experts, a non-default RoPE base; splits over TP = 2 (heads and KV groups) and EP = 2.
+MINIMAX_M2_TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=10, rotary_dim=6, num_local_experts=6, num_experts_per_tok=3,
+    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def tiny_minimax_model(**fields: Any) -> ModelConfig:
+    """The fp32 Megatron `model` of `MINIMAX_M2_TINY` as transformers writes its config.json; `fields` override it."""
+    import json
+
+    from transformers import MiniMaxM2Config
+
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = json.loads(MiniMaxM2Config(**MINIMAX_M2_TINY, architectures=["MiniMaxM2ForCausalLM"]).to_json_string())
+    return model_config_from_hf(hf, params_dtype="fp32", **fields)
+
+
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
     "small": (

@@ -23,7 +23,7 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import megatron_names, save_random_hf_model, with_key
+from mrl_configs import MINIMAX_M2_TINY, megatron_names, save_random_hf_model, tiny_minimax_model, with_key
 
 # MiniMaxAI/MiniMax-M2's config.json (bf16 shape; the Hub release adds an FP8 quantization_config).
 MINIMAX_M2: dict[str, Any] = {
@@ -39,16 +39,10 @@ MINIMAX_M2: dict[str, Any] = {
     "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.46.1", "use_cache": True,
     "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064, "torch_dtype": "bfloat16",
 }  # fmt: skip
-TINY = dict(
-    vocab_size=300, hidden_size=48, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
-    num_key_value_heads=2, head_dim=10, rotary_dim=6, num_local_experts=6, num_experts_per_tok=3,
-    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=1, pad_token_id=0,
-)  # fmt: skip
 
 
 def _tiny_folder(folder: Path, seed: int = 3) -> Path:
-    return save_random_hf_model(folder, transformers.MiniMaxM2Config(**TINY), seed=seed)
+    return save_random_hf_model(folder, transformers.MiniMaxM2Config(**MINIMAX_M2_TINY), seed=seed)
 
 
 def test_hub_config() -> None:
@@ -102,6 +96,7 @@ def test_config_round_trip_and_table_match_what_transformers_writes(tmp_path: Pa
     folder = _tiny_folder(tmp_path / "hf")
     saved = json.loads((folder / "config.json").read_text())
     model = model_config_from_hf(saved, params_dtype="fp32")
+    assert model == tiny_minimax_model()
     assert (model.rotary_percent, model.kv_channels, model.num_query_groups) == (0.6, 10, 2)
     assert model_config_from_hf(hf_config_from_model(model)) == model
     again = transformers.MiniMaxM2Config(**{k: v for k, v in hf_config_from_model(model).items() if k != "model_type"})
