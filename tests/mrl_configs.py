@@ -9,6 +9,7 @@ and "split" (4 layers, width 64, vocabulary 300: splits over TP = 2, EP = 2 and 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from collections.abc import Iterator
@@ -50,6 +51,29 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
 DENSE_FAMILIES = ("llama", "mistral")
 _LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=8192, rope_theta=10000.0)  # fmt: skip
+
+
+# A tiny MiniMax-M2 (transformers' field names): GQA 6/2 with head_dim 10, partial RoPE on 6 of them, top-3 of 6
+# experts, a non-default RoPE base; splits over TP = 2 (heads and KV groups) and EP = 2.
+MINIMAX_M2_TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=10, rotary_dim=6, num_local_experts=6, num_experts_per_tok=3,
+    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def tiny_minimax_model(**fields: Any) -> ModelConfig:
+    """The fp32 Megatron `model` of `MINIMAX_M2_TINY` as transformers writes its config.json; `fields` override it."""
+    import json
+
+    from transformers import MiniMaxM2Config
+
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = json.loads(MiniMaxM2Config(**MINIMAX_M2_TINY, architectures=["MiniMaxM2ForCausalLM"]).to_json_string())
+    return model_config_from_hf(hf, params_dtype="fp32", **fields)
+
 
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
@@ -346,3 +370,31 @@ def seeded_batch(vocab: int, lengths: tuple[int, ...], prompts: tuple[int, ...])
         prompt_lengths=list(prompts),
         advantages=[torch.randn((), generator=gen) for _ in lengths],
     )
+
+
+def with_key(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `base` with the dotted `path` set to `value` (`...`: removed)."""
+    out = copy.deepcopy(base)
+    *parents, key = path.split(".")
+    node = out
+    for parent in parents:
+        node = node[parent]
+    if value is ...:
+        del node[key]
+    else:
+        node[key] = value
+    return out
+
+
+def megatron_names(mapping: Any) -> list[str]:
+    """Every global Megatron name of the mapping's model (layers, experts)."""
+    model, names = mapping.model, []
+    for rule in mapping.rules:
+        if "{layer}" not in rule.megatron:
+            names.append(rule.megatron)
+            continue
+        for layer in range(model.num_layers):
+            if mapping._applies(rule, layer):
+                experts = range(model.num_experts or 0) if "{expert}" in rule.megatron else [None]
+                names += [rule.megatron.format(layer=layer, expert=e) for e in experts]
+    return names

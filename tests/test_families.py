@@ -6,7 +6,6 @@ tests/test_convert_distributed.py.)"""
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,15 @@ from megatron_rl.models.hf_io import HFCheckpoint
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import SIGMOID_FAMILIES, hf_config, hf_config_json, save_random_hf_model, tiny_sigmoid_model
+from mrl_configs import (
+    SIGMOID_FAMILIES,
+    hf_config,
+    hf_config_json,
+    megatron_names,
+    save_random_hf_model,
+    tiny_sigmoid_model,
+    with_key,
+)
 
 # Published config.json files (slurm/presets.py; the bf16 releases: no quantization_config), with the
 # bookkeeping keys the Hub files also hold, which the mapping must accept.
@@ -89,19 +96,6 @@ def test_kimi_k2_and_glm_45_configs() -> None:
     )
 
 
-def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    *parents, key = path.split(".")
-    node = out
-    for parent in parents:
-        node = node[parent]
-    if value is ...:
-        del node[key]
-    else:
-        node[key] = value
-    return out
-
-
 @pytest.mark.parametrize(
     ("base", "path", "value", "needle"),
     [
@@ -130,7 +124,7 @@ def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 )  # fmt: skip
 def test_refusals_name_the_field(base: dict[str, Any], path: str, value: Any, needle: str) -> None:
     with pytest.raises(ConversionError) as err:
-        model_config_from_hf(_with(base, path, value))
+        model_config_from_hf(with_key(base, path, value))
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -160,20 +154,6 @@ def test_config_round_trip_and_transformers_reads_it(family: str) -> None:
     )
 
 
-def _megatron_names(mapping: HFMapping) -> list[str]:
-    """Every global Megatron name of the mapping's model (layers, experts)."""
-    model, names = mapping.model, []
-    for rule in mapping.rules:
-        if "{layer}" not in rule.megatron:
-            names.append(rule.megatron)
-            continue
-        for layer in range(model.num_layers):
-            if mapping._applies(rule, layer):
-                experts = range(model.num_experts or 0) if "{expert}" in rule.megatron else [None]
-                names += [rule.megatron.format(layer=layer, expert=e) for e in experts]
-    return names
-
-
 @pytest.mark.parametrize(("family", "extra"), [("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": None}),
                                                ("deepseek_v3", {"n_shared_experts": 0}), ("glm4_moe", {}),
                                                ("glm4_moe", {"use_qk_norm": False}),
@@ -192,7 +172,7 @@ def test_names_shapes_and_tensors_round_trip(tmp_path: Path, family: str, extra:
     assert ckpt.dtypes[bias] == "F32" and ckpt.read(bias).abs().min() > 0  # non-zero expert bias
     original = load_file(folder / "model.safetensors")
     back: dict[str, torch.Tensor] = {}
-    for name in _megatron_names(mapping):
+    for name in megatron_names(mapping):
         hf_names = mapping.hf_names(name)
         shape = list(ckpt.shapes[hf_names[0]])
         shape[0] = sum(ckpt.shapes[n][0] for n in hf_names) if len(hf_names) > 1 else shape[0]

@@ -18,7 +18,7 @@ from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral"]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 

@@ -30,7 +30,7 @@ from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
-from megatron_rl.models.norm import SequenceParallelRMSNorm
+from megatron_rl.models.norm import KeyProjectionRMSNorm, QueryProjectionRMSNorm, SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
 from megatron_rl.models.sdpa_attention import SDPAttention
 from megatron_rl.parallel.device import local_device, transformer_engine_available
@@ -194,22 +194,29 @@ def decoder_block_spec(
     pp_rank: int | None = None,
     grouped_experts: bool = False,
     sdpa: bool = False,
+    qk_norm_whole_projection: bool = False,
 ) -> TransformerBlockSubmodules:
     """Layer specs of this pipeline stage: Transformer Engine's (grouped experts: `config.moe_grouped_gemm`), or
     Megatron's local ones whose norms are `SequenceParallelRMSNorm` (Megatron's local norm refuses sequence
     parallel), whose core attention takes packed (THD) sequences too, and context parallelism, and whose
-    experts are `GroupedExperts` with `grouped_experts`, whose core attention is `SDPAttention` with `sdpa`."""
+    experts are `GroupedExperts` with `grouped_experts`, whose core attention is `SDPAttention` with `sdpa`.
+    With `qk_norm_whole_projection` (either spec) the QK-norms span all heads of q and of k (MiniMax-M2)."""
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
-    if use_transformer_engine:
-        return block
-    return TransformerBlockSubmodules(
-        layer_specs=[
-            _local_layer(s, config.context_parallel_size > 1, grouped_experts, sdpa) for s in block.layer_specs
-        ],
-        layer_norm=SequenceParallelRMSNorm,
-    )
+    if not use_transformer_engine:
+        block = TransformerBlockSubmodules(
+            layer_specs=[
+                _local_layer(s, config.context_parallel_size > 1, grouped_experts, sdpa) for s in block.layer_specs
+            ],
+            layer_norm=SequenceParallelRMSNorm,
+        )
+    if qk_norm_whole_projection:
+        block = copy.deepcopy(block)  # Megatron's specs may be shared module-level objects
+        for layer in block.layer_specs:
+            attn = layer.submodules.self_attention.submodules
+            attn.q_layernorm, attn.k_layernorm = QueryProjectionRMSNorm, KeyProjectionRMSNorm
+    return block
 
 
 def _check_parallel_state(parallel: ParallelConfig) -> None:
@@ -268,6 +275,7 @@ def build_model(
     `use_transformer_engine`: None = whenever TE and CUDA are present.
     """
     _check_parallel_state(parallel)
+    spec = check_family(model)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     check_grouped_experts(model, parallel, transformer_engine=use_te)
     grouped = use_grouped_experts(model, parallel, transformer_engine=use_te)
@@ -287,6 +295,7 @@ def build_model(
             use_te,
             grouped_experts=grouped,
             sdpa=not use_te and use_sdpa(model, parallel, cuda=torch.cuda.is_available()),
+            qk_norm_whole_projection=spec.qk_norm_whole_projection,
         ),
         vocab_size=padded_vocab_size(
             model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size

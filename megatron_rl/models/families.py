@@ -17,6 +17,8 @@ class FamilySpec:
     norm_topk: bool | None = None
     score_function: str = "softmax"  # sigmoid: DeepSeek's router, with the expert bias
     multi_latent_attention: bool = False
+    router_extras: bool = False  # DeepSeek's group-limited routing, shared experts and routed scaling factor
+    qk_norm_whole_projection: bool = False  # QK-norm over all heads of q (and of k) at once, not per head
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -37,13 +39,26 @@ FAMILIES: dict[str, FamilySpec] = {
         norm_topk=True,
         score_function="sigmoid",
         multi_latent_attention=True,
+        router_extras=True,
     ),
     # GLM-4.5: GQA with QKV biases, optional QK-norm, partial RoPE; DeepSeek's sigmoid router.
-    "glm4_moe": FamilySpec(moe=True, qk_layernorm=None, add_qkv_bias=None, norm_topk=True, score_function="sigmoid"),
+    "glm4_moe": FamilySpec(
+        moe=True, qk_layernorm=None, add_qkv_bias=None, norm_topk=True, score_function="sigmoid", router_extras=True
+    ),
     # Llama 2/3/3.1/3.2/3.3 dense: no bias, no QK-norm; Llama 3.1's RoPE scaling (rope_scaling = llama3).
     "llama": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False),
     # Mistral dense (v0.2+, Nemo; full attention): no bias, no QK-norm.
     "mistral": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False),
+    # MiniMax-M2: GQA whose QK-norm spans the whole q (and k) projection, partial RoPE; sigmoid router with the
+    # expert bias, renormalised, without groups, shared experts or scaling; MoE in every layer.
+    "minimax_m2": FamilySpec(
+        moe=True,
+        qk_layernorm=True,
+        add_qkv_bias=False,
+        norm_topk=True,
+        score_function="sigmoid",
+        qk_norm_whole_projection=True,
+    ),
 }
 
 
@@ -74,19 +89,20 @@ def check_family(model: ModelConfig) -> FamilySpec:
 
 
 def _check_sigmoid_router(model: ModelConfig, spec: FamilySpec, fam: str) -> None:
-    """Group-limited routing and shared experts belong to the sigmoid-router families only; the groups
-    must split the experts, and Megatron scores a group by its top (topk / group_topk) experts where
-    DeepSeek's and GLM's routers use the top 2, so that quotient must be 2."""
-    sigmoid_only = {
+    """Group-limited routing, shared experts and the routed scaling factor belong to DeepSeek's and GLM's
+    routers only; the groups must split the experts, and Megatron scores a group by its top
+    (topk / group_topk) experts where DeepSeek's and GLM's routers use the top 2, so that quotient must be 2."""
+    extras_only = {
         "model.moe_shared_expert_size": model.moe_shared_expert_size is not None,
         "model.moe_router_num_groups": model.moe_router_num_groups is not None,
         "model.moe_router_group_topk": model.moe_router_group_topk is not None,
         "model.moe_router_scaling_factor": model.moe_router_scaling_factor != 1.0,
     }
-    if spec.score_function != "sigmoid":
-        used = [key for key, set_ in sigmoid_only.items() if set_]
+    if not spec.router_extras:
+        used = [key for key, set_ in extras_only.items() if set_]
         if used:
-            raise ConfigError(f"{fam} has no {used[0]} (sigmoid-router families only: deepseek_v3, glm4_moe)")
+            owners = ", ".join(name for name, other in FAMILIES.items() if other.router_extras)
+            raise ConfigError(f"{fam} has no {used[0]} (families with it: {owners})")
         return
     groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
     if (groups is None) != (group_topk is None):
@@ -139,7 +155,8 @@ def parameter_counts(model: ModelConfig) -> tuple[int, int]:
     else:
         d = model.kv_channels or h // heads
         qkv = (heads + 2 * model.num_query_groups) * d
-        attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (2 * d if model.qk_layernorm else 0)
+        norms = (heads + model.num_query_groups) * d if spec.qk_norm_whole_projection else 2 * d
+        attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
     pattern = moe_layer_pattern(model)
     moe_layers = sum(pattern)
     dense_mlp = 3 * h * model.ffn_hidden_size * (model.num_layers - moe_layers)

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 # Architectures that Megatron-Core 0.16's GPT layer cannot compute exactly, and what it lacks.
 _GEMMA = (
@@ -191,6 +192,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_dense import dense_model_fields
 
         return _finish(dense_model_fields(hf, family, source), hf, hf_path, source, overrides)
+    if family == "minimax_m2":
+        from megatron_rl.models.hf_config_minimax import minimax_model_fields
+
+        return _finish(minimax_model_fields(hf, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -286,6 +291,11 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(dense_hf_config(model))
+    elif model.family == "minimax_m2":
+        from megatron_rl.models.hf_config_minimax import minimax_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(minimax_hf_config(model))
     elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,

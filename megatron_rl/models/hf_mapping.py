@@ -78,14 +78,19 @@ _GQA: tuple[Rule, ...] = (
         requires="add_qkv_bias",
     ),
     Rule(_L + "self_attention.linear_proj.weight", (_P + "self_attn.o_proj.weight",), (("H", "Q"),)),
-    Rule(
-        _L + "self_attention.q_layernorm.weight", (_P + "self_attn.q_norm.weight",), (("D",),), requires="qk_layernorm"
-    ),
-    Rule(
-        _L + "self_attention.k_layernorm.weight", (_P + "self_attn.k_norm.weight",), (("D",),), requires="qk_layernorm"
-    ),
 )
-_COMMON = _BASE + _GQA
+
+
+def _qk_norms(q_shape: str, k_shape: str) -> tuple[Rule, ...]:
+    """QK-norm weights: per head (`D`, Qwen3) or over the whole projection (`Q` / `KV`, MiniMax-M2)."""
+    return tuple(
+        Rule(_L + f"self_attention.{x}_layernorm.weight", (_P + f"self_attn.{x}_norm.weight",), ((shape,),),
+             requires="qk_layernorm")
+        for x, shape in (("q", q_shape), ("k", k_shape))
+    )  # fmt: skip
+
+
+_COMMON = _BASE + _GQA + _qk_norms("D", "D")
 _A = _L + "self_attention."
 _HA = _P + "self_attn."
 # DeepSeek's MLA: every tensor is a copy (Megatron's per-head [nope, rope] and [nope, v] rows are HF's).
@@ -138,6 +143,9 @@ def _experts(router: str, expert: str, gate: str, up: str, down: str) -> tuple[R
 _DEEPSEEK_EXPERTS = _experts(
     "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"
 )
+_MIXTRAL_EXPERTS = _experts(
+    "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"
+)
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + _DEEPSEEK_EXPERTS,
     "deepseek_v3": _BASE + _MLA + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
@@ -146,9 +154,15 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen2": _COMMON,
     "llama": _COMMON,
     "mistral": _COMMON,
-    "mixtral": _COMMON
-    + _experts(
-        "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"
+    "mixtral": _COMMON + _MIXTRAL_EXPERTS,
+    "minimax_m2": _BASE
+    + _GQA
+    + _qk_norms("Q", "KV")
+    + _MIXTRAL_EXPERTS
+    + (
+        Rule(
+            _L + "mlp.router.expert_bias", (_P + "block_sparse_moe.e_score_correction_bias",), (("E",),), layers="moe"
+        ),
     ),
 }
 

@@ -11,7 +11,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral")
+SUPPORTED_FAMILIES = (
+    "qwen3_moe",
+    "qwen3",
+    "qwen2",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+    "llama",
+    "mistral",
+    "minimax_m2",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -1,7 +1,7 @@
 """Weight updates in Hugging Face checkpoint names, applied to the in-memory `transformers` model.
 
 Checkpoints (and SGLang's weight-update endpoints) name one tensor per expert
-(`...mlp.experts.{e}.gate_proj.weight`, Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`),
+(`...mlp.experts.{e}.gate_proj.weight`, Mixtral and MiniMax-M2: `...block_sparse_moe.experts.{e}.w1.weight`),
 while `transformers` 5.x keeps each layer's experts fused (`experts.gate_up_proj` [E, 2I, H] with
 the gate rows first, `experts.down_proj` [E, H, I]). `CheckpointLayout` maps every checkpoint name
 onto the view of the in-memory parameter it fills; `apply_named_tensors` validates a whole update
@@ -26,9 +26,12 @@ class WeightUpdateError(ValueError):
     """An update that cannot be applied; the message names the tensor."""
 
 
+_BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # families whose checkpoints name the MoE block block_sparse_moe
+
+
 def _expert_names(family: str, prefix: str, expert: int) -> tuple[str, str, str]:
     """Checkpoint names of one expert's (gate, up, down) weights."""
-    if family == "mixtral":
+    if family in _BLOCK_SPARSE_MOE:
         base = f"{prefix}.block_sparse_moe.experts.{expert}"
         return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
     base = f"{prefix}.mlp.experts.{expert}"
@@ -36,8 +39,8 @@ def _expert_names(family: str, prefix: str, expert: int) -> tuple[str, str, str]
 
 
 def _checkpoint_name(family: str, name: str) -> str:
-    if family == "mixtral":
-        return re.sub(r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight", name)
+    if family in _BLOCK_SPARSE_MOE:  # the router (and MiniMax-M2's expert bias, held by the block)
+        return re.sub(r"\.mlp\.(gate\.weight|e_score_correction_bias)$", r".block_sparse_moe.\1", name)
     return name
 
 

@@ -1,0 +1,156 @@
+"""config.json <-> `model` for MiniMax-M2 (`MiniMaxM2ForCausalLM`).
+
+Every key of config.json is mapped, checked against what the Megatron model computes, or known not to
+be architecture (`_IGNORED`); any other key is refused by name. The Hub files (MiniMaxAI/MiniMax-M2,
+M2.1) and transformers 5 spell some settings differently: partial RoPE is `rotary_dim` (Hub) or
+`rope_parameters.partial_rotary_factor` (transformers 5), the base `rope_theta` or
+`rope_parameters.rope_theta`.
+
+The architecture (transformers' `MiniMaxM2` modeling): GQA whose QK-norm is one RMSNorm over the whole
+q projection (all heads) and one over the whole k projection, partial RoPE on the first dimensions
+of each head (rotate-half), a sigmoid router whose scores plus `e_score_correction_bias` choose the
+top-k experts, gates the chosen sigmoid scores renormalised; MoE in every layer (`intermediate_size` is
+the expert width), no shared expert. Keys the Hub files carry for settings transformers does not
+implement are accepted only at the value transformers' model computes with (`qk_norm_type`
+"per_layer", `scoring_func` "sigmoid", full attention in every layer, no groups, scaling 1, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+
+# Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `mlp_intermediate_size`
+# sizes a dense MLP that no layer has (every layer is MoE); the MTP keys describe layers that are not imported.
+_IGNORED = frozenset(
+    {
+        "architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
+        "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout",
+        "output_router_logits", "router_aux_loss_coef", "_name_or_path", "name_or_path", "max_model_len",
+        "mlp_intermediate_size", "use_mtp", "num_mtp_modules", "mtp_transformer_layers", "swa_rope_theta",
+    }
+)  # fmt: skip
+_MAPPED = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "rms_norm_eps", "vocab_size",
+        "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rotary_dim", "partial_rotary_factor",
+        "rope_parameters", "rope_scaling", "hidden_act", "attn_type_list",
+    }
+)  # fmt: skip
+# Settings transformers' MiniMaxM2 does not implement: accepted at the value its model computes with.
+_FIXED: dict[str, tuple[Any, ...]] = {
+    "use_qk_norm": (True,),
+    "qk_norm_type": ("per_layer",),
+    "scoring_func": ("sigmoid",),
+    "use_routing_bias": (True,),
+    "shared_intermediate_size": (0, None),
+    "shared_moe_mode": ("sigmoid", None),
+    "use_grouped_topk": (True, False, None),  # with one group (num_expert_group null) either is plain top-k
+    "num_expert_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (1, 1.0, None),
+    "router_jitter_noise": (0, 0.0, None),
+    "layernorm_full_attention_beta": (1, 1.0, None),
+    "layernorm_linear_attention_beta": (1, 1.0, None),
+    "layernorm_mlp_beta": (1, 1.0, None),
+    "sliding_window": (None,),
+    "attn_window_size": (None,),
+}
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+
+
+def _refuse(ok: bool, source: str, message: str) -> None:
+    if not ok:
+        raise ConversionError(f"{source}: {message}")
+
+
+def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, Any]:
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope, within = hf_section(hf, source, key), f"{source}: {key}"
+    unknown = sorted(set(rope) - _ROPE_KEYS)
+    _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    _refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
+    theta = hf_float(rope, within, "rope_theta", default=None)
+    theta = hf_float(hf, source, "rope_theta") if theta is None else theta
+    partial = hf_float(rope, within, "partial_rotary_factor", default=None)
+    if partial is None and hf.get("rotary_dim") is not None:
+        partial = hf_int(hf, source, "rotary_dim") / head_dim
+    partial = hf_float(hf, source, "partial_rotary_factor", default=1.0) if partial is None else partial
+    rotated = partial * head_dim
+    _refuse(
+        0 < partial <= 1 and rotated == int(rotated) and int(rotated) % 2 == 0,
+        source,
+        f"partial_rotary_factor {partial} x head_dim {head_dim} is not an even number of rotated dimensions",
+    )
+    return dict(rope_theta=theta, rotary_percent=partial)
+
+
+def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The architecture fields of `ModelConfig` of a MiniMax-M2 config.json."""
+    unknown = sorted(set(hf) - _IGNORED - _MAPPED - set(_FIXED))
+    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
+    for key, allowed in _FIXED.items():
+        if key not in hf:  # transformers 5 writes none of them
+            continue
+        value = hf[key]
+        ok = value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed))
+        _refuse(
+            ok, source, f"{key} = {value!r} is not supported (transformers' MiniMaxM2 computes with {allowed[0]!r})"
+        )
+    attn_types = hf.get("attn_type_list")
+    _refuse(
+        attn_types is None or (isinstance(attn_types, list) and all(t == 1 for t in attn_types)),
+        source,
+        f"attn_type_list = {attn_types!r}: only full attention (1) in every layer is supported",
+    )
+    act = hf.get("hidden_act", "silu")
+    _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
+    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
+    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
+    width = hf_int(hf, source, "intermediate_size")
+    fields: dict[str, Any] = dict(
+        family="minimax_m2",
+        num_layers=hf_int(hf, source, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=width,
+        num_attention_heads=heads,
+        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
+        kv_channels=None if head_dim * heads == hidden else head_dim,
+        vocab_size=hf_int(hf, source, "vocab_size"),
+        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
+        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
+        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
+        qk_layernorm=True,
+        add_qkv_bias=False,
+        num_experts=hf_int(hf, source, "num_local_experts", "num_experts"),
+        moe_router_topk=hf_int(hf, source, "num_experts_per_tok"),
+        moe_ffn_hidden_size=width,
+        moe_router_norm_topk=True,
+        first_k_dense_layers=0,
+        moe_layer_freq=1,
+    )
+    _refuse(
+        fields["moe_router_topk"] > 1, source, "num_experts_per_tok = 1 is not supported (transformers' gate is "
+        "then 1, Megatron's the sigmoid score)",
+    )  # fmt: skip
+    fields.update(_rope_fields(hf, source, head_dim))
+    return fields
+
+
+def minimax_hf_config(model: Any) -> dict[str, Any]:
+    """The config.json keys (beyond the shared ones) that `transformers` needs for `model`."""
+    if model.moe_ffn_hidden_size != model.ffn_hidden_size or model.first_k_dense_layers or model.moe_layer_freq != 1:
+        raise ConversionError(
+            "minimax_m2 has MoE in every layer and intermediate_size = the expert width: needs "
+            "model.moe_ffn_hidden_size == model.ffn_hidden_size, model.first_k_dense_layers = 0, model.moe_layer_freq = 1"
+        )
+    return dict(
+        num_local_experts=model.num_experts,
+        num_experts_per_tok=model.moe_router_topk,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=model.rope_theta, partial_rotary_factor=model.rotary_percent
+        ),
+    )
