@@ -66,7 +66,10 @@ def check_config_against_checkpoint(
         shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
         kv = f"{model.num_query_groups} x {mapping.head_dim}"
         shape_check("num_key_value_heads x head_dim", dims["KV"], "model.layers.0.self_attn.k_proj.weight", 0, kv)
-        shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
+        if model.family == "minimax_m2":  # its QK-norm spans the whole projection
+            shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_norm.weight", 0, heads)
+        else:
+            shape_check("head_dim", dims["D"], "model.layers.0.self_attn.q_norm.weight", 0)
     if model.tie_word_embeddings and "lm_head.weight" in shapes:
         raise _contradiction(source, "tie_word_embeddings", "true", "it has an lm_head.weight unlike the embedding")
     dense = [i for i, moe in enumerate(mapping.moe_layers) if not moe]
@@ -76,15 +79,14 @@ def check_config_against_checkpoint(
         return
     first_moe = mapping.moe_layers.index(1)
     found = {int(m.group(2)) for n in shapes if (m := _EXPERT.match(n)) and int(m.group(1)) == first_moe}
-    key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}.get(
-        model.family, "num_experts"
-    )
+    key = {"mixtral": "num_local_experts", "minimax_m2": "num_local_experts"}.get(model.family, "num_experts")
+    key = "n_routed_experts" if model.family in ("deepseek_v3", "glm4_moe") else key
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
     if model.family in ("deepseek_v3", "glm4_moe"):
         shared = f"model.layers.{first_moe}.mlp.shared_experts.gate_proj.weight"
         shape_check("n_shared_experts x moe_intermediate_size", dims["S"], shared, 0)
-    width = "intermediate_size" if model.family == "mixtral" else "moe_intermediate_size"
+    width = "intermediate_size" if model.family in ("mixtral", "minimax_m2") else "moe_intermediate_size"
     gate = mapping.hf_names(f"decoder.layers.{first_moe}.mlp.experts.local_experts.0.linear_fc1.weight")[0]
     shape_check(width, dims["M"], gate, 0)
 
@@ -103,8 +105,8 @@ def open_hf_checkpoint(
         if ckpt.shapes.get(name) == shape:
             del ckpt.shapes[name], ckpt.files[name], ckpt.dtypes[name]
     if model.tie_word_embeddings and "lm_head.weight" in ckpt.shapes and "model.embed_tokens.weight" in ckpt.shapes:
-        head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
-        if head.shape == embed.shape and torch.equal(head, embed):
+        stored_head, embed = ckpt.read("lm_head.weight"), ckpt.read("model.embed_tokens.weight")
+        if stored_head.shape == embed.shape and torch.equal(stored_head, embed):
             del ckpt.shapes["lm_head.weight"], ckpt.files["lm_head.weight"], ckpt.dtypes["lm_head.weight"]
     check_config_against_checkpoint(model, ckpt.shapes, source or f"{folder}/config.json")
     expected = HFMapping(model).expected_hf_shapes()
