@@ -366,6 +366,9 @@ def test_plan_with_running_servers_starts_none_and_trains_on_every_node(big: Pat
     assert "ENGINE_COUNT=0\n" in shell and "EXTERNAL_URLS=(http://10.9.0.1:30000)\n" in shell
     assert "START_ROUTER=0\n" in shell and "START_ROUTER=auto\n" in jobplan.to_shell(plan(big, "disaggregated"))
     assert "no server of its own: rollout.sglang_urls = [http://10.9.0.1:30000]" in jobplan.describe(p)
+    assert not [w for w in p.warnings if "not used" in w]
+    ignored = plan(big, "disaggregated", urls, engine_args=["--ep-size", "8"]).warnings[-1]
+    assert ignored == "SGLANG_ARGS (--ep-size 8) is not used: rollout.sglang_urls gives the servers"
     assert plan(big, "disaggregated", urls, nodes=1).world_size == 8  # one node is a job
     assert plan(big, "disaggregated", urls, train_nodes=4).world_size == 32
     with pytest.raises(jobplan.PlanError, match=r"TRAIN_NODES=2, but rollout.sglang_urls = \[http://10.9.0.1:30000\]"):
