@@ -21,6 +21,7 @@ The memory figures are arithmetic, not measurements:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,8 +274,6 @@ def check_engine_memory(
     """(the engine's memory, a warning or None). DoesNotFit, with the figures and the smallest
     `rollout.engine_gpus` that would fit, when an engine's weights leave its static share no KV cache for
     one whole sequence; the warning when the KV cache holds fewer than `rollout.max_concurrency` of them."""
-    import json
-
     gpus = cfg.rollout.engine_gpus
     hf_config = json.loads(Path(cfg.model.hf_path, "config.json").read_text())
     mem = engine_memory(cfg, hf_config, gpus, gpu_mem_gib, engine_args, job_fraction)
