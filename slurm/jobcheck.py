@@ -6,16 +6,22 @@ The memory figures are arithmetic, not measurements:
 - trainer: bf16 (params_dtype) weights and fp32 gradients of the ranks' share, the fp32 master copy and
   Adam's moments sharded over the data-parallel (experts: expert-data-parallel) ranks; within
   `STATIC_MEMORY_SHARE` of a GPU (the rest: activations, buffers);
-- an SGLang engine: the model's bf16 parameters over its `rollout.engine_gpus` GPUs, and the KV cache in
+- an SGLang engine: the model's parameters in the engine's dtype (SGLang's `--dtype`: SGLANG_ARGS', else
+  its `auto`, config.json's dtype and float16 for float32: two bytes unless asked for float32) over its
+  `rollout.engine_gpus` GPUs, and the KV cache (`--kv-cache-dtype`, by default the engine's dtype) in
   what is left of its static share of each GPU (`--mem-fraction-static`: SGLANG_ARGS', a colocated
-  job's, else SGLang's own default for the GPU); the KV cache must hold one whole sequence
-  (`data.max_prompt_tokens + rollout.max_new_tokens`), as SGLang refuses to start without room for it;
+  job's, else SGLang's own default for the GPU). The KV cache must hold one whole sequence (the
+  configured context: `data.max_prompt_tokens + rollout.max_new_tokens`, or `env.max_total_tokens`
+  for multi-turn episodes), as a longer request cannot be served: refused; holding fewer than
+  `rollout.max_concurrency` of them (the requests in flight per engine), SGLang runs fewer at once and
+  retracts some as responses grow: a warning;
 - colocated: while the engines generate, the trainer keeps its weights, gradients and (without
   `rollout.colocate_offload`) optimizer state in the share the engines leave.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +29,15 @@ from typing import Any
 
 GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
 STATIC_MEMORY_SHARE = 0.9  # of a GPU for weights, gradients and optimizer state; the rest: activations, buffers
-ENGINE_PARAM_BYTES = 2  # the engines serve bf16 weights, what the trainer sends them
-SMALL_TOKENIZER_SHARE = 0.5  # a tokenizer under this share of the vocabulary is warned about
+SMALL_TOKENIZER_SHARE = 0.5  # a tokenizer under this share of the vocabulary is another model's: refused
 MEM_FRACTION_FLAG = "--mem-fraction-static"
+DTYPE_FLAG, KV_DTYPE_FLAG = "--dtype", "--kv-cache-dtype"
+# SGLang 0.5.23's --dtype names (sglang/srt/configs/model_config.py) and --kv-cache-dtype choices besides
+# auto (sglang/srt/mem_cache/kv_cache_dtype.py; fp8 and fp4 scales not counted), with their bytes
+ENGINE_DTYPES = {"half": ("fp16", 2), "float16": ("fp16", 2), "bfloat16": ("bf16", 2), "float": ("fp32", 4)}
+ENGINE_DTYPES["float32"] = ENGINE_DTYPES["float"]
+KV_CACHE_DTYPES = {"bf16": 2.0, "bfloat16": 2.0, "fp8_e5m2": 1.0, "fp8_e4m3": 1.0, "mxfp8": 1.0}
+KV_CACHE_DTYPES |= {"nvfp4": 0.5, "fp4_mx_block16": 0.5}
 GIB = 2**30
 
 
@@ -125,33 +137,67 @@ def sglang_default_mem_fraction(gpu_mem_gib: float, engine_gpus: int, mla: bool)
     return round((mem - reserve) / mem, 3)
 
 
-def kv_bytes_per_token(model: Any, engine_gpus: int) -> int:
-    """Bytes of bf16 KV cache one token takes on each GPU of an SGLang engine: MLA keeps the compressed
-    latent and the rotary key on every TP rank; other attention splits its key/value heads over TP (at
-    least one head per GPU)."""
+def kv_bytes_per_token(model: Any, engine_gpus: int, width: float = 2.0) -> int:
+    """Bytes of KV cache one token takes on each GPU of an SGLang engine, `width` bytes an element (bf16 by
+    default): MLA keeps the compressed latent and the rotary key on every TP rank; other attention splits
+    its key/value heads over TP (at least one head per GPU)."""
     from megatron_rl.models.families import check_family
 
     if check_family(model).multi_latent_attention:
-        return model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 2
+        return int(model.num_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * width)
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     heads = max(1, model.num_query_groups // engine_gpus)
-    return model.num_layers * 2 * heads * head_dim * 2
+    return int(model.num_layers * 2 * heads * head_dim * width)
+
+
+def engine_dtype(hf_config: dict[str, Any], engine_args: Sequence[str]) -> tuple[str, int]:
+    """(name, bytes) of the dtype an SGLang engine holds its weights in: `--dtype` in `engine_args`, else
+    SGLang's `auto` (`_get_and_verify_dtype`): config.json's dtype, float16 for float32 or none (bfloat16
+    for Gemma)."""
+    given = flag_value(engine_args, DTYPE_FLAG)
+    if given is not None and given.lower() != "auto":
+        if given.lower() not in ENGINE_DTYPES:
+            raise DoesNotFit(f"SGLANG_ARGS: {DTYPE_FLAG} {given!r}; SGLang takes auto, {', '.join(ENGINE_DTYPES)}")
+        return ENGINE_DTYPES[given.lower()]
+    declared = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    if declared in ("bfloat16", "float16"):  # config.json's names, as torch spells them
+        return ENGINE_DTYPES[declared]
+    return ENGINE_DTYPES["bfloat16" if str(hf_config.get("model_type", "")).startswith("gemma") else "float16"]
+
+
+def kv_cache_dtype(
+    hf_config: dict[str, Any], engine_args: Sequence[str], weights: tuple[str, int]
+) -> tuple[str, float]:
+    """(name, bytes) of an SGLang engine's KV cache elements: `--kv-cache-dtype` in `engine_args`, else
+    `auto`: fp8 for a checkpoint quantized with an FP8 KV cache, else the weights' dtype."""
+    given = flag_value(engine_args, KV_DTYPE_FLAG)
+    if given is not None and given != "auto":
+        if given not in KV_CACHE_DTYPES:
+            raise DoesNotFit(f"SGLANG_ARGS: {KV_DTYPE_FLAG} {given!r}; SGLang takes auto, {', '.join(KV_CACHE_DTYPES)}")
+        return given, KV_CACHE_DTYPES[given]
+    quantization = hf_config.get("quantization_config") or {}
+    if str(quantization.get("kv_cache_quant_algo") or "").upper() == "FP8":
+        return "fp8_e4m3", 1.0
+    return weights
 
 
 @dataclass(frozen=True)
 class EngineMemory:
-    """Per GPU of one SGLang engine, in GiB: its bf16 weights and the KV cache its static share leaves."""
+    """Per GPU of one SGLang engine, in GiB: its weights and the KV cache its static share leaves."""
 
     params: float  # billions: the whole model
     engine_gpus: int
     gpu_mem_gib: float
     fraction: float
     fraction_source: str
+    dtype: str  # the weights'
+    dtype_bytes: int
+    kv_dtype: str
     kv_token_bytes: int
 
     @property
     def weights(self) -> float:
-        return self.params * 1e9 * ENGINE_PARAM_BYTES / self.engine_gpus / GIB
+        return self.params * 1e9 * self.dtype_bytes / self.engine_gpus / GIB
 
     @property
     def static(self) -> float:
@@ -167,10 +213,16 @@ class EngineMemory:
 
 
 def engine_memory(
-    cfg: Any, engine_gpus: int, gpu_mem_gib: float, engine_args: Sequence[str], job_fraction: str | None
+    cfg: Any,
+    hf_config: dict[str, Any],
+    engine_gpus: int,
+    gpu_mem_gib: float,
+    engine_args: Sequence[str],
+    job_fraction: str | None,
 ) -> EngineMemory:
     """An engine of `engine_gpus` GPUs: the fraction from `engine_args` (SGLANG_ARGS), else the job's
-    (`job_fraction`: a colocated job's default), else SGLang's own default."""
+    (`job_fraction`: a colocated job's default), else SGLang's own default; the dtypes from `engine_args`,
+    else SGLang's defaults for the checkpoint's config.json (`hf_config`)."""
     from megatron_rl.models.families import check_family, parameter_counts
 
     given = flag_value(engine_args, MEM_FRACTION_FLAG)
@@ -186,42 +238,76 @@ def engine_memory(
         fraction = sglang_default_mem_fraction(gpu_mem_gib, engine_gpus, mla)
         source = f"SGLang's default for {gpu_mem_gib:g} GiB and TP {engine_gpus}"
     params = sum(parameter_counts(cfg.model)) / 1e9
-    return EngineMemory(params, engine_gpus, gpu_mem_gib, fraction, source, kv_bytes_per_token(cfg.model, engine_gpus))
+    dtype, width = engine_dtype(hf_config, engine_args)
+    kv_dtype, kv_width = kv_cache_dtype(hf_config, engine_args, (dtype, width))
+    kv_token_bytes = kv_bytes_per_token(cfg.model, engine_gpus, kv_width)
+    return EngineMemory(params, engine_gpus, gpu_mem_gib, fraction, source, dtype, width, kv_dtype, kv_token_bytes)
 
 
-def sequence_tokens(cfg: Any) -> int:
-    """The longest single-turn sequence an engine holds: the prompt and the response."""
-    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+def sequence_tokens(cfg: Any) -> tuple[int, str]:
+    """The configured context: the longest sequence one request to an engine holds, and the keys that set
+    it: the prompt and the response, or a multi-turn episode's whole budget (`env.max_total_tokens`, which
+    `validate_run` fills in with the model's positions when null)."""
+    single = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if cfg.env.type == "single_turn" or cfg.env.max_turns == 1:
+        return single, "data.max_prompt_tokens + rollout.max_new_tokens"
+    budget = cfg.env.max_total_tokens or cfg.model.max_position_embeddings
+    return budget, f"env.max_total_tokens, {cfg.env.max_turns} turns"
+
+
+def _smallest_engine(
+    cfg: Any, hf_config: dict[str, Any], gpus_per_node: int, gpu_mem_gib: float, engine_args: Sequence[str],
+    job_fraction: str | None, kv_tokens: int,
+) -> int | None:  # fmt: skip
+    """The fewest GPUs above `rollout.engine_gpus` (dividing a node, or whole nodes, up to 128) whose
+    engine holds `kv_tokens` tokens of KV cache; None if none does."""
+    gpus = cfg.rollout.engine_gpus
+    sizes = [d for d in range(gpus + 1, gpus_per_node + 1) if gpus_per_node % d == 0]
+    sizes += [gpus_per_node * n for n in range(2, 129) if gpus_per_node * n > gpus]
+    memories = (engine_memory(cfg, hf_config, g, gpu_mem_gib, engine_args, job_fraction) for g in sizes)
+    return next((m.engine_gpus for m in memories if m.kv_tokens >= kv_tokens), None)
 
 
 def check_engine_memory(
     cfg: Any, gpus_per_node: int, gpu_mem_gib: float, engine_args: Sequence[str], job_fraction: str | None
-) -> EngineMemory:
-    """DoesNotFit, with the figures and the smallest `rollout.engine_gpus` that would fit, when an engine's
-    weights leave its static share no KV cache for one whole sequence."""
+) -> tuple[EngineMemory, str | None]:
+    """(the engine's memory, a warning or None). DoesNotFit, with the figures and the smallest
+    `rollout.engine_gpus` that would fit, when an engine's weights leave its static share no KV cache for
+    one whole sequence; the warning when the KV cache holds fewer than `rollout.max_concurrency` of them."""
     gpus = cfg.rollout.engine_gpus
-    mem = engine_memory(cfg, gpus, gpu_mem_gib, engine_args, job_fraction)
-    tokens = sequence_tokens(cfg)
+    hf_config = json.loads(Path(cfg.model.hf_path, "config.json").read_text())
+    mem = engine_memory(cfg, hf_config, gpus, gpu_mem_gib, engine_args, job_fraction)
+    tokens, context = sequence_tokens(cfg)
+
+    def smallest(kv_tokens: int) -> int | None:
+        return _smallest_engine(cfg, hf_config, gpus_per_node, gpu_mem_gib, engine_args, job_fraction, kv_tokens)
+
     if mem.kv_tokens >= tokens:
-        return mem
-    sizes = [d for d in range(gpus + 1, gpus_per_node + 1) if gpus_per_node % d == 0]
-    sizes += [gpus_per_node * n for n in range(2, 129) if gpus_per_node * n > gpus]
-    fits = (g for g in sizes if engine_memory(cfg, g, gpu_mem_gib, engine_args, job_fraction).kv_tokens >= tokens)
-    fitting = next(fits, None)
+        wanted = cfg.rollout.max_concurrency * tokens
+        if mem.kv_tokens >= wanted:
+            return mem, None
+        fitting = smallest(wanted)
+        hint = f"rollout.engine_gpus={fitting} would hold them" if fitting else "no engine of up to 128 nodes would"
+        return mem, (
+            f"a rollout engine's KV cache holds {mem.kv_tokens:,} tokens: {mem.kv_tokens // tokens} whole sequences "
+            f"of {tokens:,} ({context}) at once, fewer than rollout.max_concurrency={cfg.rollout.max_concurrency} "
+            f"({wanted:,} tokens): SGLang runs fewer requests at once and retracts some as responses grow; {hint}"
+        )
+    fitting = smallest(tokens)
     hint = f"rollout.engine_gpus={fitting} would fit" if fitting else "no engine of up to 128 nodes fits"
     share = (
         f"its static share of {mem.static:.1f} GiB per GPU ({MEM_FRACTION_FLAG} {mem.fraction:g}: "
         f"{mem.fraction_source}; GPU_MEM_GIB={gpu_mem_gib:g})"
     )
     weights = (
-        f"{mem.weights:.1f} GiB per GPU of bf16 weights ({mem.weights * gpus:.0f} GiB for {mem.params:.1f} B "
+        f"{mem.weights:.1f} GiB per GPU of {mem.dtype} weights ({mem.weights * gpus:.0f} GiB for {mem.params:.1f} B "
         f"parameters / rollout.engine_gpus={gpus})"
     )
     if mem.kv_cache <= 0:
         raise DoesNotFit(f"a rollout engine needs {weights}, more than {share}; {hint}")
     raise DoesNotFit(
         f"a rollout engine's {weights} leave {mem.kv_cache:.1f} GiB of {share} for the KV cache: {mem.kv_tokens} "
-        f"tokens, fewer than one sequence of {tokens} (data.max_prompt_tokens + rollout.max_new_tokens); {hint}"
+        f"tokens, fewer than one sequence of {tokens} ({context}); {hint}"
     )
 
 
@@ -248,9 +334,9 @@ def check_colocated_memory(trainer: TrainerMemory, engine: EngineMemory, offload
 
 
 def memory_lines(
-    trainer: TrainerMemory, engine: EngineMemory | None, kept: float | None, gpu_mem_gib: float
+    trainer: TrainerMemory, engine: EngineMemory | None, kept: float | None, gpu_mem_gib: float, sequence: int
 ) -> list[str]:
-    """The figures of a passing plan, one line per part."""
+    """The figures of a passing plan, one line per part (`sequence`: the configured context in tokens)."""
     lines = [
         f"memory per GPU of {gpu_mem_gib:g} GiB (arithmetic): trainer {trainer.total:.1f} GiB static (weights "
         f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}), within "
@@ -258,11 +344,11 @@ def memory_lines(
     ]
     if engine is not None:
         lines.append(
-            f"engine ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB bf16 "
-            f"weights ({engine.params:.1f} B "
-            f"parameters) + {engine.kv_cache:.1f} GiB KV cache ({engine.kv_tokens:,} tokens at "
-            f"{engine.kv_token_bytes:,} bytes) = {engine.static:.1f} GiB: {MEM_FRACTION_FLAG} {engine.fraction:g} "
-            f"({engine.fraction_source})"
+            f"engine ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB "
+            f"{engine.dtype} weights ({engine.params:.1f} B parameters) + {engine.kv_cache:.1f} GiB KV cache "
+            f"({engine.kv_tokens:,} {engine.kv_dtype} tokens at {engine.kv_token_bytes:,} bytes: "
+            f"{engine.kv_tokens // sequence:,} sequences of {sequence:,}) = {engine.static:.1f} GiB: "
+            f"{MEM_FRACTION_FLAG} {engine.fraction:g} ({engine.fraction_source})"
         )
     if kept is not None:
         lines.append(f"colocated: the trainer keeps {kept:.1f} GiB while the engines generate")
@@ -271,10 +357,10 @@ def memory_lines(
 
 def check_tokenizer(cfg: Any) -> str | None:
     """DoesNotFit when the tokenizer has more tokens than the model's vocabulary (ids past the embedding,
-    which the trainer refuses too) or an explicit `data.tokenizer_path` holds none; a warning line when
-    it has under SMALL_TOKENIZER_SHARE of the vocabulary (padding adds a fraction of a percent: most
-    likely another model's tokenizer, which transformers and Megatron accept silently) or when
-    `model.hf_path` holds no tokenizer (planning from a config.json alone); else None."""
+    which the trainer refuses too), under SMALL_TOKENIZER_SHARE of it (padding adds a fraction of a
+    percent: another model's tokenizer, which transformers and Megatron would take silently), or an
+    explicit `data.tokenizer_path` holds none; a warning line when `model.hf_path` holds no tokenizer
+    (planning from a config.json alone); else None."""
     from megatron_rl.data.readers import DataError
     from megatron_rl.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files, load_tokenizer
     from megatron_rl.models.source import tokenizer_source
@@ -291,9 +377,10 @@ def check_tokenizer(cfg: Any) -> str | None:
     except DataError as err:
         raise DoesNotFit(str(err)) from None
     if n < SMALL_TOKENIZER_SHARE * vocab:
-        return (
-            f"{key} = {path}: the tokenizer has {n:,} tokens for a model vocabulary of {vocab:,} (config.json): "
-            f"under {SMALL_TOKENIZER_SHARE:.0%} of it, more than padding explains; is it this model's tokenizer?"
+        raise DoesNotFit(
+            f"{key} = {path}: the tokenizer has {n:,} tokens for a model vocabulary of {vocab:,} (config.json's "
+            f"vocab_size): under {SMALL_TOKENIZER_SHARE:.0%} of it, more than padding explains, so another model's "
+            "tokenizer; set data.tokenizer_path to this model's"
         )
     return None
 
@@ -309,7 +396,8 @@ def check_resources(
 ) -> tuple[list[str], list[str]]:
     """(memory figures, warnings) of a job that passes, else DoesNotFit: on GPUs the trainer's memory and,
     when the job starts its own engines (`own_engines`), theirs and, colocated (`colocated_fraction`:
-    the job's default share), both together; the tokenizer on any device."""
+    the job's default share), both together; the tokenizer on any device. The warnings: an engine's KV
+    cache under `rollout.max_concurrency` whole sequences, no tokenizer in `model.hf_path`."""
     warning = check_tokenizer(cfg)
     warnings = [warning] if warning else []
     if not gpus_per_node:
@@ -317,7 +405,8 @@ def check_resources(
     trainer = check_trainer_memory(cfg, world, gpu_mem_gib)
     engine = kept = None
     if own_engines:
-        engine = check_engine_memory(cfg, gpus_per_node, gpu_mem_gib, engine_args, colocated_fraction)
+        engine, concurrency = check_engine_memory(cfg, gpus_per_node, gpu_mem_gib, engine_args, colocated_fraction)
+        warnings += [concurrency] if concurrency else []
         if colocated_fraction is not None:
             kept = check_colocated_memory(trainer, engine, bool(cfg.rollout.colocate_offload))
-    return memory_lines(trainer, engine, kept, gpu_mem_gib), warnings
+    return memory_lines(trainer, engine, kept, gpu_mem_gib, sequence_tokens(cfg)[0]), warnings

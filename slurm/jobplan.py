@@ -380,6 +380,9 @@ def make_plan(
         )
     except jobcheck.DoesNotFit as err:
         raise PlanError(str(err)) from None
+    if external and engine_args:
+        name = "SGLANG_ARGS" if gpus_per_node else "LOCAL_ENGINE_ARGS"
+        warnings.append(f"{name} ({shlex.join(engine_args)}) is not used: rollout.sglang_urls gives the servers")
 
     addr_of = dict(zip(nodes, addrs, strict=True))
     base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500  # multi-node engines' rendezvous

@@ -77,6 +77,44 @@ def test_kv_cache_bytes_per_token() -> None:
     assert jobcheck.kv_bytes_per_token(dsv3, 32) == 61 * 576 * 2 == 70_272
 
 
+def test_the_engines_dtype_sizes_its_weights_and_kv_cache(models: Path) -> None:
+    """SGLang's --dtype (auto: config.json's, float16 for float32 or none, bfloat16 for Gemma) and its
+    --kv-cache-dtype (auto: the weights', fp8 for a checkpoint quantized with an FP8 KV cache)."""
+    bf16 = {"torch_dtype": "bfloat16"}
+    assert jobcheck.engine_dtype(bf16, []) == jobcheck.engine_dtype(bf16, ["--dtype", "auto"]) == ("bf16", 2)
+    assert jobcheck.engine_dtype({"torch_dtype": "float32"}, []) == jobcheck.engine_dtype({}, []) == ("fp16", 2)
+    assert jobcheck.engine_dtype({"model_type": "gemma2", "torch_dtype": "float32"}, []) == ("bf16", 2)
+    assert jobcheck.engine_dtype(bf16, ["--dtype", "float32"]) == jobcheck.engine_dtype(bf16, ["--dtype=float"])
+    assert jobcheck.engine_dtype(bf16, ["--dtype=float"]) == ("fp32", 4)
+    assert jobcheck.engine_dtype(bf16, ["--dtype", "half"]) == ("fp16", 2)
+    with pytest.raises(jobcheck.DoesNotFit, match=r"^SGLANG_ARGS: --dtype 'int8'; SGLang takes auto, half, float16"):
+        jobcheck.engine_dtype(bf16, ["--dtype", "int8"])
+    assert jobcheck.kv_cache_dtype(bf16, [], ("fp32", 4)) == ("fp32", 4)
+    assert jobcheck.kv_cache_dtype(bf16, ["--kv-cache-dtype", "fp8_e5m2"], ("bf16", 2)) == ("fp8_e5m2", 1.0)
+    fp8_kv = {"quantization_config": {"kv_cache_quant_algo": "FP8"}}
+    assert jobcheck.kv_cache_dtype(fp8_kv, [], ("bf16", 2)) == ("fp8_e4m3", 1.0)
+    with pytest.raises(jobcheck.DoesNotFit, match=r"--kv-cache-dtype 'int4'; SGLang takes auto, bf16"):
+        jobcheck.kv_cache_dtype(bf16, ["--kv-cache-dtype", "int4"], ("bf16", 2))
+    # fp32 weights and an fp8 KV cache on 4 GPUs: 30.5 B x 4 bytes / 4 = 28.4 GiB in 0.819 x 80 = 65.5 GiB,
+    # 37.1 GiB of KV cache at 48 layers x 2 x 1 head x 128 x 1 byte = 12,288 bytes a token
+    p = _plan(models, "qwen", "rollout.engine_gpus=4", engine_args=["--dtype", "float32", "--kv-cache-dtype=fp8_e5m2"])
+    kv = 0.819 * 80 - QWEN_PARAMS * 4 / 4 / GIB
+    assert p.memory[1].startswith(
+        f"engine (4 GPUs): 28.4 GiB fp32 weights (30.5 B parameters) + {kv:.1f} GiB KV cache "
+        f"({int(kv * GIB // 12_288):,} fp8_e5m2 tokens at 12,288 bytes"
+    )
+    # fp32 on one GPU: 113.7 GiB, over SGLang's 0.83 x 80 for TP 1 (512 + 12,288 + 128 + 512 + 464 MiB
+    # reserved); 2 GPUs: 56.9 GiB in 0.829 x 80 = 66.3 GiB leave 9.4 GiB of fp32 KV cache, 102,798 tokens
+    assert jobcheck.sglang_default_mem_fraction(80, 1, False) == round((81920 - 13904) / 81920, 3) == 0.83
+    with pytest.raises(jobplan.PlanError) as err:
+        _plan(models, "qwen", "rollout.engine_gpus=1", engine_args=["--dtype", "float32"])
+    assert str(err.value) == (
+        "a rollout engine needs 113.7 GiB per GPU of fp32 weights (114 GiB for 30.5 B parameters / "
+        "rollout.engine_gpus=1), more than its static share of 66.4 GiB per GPU (--mem-fraction-static 0.83: "
+        "SGLang's default for 80 GiB and TP 1; GPU_MEM_GIB=80); rollout.engine_gpus=2 would fit"
+    )
+
+
 def test_a_passing_plan_prints_the_trainer_and_engine_memory(models: Path) -> None:
     p = _plan(models, "qwen", "rollout.engine_gpus=4", train_nodes=2)
     trainer_line, engine_line = p.memory
@@ -89,13 +127,15 @@ def test_a_passing_plan_prints_the_trainer_and_engine_memory(models: Path) -> No
     assert f"(weights {weights:.1f} + gradients {grads:.1f} + optimizer {optimizer:.1f})" in trainer_line
     assert "within 90% (72.0 GiB)" in trainer_line
     # engine of 4 GPUs: 30.5 B x 2 bytes / 4 = 14.2 GiB; SGLang's default 0.819 of 80 GiB = 65.5 GiB, the rest
-    # 51.3 GiB of KV cache at 24,576 bytes a token
+    # 51.3 GiB of KV cache at 24,576 bytes a token: 2,241,434 tokens, 1,094 sequences of 1024 + 1024 tokens
     kv = 0.819 * 80 - QWEN_PARAMS * 2 / 4 / GIB
+    tokens = int(kv * GIB // 24_576)
     assert engine_line == (
         f"engine (4 GPUs): {QWEN_PARAMS * 2 / 4 / GIB:.1f} GiB bf16 weights (30.5 B parameters) + {kv:.1f} GiB KV "
-        f"cache ({int(kv * GIB // 24_576):,} tokens at 24,576 bytes) = 65.5 GiB: --mem-fraction-static 0.819 "
-        "(SGLang's default for 80 GiB and TP 4)"
+        f"cache ({tokens:,} bf16 tokens at 24,576 bytes: {tokens // 2048:,} sequences of 2,048) = 65.5 GiB: "
+        "--mem-fraction-static 0.819 (SGLang's default for 80 GiB and TP 4)"
     )
+    assert tokens // 2048 == 1094 and not [w for w in p.warnings if "max_concurrency" in w]  # 64 in flight fit
     assert engine_line.startswith("engine (4 GPUs): 14.2 GiB bf16 weights") and "51.3 GiB KV cache" in engine_line
     assert "memory per GPU of 80 GiB" in jobplan.describe(p)
 
@@ -117,7 +157,8 @@ def test_deepseek_v3_on_one_node_of_engines_is_refused_with_its_figures(models: 
     p = _plan(models, "dsv3", nodes=36, train_nodes=32, preset="deepseek-v3-671b")
     kv = 0.762 * 80 - DSV3_PARAMS * 2 / 32 / GIB
     assert f"engine (32 GPUs): 39.1 GiB bf16 weights (671.0 B parameters) + {kv:.1f} GiB KV cache" in p.memory[1]
-    assert f"({int(kv * GIB // 70_272):,} tokens at 70,272 bytes) = 61.0 GiB" in p.memory[1]
+    tokens = int(kv * GIB // 70_272)
+    assert f"({tokens:,} bf16 tokens at 70,272 bytes: {tokens // 2048:,} sequences of 2,048) = 61.0 GiB" in p.memory[1]
 
 
 def test_an_engine_without_room_for_one_sequence_is_refused(models: Path) -> None:
@@ -133,7 +174,26 @@ def test_an_engine_without_room_for_one_sequence_is_refused(models: Path) -> Non
         "GPU_MEM_GIB=80) for the KV cache: 7967 tokens, fewer than one sequence of 17408 (data.max_prompt_tokens "
         "+ rollout.max_new_tokens); rollout.engine_gpus=2 would fit"
     )
-    _plan(models, "qwen", "rollout.engine_gpus=1", engine_args=args)  # 2048 tokens fit
+    # 2048 tokens fit, 64 of them in flight do not: a warning, as SGLang runs (fewer at once); 2 GPUs: the
+    # 28.4 GiB of weights leave 29.2 GiB at 49,152 bytes a token (2 KV heads per GPU), 637,113 tokens
+    assert int((0.72 * 80 - QWEN_PARAMS * 2 / 2 / GIB) * GIB // 49_152) == 637_113 >= 64 * 2048
+    (warning,) = [w for w in _plan(models, "qwen", "rollout.engine_gpus=1", engine_args=args).warnings if "KV" in w]
+    assert warning == (
+        "a rollout engine's KV cache holds 7,967 tokens: 3 whole sequences of 2,048 (data.max_prompt_tokens + "
+        "rollout.max_new_tokens) at once, fewer than rollout.max_concurrency=64 (131,072 tokens): SGLang runs fewer "
+        "requests at once and retracts some as responses grow; rollout.engine_gpus=2 would hold them"
+    )
+    few = _plan(models, "qwen", "rollout.engine_gpus=1", "rollout.max_concurrency=3", engine_args=args)
+    assert (
+        not [w for w in few.warnings if "KV" in w] and "7,967 bf16 tokens at 98,304 bytes: 3 sequences" in few.memory[1]
+    )
+    # a multi-turn episode's context is its whole budget, env.max_total_tokens
+    turns = ("env.type=calculator", "env.max_turns=4", "env.max_total_tokens=8000")
+    with pytest.raises(
+        jobplan.PlanError,
+        match=r"7967 tokens, fewer than one sequence of 8000 \(env.max_total_tokens, 4 turns\); rollout.engine_gpus=2 would fit$",
+    ):
+        _plan(models, "qwen", "rollout.engine_gpus=1", *turns, engine_args=args)
     with pytest.raises(jobplan.PlanError, match="--mem-fraction-static 'most' is not a number"):
         _plan(models, "qwen", "rollout.engine_gpus=4", engine_args=["--mem-fraction-static=most"])
 
@@ -161,19 +221,21 @@ def test_colocated_trainer_and_engines_share_each_gpu(models: Path) -> None:
 
 def test_the_tokenizer_against_the_models_vocabulary(models: Path) -> None:
     """More tokens than embedding rows: refused (the trainer refuses it too); under half the vocabulary
-    (28 of 151,936, or of 57): a warning, since transformers and Megatron accept it and a deliberate one
-    runs; half or more (28 of 56): nothing; no tokenizer in model.hf_path
+    (28 of 151,936, or of 57): refused with both sizes, another model's tokenizer, more than padding
+    explains; half or more (28 of 56: a padded vocabulary): fine; no tokenizer in model.hf_path
     (planning from config.json alone): a warning."""
     tokenizer = f"data.tokenizer_path={models / 'tokenizer'}"
     with pytest.raises(jobplan.PlanError, match=r"the tokenizer has 28 tokens, more than the model's vocabulary"):
         _plan(models, "vocab16", tokenizer, "rollout.engine_gpus=4")
-    p = _plan(models, "qwen", tokenizer, "rollout.engine_gpus=4")
-    assert p.warnings == [
+    with pytest.raises(jobplan.PlanError) as err:
+        _plan(models, "qwen", tokenizer, "rollout.engine_gpus=4")
+    assert str(err.value) == (
         f"data.tokenizer_path = {models / 'tokenizer'}: the tokenizer has 28 tokens for a model vocabulary of "
-        "151,936 (config.json): under 50% of it, more than padding explains; is it this model's tokenizer?"
-    ]
-    assert jobplan.describe(p).splitlines()[-1] == f"warning: {p.warnings[0]}"
-    assert len(_plan(models, "vocab57", tokenizer, "rollout.engine_gpus=4").warnings) == 1  # 28 < 57 / 2
+        "151,936 (config.json's vocab_size): under 50% of it, more than padding explains, so another model's "
+        "tokenizer; set data.tokenizer_path to this model's"
+    )
+    with pytest.raises(jobplan.PlanError, match=r"has 28 tokens for a model vocabulary of 57 "):
+        _plan(models, "vocab57", tokenizer, "rollout.engine_gpus=4")  # 28 < 57 / 2
     assert _plan(models, "vocab56", tokenizer, "rollout.engine_gpus=4").warnings == []  # 28 = 56 / 2
     (models / "no_tokenizer").mkdir(exist_ok=True)
     with pytest.raises(
@@ -181,5 +243,7 @@ def test_the_tokenizer_against_the_models_vocabulary(models: Path) -> None:
         match=r"^data.tokenizer_path = .*no_tokenizer: no tokenizer files \(tokenizer.json, tokenizer.model",
     ):
         _plan(models, "qwen", f"data.tokenizer_path={models / 'no_tokenizer'}", "rollout.engine_gpus=4")
-    (warning,) = _plan(models, "qwen", "rollout.engine_gpus=4").warnings
+    p = _plan(models, "qwen", "rollout.engine_gpus=4")
+    (warning,) = p.warnings
     assert warning.startswith(f"model.hf_path = {models / 'qwen'}: no tokenizer files (tokenizer.json")
+    assert jobplan.describe(p).splitlines()[-1] == f"warning: {warning}"
