@@ -15,8 +15,9 @@ from typing import Any
 from megatron_rl.config import Config
 from megatron_rl.data import Prompt
 from megatron_rl.envs import TurnRenderer
-from megatron_rl.loop.collect import episodes, sampling_seed, score_samples
+from megatron_rl.loop.collect import episodes, sampling_seed
 from megatron_rl.loop.evaluation import evaluate
+from megatron_rl.loop.scoring import score_samples
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.types import Engine, SamplingParams
 
