@@ -19,6 +19,7 @@ import torch
 from megatron_rl.cli import pace_garbage_collector
 
 import mrl_runs
+from mrl_multiproc.launcher import ScenarioLaunches
 
 pace_garbage_collector()  # the test processes import torch, Megatron and transformers as a run's do
 
@@ -108,6 +109,45 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# ---- the layout scenarios of three modules, one launch per world size ----
+
+# pytest module -> its scenario module (tests/mrl_multiproc/); their selected scenarios share the launches
+LAYOUT_MODULES = {
+    "test_actor_distributed": "scenarios_actor",
+    "test_convert_distributed": "scenarios_convert",
+    "test_models_distributed": "model_scenarios",
+}
+# the actor's world-size-1 launch writes the references the others compare with; its w2_pp2 saves the
+# checkpoint that w4_load_pp2_checkpoint loads
+LAYOUT_PREREQUISITES = {2: (1, "scenarios_actor:w1_reference"), 4: (2, "scenarios_actor:w2_pp2")}
+
+
+@pytest.fixture(scope="session")
+def layout_launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ScenarioLaunches:
+    """The launches of the scenarios of LAYOUT_MODULES selected in this session, in the session's order: each
+    world size's processes start, import Megatron and join their process group once for all three modules."""
+    worlds: dict[int, list[str]] = {}
+    for item in request.session.items:
+        module = LAYOUT_MODULES.get(item.path.stem)
+        callspec = getattr(item, "callspec", None)
+        if module is not None and callspec is not None and "world_size" in callspec.params:
+            worlds.setdefault(callspec.params["world_size"], []).append(f"{module}:{callspec.params['name']}")
+    actor = LAYOUT_MODULES["test_actor_distributed"]
+    prerequisites = {
+        w: p for w, p in LAYOUT_PREREQUISITES.items() if any(s.startswith(f"{actor}:") for s in worlds.get(w, []))
+    }
+    for prior_world, scenario in prerequisites.values():
+        if scenario not in worlds.setdefault(prior_world, []):
+            worlds[prior_world].insert(0, scenario)
+    return ScenarioLaunches(
+        None,
+        worlds,
+        params={"ref_dir": str(tmp_path_factory.mktemp("actor_ref"))},
+        prerequisites=prerequisites,
+        timeout_s=1800.0,
+    )
 
 
 # ---- session-scoped assets ----

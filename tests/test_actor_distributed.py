@@ -1,4 +1,4 @@
-"""The Megatron actor across layouts: one gloo launch per world size (tests/mrl_multiproc/scenarios_actor.py).
+"""The Megatron actor across layouts: one gloo launch per world size, shared with the other two layout modules (tests/mrl_multiproc/scenarios_actor.py).
 
 Every layout first checks the actor's log-prob path (hidden states, no logits) against the logits
 path on the same weights: log-probs, entropy and every parameter's gradient within 1e-5 (also with
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
+from mrl_multiproc.launcher import ModuleLaunches, ScenarioLaunches, scenario_test
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
@@ -84,14 +84,9 @@ WORLDS = {
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> ScenarioLaunches:
-    return ScenarioLaunches(
-        "scenarios_actor",
-        WORLDS,
-        params={"ref_dir": str(tmp_path_factory.mktemp("actor_ref"))},
-        # w1_reference writes the references; w2_pp2 saves the checkpoint that w4_load_pp2_checkpoint loads
-        prerequisites={2: (1, "w1_reference"), 4: (2, "w2_pp2")},
-    )
+def launches(layout_launches: ScenarioLaunches) -> ModuleLaunches:
+    """This module's part of the layout launches it shares with two others (tests/conftest.py)."""
+    return layout_launches.view("scenarios_actor")
 
 
 test_scenario = scenario_test(WORLDS)

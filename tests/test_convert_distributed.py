@@ -1,4 +1,4 @@
-"""HF <-> Megatron conversion across layouts, one gloo launch per world size (tests/mrl_multiproc/scenarios_convert.py).
+"""HF <-> Megatron conversion across layouts, one gloo launch per world size, shared with the other two layout modules (tests/mrl_multiproc/scenarios_convert.py).
 
 Tiny random models of each family (fp32): HF -> Megatron logits equal the HF model's (max abs diff
 <= 1e-4) at world size 1 and under TP=2 / EP=2 / PP=2 / TP=2 x EP=2, also when the checkpoint is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl_multiproc.launcher import ScenarioLaunches, scenario_test
+from mrl_multiproc.launcher import ModuleLaunches, ScenarioLaunches, scenario_test
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
@@ -22,8 +22,9 @@ WORLDS = {
 
 
 @pytest.fixture(scope="module")
-def launches() -> ScenarioLaunches:
-    return ScenarioLaunches("scenarios_convert", WORLDS)
+def launches(layout_launches: ScenarioLaunches) -> ModuleLaunches:
+    """This module's part of the layout launches it shares with two others (tests/conftest.py)."""
+    return layout_launches.view("scenarios_convert")
 
 
 test_scenario = scenario_test(WORLDS)

@@ -1,4 +1,4 @@
-"""Megatron models across layouts, one gloo launch per world size (tests/mrl_multiproc/model_scenarios.py).
+"""Megatron models across layouts, one gloo launch per world size, shared with the other two layout modules (tests/mrl_multiproc/model_scenarios.py).
 
 Every layout's logits on the same batch equal the unsplit model's (fp32, max abs diff <= 1e-5), and so do the
 critic's values under TP 2 with sequence parallelism and PP 2;
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl_multiproc.launcher import ScenarioLaunches, run_module_scenarios, scenario_test
+from mrl_multiproc.launcher import ModuleLaunches, ScenarioLaunches, run_module_scenarios, scenario_test
 
 pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) an engine or ranks
 
@@ -44,8 +44,9 @@ GPU_WORLD_1 = ["families_match_hf", "sigmoid_families_match_hf", "recompute_same
 
 
 @pytest.fixture(scope="module")
-def launches() -> ScenarioLaunches:
-    return ScenarioLaunches("model_scenarios", WORLDS)
+def launches(layout_launches: ScenarioLaunches) -> ModuleLaunches:
+    """This module's part of the layout launches it shares with two others (tests/conftest.py)."""
+    return layout_launches.view("model_scenarios")
 
 
 test_scenario = scenario_test(WORLDS)

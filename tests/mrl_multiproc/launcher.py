@@ -137,16 +137,19 @@ def run_module_scenarios(
 
 
 class ScenarioLaunches:
-    """The launches of one pytest module: `worlds` maps a world size to the functions of scenario
-    module `module` that run in its launch. A world size is launched when a result of it is first
-    asked for, after the scenario `prerequisites[world_size]` (one of an earlier launch, e.g. the one
-    that writes the references) has passed. `after_launch` runs after every launch (e.g. to check
-    that a server the scenarios use is still alive); when it raises AssertionError, every scenario
-    of that launch fails with its message."""
+    """The launches of one pytest module, or of several at once: `worlds` maps a world size to the
+    scenarios that run in its launch, the functions of scenario module `module`, or, with `module`
+    None, `module:function` names of several scenario modules (`view` gives each pytest module its
+    part: one launch per world size for all of them, so that each world size starts its processes,
+    imports Megatron and forms its process group once). A world size is launched when a result of it
+    is first asked for, after the scenario `prerequisites[world_size]` (one of an earlier launch,
+    e.g. the one that writes the references) has passed. `after_launch` runs after every launch
+    (e.g. to check that a server the scenarios use is still alive); when it raises AssertionError,
+    every scenario of that launch fails with its message."""
 
     def __init__(
         self,
-        module: str,
+        module: str | None,
         worlds: Mapping[int, Sequence[str]],
         *,
         params: Mapping[str, Any] | None = None,
@@ -167,7 +170,11 @@ class ScenarioLaunches:
             if world_size in self.prerequisites:
                 self.result(*self.prerequisites[world_size]).check()
             names = self.worlds[world_size]
-            results = run_module_scenarios(self.module, world_size, names, params=self.params, timeout_s=self.timeout_s)
+            kwargs = {"params": self.params, "timeout_s": self.timeout_s}
+            if self.module is None:
+                results = run_scenarios(world_size, names, **kwargs)
+            else:
+                results = run_module_scenarios(self.module, world_size, names, **kwargs)
             if self.after_launch is not None:
                 try:
                     self.after_launch()
@@ -175,6 +182,22 @@ class ScenarioLaunches:
                     results = {n: ScenarioResult(n, "failed", f"after the launch: {err}") for n in names}
             self._results[world_size] = results
         return self._results[world_size][name]
+
+    def view(self, module: str) -> ModuleLaunches:
+        """What one pytest module asks of launches shared by several (`module` None): its scenario
+        module's results by function name."""
+        return ModuleLaunches(self, module)
+
+
+@dataclass(frozen=True)
+class ModuleLaunches:
+    """The results of one scenario module's functions in `ScenarioLaunches` shared by several modules."""
+
+    shared: ScenarioLaunches
+    module: str
+
+    def result(self, world_size: int, name: str) -> ScenarioResult:
+        return self.shared.result(world_size, f"{self.module}:{name}")
 
 
 def scenario_test(worlds: Mapping[int, Sequence[str]]) -> Callable[..., None]:
@@ -189,7 +212,7 @@ def scenario_test(worlds: Mapping[int, Sequence[str]]) -> Callable[..., None]:
     ]
 
     @pytest.mark.parametrize(("world_size", "name"), cases)
-    def test_scenario(launches: ScenarioLaunches, world_size: int, name: str) -> None:
+    def test_scenario(launches: ScenarioLaunches | ModuleLaunches, world_size: int, name: str) -> None:
         launches.result(world_size, name).check()
 
     return test_scenario
@@ -241,14 +264,22 @@ def _resolve(spec: str) -> Any:
 
 
 def _teardown() -> None:
-    if "megatron.core.parallel_state" not in sys.modules:  # the scenario never touched Megatron
-        return
-    from megatron.core import parallel_state as ps
+    """Megatron's parallel state forgotten and every process group but the launch's own destroyed: a
+    group lives (with its gloo threads) until destroyed, and a launch runs dozens of scenarios."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    from megatron_rl.parallel import destroy_distributed
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        destroy_distributed(process_group=False)
+        from megatron_rl.parallel import destroy_distributed
+
+        if ps.model_parallel_is_initialized():
+            destroy_distributed(process_group=False)
+    world = distributed_c10d._get_default_group()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def _worker(out: Path, scenarios: Sequence[str], collective_timeout_s: float) -> int:
