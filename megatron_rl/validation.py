@@ -37,6 +37,7 @@ from megatron_rl.parallel.device import transformer_engine_available
 from megatron_rl.parallel.launch import read_launch_env
 from megatron_rl.parallel.layout import check_layout
 from megatron_rl.parallel.state import check_optimizer_offload, resolve_backend
+from megatron_rl.rewards import RewardConfigError, load_group_filter
 
 Command = Literal["train", "sft", "convert"]
 
@@ -87,6 +88,11 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "docs/training.md#the-critic); leave critic.enabled false and critic.hf_path unset"
         )
     environment_class(cfg.env)  # env.type: a built-in, or a module:Class that imports
+    if alg.dynamic_sampling_filter:
+        try:
+            load_group_filter(alg.dynamic_sampling_filter)
+        except RewardConfigError as err:
+            raise ConfigError(str(err)) from err
     _check_rl_batch(cfg, 1)  # at once; against the real data-parallel size once the layout is known
 
 

@@ -6,7 +6,9 @@ from megatron_rl.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     DynamicSamplingResult,
     GroupFilter,
+    GroupFilterError,
     filter_groups,
+    user_filter,
 )
 from megatron_rl.algorithms.estimators import (
     compute_gae_advantage_return,
@@ -22,6 +24,7 @@ __all__ = [
     "DynamicSamplingAccumulator",
     "DynamicSamplingResult",
     "GroupFilter",
+    "GroupFilterError",
     "compute_gae_advantage_return",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -34,4 +37,5 @@ __all__ = [
     "per_turn_advantages",
     "soft_overlong_penalty",
     "turn_returns",
+    "user_filter",
 ]

@@ -5,11 +5,14 @@ gradient; DAPO over-samples and drops such groups. `filter_groups` finds them in
 batch; `DynamicSamplingAccumulator` collects kept groups over generation rounds until the target
 number of groups is reached or `algorithm.max_gen_rounds` rounds have run, in which case the
 groups kept so far are used as they are and `target_missed` is set in the metrics.
+
+A user's filter (`algorithm.dynamic_sampling_filter`, slime's `--dynamic-sampling-filter-path`) takes
+the place of the reward spread: `user_filter` keeps the groups for which it returns True.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +50,35 @@ def filter_groups(rewards: torch.Tensor, group_size: int, *, min_spread: float =
     )
 
 
+class GroupFilterError(RuntimeError):
+    """A user's group filter raised, or returned something other than a bool."""
+
+
+def user_filter(keep: Callable[[Any], Any], groups: Sequence[Any], group_size: int, name: str) -> GroupFilter:
+    """Keep the groups for which `keep(group)` returns True (a bool, or a 0-dim numpy/torch bool);
+    `name` names the function in the GroupFilterError of a call that raised or returned anything else."""
+    verdicts = []
+    for k, group in enumerate(groups):
+        try:
+            verdict = keep(group)
+        except Exception as err:
+            raise GroupFilterError(f"{name} raised on group {k} of the round: {err!r}") from err
+        value = verdict.item() if getattr(verdict, "ndim", None) == 0 else verdict
+        if not isinstance(value, bool):
+            raise GroupFilterError(
+                f"{name} returned {type(verdict).__name__} {verdict!r} for group {k} of the round: "
+                "it must return True (keep the group) or False (drop it)"
+            )
+        verdicts.append(value)
+    keep_groups = torch.tensor(verdicts, dtype=torch.bool)
+    return GroupFilter(
+        keep_groups=keep_groups,
+        keep_samples=keep_groups.repeat_interleave(group_size),
+        kept=int(keep_groups.sum()),
+        total=len(verdicts),
+    )
+
+
 @dataclass
 class DynamicSamplingResult:
     """groups: the kept group payloads, in arrival order, at most the target number.
@@ -65,10 +97,20 @@ class DynamicSamplingAccumulator:
 
     Usage: `while not acc.done: acc.add(rewards, groups)` with one generation batch per call
     (`groups[k]` is the caller's payload for group k, e.g. its samples; `rewards` as in
-    `filter_groups`), then `acc.result()`.
+    `filter_groups`), then `acc.result()`. With `keep` (a user's filter, named `keep_name` in its
+    errors), `keep(groups[k])` decides in place of the reward spread (`user_filter`).
     """
 
-    def __init__(self, target_groups: int, group_size: int, max_rounds: int, *, min_spread: float = 0.0) -> None:
+    def __init__(
+        self,
+        target_groups: int,
+        group_size: int,
+        max_rounds: int,
+        *,
+        min_spread: float = 0.0,
+        keep: Callable[[Any], Any] | None = None,
+        keep_name: str = "the group filter",
+    ) -> None:
         if target_groups < 1 or group_size < 1 or max_rounds < 1:
             raise ValueError(
                 f"DynamicSamplingAccumulator: target_groups ({target_groups}), group_size ({group_size}) "
@@ -78,6 +120,8 @@ class DynamicSamplingAccumulator:
         self.group_size = group_size
         self.max_rounds = max_rounds
         self.min_spread = min_spread
+        self.keep = keep
+        self.keep_name = keep_name
         self.rounds = 0
         self.generated = 0
         self._groups: list[Any] = []
@@ -96,7 +140,10 @@ class DynamicSamplingAccumulator:
         """Filter one generation batch and keep its informative groups; returns that batch's filter."""
         if self.rounds >= self.max_rounds:
             raise RuntimeError(f"DynamicSamplingAccumulator.add: all {self.max_rounds} rounds are already used")
-        filt = filter_groups(rewards, self.group_size, min_spread=self.min_spread)
+        if self.keep is None:
+            filt = filter_groups(rewards, self.group_size, min_spread=self.min_spread)
+        else:
+            filt = user_filter(self.keep, groups, self.group_size, self.keep_name)
         if len(groups) != filt.total:
             raise ValueError(f"DynamicSamplingAccumulator.add: {len(groups)} group payloads for {filt.total} groups")
         grouped = rewards.float().view(-1, self.group_size)

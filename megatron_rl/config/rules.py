@@ -9,7 +9,8 @@ train, the critic, env and logging. Each failure raises one `ConfigError` naming
 
 Implied keys: a key that reads another's value only for one choice of it implies that choice:
 `reward.custom_function` is read only with `reward.type = custom`, `rollout.sglang_urls` only with
-`rollout.engine = sglang`, and `critic.hf_path` only with `critic.enabled = true`. `imply` sets the implied key while loading when no layer (YAML file, overrides)
+`rollout.engine = sglang`, `critic.hf_path` only with `critic.enabled = true`, and
+`algorithm.dynamic_sampling_filter` only with `algorithm.dynamic_sampling = true`. `imply` sets the implied key while loading when no layer (YAML file, overrides)
 gives it; `check_implied` refuses the two together with another choice, naming both keys, so that a setting is
 never silently ignored (also in a `Config` built in code, where nothing is implied).
 """
@@ -83,6 +84,7 @@ IMPLIED = (
     Implied("reward.custom_function", "reward.type", "custom"),
     Implied("rollout.sglang_urls", "rollout.engine", "sglang"),
     Implied("critic.hf_path", "critic.enabled", True),
+    Implied("algorithm.dynamic_sampling_filter", "algorithm.dynamic_sampling", True),
 )
 _ABSENT = object()
 

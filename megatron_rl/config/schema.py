@@ -264,6 +264,11 @@ class AlgorithmConfig:
     adv_norm_std: bool = _f(True, "divide group advantages by the group std (False = mean-only, Dr. GRPO)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std", ge=0)
     dynamic_sampling: bool = _f(False, "drop groups with zero reward spread and keep sampling")
+    dynamic_sampling_filter: str | None = _f(
+        None,
+        "module:function or file.py:function deciding which groups dynamic sampling keeps, in place of the reward "
+        "spread: fn(group) -> bool (docs/training.md); implies dynamic_sampling",
+    )
     max_gen_rounds: int = _f(10, "generation rounds per step before the batch is used as it is", ge=1)
     oversample_factor: float = _f(1.0, "prompts per generation round = factor x train.prompts_per_step", ge=1)
     soft_overlong_punishment: bool = _f(False, "DAPO soft length penalty inside the last L_cache tokens")

@@ -53,7 +53,7 @@ from megatron_rl.loop.samples import SampleBuilder, StepBatch
 from megatron_rl.loop.samples import advantages_of as advantages_of  # re-exported: the step's one advantage function
 from megatron_rl.loop.samples import kl_penalized_advantages as kl_penalized_advantages
 from megatron_rl.loop.scoring import Group, score_groups
-from megatron_rl.rewards import RewardScorer, RewardStats
+from megatron_rl.rewards import RewardScorer, RewardStats, load_group_filter
 from megatron_rl.rollout.teacher import Teacher
 from megatron_rl.rollout.types import Engine, SamplingParams
 
@@ -112,6 +112,8 @@ class RolloutCollector:
         self.make_env = environment_factory(cfg.env)
         self.renderer = TurnRenderer(tokenizer)
         self.builder = SampleBuilder(cfg)
+        spec = cfg.algorithm.dynamic_sampling_filter
+        self.keep = load_group_filter(spec) if spec else None  # (Group) -> bool, in place of the reward spread
 
     # ---- pieces ----
     async def generate(self, prompts: Sequence[Prompt], step: int, round_: int | str) -> list[list[Trajectory]]:
@@ -176,7 +178,8 @@ class RolloutCollector:
 
     async def _choose(self, step: int, source: RoundSource, tally: _Tally) -> tuple[list[Group], dict[str, float]]:
         """The step's groups and their `groups/` metrics: one round's, or with `algorithm.dynamic_sampling`
-        the informative groups of as many rounds as it takes (`DynamicSamplingAccumulator`)."""
+        the informative groups of as many rounds as it takes (`DynamicSamplingAccumulator`): those whose
+        scores differ, or those `algorithm.dynamic_sampling_filter` keeps."""
         alg, g, target = self.cfg.algorithm, self.cfg.rollout.n_samples_per_prompt, self.cfg.train.prompts_per_step
         if not alg.dynamic_sampling:
             used = await self._round(source, step, target, tally)
@@ -184,7 +187,8 @@ class RolloutCollector:
             generated = float(len(used))
             counts = {"rounds": float(tally.rounds), "groups_generated": generated, "groups_used": generated}
             return used, {**{f"groups/{k}": v for k, v in counts.items()}, "groups/target_missed": 0.0}
-        acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds)
+        name = f"algorithm.dynamic_sampling_filter {alg.dynamic_sampling_filter!r}"
+        acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds, keep=self.keep, keep_name=name)
         while True:
             groups = await self._round(source, step, math.ceil(target * alg.oversample_factor), tally)
             tally.informative += acc.add(_scores(groups), groups).kept

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from megatron_rl.algorithms import GroupFilterError
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.config.data_files import eval_files, train_files
 from megatron_rl.data import LoadReport, Prompt, PromptSampler, WeightedSampler, pooled
@@ -90,8 +91,15 @@ T = TypeVar("T")
 CONTROL_TIMEOUT_S = 60.0
 
 # the rollout's own stops, each one line (`megatron_rl.trainer.RUN_ERRORS`): a NaN turn reward, an environment
-# that cannot start, more failed episodes than env.max_failure_frac, a teacher that cannot score (distill)
-ROLLOUT_ERRORS: tuple[type[Exception], ...] = (EnvRewardError, EnvStartError, EpisodeFailureError, TeacherError)
+# that cannot start, more failed episodes than env.max_failure_frac, a teacher that cannot score (distill),
+# a dynamic-sampling filter that raised or returned no bool
+ROLLOUT_ERRORS: tuple[type[Exception], ...] = (
+    EnvRewardError,
+    EnvStartError,
+    EpisodeFailureError,
+    TeacherError,
+    GroupFilterError,
+)
 
 
 def _summed(parts: list[dict[str, float]]) -> dict[str, float]:

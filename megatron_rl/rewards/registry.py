@@ -103,6 +103,12 @@ def load_custom_function(spec: str, where: str | None = None) -> RewardFn:
     return function
 
 
+def load_group_filter(spec: str) -> Callable[..., Any]:
+    """`algorithm.dynamic_sampling_filter`: the function that keeps (True) or drops (False) a prompt group
+    in dynamic sampling, loaded as reward.custom_function is."""
+    return load_custom_function(spec, where=f"algorithm.dynamic_sampling_filter = {spec!r}")
+
+
 def _import(module_name: str, where: str) -> Any:
     try:
         return importlib.import_module(module_name)
