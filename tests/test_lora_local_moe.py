@@ -1,6 +1,6 @@
 """The local engine serves LoRA adapters on the routed experts of an MoE (Qwen3-MoE, Mixtral), in this
 process: a one-rank actor with adapters on every target (attention, the experts' gate, up and down) writes the base, the merged model and PEFT folders of two adapters (per-expert tensors, as SGLang
-takes them and the adapter sync sends them); the engine on the base, with both adapters loaded through
+takes them and the adapter sync writes them: Mixtral's targets by role, its tensors as w1, w3, w2); the engine on the base, with both adapters loaded through
 peft (its fused-expert layout, `rollout.local.lora`), gives each adapter's requests the merged model's
 fp32 log-probs and tokens within 1e-5, and the base's requests the base's, from one queue of mixed
 requests (experts run one adapter per forward, so the generator batches one adapter at a time)."""
@@ -32,11 +32,11 @@ class Folders:
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def folders(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Folders]:
-    from megatron_rl.actor.adapters import save_adapter_folder
     from megatron_rl.models.export import save_hf_folder
     from megatron_rl.models.hf_config import hf_config_from_model
     from megatron_rl.models.lora import gather_adapters, load_adapters, merged_weights
-    from megatron_rl.models.lora_targets import family_module_names
+    from megatron_rl.models.lora_targets import family_module_names, sglang_target_modules
+    from megatron_rl.models.peft_format import adapter_config, write_adapter_folder
 
     root = tmp_path_factory.mktemp(request.param)
     # every target: attention, and the routed experts' gate, up, down (Qwen3-MoE's are the defaults)
@@ -57,7 +57,8 @@ def folders(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             out.merged[name].mkdir()
             with merged_weights(actor.lora):
                 save_hf_folder(actor.chunks, model, out.merged[name], hf)
-            save_adapter_folder(actor, out.adapters[name], str(out.base))
+            config = adapter_config(model, str(out.base), target_modules=sglang_target_modules(model))
+            write_adapter_folder(out.adapters[name], gather_adapters(actor.lora), config, torch.float32)
     yield out
 
 
@@ -151,7 +152,9 @@ def test_auto_sync_resolves_to_merged_where_peft_cannot_serve(caplog: pytest.Log
     ]
     all_moe = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, first_k_dense_layers=0))
     assert resolve_lora_sync(all_moe).rollout.lora_sync == "adapter"
-    servers = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sglang_urls=["http://127.0.0.1:1"]))
+    servers = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, engine="sglang", sglang_urls=["http://127.0.0.1:1"])
+    )
     assert resolve_lora_sync(servers).rollout.lora_sync == "adapter"  # SGLang serves expert adapters (>= 0.5.10)
     check_local_engine_adapters(all_moe.model)
     with pytest.raises(ConfigError, match=r"rollout.lora_sync = 'adapter' with the local engine: .* dense layers"):

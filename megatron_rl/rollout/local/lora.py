@@ -32,6 +32,9 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 # lora_dropout is left out: serving never drops out, and PEFT's ParamWrapper (the experts') refuses any
 _CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "bias", "fan_in_fan_out", "use_rslora")
 _PREFIX = "base_model.model."
+# an adapter names Mixtral's experts by role, as SGLang takes them (its tensors keep w1, w3, w2, which SGLang
+# renames itself); peft finds them by the model's names
+_ROLE_TO_MODULE = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 # SGLang 0.5.23's SUPPORTED_LORA_TARGET_MODULES (srt/utils/common.py; tests/test_lora_sglang.py pins it): the only
 # names its --lora-target-modules takes, and so the only ones an adapter it loads may target
 SGLANG_TARGET_MODULES = frozenset(
@@ -107,8 +110,12 @@ class LocalAdapters:
         if str(config.get("peft_type", "LORA")).upper() != "LORA":
             raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
         _check_sglang_targets(name, config.get("target_modules"))
+        keys = {k: config[k] for k in _CONFIG_KEYS if k in config}
+        roles = _ROLE_TO_MODULE.get(getattr(getattr(self.model, "config", None), "model_type", ""), {})
+        if roles and isinstance(keys.get("target_modules"), list):
+            keys["target_modules"] = [roles.get(t, t) for t in keys["target_modules"]]
         try:
-            lora_config = LoraConfig(**{k: config[k] for k in _CONFIG_KEYS if k in config})
+            lora_config = LoraConfig(**keys)
             tensors = _fused_expert_layout(self.model, lora_config, tensors, name)
             inject_adapter_in_model(lora_config, self.model, adapter_name=name)
         except (TypeError, ValueError) as err:
