@@ -30,6 +30,7 @@ from megatron_rl.models.lora_targets import (
     check_local_engine_adapters,
     check_lora_sync,
     check_target_modules,
+    resolve_lora_sync,
 )
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
@@ -215,6 +216,8 @@ def validate_run(
     check_rules(resolved)
     if resolved.model.lora.rank > 0:
         check_target_modules(resolved.model)
+        if command == "train":
+            resolved = resolve_lora_sync(resolved)
         check_lora_sync(resolved)
         check_lora_rank(resolved.model)
         check_init_adapter(resolved.model)

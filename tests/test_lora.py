@@ -235,18 +235,26 @@ def _check_another_alpha_and_no_lora_are_refused(actor, ckpt) -> None:  # noqa: 
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_adapter_sync_to_the_local_engine_without_peft_is_refused_naming_the_way_out(monkeypatch) -> None:  # noqa: ANN001
-    import importlib.util
+def test_adapter_sync_to_the_local_engine_without_peft_is_refused_and_auto_merges(monkeypatch) -> None:  # noqa: ANN001
+    import importlib.metadata
 
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config import Config, ConfigError
     from megatron_rl.models import lora_targets
 
     model = dataclasses.replace(tiny_model("qwen3_moe"), lora=LoraConfig(rank=4, target_modules=["q_proj"]))
     lora_targets.check_local_engine_adapters(model)  # peft is installed here
-    found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else found(name, *a))
-    with pytest.raises(ConfigError, match=r"needs peft.*megatron-rl\[lora\].*rollout.lora_sync = 'merged'"):
+    assert lora_targets.resolve_lora_sync(Config(model=model)).rollout.lora_sync == "adapter"
+    version = importlib.metadata.version
+
+    def without_peft(name: str) -> str:
+        if name == "peft":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", without_peft)
+    with pytest.raises(ConfigError, match=r"peft, which is not installed .*megatron-rl\[lora\].*lora_sync = 'merged'"):
         lora_targets.check_local_engine_adapters(model)
+    assert lora_targets.resolve_lora_sync(Config(model=model)).rollout.lora_sync == "merged"
 
 
 def test_lora_on_a_family_without_adapter_targets_is_refused_naming_the_family() -> None:

@@ -2,10 +2,8 @@
 with adapters on every module (q, k, v, o, gate, up, down), exported as the run folder does, RUN_DIR/hf/
 (merged) and RUN_DIR/hf_adapter/ (PEFT), read by transformers and peft.
 
-Dense because transformers 5 holds Qwen3-MoE's routed experts as fused 3-D parameters: PEFT's
-target_modules reach neither them nor, on that class, the dense layers' MLP (peft 0.21 measured; its
-target_parameters would reach the experts, in another layout),
-so a MoE adapter folder serves SGLang (per-expert names) and the merged folder, not peft.PeftModel."""
+Dense here; the local engine's test (tests/test_lora_local_moe.py) serves MoE expert adapters through
+peft's fused-expert layout."""
 
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ R2_ROLLOUT_ERROR = "algorithm.routing_replay = 'r2' replays the routing recorded
 def _cases(folder: Path) -> dict[str, dict[str, Any]]:
     """Per case: the launch environment, the entry point and its arguments, the expected message."""
     config = str(folder / "run.yaml")
+    dense_first = folder / "dense_first"
     out = str(folder / "converted")
     plan = ["plan", "--mode", "disaggregated", "--nodes", "a,b", "--addrs", "10.0.0.1,10.0.0.2", "--gpus-per-node"]
     return {
@@ -181,10 +182,11 @@ def _cases(folder: Path) -> dict[str, dict[str, Any]]:
             expected=f"model.lora.init_path = '{folder / 'other_adapter'}' adapts the base '/elsewhere/base', "
             f"not model.hf_path = '{folder / 'model'}'",
         ),
-        "train: LoRA on routed experts, adapters only, to the local engine": dict(
+        "train: LoRA on routed experts and a dense layer's MLP, adapters only, to the local engine": dict(
             entry="cli",
-            argv=["train", config, "model.lora.rank=4"],
-            expected="model.lora.target_modules ['down_proj', 'gate_proj', 'up_proj'] adapt the routed experts",
+            argv=["train", config, "model.lora.rank=4", "rollout.lora_sync=adapter", f"model.hf_path={dense_first}"],
+            expected="rollout.lora_sync = 'adapter' with the local engine: model.lora.target_modules ['down_proj', "
+            "'gate_proj', 'up_proj'] adapt both the routed experts and the dense layers' MLP",
         ),
         "train: a LoRA rank above the adapted layers' widths": dict(
             entry="cli",
@@ -264,6 +266,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "model").mkdir()
     hf = hf_config_from_model(ModelConfig(num_experts=4))
     (root / "model" / "config.json").write_text(json.dumps(hf), encoding="utf-8")
+    (root / "dense_first").mkdir()  # the same with a dense first layer
+    hf = hf_config_from_model(ModelConfig(num_experts=4, first_k_dense_layers=1))
+    (root / "dense_first" / "config.json").write_text(json.dumps(hf), encoding="utf-8")
     run = {
         "model": {"hf_path": str(root / "model")},
         "data": {"train_path": str(root / "train.jsonl")},

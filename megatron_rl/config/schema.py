@@ -153,10 +153,12 @@ class RolloutConfig:
     )
     return_routed_experts: bool = _f(False, "ask the engine for routed experts (needed by R3)")
     weight_sync: Literal["disk", "distributed", "tensor"] = _f("disk", "how new weights reach the engine")
-    lora_sync: Literal["adapter", "merged"] = _f(
-        "adapter",
+    lora_sync: Literal["auto", "adapter", "merged"] = _f(
+        "auto",
         "with model.lora.rank > 0: adapter = only the adapters, through the engine's LoRA endpoints (weight_sync "
-        "disk or tensor; not with fully_async); merged = the adapters merged into the base, full weights by weight_sync",
+        "disk or tensor; not with fully_async); merged = the adapters merged into the base, full weights by "
+        "weight_sync; auto = adapter, or merged where the local engine cannot serve the adapters (no peft; MLP "
+        "targets on an MoE with dense layers), said in one info line",
     )
     sync_dir: str | None = _f(None, "shared folder for disk sync; null = RUN_DIR/weights")
     bucket_mb: int = _f(512, "largest weight bucket sent at once, in MiB", ge=1)

@@ -9,13 +9,20 @@ adapter per part ("slot") and adds their outputs in Megatron's row layout.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import importlib.metadata
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import Config, ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+# the first peft that puts per-expert adapters on transformers 5's fused experts (its
+# transformers_weight_conversion; measured exact on Qwen3-MoE and Mixtral, tests/test_lora_local_moe.py)
+PEFT_FUSED_EXPERTS = (0, 21)
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def sglang_target_modules(model: ModelConfig) -> list[str]:
 def check_lora_sync(cfg: Config) -> None:
     """ConfigError for a `rollout.lora_sync` that cannot run with the rest of the rollout section."""
     ro = cfg.rollout
-    if ro.lora_sync != "adapter":
+    if ro.lora_sync == "merged":
         return
     if ro.weight_sync == "distributed":
         raise ConfigError(
@@ -159,19 +166,55 @@ def check_init_adapter(model: ModelConfig) -> dict[str, Any] | None:
     return config
 
 
-def check_local_engine_adapters(model: ModelConfig) -> None:
-    """ConfigError when adapter-only sync would give the local engine routed-expert adapters (it serves
-    adapters through PEFT on transformers, whose MoE families hold their experts as fused 3-D parameters
-    that PEFT's target_modules cannot reach), or when peft is not installed."""
+def _peft_version() -> tuple[int, int] | None:
+    try:
+        major, minor = importlib.metadata.version("peft").split(".")[:2]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return int(major), int(minor)
+
+
+def local_engine_cannot_serve(model: ModelConfig) -> str | None:
+    """Why the local engine cannot serve `model.lora`'s adapters (it serves them through peft on the
+    transformers model), or None. peft >= 0.21 maps per-expert adapters onto transformers 5's fused
+    experts, but it then moves those names off every module, so the dense MLP of an MoE's dense layers
+    (`first_k_dense_layers`, `moe_layer_freq`) gets no adapter under the same names."""
+    version = _peft_version()
+    if version is None:
+        return "the local engine serves adapters through peft, which is not installed (pip install 'megatron-rl[lora]')"
     routed = routed_expert_targets(model)
-    if routed:
-        raise ConfigError(
-            f"model.lora.target_modules {routed} adapt the routed experts, which the local engine cannot serve as "
-            "adapters (PEFT on transformers' fused experts) with rollout.lora_sync = 'adapter'; use "
-            "rollout.lora_sync = 'merged', or SGLang servers (rollout.sglang_urls), or attention targets only"
+    if routed and version < PEFT_FUSED_EXPERTS:
+        return (
+            f"model.lora.target_modules {routed} adapt the routed experts, which the local engine serves through "
+            f"peft >= {'.'.join(map(str, PEFT_FUSED_EXPERTS))} (installed: {'.'.join(map(str, version))})"
         )
-    if importlib.util.find_spec("peft") is None:
+    if routed and (model.first_k_dense_layers > 0 or model.moe_layer_freq > 1):
+        return (
+            f"model.lora.target_modules {routed} adapt both the routed experts and the dense layers' MLP "
+            f"(model.first_k_dense_layers = {model.first_k_dense_layers}, model.moe_layer_freq = "
+            f"{model.moe_layer_freq}); peft puts those names on the fused experts only, so the local engine "
+            "cannot serve the dense layers' adapters"
+        )
+    return None
+
+
+def resolve_lora_sync(cfg: Config) -> Config:
+    """`cfg` with `rollout.lora_sync = auto` resolved: adapter, or merged (said in one info line) where
+    the local engine cannot serve the adapters (`local_engine_cannot_serve`)."""
+    ro = cfg.rollout
+    if ro.lora_sync != "auto":
+        return cfg
+    why = local_engine_cannot_serve(cfg.model) if cfg.model.lora.rank > 0 and ro.uses_local_engine else None
+    if why is not None:
+        log.info("rollout.lora_sync = merged (auto): %s; full merged weights are synced", why)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(ro, lora_sync="adapter" if why is None else "merged"))
+
+
+def check_local_engine_adapters(model: ModelConfig) -> None:
+    """ConfigError when `rollout.lora_sync = adapter` asks the local engine for adapters it cannot serve."""
+    why = local_engine_cannot_serve(model)
+    if why is not None:
         raise ConfigError(
-            "rollout.lora_sync = 'adapter' with the local engine needs peft, which serves the adapters "
-            "(pip install 'megatron-rl[lora]'); or use rollout.lora_sync = 'merged'"
+            f"rollout.lora_sync = 'adapter' with the local engine: {why}; use rollout.lora_sync = 'merged' "
+            "(or 'auto'), or SGLang servers (rollout.sglang_urls)"
         )

@@ -55,7 +55,7 @@ LORA_TENSORS = VersionNeed(
 def version_needs(rollout: Any, model: Any = None) -> list[VersionNeed]:
     """What the `rollout` section (and `model`'s LoRA adapters, when given) need of the servers."""
     needs = [TOKEN_VERSIONS] if rollout.async_mode == "fully_async" and rollout.partial_rollout else []
-    if model is None or model.lora.rank == 0 or rollout.lora_sync != "adapter":
+    if model is None or model.lora.rank == 0 or rollout.lora_sync == "merged":
         return needs
     if rollout.weight_sync == "tensor":
         needs.append(LORA_TENSORS)

@@ -157,8 +157,12 @@ class Generator:
         batch: list[GenRequest] = []
         prompts: set[tuple[int, ...]] = set()
         longest, unique = 0, 0
+        # adapters on the experts serve one adapter per forward: the next adapter's requests wait for a drained batch
+        one_adapter = not self.adapters.mixes_adapters
         while self.waiting and len(self.running) + len(batch) < self.max_running:
             req = self.waiting[0]
+            if one_adapter and any(r.lora_name != req.lora_name for r in (*self.running[:1], *batch[:1])):
+                break
             key = tuple(req.prefill_ids)
             new_unique = unique + (key not in prompts)
             new_longest = max(longest, len(key))

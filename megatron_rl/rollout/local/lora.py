@@ -6,6 +6,15 @@ SGLang's endpoints (/load_lora_adapter from a PEFT folder, /load_lora_adapter_fr
 (the model keeps its own forward), their A and B copied from the PEFT tensors, and every forward of a
 batch passes PEFT's per-row `adapter_names` ("__base__" for a row without an adapter), so requests of
 different adapters share one batch as they do in SGLang.
+
+Routed experts: transformers 5 holds Qwen3-MoE's and Mixtral's experts as fused 3-D parameters
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`). PEFT >= 0.21 maps an adapter's per-expert
+targets onto them itself (`target_parameters`, its `ParamWrapper`), and its
+`convert_peft_adapter_state_dict_for_transformers` turns the per-expert tensors SGLang takes into that
+layout (gate and up stacked block-diagonally at rank 2r): the served log-probs equal the merged model's
+(tests/test_lora_local_moe.py). A `ParamWrapper` adds its adapter to the whole parameter, so it serves one
+adapter per forward: `mixes_adapters` is false and the generator batches one adapter at a time (as SGLang
+with `--max-loras-per-batch 1`).
 """
 
 from __future__ import annotations
@@ -20,8 +29,12 @@ import torch
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-_CONFIG_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "fan_in_fan_out", "use_rslora")
+# lora_dropout is left out: serving never drops out, and PEFT's ParamWrapper (the experts') refuses any
+_CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "bias", "fan_in_fan_out", "use_rslora")
 _PREFIX = "base_model.model."
+# an adapter names Mixtral's experts by role, as SGLang takes them (its tensors keep w1, w3, w2, which SGLang
+# renames itself); peft finds them by the model's names
+_ROLE_TO_MODULE = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 # SGLang 0.5.23's SUPPORTED_LORA_TARGET_MODULES (srt/utils/common.py; tests/test_lora_sglang.py pins it): the only
 # names its --lora-target-modules takes, and so the only ones an adapter it loads may target
 SGLANG_TARGET_MODULES = frozenset(
@@ -75,6 +88,17 @@ class LocalAdapters:
 
         return [m for m in self.model.modules() if isinstance(m, LoraLayer)]
 
+    def _parameter_layers(self) -> list[torch.nn.Module]:
+        """The layers adapting a parameter (the fused experts), which run one adapter per forward."""
+        from peft.tuners.lora import ParamWrapper
+
+        return [m for m in self.model.modules() if isinstance(m, ParamWrapper)]
+
+    @property
+    def mixes_adapters(self) -> bool:
+        """Whether one forward may run rows of different adapters (false once experts carry adapters)."""
+        return not self._parameter_layers()
+
     def load(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
         """Add adapter `name` (PEFT config and tensors under PEFT's keys); returns its bytes. All or nothing."""
         from peft import LoraConfig, inject_adapter_in_model
@@ -86,10 +110,16 @@ class LocalAdapters:
         if str(config.get("peft_type", "LORA")).upper() != "LORA":
             raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r}; only LORA is served")
         _check_sglang_targets(name, config.get("target_modules"))
+        keys = {k: config[k] for k in _CONFIG_KEYS if k in config}
+        roles = _ROLE_TO_MODULE.get(getattr(getattr(self.model, "config", None), "model_type", ""), {})
+        if roles and isinstance(keys.get("target_modules"), list):
+            keys["target_modules"] = [roles.get(t, t) for t in keys["target_modules"]]
         try:
-            lora_config = LoraConfig(**{k: config[k] for k in _CONFIG_KEYS if k in config})
+            lora_config = LoraConfig(**keys)
+            tensors = _fused_expert_layout(self.model, lora_config, tensors, name)
             inject_adapter_in_model(lora_config, self.model, adapter_name=name)
         except (TypeError, ValueError) as err:
+            self._delete(name)
             raise AdapterError(f"adapter {name!r}: {err}") from None
         try:
             nbytes = self._copy(name, tensors)
@@ -154,9 +184,29 @@ class LocalAdapters:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return args, {**kwargs, "adapter_names": adapter_names}
 
-        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self._layers()]
+        whole = self._parameter_layers()
+        if whole and len(set(names)) > 1:
+            raise RuntimeError(f"one forward names the adapters {sorted(set(names), key=str)}; experts run one")
+        for layer in whole:  # the batch's one adapter, or none
+            layer.enable_adapters(names[0] is not None)
+            if names[0] is not None:
+                layer.set_adapter([names[0]])
+        rows = [layer for layer in self._layers() if not any(layer is w for w in whole)]
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in rows]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def _fused_expert_layout(
+    model: torch.nn.Module, config: Any, tensors: dict[str, torch.Tensor], name: str
+) -> dict[str, torch.Tensor]:
+    """`tensors` (PEFT's per-expert names, as SGLang loads them) in the layout PEFT gives `model`: the
+    routed experts' adapters fused as transformers 5 fuses the experts; other tensors unchanged."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # transformers 4, or a peft without the conversion: the experts are modules
+        return tensors
+    return convert_peft_adapter_state_dict_for_transformers(model, config, dict(tensors), adapter_name=name)
