@@ -170,7 +170,8 @@ def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last:
     router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
     shared = 3 * h * (model.moe_shared_expert_size or 0)
     embedding = model.vocab_size * h
-    ends = (embedding if first else 0) + ((h + (0 if model.tie_word_embeddings and first else embedding)) if last else 0)
+    output = h + (0 if model.tie_word_embeddings and first else embedding)  # the final norm and output layer
+    ends = (embedding if first else 0) + (output if last else 0)
     dense = ends + len(layers) * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
     experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
     return dense, experts
