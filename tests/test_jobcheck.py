@@ -193,7 +193,9 @@ def test_trainer_memory_is_the_largest_pipeline_stages(models: Path) -> None:
     # layer and the final norm to 8 MoE layers
     assert counts[0][0] == 8 * 187_121_664 + 3 * 396_361_728 + 5 * 45_875_456 + 926_679_040
     assert counts[6][0] == 8 * 232_997_120 + 926_679_040 + 7168
-    assert tuple(map(sum, zip(*counts, strict=True))) == parameter_counts(cfg.model) == (17_117_648_384, 653_908_770_816)
+    assert (
+        tuple(map(sum, zip(*counts, strict=True))) == parameter_counts(cfg.model) == (17_117_648_384, 653_908_770_816)
+    )
     mem = jobcheck.trainer_memory(cfg, 224)
     assert (mem.stage, mem.stage_layers, mem.stages) == (1, 9, 7)
     assert mem.dense_params * 1e9 == pytest.approx(DSV3_STAGE_DENSE)

@@ -716,7 +716,10 @@ def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
     assert not [w for w in p.warnings if "max_concurrency" in w]
     cfg = load_config(str(preset_configs / f"{name}.yaml"), presets.preset_overrides(name))
     par = cfg.parallel
-    got = (*(getattr(par, f"{k}_model_parallel_size") for k in ("tensor", "pipeline", "expert")), par.optimizer_cpu_offload)
+    got = (
+        *(getattr(par, f"{k}_model_parallel_size") for k in ("tensor", "pipeline", "expert")),
+        par.optimizer_cpu_offload,
+    )
     assert got == layout
     mem = jobcheck.trainer_memory(cfg, p.world_size)
     assert mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
