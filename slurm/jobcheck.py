@@ -3,8 +3,10 @@ GPU, trainer and rollout engines, and the tokenizer against the model's vocabula
 
 The memory figures are arithmetic, not measurements:
 
-- trainer: bf16 (params_dtype) weights and fp32 gradients of the ranks' share, the fp32 master copy and
-  Adam's moments sharded over the data-parallel (experts: expert-data-parallel) ranks; within
+- trainer: on its largest pipeline stage (the first also holds the embedding, the last the output
+  layer), bf16 (params_dtype) weights and fp32 gradients of the ranks' share, the fp32 master copy and
+  Adam's moments sharded over the data-parallel (experts: expert-data-parallel) ranks, the moments of
+  `parallel.optimizer_offload_fraction` on the host with `parallel.optimizer_cpu_offload`; within
   `STATIC_MEMORY_SHARE` of a GPU (the rest: activations, buffers);
 - an SGLang engine: the model's parameters in the engine's dtype (SGLang's `--dtype`: SGLANG_ARGS', else
   its `auto`, config.json's dtype and float16 for float32: two bytes unless asked for float32) over its
@@ -58,13 +60,17 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 
 @dataclass(frozen=True)
 class TrainerMemory:
-    """Per GPU of the trainer's static state, in GiB."""
+    """Per GPU of the trainer's static state on its largest pipeline stage, in GiB."""
 
-    dense_params: float  # billions on one GPU: dense / (TP x PP)
-    expert_params: float  # billions on one GPU: experts / (EP x ETP x PP)
+    dense_params: float  # billions on one GPU: the stage's dense parameters / TP
+    expert_params: float  # billions on one GPU: the stage's experts / (EP x ETP)
     weights: float
     grads: float
-    optimizer: float  # fp32 master copy (unless fp32 weights) and Adam's two moments, sharded over (expert) DP
+    optimizer: float  # on the GPU: fp32 master shard (unless fp32 weights), Adam's moments unless offloaded
+    host: float = 0.0  # optimizer_cpu_offload: the offloaded share's fp32 copy, gradient and moments, on the host
+    stage: int = 0  # the largest pipeline stage (0-based)
+    stage_layers: int = 0  # its transformer layers
+    stages: int = 1  # PP
 
     @property
     def total(self) -> float:
@@ -73,28 +79,53 @@ class TrainerMemory:
 
 def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
     """Per-GPU weights (params_dtype), fp32 gradients and optimizer state of `cfg`'s model under its layout
-    on `world` ranks; the distributed optimizer shards the state over the data-parallel ranks (the
-    experts' over the expert-data-parallel ones)."""
-    from megatron_rl.models.families import parameter_counts
+    on `world` ranks, on the pipeline stage that holds the most (its layers from `pipeline_stage_layers`; the
+    first stage also holds the embedding, the last the output layer); the distributed optimizer shards the
+    state over the data-parallel ranks (the experts' over the expert-data-parallel ones). With
+    `parallel.optimizer_cpu_offload`, Megatron's HybridDeviceOptimizer keeps `optimizer_offload_fraction` of
+    each shard's Adam moments on the host, with a pinned fp32 copy of those parameters and their gradients
+    (16 bytes a parameter there); the fp32 master shard stays on the GPU."""
+    from megatron_rl.config.derived import pipeline_stage_layers
+    from megatron_rl.models.families import stage_parameter_counts
     from megatron_rl.parallel.layout import resolve_expert_tensor_parallel
 
     par = cfg.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     etp = resolve_expert_tensor_parallel(par)
-    dense, experts = parameter_counts(cfg.model)
-    dense_local, expert_local = dense / (tp * pp), experts / (ep * etp * pp)
     dp = world // (tp * pp * par.context_parallel_size)
     expert_dp = world // (ep * etp * pp)
     width = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.model.params_dtype]
-    state = 8 + (0 if width == 4 else 4)  # Adam's moments (+ the fp32 master weights)
+    master = 0 if width == 4 else 4  # the fp32 master weights of bf16/fp16 parameters
+    offloaded = par.optimizer_offload_fraction if par.optimizer_cpu_offload else 0.0
+    gpu_state, host_state = master + 8 * (1 - offloaded), 16 * offloaded  # host: fp32 copy, gradient, moments
     shard = (dp, expert_dp) if par.use_distributed_optimizer else (1, 1)
-    return TrainerMemory(
-        dense_params=dense_local / 1e9,
-        expert_params=expert_local / 1e9,
-        weights=(dense_local + expert_local) * width / GIB,
-        grads=(dense_local + expert_local) * 4 / GIB,
-        optimizer=(dense_local * state / shard[0] + expert_local * state / shard[1]) / GIB,
-    )
+    stages = pipeline_stage_layers(cfg.model, par)
+    candidates = []
+    for i, layers in enumerate(stages):
+        dense, experts = stage_parameter_counts(cfg.model, layers, first=i == 0, last=i == pp - 1)
+        dense_local, expert_local = dense / tp, experts / (ep * etp)
+        sharded = dense_local / shard[0] + expert_local / shard[1]
+        candidates.append(
+            TrainerMemory(
+                dense_params=dense_local / 1e9,
+                expert_params=expert_local / 1e9,
+                weights=(dense_local + expert_local) * width / GIB,
+                grads=(dense_local + expert_local) * 4 / GIB,
+                optimizer=sharded * gpu_state / GIB,
+                host=sharded * host_state / GIB,
+                stage=i,
+                stage_layers=len(layers),
+                stages=pp,
+            )
+        )
+    return max(candidates, key=lambda mem: mem.total)
+
+
+def stage_text(mem: TrainerMemory) -> str:
+    """Which pipeline stage the trainer's figures are of ("" without pipeline parallelism)."""
+    if mem.stages == 1:
+        return ""
+    return f" on its largest pipeline stage, {mem.stage + 1} of {mem.stages} with {mem.stage_layers} layers,"
 
 
 def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMemory:
@@ -102,12 +133,14 @@ def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMem
     mem = trainer_memory(cfg, world)
     limit = STATIC_MEMORY_SHARE * gpu_mem_gib
     if mem.total > limit:
+        offload = "" if cfg.parallel.optimizer_cpu_offload else ", set parallel.optimizer_cpu_offload=true"
         raise DoesNotFit(
-            f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state "
-            f"({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per GPU: "
-            f"{mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
+            f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state"
+            f"{stage_text(mem).rstrip(',')} ({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per "
+            f"GPU: {mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
             f"{STATIC_MEMORY_SHARE:.0%} of GPU_MEM_GIB={gpu_mem_gib:g}: raise parallel.expert_model_parallel_size, "
-            "parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size, or train on more nodes"
+            f"parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size{offload}, or train on "
+            "more nodes"
         )
     return mem
 
@@ -337,10 +370,11 @@ def memory_lines(
     trainer: TrainerMemory, engine: EngineMemory | None, kept: float | None, gpu_mem_gib: float, sequence: int
 ) -> list[str]:
     """The figures of a passing plan, one line per part (`sequence`: the configured context in tokens)."""
+    host = f"; {trainer.host:.1f} GiB of optimizer state on the host" if trainer.host else ""
     lines = [
         f"memory per GPU of {gpu_mem_gib:g} GiB (arithmetic): trainer {trainer.total:.1f} GiB static (weights "
-        f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}), within "
-        f"{STATIC_MEMORY_SHARE:.0%} ({STATIC_MEMORY_SHARE * gpu_mem_gib:.1f} GiB)"
+        f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}){stage_text(trainer)} within {STATIC_MEMORY_SHARE:.0%} ({STATIC_MEMORY_SHARE * gpu_mem_gib:.1f} GiB)"
+        f"{host}"
     ]
     if engine is not None:
         lines.append(

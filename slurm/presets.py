@@ -4,20 +4,23 @@
 
 A preset is the published config.json of the model (the architecture keys that matter; the run's own
 `model.hf_path` config.json is what the trainer builds, and the planner reads it again) and a trainer
-layout for nodes of 8 x 80 GB GPUs: its `model.*` and `parallel.*` overrides go before the job's own
-overrides, which win. `jobplan.make_plan` then checks the layout's divisibility on the job's world
-(`validate_run`) and its memory (`jobcheck`: the trainer's static state within 90% of the GPU, the
-engines' weights and KV cache within SGLang's static share). The
-training node counts are the smallest worlds the expert layout divides; the rollout servers hold the
-bf16 weights (`rollout.engine_gpus`) with room left for the KV cache.
+layout for nodes of 8 x 80 GB GPUs (H100): its `model.*` and `parallel.*` overrides go before the job's
+own overrides, which win. `jobplan.make_plan` then checks the layout's divisibility on the job's world
+(`validate_run`) and its memory (`jobcheck`: the trainer's largest pipeline stage within 90% of the GPU,
+the engines' weights and KV cache within SGLang's static share). Each fits with its rollout nodes: one
+engine holding the bf16 weights with room for the KV cache, on GPUs that divide the model's attention
+heads (SGLang's TP splits them).
 
-- DeepSeek-V3-671B (also DeepSeek-R1): 61 layers (a prime: PP = 1), 256 experts. TP 8 for the 17 B
-  dense parameters, EP 256 with ETP 1 puts one expert per GPU: 32 training nodes, about 56 GiB per
-  GPU; servers of 32 GPUs (1.34 TB of bf16 weights).
-- Kimi-K2 (1.03 T): the DeepSeek-V3 architecture with 384 experts and 64 heads: EP 384, 48 training
-  nodes, about 53 GiB per GPU; servers of 64 GPUs (2.05 TB).
-- GLM-4.5-355B: 92 layers, 160 experts: TP 4, PP 4, EP 40, ETP 1: 20 training nodes, about 42 GiB
-  per GPU; servers of 16 GPUs (0.71 TB).
+- DeepSeek-V3-671B (also DeepSeek-R1), 32 nodes: 61 layers and 256 experts. 28 training nodes: TP 8,
+  PP 7 (8, 9, 9, 9, 9, 9, 8 layers), EP 32, ETP 1, about 55 GiB per GPU; an engine of 32 GPUs (4 nodes,
+  1.34 TB of bf16 weights).
+- Kimi-K2 (1.03 T), 32 nodes: the DeepSeek-V3 architecture with 384 experts and 64 heads. 24 training
+  nodes: TP 8, PP 8 (7, 8 x 6, 6 layers), EP 24, ETP 1, Adam's moments on the host (about 54 GiB per GPU
+  without them, 96 with); an engine of 64 GPUs (8 nodes, 2.05 TB; 32 GPUs leave room for 9 sequences of
+  2,048 tokens, and 40 or 48 do not divide the 64 heads).
+- GLM-4.5-355B, 8 nodes: 92 layers (3 dense), 160 experts. 6 training nodes: TP 8, PP 6 (17, 15 x 5
+  layers: the first stage's 3 dense layers are light), EP 8, ETP 1, Adam's moments on the host (about
+  70 GiB per GPU); an engine of 16 GPUs (2 nodes, 0.71 TB).
 """
 
 from __future__ import annotations
@@ -65,29 +68,52 @@ class Preset:
     train_nodes: int
     rollout: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def rollout_nodes(self) -> int:
+        """Nodes of 8 GPUs for one engine of `rollout.engine_gpus`."""
+        return self.rollout["engine_gpus"] // 8
+
 
 PRESETS: dict[str, Preset] = {
     "deepseek-v3-671b": Preset(
         DEEPSEEK_V3_671B,
-        {"tensor_model_parallel_size": 8, "expert_model_parallel_size": 256, "expert_tensor_parallel_size": 1},
-        train_nodes=32,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 7,
+            "num_layers_in_first_pipeline_stage": 8,
+            "num_layers_in_last_pipeline_stage": 8,
+            "expert_model_parallel_size": 32,
+            "expert_tensor_parallel_size": 1,
+        },
+        train_nodes=28,
         rollout={"engine_gpus": 32},
     ),
     "kimi-k2": Preset(
         KIMI_K2,
-        {"tensor_model_parallel_size": 8, "expert_model_parallel_size": 384, "expert_tensor_parallel_size": 1},
-        train_nodes=48,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 8,
+            "num_layers_in_first_pipeline_stage": 7,
+            "num_layers_in_last_pipeline_stage": 6,
+            "expert_model_parallel_size": 24,
+            "expert_tensor_parallel_size": 1,
+            "optimizer_cpu_offload": True,
+        },
+        train_nodes=24,
         rollout={"engine_gpus": 64},
     ),
     "glm-4.5-355b": Preset(
         GLM_45_355B,
         {
-            "tensor_model_parallel_size": 4,
-            "pipeline_model_parallel_size": 4,
-            "expert_model_parallel_size": 40,
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 6,
+            "num_layers_in_first_pipeline_stage": 17,
+            "num_layers_in_last_pipeline_stage": 15,
+            "expert_model_parallel_size": 8,
             "expert_tensor_parallel_size": 1,
+            "optimizer_cpu_offload": True,
         },
-        train_nodes=20,
+        train_nodes=6,
         rollout={"engine_gpus": 16},
     ),
 }

@@ -151,14 +151,83 @@ def test_deepseek_v3_on_one_node_of_engines_is_refused_with_its_figures(models: 
         "SGLang's default for 80 GiB and TP 8; GPU_MEM_GIB=80); rollout.engine_gpus=24 would fit"
     )
     with pytest.raises(jobplan.PlanError) as err:
-        _plan(models, "dsv3", "rollout.engine_gpus=8", nodes=33, train_nodes=32, preset="deepseek-v3-671b")
+        _plan(models, "dsv3", "rollout.engine_gpus=8", nodes=29, train_nodes=28, preset="deepseek-v3-671b")
     assert str(err.value) == expected
     # the preset's servers of 32 GPUs: 39.1 GiB of weights in 0.762 x 80 = 61.0 GiB, 21.9 GiB of KV cache
-    p = _plan(models, "dsv3", nodes=36, train_nodes=32, preset="deepseek-v3-671b")
+    p = _plan(models, "dsv3", nodes=32, train_nodes=28, preset="deepseek-v3-671b")
     kv = 0.762 * 80 - DSV3_PARAMS * 2 / 32 / GIB
     assert f"engine (32 GPUs): 39.1 GiB bf16 weights (671.0 B parameters) + {kv:.1f} GiB KV cache" in p.memory[1]
     tokens = int(kv * GIB // 70_272)
     assert f"({tokens:,} bf16 tokens at 70,272 bytes: {tokens // 2048:,} sequences of 2,048) = 61.0 GiB" in p.memory[1]
+
+
+# DeepSeek-V3 per layer (h 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128): attention
+# q 1536 x (7168 + 1 + 128 x 192) = 48,760,320, kv 7168 x 576 + 512 + 512 x 128 x 256 = 20,906,496, out
+# 128 x 128 x 7168 = 117,440,512, two norms 14,336: 187,121,664; an MoE layer adds the router 256 x 7169 =
+# 1,835,264 and the shared expert 3 x 7168 x 2048 = 44,040,192 (dense) and 256 x 3 x 7168 x 2048 =
+# 11,274,289,152 routed-expert parameters. The preset's stages (PP 7, first and last 8): 8, 9, 9, 9, 9, 9, 8
+# layers; the first holds the 3 dense layers (3 x 7168 x 18432 each) and the embedding (129,280 x 7168), so
+# the largest is a stage of 9 MoE layers: 9 x 232,997,120 dense and 9 x 11,274,289,152 expert parameters.
+DSV3_STAGE_DENSE = 9 * (187_121_664 + 1_835_264 + 44_040_192) // 8  # / TP 8: 262,121,760
+DSV3_STAGE_EXPERTS = 9 * 11_274_289_152 // 32  # / EP 32: 3,170,893,824
+# 28 nodes = 224 ranks: DP 224 / (8 x 7) = 4, expert DP 224 / (32 x 7) = 1
+DSV3_STAGE_SHARD = DSV3_STAGE_DENSE / 4 + DSV3_STAGE_EXPERTS  # 3,236,424,264 parameters of optimizer state
+
+
+def _dsv3_preset(models: Path, *overrides: str):  # noqa: ANN202
+    from megatron_rl.config import load_config
+
+    return load_config(str(models / "dsv3.yaml"), [*presets.preset_overrides("deepseek-v3-671b"), *overrides])
+
+
+def test_trainer_memory_is_the_largest_pipeline_stages(models: Path) -> None:
+    from megatron_rl.config.derived import pipeline_stage_layers
+    from megatron_rl.models.families import parameter_counts, stage_parameter_counts
+
+    cfg = _dsv3_preset(models)
+    stages = pipeline_stage_layers(cfg.model, cfg.parallel)
+    assert [len(s) for s in stages] == [8, 9, 9, 9, 9, 9, 8]
+    counts = [stage_parameter_counts(cfg.model, s, i == 0, i == 6) for i, s in enumerate(stages)]
+    assert counts[1] == (9 * 232_997_120, 9 * 11_274_289_152)
+    # the first: 8 attention blocks, 3 dense MLPs, 5 MoE extras and the embedding; the last adds the output
+    # layer and the final norm to 8 MoE layers
+    assert counts[0][0] == 8 * 187_121_664 + 3 * 396_361_728 + 5 * 45_875_456 + 926_679_040
+    assert counts[6][0] == 8 * 232_997_120 + 926_679_040 + 7168
+    assert (
+        tuple(map(sum, zip(*counts, strict=True))) == parameter_counts(cfg.model) == (17_117_648_384, 653_908_770_816)
+    )
+    mem = jobcheck.trainer_memory(cfg, 224)
+    assert (mem.stage, mem.stage_layers, mem.stages) == (1, 9, 7)
+    assert mem.dense_params * 1e9 == pytest.approx(DSV3_STAGE_DENSE)
+    assert mem.expert_params * 1e9 == pytest.approx(DSV3_STAGE_EXPERTS)
+    # bf16 weights 6,866,031,168 B = 6.39 GiB, fp32 gradients 12.79 GiB, 12 bytes x the shard = 36.17 GiB
+    assert mem.weights == pytest.approx(6_866_031_168 / GIB) and mem.grads == pytest.approx(13_732_062_336 / GIB)
+    assert mem.optimizer == pytest.approx(12 * DSV3_STAGE_SHARD / GIB) == pytest.approx(36.170, abs=1e-3)
+    assert mem.total == pytest.approx(55.353, abs=1e-3) and mem.host == 0
+    # dividing the whole model by PP would say 17.1 B / 56 dense and 653.9 B / 224 expert parameters: 48.8 GiB
+    assert mem.expert_params == pytest.approx(3.1709, abs=1e-4) != pytest.approx(653.9 / 224, abs=1e-2)
+    # tied embeddings: the last stage holds a copy of the embedding, the whole model one
+    tied = _dsv3_preset(models, "model.tie_word_embeddings=true").model
+    assert stage_parameter_counts(tied, stages[6], False, True) == counts[6]
+    assert stage_parameter_counts(tied, range(61), True, True)[0] == 17_117_648_384 - 926_679_040
+
+
+def test_optimizer_offload_puts_the_moments_of_its_share_on_the_host(models: Path) -> None:
+    # a quarter offloaded: on the GPU the fp32 master (4 bytes) and 3/4 of Adam's moments (6 bytes) of the
+    # shard, 10 x 3,236,424,264 B = 30.14 GiB; on the host the quarter's fp32 copy, gradient and moments
+    # (16 bytes): 4 x 3,236,424,264 B = 12.06 GiB
+    cfg = _dsv3_preset(models, "parallel.optimizer_cpu_offload=true", "parallel.optimizer_offload_fraction=0.25")
+    mem = jobcheck.trainer_memory(cfg, 224)
+    assert mem.optimizer == pytest.approx(10 * DSV3_STAGE_SHARD / GIB) == pytest.approx(30.142, abs=1e-3)
+    assert mem.host == pytest.approx(4 * DSV3_STAGE_SHARD / GIB) == pytest.approx(12.057, abs=1e-3)
+    assert mem.total == pytest.approx(6.394 + 12.789 + 30.142, abs=2e-3)
+    p = _plan(models, "dsv3", "parallel.optimizer_cpu_offload=true", "parallel.optimizer_offload_fraction=0.25",
+              nodes=32, train_nodes=28, preset="deepseek-v3-671b")  # fmt: skip
+    assert p.memory[0] == (
+        "memory per GPU of 80 GiB (arithmetic): trainer 49.3 GiB static (weights 6.4 + gradients 12.8 + optimizer "
+        "30.1) on its largest pipeline stage, 2 of 7 with 9 layers, within 90% (72.0 GiB); 12.1 GiB of optimizer "
+        "state on the host"
+    )
 
 
 def test_an_engine_without_room_for_one_sequence_is_refused(models: Path) -> None:

@@ -669,8 +669,7 @@ def preset_configs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_mem_gib: float = 80.0):  # noqa: ANN202
     import presets
 
-    rollout_nodes = presets.PRESETS[name].rollout["engine_gpus"] // 8
-    nodes = [f"n{i}" for i in range(train_nodes + rollout_nodes)]
+    nodes = [f"n{i}" for i in range(train_nodes + presets.PRESETS[name].rollout_nodes)]
     addrs = [f"10.2.{i // 200}.{i % 200 + 1}" for i in range(len(nodes))]
     return jobplan.make_plan(
         "disaggregated", str(root / f"{name}.yaml"), list(overrides), nodes, addrs, 8, "9",
@@ -679,11 +678,27 @@ def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_m
 
 
 @pytest.mark.parametrize(
-    ("name", "layout", "gib"),
-    [("deepseek-v3-671b", (8, 1, 256), 55.5), ("kimi-k2", (8, 1, 384), 52.8), ("glm-4.5-355b", (4, 4, 40), 42.3)],
-)
-def test_presets_pass_the_divisibility_and_memory_checks(
-    preset_configs: Path, name: str, layout: tuple, gib: float
+    ("name", "nodes", "layout", "figures"),
+    [
+        (
+            "deepseek-v3-671b", 32, (8, 7, 32, False),
+            "trainer 55.4 GiB static (weights 6.4 + gradients 12.8 + optimizer 36.2) on its largest pipeline stage, "
+            "2 of 7 with 9 layers, within 90% (72.0 GiB)",
+        ),
+        (
+            "kimi-k2", 32, (8, 8, 24, True),
+            "trainer 53.5 GiB static (weights 10.8 + gradients 21.6 + optimizer 21.2) on its largest pipeline stage, "
+            "2 of 8 with 8 layers, within 90% (72.0 GiB); 84.7 GiB of optimizer state on the host",
+        ),
+        (
+            "glm-4.5-355b", 8, (8, 6, 8, True),
+            "trainer 69.6 GiB static (weights 13.9 + gradients 27.9 + optimizer 27.9) on its largest pipeline stage, "
+            "6 of 6 with 15 layers, within 90% (72.0 GiB); 111.4 GiB of optimizer state on the host",
+        ),
+    ],
+)  # fmt: skip
+def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
+    preset_configs: Path, name: str, nodes: int, layout: tuple, figures: str
 ) -> None:
     import presets
 
@@ -691,26 +706,39 @@ def test_presets_pass_the_divisibility_and_memory_checks(
     from megatron_rl.models.families import parameter_counts
 
     preset = presets.PRESETS[name]
+    assert preset.train_nodes + preset.rollout_nodes == nodes
     p = _preset_plan(preset_configs, name, preset.train_nodes)
     assert p.world_size == preset.train_nodes * 8 and len(p.engines) == 1
-    assert len(p.engines[0].nodes) == preset.rollout["engine_gpus"] // 8
+    assert len(p.engines[0].nodes) == preset.rollout_nodes
+    assert p.memory[0] == f"memory per GPU of 80 GiB (arithmetic): {figures}"
+    assert p.memory[1].startswith(f"engine ({preset.rollout['engine_gpus']} GPUs): ")
+    assert f"{p.memory[0]}\n{p.memory[1]}" in jobplan.describe(p)
+    assert not [w for w in p.warnings if "max_concurrency" in w]
     cfg = load_config(str(preset_configs / f"{name}.yaml"), presets.preset_overrides(name))
     par = cfg.parallel
-    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == layout
+    got = (
+        *(getattr(par, f"{k}_model_parallel_size") for k in ("tensor", "pipeline", "expert")),
+        par.optimizer_cpu_offload,
+    )
+    assert got == layout
     mem = jobcheck.trainer_memory(cfg, p.world_size)
-    assert abs(mem.total - gib) < 0.1 and mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
+    assert mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
     assert {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8}[name] == pytest.approx(total, abs=0.1)
-    with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by parallel.expert_tensor_parallel"):
-        _preset_plan(preset_configs, name, preset.train_nodes // 2)
+    with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by"):
+        _preset_plan(preset_configs, name, preset.train_nodes // 2 - 1)
 
 
 def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: Path) -> None:
-    with pytest.raises(jobplan.PlanError, match=r"needs about 98 GiB per GPU .* 10.22 B expert .* GPU_MEM_GIB=80"):
-        _preset_plan(preset_configs, "deepseek-v3-671b", 32, "parallel.expert_model_parallel_size=64")
-    with pytest.raises(jobplan.PlanError, match=r"needs about 42 GiB .* over 90% of GPU_MEM_GIB=40"):
-        _preset_plan(preset_configs, "glm-4.5-355b", 20, gpu_mem_gib=40)  # A100 40 GB
-    _preset_plan(preset_configs, "glm-4.5-355b", 20, gpu_mem_gib=141)  # H200
+    with pytest.raises(
+        jobplan.PlanError,
+        match=r"needs about 96 GiB per GPU .* stage, 2 of 8 with 8 layers .* 5.64 B expert .* GPU_MEM_GIB=80: .*"
+        r"set parallel.optimizer_cpu_offload=true",
+    ):
+        _preset_plan(preset_configs, "kimi-k2", 24, "parallel.optimizer_cpu_offload=false")
+    with pytest.raises(jobplan.PlanError, match=r"needs about 70 GiB .* over 90% of GPU_MEM_GIB=40"):
+        _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=40)  # A100 40 GB
+    _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=141)  # H200
     with pytest.raises(
         jobplan.PlanError, match="PRESET='llama-405b'; allowed: deepseek-v3-671b, glm-4.5-355b, kimi-k2"
     ):

@@ -144,6 +144,13 @@ def parameter_counts(model: ModelConfig) -> tuple[int, int]:
     """(dense, expert) parameter counts of `model` (experts: the routed experts' weights, which EP and
     ETP split; everything else, shared experts and routers included, is dense). For sizing arithmetic:
     the vocabulary is counted unpadded."""
+    return stage_parameter_counts(model, range(model.num_layers), first=True, last=True)
+
+
+def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) parameter counts, as `parameter_counts`, of the pipeline stage holding the global
+    transformer `layers`: the `first` stage also holds the input embedding, the `last` the final norm and
+    the output layer (with tied embeddings a copy of the embedding, unless that stage is also the first)."""
     spec = check_family(model)
     h, heads = model.hidden_size, model.num_attention_heads
     if spec.multi_latent_attention:
@@ -158,11 +165,13 @@ def parameter_counts(model: ModelConfig) -> tuple[int, int]:
         norms = (heads + model.num_query_groups) * d if spec.qk_norm_whole_projection else 2 * d
         attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
     pattern = moe_layer_pattern(model)
-    moe_layers = sum(pattern)
-    dense_mlp = 3 * h * model.ffn_hidden_size * (model.num_layers - moe_layers)
+    moe_layers = sum(pattern[i] for i in layers)
+    dense_mlp = 3 * h * model.ffn_hidden_size * (len(layers) - moe_layers)
     router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
     shared = 3 * h * (model.moe_shared_expert_size or 0)
-    embeddings = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
-    dense = embeddings + h + model.num_layers * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
+    embedding = model.vocab_size * h
+    output = h + (0 if model.tie_word_embeddings and first else embedding)  # the final norm and output layer
+    ends = (embedding if first else 0) + (output if last else 0)
+    dense = ends + len(layers) * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
     experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
     return dense, experts

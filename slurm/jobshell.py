@@ -1,0 +1,64 @@
+"""A job plan as the batch script reads it (bash assignments for `eval`) and as people read it."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path: its siblings in slurm/
+    sys.path.append(str(Path(__file__).resolve().parent))
+from jobplace import JobPlan  # noqa: E402
+
+
+def to_shell(plan: JobPlan) -> str:
+    """Bash assignments (scalars and arrays) for `eval`."""
+    q = shlex.quote
+
+    def array(name: str, items: Sequence[str]) -> str:
+        return f"{name}=({' '.join(q(str(x)) for x in items)})"
+
+    lines = [
+        f"PLAN_MODE={q(plan.mode)}",
+        f"PLAN_DEVICE={q(plan.device)}",
+        f"RUN_DIR={q(plan.run_dir)}",
+        f"LOG_DIR={q(plan.log_dir)}",
+        array("TRAIN_HOSTS", plan.train_nodes),
+        f"RANKS_PER_NODE={plan.ranks_per_node}",
+        f"WORLD_SIZE_PLANNED={plan.world_size}",
+        f"MASTER_ADDR={q(plan.master_addr)}",
+        array("TRAINER_OVERRIDES", plan.trainer_overrides),
+        f"ENGINE_COUNT={len(plan.engines)}",
+        array("EXTERNAL_URLS", plan.external_urls),
+        f"START_ROUTER={'auto' if plan.router is None else int(plan.router)}",
+        f"ENGINE_API_KEY={q(plan.api_key or '')}",
+    ]
+    lines += [f"export {key}={q(value)}" for key, value in plan.env.items()]
+    for e in plan.engines:
+        lines += [
+            array(f"ENGINE_NODES_{e.index}", e.nodes),
+            f"ENGINE_ADDR_{e.index}={q(e.addr)}",
+            array(f"ENGINE_CMD_{e.index}", e.command),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def describe(plan: JobPlan) -> str:
+    """A few human lines for the job's output."""
+    servers = f"no server of its own: rollout.sglang_urls = [{', '.join(plan.external_urls)}]"
+    if not plan.external_urls:
+        servers = f"{len(plan.engines)} engine(s): " + "; ".join(
+            f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.engines
+        )
+    out = [
+        f"{plan.mode} on {plan.device}: trainer {len(plan.train_nodes)} node(s) x {plan.ranks_per_node} ranks "
+        f"= world {plan.world_size} on {','.join(plan.train_nodes)}, master {plan.master_addr}",
+        servers,
+        *plan.memory,
+        f"run folder {plan.run_dir}, logs {plan.log_dir}",
+        "trainer overrides: " + " ".join(plan.trainer_overrides),
+    ]
+    if plan.env:
+        out.append("exported to every step: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
+    return "\n".join(out + [f"warning: {w}" for w in plan.warnings])
