@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -731,6 +732,17 @@ def test_the_steps_of_a_turn_run_side_by_side_up_to_the_bound(episodes: int, max
     assert Rendezvous.most == meet  # every step of the turn at once, never more than env.max_concurrent_steps
 
 
+async def _set_within(event: threading.Event, timeout_s: float) -> bool:
+    """Whether `event` is set within `timeout_s`, polled on the loop (not on the loop's default executor, whose
+    threads an earlier test of the same process may still hold)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.is_set():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 class OvertakingEngine(TurnEngine):
     """A TurnEngine that answers episode 0's (prompt key 0) second turn only once episode 1
     (key 1) has had its third turn generated: with lock-step turns that can never happen (it would wait
@@ -743,7 +755,7 @@ class OvertakingEngine(TurnEngine):
 
     async def generate(self, prompts, params, return_routed_experts=False):
         turns = [sum(1 for r, _ in self.requests if r[0] == ids[0]) for ids in prompts]
-        if (prompts[0][0], turns[0]) == (0, 1) and not await asyncio.to_thread(self.answered[2].wait, 30):
+        if (prompts[0][0], turns[0]) == (0, 1) and not await _set_within(self.answered[2], 30):
             raise AssertionError("episode 1 did not go on to its third turn while episode 0 generated its second")
         out = await super().generate(prompts, params, return_routed_experts)
         for ids, turn in zip(prompts, turns, strict=True):
