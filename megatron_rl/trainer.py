@@ -351,7 +351,8 @@ class Trainer(Stage):
         return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions, got.episodes)
 
     def _update(self, step_batch: StepBatch) -> dict[str, float]:
-        """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
+        """Old log-probs, reference log-probs, then `train.updates_per_step` updates `train.ppo_epochs` times
+        over (against those old log-probs); their metrics and timings.
 
         Old log-probs: recomputed (R2 records the routing; R3 replays the engine's) or the engine's.
         The reference runs under the same routing as the updates (R2's recorded, R3's engine routing)."""

@@ -11,8 +11,9 @@
 The actor starts from `model.hf_path` (converted in memory; the architecture keys of `model` come
 from its config.json, as in `megatron-rl train`) or `checkpoint.load`. Each step takes
 `train.prompts_per_step` rows from `data.train_path` in a seeded order (`data.seed`, `data.shuffle`)
-and makes `train.updates_per_step` optimizer steps on them; the learning-rate schedule spans all
-`train.steps`. Log-probs are taken at temperature 1 whatever `rollout.temperature` says (that one
+and makes `train.updates_per_step` optimizer steps on them (`train.ppo_epochs` passes over them); the
+learning-rate schedule spans all `train.steps` (with `train.epochs`: derived from the usable rows,
+`megatron_rl.config.epochs`; `data/epoch` in each record counts the passes over them). Log-probs are taken at temperature 1 whatever `rollout.temperature` says (that one
 is the sampling temperature of pass@n). With `data.eval_path`, rank 0 serves the exported policy
 with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy every
 `eval.every` steps and at the end. `--resume` continues from the newest complete checkpoint (the
