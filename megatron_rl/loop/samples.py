@@ -95,12 +95,17 @@ def advantages_of(
     advantage of its turn (`megatron_rl.algorithms.turn_credit`). Without `episodes` (outcome credit
     only): one advantage per reward. `masks`: the loss mask of every sequence (`loss_mask`), which the
     estimators that whiten over the step's tokens need. With a teacher (`distill`), each sequence's is [r_i]: the
-    reward advantage (none with `algorithm.name = opd`) plus `distill.kl_coef` x `distill_advantage`."""
+    reward advantage (none with `algorithm.name = opd`) plus `distill.kl_coef` x `distill_advantage`; with
+    `distill.mode = forward_topk` the reward advantage alone (0 with opd): the teacher enters the loss instead."""
     if not cfg.distill.enabled:
         return _reward_advantages(cfg, rewards, episodes, masks)
     if episodes is None:
         raise ValueError("distill: the advantages need the episodes (their teacher log-probs)")
     sequences = [seq for episode in episodes for seq in segments_of(episode)]
+    if cfg.distill.mode == "forward_topk":  # the teacher is a loss term (`losses.distill`), not an advantage
+        if cfg.algorithm.name == "opd":
+            return [torch.zeros(len(seq.output_ids)) for seq in sequences]
+        return _reward_advantages(cfg, rewards, episodes, masks)
     distilled = [cfg.distill.kl_coef * distill_advantage(seq) for seq in sequences]
     if cfg.algorithm.name == "opd":
         return distilled
