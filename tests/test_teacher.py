@@ -111,7 +111,8 @@ def test_local_teacher_top_logprobs_equal_transformers(teacher, teacher_dir):
         assert len(got.top_ids) == len(got.top_logprobs) == len(got.logprobs) == len(ids) - start
         assert got.top_ids == expected.indices.tolist()
         assert (torch.tensor(got.top_logprobs) - expected.values).abs().max() <= 1e-5
-        assert max(abs(a - b) for a, b in zip(got.logprobs, transformers_logprobs(teacher_dir, ids, start))) <= 1e-5
+        own = transformers_logprobs(teacher_dir, ids, start)
+        assert max(abs(a - b) for a, b in zip(got.logprobs, own, strict=True)) <= 1e-5
         assert all(row == sorted(row, reverse=True) for row in got.top_logprobs)
 
 
