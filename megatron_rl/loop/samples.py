@@ -14,7 +14,8 @@ Each step's data is built here, in verl's order (rewards, old log-probs, the ref
   when they need no reference; with `algorithm.kl_in_reward` they wait for the reference's
   log-probs, and the step computes them once, after the reference forward, from R - beta * KL
   (`kl_penalized_advantages`). They are never computed twice. With a teacher (`distill`), each
-  generated token's advantage also holds its distillation term (`distill_advantage`).
+  generated token's advantage also holds its distillation term (`distill_advantage`), or, with
+  `distill.mode = forward_topk`, each sequence carries the teacher's top-k to the trainer (`teacher_top`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ def distill_advantage(sequence: Trajectory) -> torch.Tensor:
     student = torch.tensor(sequence.logprobs, dtype=torch.float32)
     generated = torch.tensor(sequence.loss_mask, dtype=torch.bool)
     return torch.where(generated, teacher - student, torch.zeros(()))
+
+
+def teacher_top(sequences: Sequence[Trajectory], top_k: int) -> dict[str, list[torch.Tensor]]:
+    """`ActorBatch.teacher_top_ids` (int32) and `teacher_top_logprobs` (float32) [r_i, K] of `sequences`
+    (`distill.mode = forward_topk`); a sequence the teacher did not score is never trained on."""
+    missing = [seq.rid for seq in sequences if seq.teacher_top_ids is None or seq.teacher_top_logprobs is None]
+    if missing:
+        raise RuntimeError(
+            f"distill: sample {missing[0]!r} has no teacher top-k (distill.mode = forward_topk); a sample the "
+            "teacher did not score is never trained on"
+        )
+    return {
+        "teacher_top_ids": [
+            torch.tensor(seq.teacher_top_ids, dtype=torch.int32).reshape(-1, top_k) for seq in sequences
+        ],
+        "teacher_top_logprobs": [
+            torch.tensor(seq.teacher_top_logprobs, dtype=torch.float32).reshape(-1, top_k) for seq in sequences
+        ],
+    }
 
 
 def advantages_of(
@@ -254,7 +274,7 @@ class SampleBuilder:
     def build(self, groups: Sequence[Group], metrics: dict[str, float]) -> StepBatch:
         """The actor batch of `groups`, one sequence per segment of each episode, with `metrics` and
         the batch's own (`reward/train_mean`; agents: `env/trained_sequences_per_episode`)."""
-        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        alg, ro, dist = self.cfg.algorithm, self.cfg.rollout, self.cfg.distill
         episodes = [e for g in groups for e in g.episodes]
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         owner = [k for k, e in enumerate(episodes) for _ in segments_of(e)]
@@ -276,6 +296,7 @@ class SampleBuilder:
             advantages=None if alg.kl_in_reward else advantages_of(self.cfg, rewards, episodes, masks),
             rollout_log_probs=[torch.tensor(seq.logprobs, dtype=torch.float32) for seq in sequences],
             routed_experts=routed,
+            **(teacher_top(sequences, dist.top_k) if dist.mode == "forward_topk" and dist.enabled else {}),
         )
         metrics = {**metrics, "reward/train_mean": sum(r for g in groups for r in g.rewards) / len(episodes)}
         if self.cfg.env.type == "agent":
