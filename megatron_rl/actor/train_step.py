@@ -16,7 +16,8 @@ loss tokens aggregated as the policy loss, `algorithm.loss_agg_mode`), back-prop
 Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics` (with a bonus, `loss` includes it and `entropy_bonus` is
-its value), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
+its value; with the teacher's top-k, it includes the distillation term, `distill_loss` is that term and
+forward_kl_mean the top-k forward KL per loss token), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
 update_skipped, micro_batches (per DP rank), dp_token_imbalance (the DP ranks' token counts, max /
 mean), is_rejected_frac (with is_correction reject: the share
 of the loss tokens rejected) and, when replaying routing,
@@ -43,7 +44,7 @@ from megatron_rl.actor.forward import (
     prepare_inputs,
     run_schedule,
 )
-from megatron_rl.actor.logprobs import LogProbs
+from megatron_rl.actor.logprobs import LogProbs, TopLogProbs
 from megatron_rl.actor.micro_batches import TokenBudget, mini_batches
 from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
@@ -56,6 +57,7 @@ from megatron_rl.losses import (
     metric_reduce_op,
     policy_loss,
 )
+from megatron_rl.losses.distill import forward_kl_loss
 from megatron_rl.losses.entropy import entropy_bonus
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.metrics import masked_sum
@@ -130,8 +132,15 @@ def policy_token_loss(spec: LossSpec) -> TokenLoss:
     return loss
 
 
-def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float, loss_agg_mode: str):
-    def loss_fn(mb: MicroBatchInputs, out: LogProbs) -> tuple[Tensor, dict[str, Tensor]]:
+def _loss_fn(
+    token_loss: TokenLoss,
+    normalizer: Normalizer,
+    scale: float,
+    entropy_coef: float,
+    loss_agg_mode: str,
+    distill_coef: float = 0.0,
+):
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs | TopLogProbs) -> tuple[Tensor, dict[str, Tensor]]:
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
         if entropy_coef > 0:
@@ -139,6 +148,15 @@ def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entrop
             loss = loss + bonus
             metrics["loss"] = metrics["loss"] + bonus.detach().to(torch.float64)
             metrics["entropy_bonus"] = bonus.detach().to(torch.float64)
+        if isinstance(out, TopLogProbs):  # on-policy distillation's top-k forward KL (`losses.distill`)
+            assert mb.top_logprobs is not None
+            term, per_token = forward_kl_loss(
+                out.top, mb.top_logprobs, mb.target_mask, distill_coef, normalizer, loss_agg_mode
+            )
+            loss = loss + term
+            metrics["loss"] = metrics["loss"] + term.detach().to(torch.float64)
+            metrics["distill_loss"] = term.detach().to(torch.float64)
+            metrics["forward_kl_sum"] = masked_sum(per_token, mb.target_mask)
         return loss * scale, metrics
 
     return loss_fn
@@ -176,6 +194,7 @@ def train_on_batch(
     routing: RoutingReplay | None = None,
     replay: bool = False,
     loss: TokenLoss | None = None,
+    distill_coef: float = 0.0,
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`, `epochs` times over (each pass the
     same mini-batches in the same order); one metrics dict per step, pass by pass.
@@ -183,7 +202,9 @@ def train_on_batch(
     `loss`: None = the policy loss of `spec` (with its entropy bonus), for which `batch` needs
     old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses them); any other
     `TokenLoss` (e.g. the SFT cross-entropy) gets the fields the batch has, and no entropy bonus.
-    With `replay`, routed_experts (R2 recorded or R3).
+    With `replay`, routed_experts (R2 recorded or R3). A batch with the teacher's top-k
+    (`ActorBatch.teacher_top_ids`, `distill.mode = forward_topk`) adds `distill_coef` x the top-k forward KL
+    to the policy loss (`losses.distill`).
     """
     policy = loss is None
     entropy_coef = spec.entropy_coef if policy else 0.0
@@ -192,6 +213,11 @@ def train_on_batch(
             if getattr(batch, name) is None:
                 raise ValueError(f"train: ActorBatch.{name} is required")
         loss = policy_token_loss(spec)
+    if batch.teacher_top_ids is not None and not (policy and distill_coef > 0):
+        raise ValueError(
+            "train: ActorBatch.teacher_top_ids (distill.mode = forward_topk) need the policy loss and "
+            f"distill_coef > 0 (distill.kl_coef), got {'the policy loss' if policy else 'another loss'} and {distill_coef}"
+        )
     fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
     config = get_model_config(state.model[0])
     history = []
@@ -202,7 +228,7 @@ def train_on_batch(
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, budget)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
-        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode)
+        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode, distill_coef)
         for chunk in state.model:
             chunk.train()
             chunk.zero_grad_buffer()
