@@ -392,6 +392,8 @@ class Trainer(Stage):
         history = self.actor.train(batch)
         done = time.perf_counter()
         out.update(summarize_updates(history))
+        if "actor/forward_kl_mean" in out:  # distill.mode = forward_topk: beside the rollout's distill/ metrics
+            out["distill/forward_kl"] = out.pop("actor/forward_kl_mean")
         tokens = float(sum(batch.lengths))
         out["time/old_logprobs"] = referenced - began
         if self.reference is not None:
