@@ -139,7 +139,8 @@ def test_folders_a_value_model_cannot_start_from_are_refused(tmp_path: Path) -> 
 def test_the_critic_section_refuses_contradictions_naming_the_keys() -> None:
     from megatron_rl.config import load_config
 
-    assert load_config(None, ["critic.hf_path=/some/critic"]).critic.enabled  # implied
+    assert load_config(None, ["algorithm.name=ppo", "critic.hf_path=/some/critic"]).critic.enabled  # implied
+    assert load_config(None, ["algorithm.name=ppo"]).critic.enabled  # gae implies the critic
     refused = {
         "critic.hf_path=/c critic.enabled=false": "critic.hf_path = '/c' is read only with critic.enabled = true, "
         "but critic.enabled = false",
