@@ -1376,3 +1376,9 @@ from mrl_multiproc.scenarios_layouts import (  # noqa: E402, F401
     w4_pp2_ep2,
     w4_tp2_ep2_etp1,
 )
+from mrl_multiproc.scenarios_critic import (  # noqa: E402, F401
+    w1_critic_reference,
+    w2_critic_ep2,
+    w2_critic_pp2,
+    w2_critic_tp2_sp,
+)
