@@ -8,7 +8,7 @@ run folder, the step log); rank 0 also holds the `RolloutRuntime` (`megatron_rl.
 what, the start-up order (`Trainer.start`) and one step are described once, in docs/architecture.md.
 
 RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
-engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
+engine.log, checkpoints/step_NNNNNN/{actor/, [critic/,] loop_state.pt} (every `checkpoint.every` steps and the
 last; `checkpoint.keep_last` kept), weights/ (disk weight sync), hf/ (the final policy as a Hugging
 Face folder). `--resume` continues from the newest complete checkpoint; on CPU the resumed run's
 metrics equal the uninterrupted run's (timings aside) when the engine decodes one request at a time

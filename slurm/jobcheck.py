@@ -74,6 +74,7 @@ class TrainerMemory:
     stage_layers: int = 0  # its transformer layers
     stages: int = 1  # PP
     critic: float = 0.0  # of `total`, the critic's weights, gradients and optimizer state (critic.enabled)
+    critic_optimizer: float = 0.0  # of `optimizer`, the critic's (rollout.colocate_offload leaves it on the GPU)
 
     @property
     def total(self) -> float:
@@ -135,6 +136,7 @@ def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
                 stage_layers=len(layers),
                 stages=pp,
                 critic=sum(per_model[1][:3]) if cfg.critic.enabled else 0.0,
+                critic_optimizer=per_model[1][2] if cfg.critic.enabled else 0.0,
             )
         )
     return max(candidates, key=lambda mem: mem.total)
@@ -366,8 +368,9 @@ def check_engine_memory(
 
 def resident_while_generating(trainer: TrainerMemory, offload: bool) -> float:
     """What a colocated trainer keeps on each GPU while the engines generate: its weights and gradients,
-    and its optimizer state unless rollout.colocate_offload moves that to host memory."""
-    return trainer.weights + trainer.grads + (0.0 if offload else trainer.optimizer)
+    and its optimizer state unless rollout.colocate_offload moves the actor's to host memory (the critic's
+    stays)."""
+    return trainer.weights + trainer.grads + (trainer.critic_optimizer if offload else trainer.optimizer)
 
 
 def check_colocated_memory(trainer: TrainerMemory, engine: EngineMemory, offload: bool) -> float:

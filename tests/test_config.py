@@ -26,7 +26,12 @@ def test_presets_carry_published_defaults():
     opd = preset("opd")  # on-policy distillation: the token-level clipped surrogate, token-mean
     assert (opd.ratio_level, opd.loss_agg_mode, opd.kl_coef) == ("token", "token-mean", 0.0)
     ppo = preset("ppo")  # verl 0.9.1's ppo_trainer.yaml: the token-level clip, GAE with gamma = lambda = 1, no KL
-    assert (ppo.ratio_level, ppo.clip_eps_low, ppo.clip_eps_high, ppo.loss_agg_mode) == ("token", 0.2, 0.2, "token-mean")
+    assert (ppo.ratio_level, ppo.clip_eps_low, ppo.clip_eps_high, ppo.loss_agg_mode) == (
+        "token",
+        0.2,
+        0.2,
+        "token-mean",
+    )
     assert (ppo.advantage_estimator, ppo.gamma, ppo.lam, ppo.kl_coef, ppo.dual_clip_c) == ("gae", 1.0, 1.0, 0.0, None)
     assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "opd", "ppo", "sapo"]
 

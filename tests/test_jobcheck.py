@@ -233,8 +233,12 @@ def test_a_critic_is_a_second_model_and_optimizer_on_the_trainer_gpus(models: Pa
     assert mem.dense_params * 1e9 == pytest.approx(2 * DSV3_STAGE_DENSE)
     with pytest.raises(jobcheck.DoesNotFit, match=r"about 111 GiB per GPU .*, the critic's 55 GiB among them"):
         jobcheck.check_trainer_memory(cfg, 224, 80.0)
-    lines = jobcheck.memory_lines(jobcheck.trainer_memory(cfg, 224), None, None, 141.0, 1024)
+    lines = jobcheck.memory_lines(mem, None, None, 141.0, 1024)
     assert "optimizer 72.3, the critic's 55.4 GiB among them)" in lines[0]
+    # colocated with rollout.colocate_offload: the actor's optimizer state leaves the GPU, the critic's stays
+    assert jobcheck.resident_while_generating(mem, offload=True) == pytest.approx(
+        2 * (6.394 + 12.789) + 36.170, abs=3e-3
+    )
 
 
 def test_optimizer_offload_puts_the_moments_of_its_share_on_the_host(models: Path) -> None:
