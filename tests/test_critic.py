@@ -1,8 +1,10 @@
 """The critic's value model on one rank in this process, fp32: its per-token values equal those of transformers'
 `AutoModelForTokenClassification` (num_labels = 1, verl's critic format) with the same weights within 1e-5, loaded
 from such a folder (`critic.hf_path`) or built from the policy's causal-LM folder with a fresh seeded head; the
-folders a value model cannot start from are refused in one line naming the key or the tensor.
-(TP 2 with sequence parallelism and PP 2: tests/mrl_multiproc/model_scenarios.py's `values_tp2_sp_pp2`.)"""
+folders a value model cannot start from are refused in one line naming the key or the tensor. `MegatronCritic`, as
+the trainer runs it: its values at the log-probs' target positions, padded and packed, the first update by hand, a
+checkpoint round trip. (TP 2 with sequence parallelism and PP 2: tests/mrl_multiproc/model_scenarios.py's
+`values_tp2_sp_pp2`; the critic's updates across layouts: tests/mrl_multiproc/scenarios_critic.py.)"""
 
 from __future__ import annotations
 
