@@ -259,10 +259,15 @@ class AlgorithmConfig:
     is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", **BOUNDS["is_threshold"])
     is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", **BOUNDS["is_mask_min"])
     is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", **BOUNDS["is_mask_max"])
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _f(
-        "grpo", "verl's adv_estimator: the advantage of each response or token (docs/training.md has the formulas)"
+    advantage_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _f(
+        "grpo",
+        "verl's adv_estimator: the advantage of each response or token (docs/training.md has the formulas); "
+        "gae reads the critic's values and implies critic.enabled",
     )
-    gamma: float = _f(1.0, "reinforce_plus_plus: discount per trained token (verl's algorithm.gamma)", ge=0, le=1)
+    gamma: float = _f(
+        1.0, "gae and reinforce_plus_plus: discount per trained token (verl's algorithm.gamma)", ge=0, le=1
+    )
+    lam: float = _f(1.0, "gae: lambda, the GAE trace decay per trained token (verl's algorithm.lam)", ge=0, le=1)
     adv_norm_std: bool = _f(True, "divide group advantages by the group std (False = mean-only, Dr. GRPO)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std", ge=0)
     dynamic_sampling: bool = _f(False, "drop groups with zero reward spread and keep sampling")

@@ -147,10 +147,14 @@ def parameter_counts(model: ModelConfig) -> tuple[int, int]:
     return stage_parameter_counts(model, range(model.num_layers), first=True, last=True)
 
 
-def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last: bool) -> tuple[int, int]:
+def stage_parameter_counts(
+    model: ModelConfig, layers: range, first: bool, last: bool, *, value_head: bool = False
+) -> tuple[int, int]:
     """(dense, expert) parameter counts, as `parameter_counts`, of the pipeline stage holding the global
     transformer `layers`: the `first` stage also holds the input embedding, the `last` the final norm and
-    the output layer (with tied embeddings a copy of the embedding, unless that stage is also the first)."""
+    the output layer (with tied embeddings a copy of the embedding, unless that stage is also the first).
+    `value_head`: the critic's value model (`megatron_rl.critic`), untied, whose output layer is a [1, H] head
+    with its bias."""
     spec = check_family(model)
     h, heads = model.hidden_size, model.num_attention_heads
     if spec.multi_latent_attention:
@@ -170,7 +174,8 @@ def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last:
     router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
     shared = 3 * h * (model.moe_shared_expert_size or 0)
     embedding = model.vocab_size * h
-    output = h + (0 if model.tie_word_embeddings and first else embedding)  # the final norm and output layer
+    head = h + 1 if value_head else (0 if model.tie_word_embeddings and first else embedding)
+    output = h + head  # the final norm and the output layer
     ends = (embedding if first else 0) + (output if last else 0)
     dense = ends + len(layers) * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
     experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
