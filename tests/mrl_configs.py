@@ -75,6 +75,47 @@ def tiny_minimax_model(**fields: Any) -> ModelConfig:
     return model_config_from_hf(hf, params_dtype="fp32", **fields)
 
 
+# A tiny gpt-oss (transformers' field names): GQA 6/2 with head_dim 10, sliding (window 5) and full layers
+# alternating, yarn RoPE not rounded (truncate false) over 16 original positions, top-3 of 6 biased experts whose
+# SwiGLU clamps at 1 with gain 1.3; splits over TP = 2 (heads and KV groups), EP = 2 and PP = 2 (a sliding and a
+# full layer per stage).
+GPT_OSS_TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=4, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=10, num_local_experts=6, num_experts_per_tok=3, sliding_window=5,
+    max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False, swiglu_alpha=1.3, swiglu_limit=1.0,
+    rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=16,
+                         beta_fast=8.0, beta_slow=1.0, truncate=False),
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def tiny_gpt_oss_model(**fields: Any) -> ModelConfig:
+    """The fp32 Megatron `model` of `GPT_OSS_TINY` as transformers writes its config.json; `fields` override it."""
+    import json
+
+    from transformers import GptOssConfig
+
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = json.loads(GptOssConfig(**GPT_OSS_TINY, architectures=["GptOssForCausalLM"]).to_json_string())
+    return model_config_from_hf(hf, params_dtype="fp32", **fields)
+
+
+def save_tiny_gpt_oss(folder: Path, seed: int = 3) -> Path:
+    """`GPT_OSS_TINY` with `save_random_hf_model`'s weights, its attention sinks N(0, 1) (so that they weigh)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig
+
+    save_random_hf_model(folder, GptOssConfig(**GPT_OSS_TINY), seed=seed)
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name in sorted(tensors):
+        if name.endswith("self_attn.sinks"):
+            tensors[name] = torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
     "small": (

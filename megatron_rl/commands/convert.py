@@ -221,7 +221,7 @@ def megatron_to_hf(
     model = model_config_from_hf(hf, source=str(source / "config.json"), params_dtype=_stored_dtype(ckpt))
     parallel = parallel or ParallelConfig()
     _validate(model, parallel)
-    total = len(HFMapping(model).expected_hf_shapes())
+    total = len(HFMapping(model).checkpoint_shapes())
     with _megatron(parallel, model) as chunks:
         load_model_weights(chunks, ckpt)
         _prepare_on_rank0(out, force)
