@@ -91,29 +91,9 @@ GPT_OSS_TINY: dict[str, Any] = dict(
 
 def tiny_gpt_oss_model(**fields: Any) -> ModelConfig:
     """The fp32 Megatron `model` of `GPT_OSS_TINY` as transformers writes its config.json; `fields` override it."""
-    import json
-
-    from transformers import GptOssConfig
-
     from megatron_rl.models.hf_config import model_config_from_hf
 
-    hf = json.loads(GptOssConfig(**GPT_OSS_TINY, architectures=["GptOssForCausalLM"]).to_json_string())
-    return model_config_from_hf(hf, params_dtype="fp32", **fields)
-
-
-def save_tiny_gpt_oss(folder: Path, seed: int = 3) -> Path:
-    """`GPT_OSS_TINY` with `save_random_hf_model`'s weights, its attention sinks N(0, 1) (so that they weigh)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import GptOssConfig
-
-    save_random_hf_model(folder, GptOssConfig(**GPT_OSS_TINY), seed=seed)
-    tensors = load_file(folder / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    for name in sorted(tensors):
-        if name.endswith("self_attn.sinks"):
-            tensors[name] = torch.randn(tensors[name].shape, generator=gen)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    return model_config_from_hf(hf_config_json("gpt_oss"), params_dtype="fp32", **fields)
 
 
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
@@ -317,10 +297,12 @@ def layout(
 
 
 def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
-    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"); `overrides`
-    replace its fields."""
+    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"; gpt-oss: `GPT_OSS_TINY`
+    at either); `overrides` replace its fields."""
     import transformers
 
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**{**GPT_OSS_TINY, **overrides})
     classes = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
     classes.update(qwen3=transformers.Qwen3Config, qwen2=transformers.Qwen2Config, llama=transformers.LlamaConfig)
     classes.update(mistral=transformers.MistralConfig)
@@ -346,16 +328,17 @@ def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **ove
 @torch.no_grad()
 def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
-    norms 1 + 0.1 N, other vectors 0.1 N (router margins are then rarely near-ties)."""
+    norms 1 + 0.1 N, attention sinks (gpt-oss) N(0, 1) so that they weigh, other vectors 0.1 N (router margins are
+    then rarely near-ties)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen)
-        if param.dim() == 1:
+        if param.dim() == 1 and not name.endswith("self_attn.sinks"):
             values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
-        else:
+        elif param.dim() > 1:
             values /= math.sqrt(param.shape[-1])
         param.copy_(values)
     for name, buffer in model.named_buffers():

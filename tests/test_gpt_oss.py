@@ -24,7 +24,7 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import layout, megatron_names, save_tiny_gpt_oss, tiny_gpt_oss_model, with_key
+from mrl_configs import hf_config, layout, megatron_names, save_random_hf_model, tiny_gpt_oss_model, with_key
 
 # openai/gpt-oss-120b's config.json without its quantization_config (the MXFP4 release; a bf16 copy's keys).
 GPT_OSS_120B: dict[str, Any] = {
@@ -39,6 +39,10 @@ GPT_OSS_120B: dict[str, Any] = {
     "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
     "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088, "torch_dtype": "bfloat16",
 }  # fmt: skip
+def _tiny_folder(folder: Path) -> Path:
+    return save_random_hf_model(folder, hf_config("gpt_oss"), seed=3)
+
+
 MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
 
 
@@ -129,7 +133,7 @@ def test_config_round_trip_and_table_match_what_transformers_writes(tmp_path: Pa
     """transformers 5's config.json (rope_parameters) gives the model and comes back; save_pretrained's names and
     shapes (the stacked experts) are the mapping's table; every per-expert slice converts to Megatron and back bit
     for bit."""
-    folder = save_tiny_gpt_oss(tmp_path / "hf")
+    folder = _tiny_folder(tmp_path / "hf")
     saved = json.loads((folder / "config.json").read_text())
     model = model_config_from_hf(saved, params_dtype="fp32")
     assert model == tiny_gpt_oss_model()
@@ -174,7 +178,7 @@ def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_pat
     from mrl_configs import launch_of_one
     from mrl_multiproc.model_helpers import forward_logits
 
-    folder = save_tiny_gpt_oss(tmp_path / "hf")
+    folder = _tiny_folder(tmp_path / "hf")
     model = model_config_from_hf(json.loads((folder / "config.json").read_text()), params_dtype="fp32")
     ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     out = tmp_path / "out"
@@ -237,7 +241,7 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
 
     from mrl_configs import actor_of_one
 
-    folder = save_tiny_gpt_oss(tmp_path / "hf")
+    folder = _tiny_folder(tmp_path / "hf")
     served, info = load_model(str(folder))
     assert (info.family, info.moe_layers, info.num_experts, info.top_k, info.sliding_window) == (
         "gpt_oss", (0, 1, 2, 3), 6, 3, 5

@@ -40,8 +40,10 @@ LAYOUT_FLAGS = {
 }
 
 
-def _leave_uninitialised(tensor: torch.Tensor) -> None:
-    """Init method that keeps the allocated values: every weight is overwritten by the conversion."""
+def _leave_uninitialised(tensor: torch.Tensor) -> torch.Tensor:
+    """Init method that keeps the allocated values: every weight is overwritten by the conversion. It returns
+    the tensor, as torch's init functions do: Megatron assigns the result back (gpt-oss's attention sinks)."""
+    return tensor
 
 
 # Megatron's `perform_initialization=False` would also skip tagging TP-split parameters, so the

@@ -370,10 +370,12 @@ def _prepare_sinks_and_expert_biases(gpt: GPTModel) -> None:
     rank returns (without expert parallelism)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+    for layer in gpt.decoder.layers:
+        offset = layer.self_attention.core_attention.softmax_offset
+        if not isinstance(offset, torch.nn.Parameter):  # Megatron sets it to what the init method returns
+            raise RuntimeError(f"layer {layer.layer_number}: no attention sinks (an init method returned {offset!r})")
+        set_tensor_model_parallel_attributes(offset, True, 0, 1)
     for module in gpt.modules():
-        offset = getattr(module, "softmax_offset", None)
-        if isinstance(offset, torch.nn.Parameter):
-            set_tensor_model_parallel_attributes(offset, True, 0, 1)
         if isinstance(module, SequentialMLP):
             for expert in module.local_experts:
                 expert.linear_fc2.register_forward_hook(_own_output)

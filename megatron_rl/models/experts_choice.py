@@ -47,13 +47,13 @@ def use_grouped_experts(model: ModelConfig, parallel: ParallelConfig, *, transfo
 
 def check_grouped_experts(model: ModelConfig, parallel: ParallelConfig, *, transformer_engine: bool) -> None:
     """ConfigError when `model.moe_grouped_gemm = true` asks torch's grouped GEMM for widths it cannot take, or for
-    biased experts; and for biased experts split over expert-TP: Megatron-Core 0.16 adds each expert's output bias
-    on every expert-TP rank before their partial outputs are summed (the bias counted expert-TP times)."""
+    biased experts; and for biased experts split over expert-TP, which Megatron-Core 0.16 supports with expert-TP 1
+    only (its TransformerConfig asserts it)."""
     etp = resolve_expert_tensor_parallel(parallel)
     if model.num_experts is not None and is_gpt_oss(model) and etp > 1:
         raise ConfigError(
             f"parallel.expert_tensor_parallel_size = {etp} (null means TP): model.family = {model.family!r} has "
-            "biased experts, whose output bias Megatron-Core adds on every expert-TP rank; set it to 1"
+            "biased experts, which Megatron-Core supports with expert-TP 1 only; set it to 1"
         )
     if model.num_experts is None or model.moe_grouped_gemm is not True or transformer_engine:
         return
