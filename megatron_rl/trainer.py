@@ -36,11 +36,12 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_wire import WireBatch
-from megatron_rl.config import Config, logprob_gap_limit, uses_reference
+from megatron_rl.config import Config, logprob_gap_limit, prompts_per_round, uses_reference, with_epoch_steps
 from megatron_rl.loop.runtime import (
     ROLLOUT_ERRORS,
     RolloutData,
     RolloutRuntime,
+    TrainPrompts,
     check_rollout_servers,
     spawn_engine_early,
 )
@@ -168,9 +169,14 @@ class Trainer(Stage):
         from megatron_rl.weight_sync.memory import colocated_engines_released, release_colocated_engines
 
         rank = read_launch_env().rank
+        prompts, epochs_line = None, ""
+        if cfg.train.epochs:  # every rank reads the train files for the step count, before the run folder (resume)
+            prompts = TrainPrompts.load(cfg)
+            cfg, epochs_line = with_epoch_steps(cfg, prompts.count, prompts_per_round(cfg))
         run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force, syncs_weights=True)
         stack.callback(run_folder.close)  # its lock, released last
-        data = RolloutData.load(cfg) if rank == 0 else None  # bad data fails here, before the slow model start
+        data = RolloutData.load(cfg, prompts) if rank == 0 else None  # bad data fails here, before the slow model start
+        prompts = None  # the other ranks' copy, only counted
         if data is not None:
             stack.callback(data.close)  # the reward workers, also when a later piece fails to start
         if data is not None:  # SGLang servers answer and take the key; colocated ones free memory before the actor's
@@ -192,6 +198,8 @@ class Trainer(Stage):
             stack.callback(reference.close)
         log = run_folder.open_log(desc="rl")
         stack.callback(log.close)
+        if epochs_line:
+            log.message(epochs_line)
         model_path = engine_model_path(cfg, run_folder, actor)
         runtimes: list[RolloutRuntime] = []
 
@@ -343,7 +351,8 @@ class Trainer(Stage):
         return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions, got.episodes)
 
     def _update(self, step_batch: StepBatch) -> dict[str, float]:
-        """Old log-probs, reference log-probs, then `train.updates_per_step` updates; their metrics and timings.
+        """Old log-probs, reference log-probs, then `train.updates_per_step` updates `train.ppo_epochs` times
+        over (against those old log-probs); their metrics and timings.
 
         Old log-probs: recomputed (R2 records the routing; R3 replays the engine's) or the engine's.
         The reference runs under the same routing as the updates (R2's recorded, R3's engine routing)."""

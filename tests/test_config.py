@@ -275,3 +275,50 @@ def test_rollout_stops_reach_the_engines_request_and_bad_ones_are_refused():
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, [override])
+
+
+def test_train_epochs_implies_null_steps_and_both_set_are_refused_naming_both(tmp_path):
+    from megatron_rl.config import Config, TrainConfig, check_rules, to_yaml
+
+    assert (load_config(None, ["train.epochs=3"]).train.steps, load_config(None, []).train.steps) == (None, 100)
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 40\n")  # a YAML that gives the steps, then the epochs on the command line
+    for layers in ((path, ["train.epochs=3"]), (None, ["train.epochs=3", "train.steps=40"])):
+        with pytest.raises(ConfigError) as err:
+            load_config(*layers)
+        message = str(err.value)
+        assert message.startswith("train.epochs = 3 ") and "train.steps = 40" in message and "\n" not in message
+        assert "set train.steps = null" in message
+    assert load_config(path, ["train.epochs=3", "train.steps=null"]).train.steps is None
+    with pytest.raises(ConfigError, match=r"^train\.epochs = 2 is read only with train\.steps = null"):
+        check_rules(Config(train=TrainConfig(epochs=2)))  # in code: the default steps are a choice too
+    check_rules(Config(train=TrainConfig(epochs=2, steps=None)))
+    # the rules on the step count wait for it: a warm-up longer than any run the data could give passes here
+    check_rules(Config(train=TrainConfig(epochs=2, steps=None, lr_warmup_steps=10**6, lr_decay_style="cosine")))
+    assert "  steps: null\n  epochs: 2\n" in to_yaml(Config(train=TrainConfig(epochs=2, steps=None)))
+
+
+def test_the_steps_of_train_epochs_by_hand(tmp_path):
+    from megatron_rl.config import epoch_steps, optimizer_steps, prompts_per_round, to_yaml, with_epoch_steps
+
+    assert epoch_steps(3, 10, 4) == 8  # 30 prompts drawn in steps of 4: 7.5 steps, rounded up
+    assert (epoch_steps(1, 8, 4), epoch_steps(2, 1, 32), epoch_steps(5, 64, 32)) == (2, 1, 10)
+    cfg = load_config(None, ["train.epochs=3", "train.prompts_per_step=4", "train.updates_per_step=2"])
+    resolved, line = with_epoch_steps(cfg, 10, prompts_per_round(cfg))
+    assert (resolved.train.steps, resolved.train.epochs, optimizer_steps(resolved.train)) == (8, 0, 16)
+    assert line == "train.epochs = 3: 8 steps (ceil(3 x 10 usable prompts / 4 per step))"
+    assert with_epoch_steps(load_config(None, ["train.steps=7"]), 10, 4) == (load_config(None, ["train.steps=7"]), "")
+    path = tmp_path / "config.yaml"  # RUN_DIR/config.yaml of the resolved run loads and runs as it ran
+    path.write_text(to_yaml(resolved))
+    assert load_config(path).train == resolved.train
+    # dynamic sampling: a step's first round draws ceil(4 x 1.5) = 6 prompts, so 30 / 6 = 5 steps
+    dapo = load_config(None, ["algorithm.name=dapo", "algorithm.oversample_factor=1.5", "train.epochs=3"])
+    dapo = dataclasses.replace(dapo, train=dataclasses.replace(dapo.train, prompts_per_step=4))
+    assert prompts_per_round(dapo) == 6 and with_epoch_steps(dapo, 10, prompts_per_round(dapo))[0].train.steps == 5
+    # the rules on the step count, checked on the derived one, name it
+    warm = load_config(None, ["train.epochs=1", "train.lr_warmup_steps=3", "train.lr_decay_style=linear"])
+    with pytest.raises(ConfigError) as err:
+        with_epoch_steps(warm, 10, 4)
+    message = str(err.value)
+    assert "train.lr_warmup_steps (3) must be below the number of optimizer steps" in message and "\n" not in message
+    assert message.endswith("(3) for lr_decay_style 'linear' (train.steps = 3 from train.epochs = 1)")

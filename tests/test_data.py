@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -230,6 +231,33 @@ def test_sampler_resumes_exactly(consumed: int) -> None:
     assert [resumed.next(4) for _ in range(6)] == [run.next(4) for _ in range(6)]
 
 
+def test_the_steps_of_train_epochs_draw_fresh_seeded_epochs_and_resume_mid_epoch_exactly() -> None:
+    """train.epochs = 3 over 10 prompts, 4 a step: ceil(30 / 4) = 8 steps. Every epoch draws each prompt once,
+    each in its own order; the steps cross the epochs' ends (step 3 takes the last 2 of epoch 0 and the first 2
+    of epoch 1) and the last step goes 2 prompts into a fourth epoch. A run resumed from the state saved after
+    any step, mid-epoch or at an epoch's end, draws what the uninterrupted run draws."""
+    from megatron_rl.config import epoch_steps
+
+    items, per_step = [f"p{i}" for i in range(10)], 4
+    steps = epoch_steps(3, len(items), per_step)
+    run = PromptSampler(items, seed=11)
+    drawn, states, progress = [], [], []
+    for _ in range(steps):
+        states.append(json.loads(json.dumps(run.state_dict())))  # a checkpoint before the step
+        drawn.append(run.next(per_step))
+        progress.append(run.epochs_drawn)
+    flat = [p for step in drawn for p in step]
+    epochs = [flat[k : k + 10] for k in range(0, 30, 10)]
+    assert steps == 8 and len(flat) == 32 and all(sorted(e) == sorted(items) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3  # a fresh order every epoch
+    assert all(e == [items[i] for i in np.random.default_rng([11, k]).permutation(10)] for k, e in enumerate(epochs))
+    assert progress == [0.4, 0.8, 1.2, 1.6, 2.0, 2.4, 2.8, 3.2] and (run.epoch, run.position) == (3, 2)
+    for step, state in enumerate(states):
+        resumed = PromptSampler(items, seed=11)
+        resumed.load_state_dict(state)
+        assert [resumed.next(per_step) for _ in range(step, steps)] == drawn[step:], step
+
+
 def test_sampler_refuses_a_state_from_other_data_or_seed() -> None:
     state = PromptSampler(list(range(10)), seed=3).state_dict()
     with pytest.raises(ValueError, match="data.seed is 4 but the checkpoint was saved with 3"):
@@ -258,6 +286,7 @@ def test_several_train_files_pool_or_mix_by_weight_and_resume(tmp_path: Path, to
     drawn = [p.location.path for _ in range(500) for p in mixed.next(8)]
     share = sum(path.endswith("a.jsonl") for path in drawn) / len(drawn)
     assert abs(share - 0.75) < 0.021, share
+    assert mixed.epochs_drawn == 4000 / 5  # data/epoch: the prompts drawn over the files' 5
     first_b = [p.text for p in WeightedSampler(files, [1.0, 1e-9], True, 3).next(3)]
     assert sorted(first_b) == sorted(p.text for p in files[0])  # a file's own epoch: each row once
     state = mixed.state_dict()

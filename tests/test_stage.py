@@ -94,6 +94,37 @@ def test_a_stage_that_fails_after_distributed_started_tears_it_down(
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("stage", ["train", "sft"])
+def test_train_epochs_gives_the_run_folder_and_what_follows_the_derived_steps(
+    stage: str, run_config: Path, world_of_this_process: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """train.epochs = 3 over the 10 rows of train.jsonl, 4 a step: 8 steps, in the configuration every piece from
+    the run folder on is given (its resume, the step log's progress and ETA, the actor's learning-rate schedule)."""
+    from megatron_rl import run_folder, trainer
+    from megatron_rl.sft.stage import SFTStage
+    from megatron_rl.validation import validate_run
+
+    import tiny_tokenizer
+
+    tiny_tokenizer.build_tokenizer(tmp_path / "tok")
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "response": f"Answer: {i + 1}"} for i in range(10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = ["train.epochs=3", "train.prompts_per_step=4", "data.answer_key=answer"]
+    cfg = validate_run(load_config(run_config, [*overrides, f"data.tokenizer_path={tmp_path / 'tok'}"]), stage)
+    assert cfg.train.steps is None
+    given: list[Config] = []
+
+    def stop_at_the_run_folder(cfg: Config, **kwargs: Any) -> None:
+        given.append(cfg)
+        raise RuntimeError("stopped at the run folder")
+
+    monkeypatch.setattr(run_folder, "RunFolder", stop_at_the_run_folder)
+    monkeypatch.setattr(trainer, "RunFolder", stop_at_the_run_folder)
+    with pytest.raises(RuntimeError, match="stopped at the run folder"), contextlib.ExitStack() as stack:
+        (trainer.Trainer if stage == "train" else SFTStage).start(cfg, stack, resume=False, force=False)
+    assert (given[0].train.steps, given[0].train.epochs) == (8, 0)
+
+
 # ---- the loop ----
 class Recorder:
     """The run folder and the step log of `ToyStage`: what the loop asks of them, in order."""

@@ -71,7 +71,8 @@ class MegatronActor(Policy):
     def train(
         self, batch: ActorBatch, *, replay_routing: bool | None = None, loss: TokenLoss | None = None
     ) -> list[dict[str, float]]:
-        """`train.updates_per_step` optimizer steps on `batch`; metrics per step, the same on every rank.
+        """`train.updates_per_step` optimizer steps on `batch`, `train.ppo_epochs` times over; metrics per step,
+        the same on every rank.
 
         `replay_routing`: None = `algorithm.routing_replay != 'none'`. `loss`: None = the policy loss
         of `algorithm` (see `train_step.train_on_batch`), else e.g. `megatron_rl.sft.cross_entropy_loss`.
@@ -83,6 +84,7 @@ class MegatronActor(Policy):
             batch,
             self.loss_spec,
             updates=self.cfg.train.updates_per_step,
+            epochs=self.cfg.train.ppo_epochs,
             budget=TokenBudget.of(self.cfg.train),
             chunk_tokens=self.cfg.train.logprob_chunk_tokens,
             temperature=self.cfg.rollout.temperature,

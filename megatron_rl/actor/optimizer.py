@@ -13,7 +13,7 @@ optimizer skipped), so update k (1-based, counting applied updates) runs at the 
 after k - 1 of them: linear warm-up lr * k / W for k <= W = `config.warmup_steps` (`train.lr_warmup_steps`,
 or `train.lr_warmup_ratio` of N), then
 `train.lr_decay_style` from lr towards `train.min_lr`, which it reaches after the last update
-(N = `train.steps x train.updates_per_step`): the last update runs at
+(N = `train.steps x train.updates_per_step x train.ppo_epochs`): the last update runs at
 min_lr + (lr - min_lr) / (N - max(W - 1, 0)) with linear decay, not at min_lr.
 """
 
@@ -87,7 +87,7 @@ def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype:
 
 
 def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerParamScheduler:
-    """Megatron's scheduler over `train.steps x train.updates_per_step` optimizer steps (see module doc).
+    """Megatron's scheduler over `config.optimizer_steps` (train.steps x updates_per_step x ppo_epochs; module doc).
 
     Its value after n applied updates is lr * (n + 1) / W during the warm-up (Megatron's warm-up of
     W - 1 steps from lr / W), then the decay, reaching min_lr at n = N.

@@ -1,7 +1,9 @@
 """One RL update of the actor: mini-batches (optimizer steps) x micro-batches through Megatron's schedule.
 
 Every rank holds the whole batch. It is cut into `train.updates_per_step` consecutive
-mini-batches (fewer for a short batch: as many as hold one sample per DP rank); each gets one
+mini-batches (fewer for a short batch: as many as hold one sample per DP rank), trained in order
+`train.ppo_epochs` times over (verl's `ppo_epochs`: the same mini-batches each pass, the batch's old
+log-probs those of before the first pass, so the ratio leaves 1 wherever the policy has moved); each gets one
 global normaliser (`megatron_rl.losses.global_normalizer` over its whole response mask, after
 `algorithm.is_correction = reject` took the rejected tokens out of it), is split over the DP ranks and
 into micro-batches (`forward.plan_for_rank`; right-padded or packed, `micro_batches.TokenBudget`:
@@ -165,6 +167,7 @@ def train_on_batch(
     spec: LossSpec,
     *,
     updates: int,
+    epochs: int = 1,
     budget: TokenBudget,
     chunk_tokens: int,
     temperature: float,
@@ -174,7 +177,8 @@ def train_on_batch(
     replay: bool = False,
     loss: TokenLoss | None = None,
 ) -> list[dict[str, float]]:
-    """`updates` optimizer steps over consecutive mini-batches of `batch`; one metrics dict per step.
+    """`updates` optimizer steps over consecutive mini-batches of `batch`, `epochs` times over (each pass the
+    same mini-batches in the same order); one metrics dict per step, pass by pass.
 
     `loss`: None = the policy loss of `spec` (with its entropy bonus), for which `batch` needs
     old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses them); any other
@@ -191,7 +195,8 @@ def train_on_batch(
     fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
     config = get_model_config(state.model[0])
     history = []
-    for indices in mini_batches(len(batch), updates, ps.get_data_parallel_world_size()):
+    runs = mini_batches(len(batch), updates, ps.get_data_parallel_world_size())
+    for indices in runs * epochs:
         sub, rejected = reject_tokens(batch.subset(indices), spec) if policy else (batch.subset(indices), 0.0)
         masks = [sub.loss_mask(i).view(1, -1) for i in range(len(sub))]
         normalizer = global_normalizer(masks, token_norm=token_norm)

@@ -16,7 +16,15 @@ import argparse
 import math
 import sys
 
-from megatron_rl.config import Config, ConfigError, ParallelConfig, load_config, reference_rows, to_yaml
+from megatron_rl.config import (
+    Config,
+    ConfigError,
+    ParallelConfig,
+    load_config,
+    prompts_per_round,
+    reference_rows,
+    to_yaml,
+)
 
 CHECKS = ("train", "sft", "convert", "none")
 
@@ -81,4 +89,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(to_yaml(cfg), end="")
     print(checked)
+    if cfg.train.epochs:
+        per_step = cfg.train.prompts_per_step if args.check == "sft" else prompts_per_round(cfg)
+        print(
+            f"# train.steps: ceil({cfg.train.epochs} x the usable training prompts / {per_step} per step), derived "
+            "once the data is read (the start-up prints it)"
+        )
     return 0

@@ -8,7 +8,9 @@
   and `to_yaml`;
 - `rules.py`: `check_rules`, the configuration's own rules (ranges, choices, combinations, implied keys);
 - `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound,
-  the optimizer steps and warm-up of the learning-rate schedule, the transformer layers of each pipeline stage);
+  the optimizer steps and warm-up of the learning-rate schedule, the prompts a generation round draws, the
+  transformer layers of each pipeline stage);
+- `epochs.py`: `train.epochs`, the run's steps derived from its data once read (`with_epoch_steps`);
 - `data_schema.py`: the `data` and `eval` sections;
 - `reference.py`: the values a key allows, and the reference table of every key;
 - `errors.py`: `ConfigError`.
@@ -23,14 +25,16 @@ from megatron_rl.config.derived import (
     loss_spec,
     optimizer_steps,
     pipeline_stage_layers,
+    prompts_per_round,
     uses_reference,
     warmup_steps,
 )
+from megatron_rl.config.epochs import epoch_steps, with_epoch_steps
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.loading import load_config, parse_overrides, to_yaml
 from megatron_rl.config.presets import PRESETS, preset
 from megatron_rl.config.reference import reference_rows
-from megatron_rl.config.rules import IMPLIED, Implied, check_implied, check_rules, imply
+from megatron_rl.config.rules import IMPLIED, Implied, check_implied, check_rules, check_step_rules, imply
 from megatron_rl.config.schema import (
     REDACTED,
     SECRET_KEYS,
@@ -79,6 +83,8 @@ __all__ = [
     "TrainConfig",
     "check_implied",
     "check_rules",
+    "check_step_rules",
+    "epoch_steps",
     "imply",
     "load_config",
     "logprob_gap_limit",
@@ -87,9 +93,11 @@ __all__ = [
     "optimizer_steps",
     "parse_overrides",
     "preset",
+    "prompts_per_round",
     "reference_rows",
     "to_yaml",
     "uses_reference",
     "validate",
     "warmup_steps",
+    "with_epoch_steps",
 ]

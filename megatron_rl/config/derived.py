@@ -1,10 +1,11 @@
 """What a run reads off its configuration beyond single keys: the loss spec of its `algorithm` section, whether
 it builds the frozen reference policy, the log-prob gap bound in force, the optimizer steps of the learning-rate
-schedule and its warm-up, and the transformer layers of each pipeline stage."""
+schedule and its warm-up, the prompts a generation round draws, and the transformer layers of each pipeline stage."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.parallel_schema import ParallelConfig
@@ -43,8 +44,18 @@ def loss_spec(alg: AlgorithmConfig) -> LossSpec:
 
 
 def optimizer_steps(train: TrainConfig) -> int:
-    """The optimizer steps of the whole run, which the learning-rate schedule spans: steps x updates_per_step."""
-    return train.steps * train.updates_per_step
+    """The optimizer steps of the whole run, which the learning-rate schedule spans: steps x updates_per_step x
+    ppo_epochs."""
+    if train.steps is None:
+        raise ValueError("optimizer_steps: train.steps is null until train.epochs is resolved (config.epochs)")
+    return train.steps * train.updates_per_step * train.ppo_epochs
+
+
+def prompts_per_round(cfg: Config) -> int:
+    """The prompts one generation round of an RL step draws: train.prompts_per_step, with dynamic sampling
+    times algorithm.oversample_factor, rounded up."""
+    pps, alg = cfg.train.prompts_per_step, cfg.algorithm
+    return math.ceil(pps * alg.oversample_factor) if alg.dynamic_sampling else pps
 
 
 def warmup_steps(train: TrainConfig) -> int:

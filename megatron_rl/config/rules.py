@@ -2,17 +2,20 @@
 beyond the YAML is read. In order: every numeric field's range and finiteness, the `algorithm` section (its loss
 spec and the combinations it cannot run), the model's shape and its parallel layout (unless the architecture still
 comes from a checkpoint's config.json), the secrets, the implied keys, then rollout, the asynchronous modes, reward,
-train, the critic, env and logging. Each failure raises one `ConfigError` naming the key path and what is allowed.
+train, the critic, the step count, env and logging. Each failure raises one `ConfigError` naming the key path and
+what is allowed.
 
 `check_rules` is step 3 of the one validation every entry point runs, `megatron_rl.validation.validate_run`;
 `load_config` runs it on what it loaded, and the model and layout checks on the sections they build.
 
 Implied keys: a key that reads another's value only for one choice of it implies that choice:
 `reward.custom_function` is read only with `reward.type = custom`, `rollout.sglang_urls` only with
-`rollout.engine = sglang`, `critic.hf_path` only with `critic.enabled = true`, and
-`algorithm.dynamic_sampling_filter` only with `algorithm.dynamic_sampling = true`. `imply` sets the implied key while loading when no layer (YAML file, overrides)
-gives it; `check_implied` refuses the two together with another choice, naming both keys, so that a setting is
-never silently ignored (also in a `Config` built in code, where nothing is implied).
+`rollout.engine = sglang`, `critic.hf_path` only with `critic.enabled = true`,
+`algorithm.dynamic_sampling_filter` only with `algorithm.dynamic_sampling = true`, and `train.epochs` only with
+`train.steps = null` (the steps are derived from the data: `megatron_rl.config.epochs`). `imply` sets the implied
+key while loading when no layer (YAML file, overrides) gives it; `check_implied` refuses the two together with
+another choice, naming both keys, so that a setting is never silently ignored (also in a `Config` built in code,
+where nothing is implied).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
     _validate_train(cfg.train)
     _validate_data(cfg)
     _validate_critic(cfg)
+    check_step_rules(cfg)
     _validate_env(cfg)
     _validate_logging(cfg.logging)
     check_distill(cfg)
@@ -77,7 +81,7 @@ class Implied:
 
     key: str
     target: str
-    value: str | bool
+    value: str | bool | None
 
 
 IMPLIED = (
@@ -85,6 +89,7 @@ IMPLIED = (
     Implied("rollout.sglang_urls", "rollout.engine", "sglang"),
     Implied("critic.hf_path", "critic.enabled", True),
     Implied("algorithm.dynamic_sampling_filter", "algorithm.dynamic_sampling", True),
+    Implied("train.epochs", "train.steps", None),
 )
 _ABSENT = object()
 
@@ -110,7 +115,9 @@ def check_implied(cfg: Config) -> None:
 
 
 def _shown(value: Any) -> str:
-    """A value as the YAML file writes it (true/false), or its repr."""
+    """A value as the YAML file writes it (true/false, null), or its repr."""
+    if value is None:
+        return "null"
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
@@ -366,13 +373,27 @@ def _validate_train(train: TrainConfig) -> None:
         f"train.lr_warmup_steps ({train.lr_warmup_steps}) and train.lr_warmup_ratio ({train.lr_warmup_ratio}) both "
         "set the warm-up: set one of them",
     )
+    _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+
+
+def check_step_rules(cfg: Config) -> None:
+    """The rules on the run's step count; with `train.epochs` (steps null until the data is read) they run
+    once the steps are derived (`megatron_rl.config.epochs.with_epoch_steps`)."""
+    train, critic = cfg.train, cfg.critic
+    if train.steps is None:
+        return
     total = optimizer_steps(train)  # a ratio below 1 always leaves a step after the warm-up
     _require(
         train.lr_warmup_steps < max(total, 2) or train.lr_decay_style == "constant",
         f"train.lr_warmup_steps ({train.lr_warmup_steps}) must be below the number of optimizer steps "
-        f"train.steps x train.updates_per_step ({total}) for lr_decay_style {train.lr_decay_style!r}",
+        f"train.steps x train.updates_per_step x train.ppo_epochs ({total}) for lr_decay_style "
+        f"{train.lr_decay_style!r}",
     )
-    _require(train.min_lr <= train.lr, f"train.min_lr ({train.min_lr}) exceeds train.lr ({train.lr})")
+    _require(
+        not critic.enabled or critic.warmup_steps < train.steps,
+        f"critic.warmup_steps ({critic.warmup_steps}) must be below train.steps ({train.steps}): "
+        "the policy would never be updated",
+    )
 
 
 def _validate_data(cfg: Config) -> None:
@@ -398,11 +419,6 @@ def _validate_critic(cfg: Config) -> None:
         critic.enabled or critic.warmup_steps == 0,
         f"critic.warmup_steps = {critic.warmup_steps} trains the critic alone first, but critic.enabled = false: "
         "set critic.enabled = true, or critic.warmup_steps = 0",
-    )
-    _require(
-        not critic.enabled or critic.warmup_steps < cfg.train.steps,
-        f"critic.warmup_steps ({critic.warmup_steps}) must be below train.steps ({cfg.train.steps}): "
-        "the policy would never be updated",
     )
 
 

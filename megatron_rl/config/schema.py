@@ -403,9 +403,21 @@ class EnvConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(100, "RL steps (rollout + updates)", ge=1)
+    steps: int | None = _f(100, "RL steps (rollout + updates); null with train.epochs, which implies it", ge=1)
+    epochs: int = _f(
+        0,
+        "passes over the training prompts: the steps are then ceil(epochs x usable prompts / prompts drawn per step), "
+        "derived once the data is read and printed at start-up; 0 = train.steps",
+        ge=0,
+    )
     prompts_per_step: int = _f(32, "prompt groups trained on per step", ge=1)
-    updates_per_step: int = _f(1, "mini-batches (optimizer steps) per RL step", ge=1)
+    updates_per_step: int = _f(1, "mini-batches (optimizer steps) per pass over a step's batch", ge=1)
+    ppo_epochs: int = _f(
+        1,
+        "passes over each step's batch, each one train.updates_per_step mini-batches; the old log-probs stay those "
+        "from before the first pass",
+        ge=1,
+    )
     max_tokens_per_micro_batch: int = _f(8192, "token budget of one micro-batch (prompt + response, padded)", ge=1)
     micro_batch_tokens: int = _f(
         0,

@@ -40,6 +40,11 @@ class WeightedSampler:
         taken = [iter(s.next(int((files == i).sum()))) for i, s in enumerate(self.samplers)]
         return [next(taken[f]) for f in files]
 
+    @property
+    def epochs_drawn(self) -> float:
+        """Prompts drawn so far over the files' usable prompts (`data/epoch`)."""
+        return sum(s.drawn for s in self.samplers) / sum(len(s.items) for s in self.samplers)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "draws": self.draws,

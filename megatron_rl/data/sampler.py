@@ -55,6 +55,16 @@ class PromptSampler(Generic[T]):
         """The next n items (prompts for one step or one generation round)."""
         return [self.items[i] for i in self.next_indices(n)]
 
+    @property
+    def drawn(self) -> int:
+        """Items drawn so far, over every epoch."""
+        return self.epoch * len(self.items) + self.position
+
+    @property
+    def epochs_drawn(self) -> float:
+        """Passes over the items drawn so far (`data/epoch`): 1.5 = the first epoch and half of the second."""
+        return self.drawn / len(self.items)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import torch
 from megatron_rl.agents import run_agent_episodes
 from megatron_rl.algorithms import DynamicSamplingAccumulator
 from megatron_rl.algorithms.dynamic_sampling import filter_groups
-from megatron_rl.config import Config
+from megatron_rl.config import Config, prompts_per_round
 from megatron_rl.data import Prompt
 from megatron_rl.envs import (
     Trajectory,
@@ -190,7 +189,7 @@ class RolloutCollector:
         name = f"algorithm.dynamic_sampling_filter {alg.dynamic_sampling_filter!r}"
         acc = DynamicSamplingAccumulator(target, g, alg.max_gen_rounds, keep=self.keep, keep_name=name)
         while True:
-            groups = await self._round(source, step, math.ceil(target * alg.oversample_factor), tally)
+            groups = await self._round(source, step, prompts_per_round(self.cfg), tally)
             tally.informative += acc.add(_scores(groups), groups).kept
             if acc.done:
                 break

@@ -62,9 +62,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_rl.algorithms import GroupFilterError
-from megatron_rl.config import Config, ConfigError
+from megatron_rl.config import Config, ConfigError, prompts_per_round
 from megatron_rl.config.data_files import eval_files, train_files
-from megatron_rl.data import LoadReport, Prompt, PromptSampler, WeightedSampler, pooled
+from megatron_rl.data import LoadReport, Prompt, PromptDataset, PromptSampler, WeightedSampler, pooled
 from megatron_rl.envs import Trajectory
 from megatron_rl.envs.episodes import EnvRewardError
 from megatron_rl.envs.failures import EnvStartError, EpisodeFailureError
@@ -119,6 +119,27 @@ def data_metrics(prefix: str, report: LoadReport) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class TrainPrompts:
+    """The tokenizer and the usable prompts of each train file, as rank 0 reads them; with `train.epochs` every
+    rank reads them first, for the step count (`config.epochs`)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    datasets: list[PromptDataset]
+
+    @classmethod
+    def load(cls, cfg: Config) -> TrainPrompts:
+        from megatron_rl.data import load_prompt_dataset, load_tokenizer
+
+        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
+        return cls(tokenizer, [load_prompt_dataset(f.path, tokenizer, cfg.data) for f in train_files(cfg.data)])
+
+    @property
+    def count(self) -> int:
+        """The usable prompts of all the files."""
+        return sum(len(ds) for ds in self.datasets)
+
+
+@dataclass(frozen=True)
 class RolloutData:
     """What rank 0 reads from `data` and `reward` before anything starts, and the rollout side's event
     loop (started here: the remote-reward client's start-up check runs on it)."""
@@ -131,12 +152,12 @@ class RolloutData:
     loop: RolloutLoop
 
     @classmethod
-    def load(cls, cfg: Config) -> RolloutData:
-        from megatron_rl.data import load_prompt_dataset, load_tokenizer
+    def load(cls, cfg: Config, prompts: TrainPrompts | None = None) -> RolloutData:
+        """`prompts`: the train files already read (`TrainPrompts.load`), else read here."""
+        from megatron_rl.data import load_prompt_dataset
 
-        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
-        files = train_files(cfg.data)
-        train = [load_prompt_dataset(f.path, tokenizer, cfg.data) for f in files]
+        prompts = TrainPrompts.load(cfg) if prompts is None else prompts
+        tokenizer, train, files = prompts.tokenizer, prompts.datasets, train_files(cfg.data)
         metrics = _summed([data_metrics("train", ds.report) for ds in train])
         held_out = {f.name: load_prompt_dataset(f.path, tokenizer, cfg.data) for f in eval_files(cfg.data)}
         metrics.update(_summed([data_metrics("eval", ds.report) for ds in held_out.values()]))
@@ -268,8 +289,7 @@ class RolloutRuntime:
         self.collector = RolloutCollector(
             cfg, engine, data.tokenizer, data.scorer, data.sampler, min_samples=dp, teacher=teacher
         )
-        per_round = math.ceil(cfg.train.prompts_per_step * cfg.algorithm.oversample_factor)
-        self.collect_timeout_s = collection_bound_s(cfg, per_round)
+        self.collect_timeout_s = collection_bound_s(cfg, prompts_per_round(cfg))
         self.meter = BusyMeter()
         self.aborted = False  # the episodes were aborted: the run stops after this step
         mode = cfg.rollout.async_mode
@@ -279,7 +299,11 @@ class RolloutRuntime:
         )
 
     def _step_metrics(self) -> dict[str, float]:
-        return {**self.data.metrics, "rollout/engine_restarts": float(self.engine.restarts)}  # so far in this process
+        return {
+            **self.data.metrics,
+            "data/epoch": self.data.sampler.epochs_drawn,
+            "rollout/engine_restarts": float(self.engine.restarts),  # so far in this process
+        }
 
     # ---- from the main thread ----
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = CONTROL_TIMEOUT_S) -> T:

@@ -11,8 +11,9 @@
 The actor starts from `model.hf_path` (converted in memory; the architecture keys of `model` come
 from its config.json, as in `megatron-rl train`) or `checkpoint.load`. Each step takes
 `train.prompts_per_step` rows from `data.train_path` in a seeded order (`data.seed`, `data.shuffle`)
-and makes `train.updates_per_step` optimizer steps on them; the learning-rate schedule spans all
-`train.steps`. Log-probs are taken at temperature 1 whatever `rollout.temperature` says (that one
+and makes `train.updates_per_step` optimizer steps on them (`train.ppo_epochs` passes over them); the
+learning-rate schedule spans all `train.steps` (with `train.epochs`: derived from the usable rows,
+`megatron_rl.config.epochs`; `data/epoch` in each record counts the passes over them). Log-probs are taken at temperature 1 whatever `rollout.temperature` says (that one
 is the sampling temperature of pass@n). With `data.eval_path`, rank 0 serves the exported policy
 with the local engine (or `rollout.sglang_urls`) and measures held-out accuracy every
 `eval.every` steps and at the end. `--resume` continues from the newest complete checkpoint (the
@@ -114,19 +115,27 @@ class SFTStage(Stage):
     @classmethod
     def start(cls, cfg: Config, stack: contextlib.ExitStack, *, resume: ResumeMode, force: bool) -> SFTStage:
         """The run folder (a run it would overwrite: refused first), the examples (bad data fails before
-        the slow actor start), the actor, rank 0's evaluator, the step log; `stack` closes each. `cfg` is
-        validated (`Stage.launch`)."""
+        the slow actor start; with `train.epochs` they come first, for the step count), the actor, rank 0's
+        evaluator, the step log; `stack` closes each. `cfg` is validated (`Stage.launch`)."""
+        from megatron_rl.config import with_epoch_steps
         from megatron_rl.data import PromptSampler, load_tokenizer
         from megatron_rl.models.source import tokenizer_source
         from megatron_rl.parallel import read_launch_env
         from megatron_rl.run_folder import RunFolder
         from megatron_rl.sft.data import load_sft_examples
 
+        def read(cfg: Config) -> tuple[Any, list[Any], Any]:
+            tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
+            return tokenizer, *load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
+
         rank = read_launch_env().rank
+        loaded, epochs_line = None, ""
+        if cfg.train.epochs:  # the step count comes from the examples, before the run folder (resume)
+            loaded = read(cfg)
+            cfg, epochs_line = with_epoch_steps(cfg, len(loaded[1]), cfg.train.prompts_per_step)
         run_folder = RunFolder(cfg, rank=rank, resume=resume, force=force)
         stack.callback(run_folder.close)  # its lock, released last
-        tokenizer = load_tokenizer(*tokenizer_source(cfg), vocab_size=cfg.model.vocab_size)
-        examples, report = load_sft_examples(cfg.data.train_path, tokenizer, cfg.data)
+        tokenizer, examples, report = loaded if loaded is not None else read(cfg)
         sampler = PromptSampler.from_config(examples, cfg.data)
         # log-probs at temperature 1: rollout.temperature is pass@n's sampling temperature
         actor = run_folder.start_actor(
@@ -139,6 +148,8 @@ class SFTStage(Stage):
         log = run_folder.open_log(desc="sft")
         stack.callback(log.close)
         log.message(f"sft: {report.summary()}")
+        if epochs_line:
+            log.message(f"sft: {epochs_line}")
         stage = cls(cfg, run_folder, actor, log, sampler, evaluator)
         run_folder.restore(stage)
         return stage
@@ -158,7 +169,7 @@ class SFTStage(Stage):
         began = time.perf_counter()
         history = self.actor.train(batch, loss=cross_entropy_loss, replay_routing=False)
         step_s = time.perf_counter() - began
-        record = {"step": step, **summarize_updates(history, prefix="sft/")}
+        record = {"step": step, **summarize_updates(history, prefix="sft/"), "data/epoch": self.sampler.epochs_drawn}
         if not math.isfinite(record["sft/loss"]):
             raise FloatingPointError(f"sft step {step}: the loss is {record['sft/loss']} (lower train.lr?)")
         return {**record, "time/step": step_s, "throughput/samples_per_s": len(batch) / step_s}
