@@ -226,8 +226,9 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
     weight-update names are the checkpoint's (the stacked experts), and the routed experts it returns (SGLang's
     layout [tokens - 1, layers, top_k]) are its routers' own choice. Sequences of 10 to 18 tokens (the window is 5):
     the trainer (one rank, the actor loading the folder) gives the sampled tokens the engine's log-probs within 1e-5
-    and transformers' (a plain forward of each sequence) within 1e-5, right-padded on its own routing and packed
-    replaying the engine's (R3); replaying other experts moves them by far more."""
+    and transformers' (a plain forward of each sequence) within 1e-5, right-padded on its own routing, packed
+    recording it (R2: the routing recorded is the engine's) and replaying the recorded (right-padded) and the
+    engine's (R3, packed); replaying other experts moves them by far more."""
     import dataclasses
 
     import numpy as np
@@ -287,10 +288,16 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
     engine = [torch.tensor(r.output_logprobs) for r in reqs]
     with actor_of_one(cfg) as actor:
         own = _log_probs(actor, batch, TokenBudget(64)).log_probs
+        recorded = _log_probs(actor, batch, TokenBudget(40, packed=True), "record")  # R2: the old policy's routing
+        r2 = _log_probs(actor, batch.with_fields(routed_experts=recorded.routed_experts), TokenBudget(64), "replay")
         replayed = _log_probs(actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay")
         shifted = [(r + 1) % 6 for r in routed]
         other = _log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(64), "replay").log_probs
-    for name, got in (("own routing, padded", own), ("R3 replay, packed", replayed.log_probs)):
+    for mine, theirs in zip(recorded.routed_experts, routed, strict=True):
+        assert torch.equal(torch.as_tensor(mine).sort(-1).values, theirs.sort(-1).values)
+    runs = (("own routing, padded", own), ("R2 record, packed", recorded.log_probs), ("R2 replay, padded", r2.log_probs),
+            ("R3 replay, packed", replayed.log_probs))  # fmt: skip
+    for name, got in runs:
         for against, want in (("engine", engine), ("transformers", reference)):
             gap = max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))
             assert gap <= 1e-5, (name, against, gap)
