@@ -9,6 +9,7 @@ it, with R3 replaying its routing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from megatron_rl.config import ConfigError, ParallelConfig
+from megatron_rl.config import ConfigError, LoraConfig, ParallelConfig
 from megatron_rl.models.builder import GatedSigmoid, transformer_config
 from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
 from megatron_rl.models.hf_mapping import HFMapping
@@ -112,7 +113,7 @@ def test_layer_patterns_and_refused_settings() -> None:
             check_family(tiny_model("mixtral", **{key: value}))
     gpt_oss = tiny_gpt_oss_model()
     refusals = [
-        (dict(model=gpt_oss.__class__(**{**vars(gpt_oss), "attention_backend": "sdpa"}), parallel=layout()), "sdpa"),
+        (dict(model=dataclasses.replace(gpt_oss, attention_backend="sdpa"), parallel=layout()), "sdpa"),
         (dict(model=gpt_oss, parallel=layout(cp=2)), "parallel.context_parallel_size = 2"),
     ]
     for kwargs, needle in refusals:
@@ -121,10 +122,11 @@ def test_layer_patterns_and_refused_settings() -> None:
         assert needle in str(err.value)
     with pytest.raises(ConfigError, match=r"expert_tensor_parallel_size = 2 \(null means TP\)"):
         check_grouped_experts(gpt_oss, layout(tp=2), transformer_engine=False)
-    grouped = gpt_oss.__class__(**{**vars(gpt_oss), "moe_grouped_gemm": True})
-    with pytest.raises(ConfigError, match="grouped experts have no biases"):
-        check_grouped_experts(grouped, layout(tp=2, etp=1), transformer_engine=False)
-    lora = gpt_oss.__class__(**{**vars(gpt_oss), "lora": gpt_oss.lora.__class__(rank=4)})
+    grouped = dataclasses.replace(gpt_oss, moe_grouped_gemm=True)
+    for te in (False, True):
+        with pytest.raises(ConfigError, match="the grouped experts take no biases"):
+            check_grouped_experts(grouped, layout(tp=2, etp=1), transformer_engine=te)
+    lora = dataclasses.replace(gpt_oss, lora=LoraConfig(rank=4))
     with pytest.raises(ConfigError, match="LoRA is not available for model.family = 'gpt_oss'"):
         check_target_modules(lora)
 

@@ -6,8 +6,8 @@
   `SequentialMLP` (the experts one after another). `auto` takes the grouped experts with CUDA and on the CPU
   (measured: docs/benchmarks.md), wherever torch's grouped GEMM takes the widths.
 
-gpt-oss's experts have biases, which `GroupedExperts` has not: on the local specs they run as `SequentialMLP`
-(`auto`), and `true` is refused.
+gpt-oss's experts have biases, which `GroupedExperts` has not (and whose names in Transformer Engine's grouped
+experts, `bias{i}`, the exporter does not map): they run as `SequentialMLP` (`auto`), and `true` is refused.
 
 `torch._grouped_mm` takes rows whose stride is a multiple of 16 bytes: model.hidden_size and
 model.moe_ffn_hidden_size / expert-TP must be multiples of 4 elements in fp32 and of 8 in bf16 and fp16. `auto` runs
@@ -40,7 +40,7 @@ def use_grouped_experts(model: ModelConfig, parallel: ParallelConfig, *, transfo
     choice = model.moe_grouped_gemm
     if model.num_experts is None or choice is False:
         return False
-    if not transformer_engine and is_gpt_oss(model):
+    if is_gpt_oss(model):
         return False
     return transformer_engine or choice is True or not unaligned_widths(model, parallel)
 
@@ -55,13 +55,15 @@ def check_grouped_experts(model: ModelConfig, parallel: ParallelConfig, *, trans
             f"parallel.expert_tensor_parallel_size = {etp} (null means TP): model.family = {model.family!r} has "
             "biased experts, which Megatron-Core supports with expert-TP 1 only; set it to 1"
         )
-    if model.num_experts is None or model.moe_grouped_gemm is not True or transformer_engine:
+    if model.num_experts is None or model.moe_grouped_gemm is not True:
         return
     if is_gpt_oss(model):
         raise ConfigError(
-            f"model.moe_grouped_gemm = true: the local specs' grouped experts have no biases, which "
-            f"model.family = {model.family!r} has; set it to auto or false"
+            f"model.moe_grouped_gemm = true: the grouped experts take no biases, which model.family = "
+            f"{model.family!r} has; set it to auto or false"
         )
+    if transformer_engine:
+        return
     bad = unaligned_widths(model, parallel)
     if bad:
         raise ConfigError(
