@@ -81,6 +81,7 @@ def test_hub_config() -> None:
         ("experts_per_token", 8, "experts_per_token = 8 contradicts num_experts_per_tok"),
         ("swiglu_limit", "7", "swiglu_limit = '7' is not a finite number"),
         ("sliding_window", 0, "sliding_window = 0 is not an integer >= 1"),
+        ("sliding_window", None, "sliding_window = null with sliding layers in layer_types"),
         ("use_sliding_window", True, "use_sliding_window is not handled by the gpt_oss mapping"),
     ],
 )
@@ -106,7 +107,7 @@ def test_layer_patterns_and_refused_settings() -> None:
     assert hf_config_from_model(m)["layer_types"] == third
     every = model_config_from_hf(with_key(GPT_OSS_120B, "layer_types", ["sliding_attention"] * 36))
     assert every.sliding_window_pattern == 37 and hf_config_from_model(every)["layer_types"] == ["sliding_attention"] * 36
-    full = model_config_from_hf(with_key(GPT_OSS_120B, "sliding_window", None))
+    full = model_config_from_hf(with_key(GPT_OSS_120B, "layer_types", ["full_attention"] * 36))
     assert full.sliding_window is None and set(hf_config_from_model(full)["layer_types"]) == {"full_attention"}
     for key, value in (("sliding_window", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
         with pytest.raises(ConfigError, match=rf"'mixtral' has no model.{key} \(gpt_oss only\)"):

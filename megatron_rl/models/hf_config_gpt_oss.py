@@ -86,8 +86,10 @@ def _window_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
         source,
         f"layer_types = {types!r} is not a list of {layers} of {list(_LAYER_TYPES)}",
     )
-    if window is None or "sliding_attention" not in types:  # no layer slides
+    if "sliding_attention" not in types:  # no layer slides
         return dict(sliding_window=None)
+    _refuse(window is not None, source, "sliding_window = null with sliding layers in layer_types (transformers "
+            "cannot run it)")  # fmt: skip
     window = hf_int(hf, source, "sliding_window")
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     pattern = full[0] + 1 if full else layers + 1  # past the last layer: every layer slides
