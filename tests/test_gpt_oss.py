@@ -106,7 +106,8 @@ def test_layer_patterns_and_refused_settings() -> None:
     assert (m.sliding_window, m.sliding_window_pattern) == (128, 3)
     assert hf_config_from_model(m)["layer_types"] == third
     every = model_config_from_hf(with_key(GPT_OSS_120B, "layer_types", ["sliding_attention"] * 36))
-    assert every.sliding_window_pattern == 37 and hf_config_from_model(every)["layer_types"] == ["sliding_attention"] * 36
+    assert every.sliding_window_pattern == 37
+    assert hf_config_from_model(every)["layer_types"] == ["sliding_attention"] * 36
     full = model_config_from_hf(with_key(GPT_OSS_120B, "layer_types", ["full_attention"] * 36))
     assert full.sliding_window is None and set(hf_config_from_model(full)["layer_types"]) == {"full_attention"}
     for key, value in (("sliding_window", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
@@ -266,7 +267,8 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
     assert [len(t) for t in tokens] == [10, 11, 18]
     routed = [torch.from_numpy(np.concatenate(r.routed)) for r in reqs]
     reference, chosen = [], []
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for layer in served.model.layers]
+    layers = served.model.layers
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for layer in layers]
     for prompt, ids, experts in zip(prompts, tokens, routed, strict=True):
         chosen.clear()
         with torch.no_grad():
@@ -298,8 +300,8 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
         other = _log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(64), "replay").log_probs
     for mine, theirs in zip(recorded.routed_experts, routed, strict=True):
         assert torch.equal(torch.as_tensor(mine).sort(-1).values, theirs.sort(-1).values)
-    runs = (("own routing, padded", own), ("R2 record, packed", recorded.log_probs), ("R2 replay, padded", r2.log_probs),
-            ("R3 replay, packed", replayed.log_probs))  # fmt: skip
+    runs = (("own routing, padded", own), ("R2 record, packed", recorded.log_probs),
+            ("R2 replay, padded", r2.log_probs), ("R3 replay, packed", replayed.log_probs))  # fmt: skip
     for name, got in runs:
         for against, want in (("engine", engine), ("transformers", reference)):
             gap = max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))

@@ -52,4 +52,3 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
             f"= {parallel.context_parallel_size}: its keys are gathered over the CP ranks by the local attention); "
             "set it to auto or local"
         )
-

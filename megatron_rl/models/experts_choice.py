@@ -70,4 +70,3 @@ def check_grouped_experts(model: ModelConfig, parallel: ParallelConfig, *, trans
             f"model.moe_grouped_gemm = true: torch._grouped_mm needs rows of a multiple of {ALIGN_BYTES} bytes, "
             f"but in {model.params_dtype} {', '.join(bad)} are not; set it to auto or false"
         )
-

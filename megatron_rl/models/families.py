@@ -101,7 +101,9 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if used and not spec.gpt_oss:
         raise ConfigError(f"{fam} has no {used[0]} (gpt_oss only)")
     if spec.gpt_oss and (model.first_k_dense_layers or model.moe_layer_freq != 1):
-        raise ConfigError(f"{fam} has MoE in every layer: needs model.first_k_dense_layers = 0, model.moe_layer_freq = 1")
+        raise ConfigError(
+            f"{fam} has MoE in every layer: needs model.first_k_dense_layers = 0, model.moe_layer_freq = 1"
+        )
     if model.rope_scaling == "yarn" and not (spec.multi_latent_attention or spec.gpt_oss):
         raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported for deepseek_v3 (MLA) and gpt_oss")
     if model.rope_scaling == "llama3" and model.family != "llama":
