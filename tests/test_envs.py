@@ -746,15 +746,19 @@ async def _set_within(event: threading.Event, timeout_s: float) -> bool:
 class OvertakingEngine(TurnEngine):
     """A TurnEngine that answers episode 0's (prompt key 0) second turn only once episode 1
     (key 1) has had its third turn generated: with lock-step turns that can never happen (it would wait
-    30 s, then fail). `answered[k]` is set once episode 1's turn k is generated."""
+    30 s, then fail). `answered[k]` is set once episode 1's turn k is generated; `zero_waits` once episode
+    0's second turn waits here."""
 
     def __init__(self, script: dict[int, list[str]]) -> None:
         super().__init__(script)
         self.answered = [threading.Event() for _ in range(3)]
+        self.zero_waits = threading.Event()
         self.order: list[tuple[int, int]] = []  # (episode, turn) in the order they were generated
 
     async def generate(self, prompts, params, return_routed_experts=False):
         turns = [sum(1 for r, _ in self.requests if r[0] == ids[0]) for ids in prompts]
+        if (prompts[0][0], turns[0]) == (0, 1):
+            self.zero_waits.set()
         if (prompts[0][0], turns[0]) == (0, 1) and not await _set_within(self.answered[2], 30):
             raise AssertionError("episode 1 did not go on to its third turn while episode 0 generated its second")
         out = await super().generate(prompts, params, return_routed_experts)
@@ -777,15 +781,24 @@ class WaitsForTheOther(Environment):
         return Observation(text="ok") if turn.index == 0 else Observation(done=True)
 
 
+class CalculatesAfterTheOtherWaits(CalculatorEnv):
+    """Episode 1's environment: its second step ends once episode 0's second turn waits in the engine, so
+    that the two requests never meet in one batch (the episodes' requests of one loop iteration are one)."""
+
+    engine: OvertakingEngine
+
+    def step(self, turn):
+        if turn.index == 1 and not self.engine.zero_waits.wait(30):
+            raise AssertionError("episode 0's second turn was not asked for")
+        return super().step(turn)
+
+
 def test_a_finished_turn_moves_on_while_another_episode_still_generates() -> None:
     cfg = EnvConfig(type="calculator", max_turns=3)
     engine = OvertakingEngine({0: ["a", "b"], 1: [CALL, CALL, "Answer: 56088"]})
-    WaitsForTheOther.engine = engine
-    trajs = on_loop(
-        run_episodes(
-            engine, [WaitsForTheOther(cfg), CalculatorEnv(cfg)], [row(0), row(1)], params, TurnRenderer(TOK), cfg
-        )
-    )
+    WaitsForTheOther.engine = CalculatesAfterTheOtherWaits.engine = engine
+    envs = [WaitsForTheOther(cfg), CalculatesAfterTheOtherWaits(cfg)]
+    trajs = on_loop(run_episodes(engine, envs, [row(0), row(1)], params, TurnRenderer(TOK), cfg))
     assert [(t.end_reason, t.turns) for t in trajs] == [("done", 2), ("done", 3)]
     # the first turns are one batch; episode 1's next two turns overtake episode 0's second
     assert engine.order == [(0, 0), (1, 0), (1, 1), (1, 2), (0, 1)]

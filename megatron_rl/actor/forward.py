@@ -62,7 +62,10 @@ from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.parallel.context_parallel import round_up
 from megatron_rl.parallel.device import local_device
 
-LossFn = Callable[[MicroBatchInputs, LogProbs | TopLogProbs], tuple[Tensor, Any]]
+LossFn = Callable[[MicroBatchInputs, Any], tuple[Tensor, Any]]
+# The last stage's output of a micro-batch: (model, its final hidden states [s, b, H], the inputs) -> what the
+# loss function reads: `LogProbHead`'s `LogProbs`, or the critic's values (`megatron_rl.critic`)
+Head = Callable[[torch.nn.Module, Tensor, MicroBatchInputs], Any]
 
 
 def _dp_shares(lengths: Sequence[int]) -> list[list[int]]:
@@ -235,7 +238,7 @@ def run_schedule(
     inputs: Sequence[MicroBatchInputs],
     loss_fn: LossFn,
     *,
-    head: LogProbHead,
+    head: Head,
     forward_only: bool,
     routing: RoutingReplay | None = None,
     routing_mode: str | None = None,
@@ -243,8 +246,8 @@ def run_schedule(
 ) -> ScheduleOutput:
     """One call of Megatron's forward-backward function over `inputs`.
 
-    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)`: `LogProbs` in the row
-    layout at the target positions (0 outside `target_mask`), both differentiable, and returns
+    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)` (`LogProbHead`: `LogProbs` in
+    the row layout at the target positions, 0 outside `target_mask`, both differentiable), and returns
     (loss to back-propagate, anything to keep). `routing_mode`: None (free routing), "record" or
     "replay" (the inputs' `routed_experts`, also during recompute in backward).
     """

@@ -35,8 +35,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
+from megatron_rl.actor.batch import RESPONSE_FIELDS, VALUE_FIELDS, ActorBatch, MicroBatchInputs
 from megatron_rl.actor.forward import (
+    Head,
     LogProbHead,
     dp_token_imbalance,
     is_output_owner,
@@ -140,7 +141,10 @@ def _loss_fn(
     loss_agg_mode: str,
     distill_coef: float = 0.0,
 ):
-    def loss_fn(mb: MicroBatchInputs, out: LogProbs | TopLogProbs) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs | TopLogProbs | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        if not isinstance(out, LogProbs | TopLogProbs):  # another head's per-token values (the critic's): no entropy
+            loss, metrics = token_loss(out, mb.fields, mb.target_mask, normalizer)
+            return loss * scale, metrics
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
         if entropy_coef > 0:
@@ -195,6 +199,8 @@ def train_on_batch(
     replay: bool = False,
     loss: TokenLoss | None = None,
     distill_coef: float = 0.0,
+    head: Head | None = None,
+    finalize: Callable[[dict[str, Tensor]], dict[str, float]] = finalize_metrics,
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`, `epochs` times over (each pass the
     same mini-batches in the same order); one metrics dict per step, pass by pass.
@@ -202,9 +208,11 @@ def train_on_batch(
     `loss`: None = the policy loss of `spec` (with its entropy bonus), for which `batch` needs
     old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses them); any other
     `TokenLoss` (e.g. the SFT cross-entropy) gets the fields the batch has, and no entropy bonus.
-    With `replay`, routed_experts (R2 recorded or R3). A batch with the teacher's top-k
-    (`ActorBatch.teacher_top_ids`, `distill.mode = forward_topk`) adds `distill_coef` x the top-k forward KL
-    to the policy loss (`losses.distill`).
+    With `replay`, routed_experts (R2 recorded or R3). `head`: None = the log-probs and entropy of the
+    targets at `temperature` (`LogProbHead`); another head's output (the critic's values) goes to `loss`
+    as it is. `finalize` turns the reduced statistics into the update's metrics. With the policy loss, a batch
+    with the teacher's top-k (`ActorBatch.teacher_top_ids`, `distill.mode = forward_topk`) adds `distill_coef`
+    x the top-k forward KL (`losses.distill`); another loss leaves them out.
     """
     policy = loss is None
     entropy_coef = spec.entropy_coef if policy else 0.0
@@ -213,12 +221,15 @@ def train_on_batch(
             if getattr(batch, name) is None:
                 raise ValueError(f"train: ActorBatch.{name} is required")
         loss = policy_token_loss(spec)
-    if batch.teacher_top_ids is not None and not (policy and distill_coef > 0):
+    if batch.teacher_top_ids is not None and not policy:  # the teacher's top-k are the policy loss's only
+        batch = batch.with_fields(teacher_top_ids=None, teacher_top_logprobs=None)
+    if batch.teacher_top_ids is not None and distill_coef <= 0:
         raise ValueError(
-            "train: ActorBatch.teacher_top_ids (distill.mode = forward_topk) need the policy loss and "
-            f"distill_coef > 0 (distill.kl_coef), got {'the policy loss' if policy else 'another loss'} and {distill_coef}"
+            "train: ActorBatch.teacher_top_ids (distill.mode = forward_topk) need distill_coef > 0 "
+            f"(distill.kl_coef), got {distill_coef}"
         )
-    fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
+    fields = [name for name in (*RESPONSE_FIELDS, *VALUE_FIELDS) if getattr(batch, name) is not None]
+    head = LogProbHead(temperature, vocab_size, chunk_tokens) if head is None else head
     config = get_model_config(state.model[0])
     history = []
     runs = mini_batches(len(batch), updates, ps.get_data_parallel_world_size())
@@ -237,7 +248,7 @@ def train_on_batch(
             state.model,
             inputs,
             loss_fn,
-            head=LogProbHead(temperature, vocab_size, chunk_tokens),
+            head=head,
             forward_only=False,
             routing=routing if replay else None,
             routing_mode="replay" if replay else None,
@@ -245,7 +256,7 @@ def train_on_batch(
         )
         ok, grad_norm, lr = apply_update(state)
         local = merge_metrics(result.extras) if result.extras else None  # every last-stage rank
-        metrics = finalize_metrics(reduce_metrics(local, is_output_owner()))
+        metrics = finalize(reduce_metrics(local, is_output_owner()))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,

@@ -8,18 +8,23 @@
   local specs to: force `sdpa` for speed) and under context parallelism, whose attention gathers the keys
   over the CP ranks and is local's.
 
+gpt-oss (attention sinks, sliding-window layers) runs `local` only: SDPA has no sink, and the context-parallel
+attention builds its own causal mask, which Megatron's sliding-window softmax would replace by one that assumes
+the queries are the sequence's last positions. `auto` is `local` there; `sdpa` and CP > 1 are refused.
+
 With Transformer Engine its own attention runs; the key chooses among the local specs only.
 """
 
 from __future__ import annotations
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.models.families import is_gpt_oss
 
 
 def use_sdpa(model: ModelConfig, parallel: ParallelConfig, *, cuda: bool) -> bool:
     """Whether the local specs' core attention is `SDPAttention` (`cuda`: the model runs on a GPU)."""
     if model.attention_backend == "auto":
-        return cuda and parallel.context_parallel_size == 1
+        return cuda and parallel.context_parallel_size == 1 and not is_gpt_oss(model)
     return model.attention_backend == "sdpa"
 
 
@@ -27,6 +32,13 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
     """ConfigError for a backend that cannot run: `sdpa` under context parallelism, `local`/`sdpa` with
     Transformer Engine (its attention runs there)."""
     choice = model.attention_backend
+    cp = parallel.context_parallel_size
+    if is_gpt_oss(model) and not transformer_engine and (choice == "sdpa" or cp > 1):
+        key = f"model.attention_backend = {choice}" if choice == "sdpa" else f"parallel.context_parallel_size = {cp}"
+        raise ConfigError(
+            f"{key}: model.family = {model.family!r} has attention sinks and sliding-window layers, which the local "
+            "specs compute in Megatron's local attention only, without context parallelism"
+        )
     if choice == "auto":
         return
     if transformer_engine:

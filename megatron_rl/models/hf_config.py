@@ -4,7 +4,8 @@ Every value the architecture needs is derived (family from `architectures`, laye
 KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
-config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`).
+config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
+`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`).
 Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
 defaults unless passed as overrides.
 """
@@ -29,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Architectures that Megatron-Core 0.16's GPT layer cannot compute exactly, and what it lacks.
 _GEMMA = (
@@ -196,6 +198,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_minimax import minimax_model_fields
 
         return _finish(minimax_model_fields(hf, source), hf, hf_path, source, overrides)
+    if family == "gpt_oss":
+        from megatron_rl.models.hf_config_gpt_oss import gpt_oss_model_fields
+
+        return _finish(gpt_oss_model_fields(hf, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -296,6 +302,11 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(minimax_hf_config(model))
+    elif model.family == "gpt_oss":
+        from megatron_rl.models.hf_config_gpt_oss import gpt_oss_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(gpt_oss_hf_config(model))
     elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,

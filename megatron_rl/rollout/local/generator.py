@@ -29,7 +29,7 @@ import torch
 
 from megatron_rl.rollout.local.kv_cache import SlotKVCache
 from megatron_rl.rollout.local.lora import LocalAdapters
-from megatron_rl.rollout.local.model import ModelInfo
+from megatron_rl.rollout.local.model import ModelInfo, router_of
 from megatron_rl.rollout.local.sampling import sample_tokens
 
 
@@ -104,7 +104,7 @@ class Generator:
         self._capture = False
         self._captured: list[torch.Tensor] = []
         self._hooks = [
-            model.model.layers[i].mlp.gate.register_forward_hook(self._record_routing) for i in info.moe_layers
+            router_of(model.model.layers[i]).register_forward_hook(self._record_routing) for i in info.moe_layers
         ]
         self._min_value = torch.finfo(info.dtype).min
 
@@ -203,7 +203,7 @@ class Generator:
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
         pos = torch.arange(width, device=dev)
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
-        mask = self._additive(allowed.unsqueeze(1))
+        mask = self._mask(allowed.unsqueeze(1), pos[:, None], pos[None, :])
         self.cache.reserve(base + len(ordered), width)
         self.cache.begin_prefill(base, base + n_unique, width)
         hidden = self._forward(
@@ -245,8 +245,9 @@ class Generator:
         positions = torch.tensor([r.cached_len for r in self.running], device=dev)
         kv_len = int(positions.max()) + 1
         ids = torch.tensor([r.output_ids[-1] for r in self.running], device=dev).unsqueeze(1)
-        allowed = torch.arange(kv_len, device=dev)[None, :] <= positions[:, None]
-        mask = self._additive(allowed[:, None, None, :])
+        keys = torch.arange(kv_len, device=dev)
+        allowed = keys[None, :] <= positions[:, None]
+        mask = self._mask(allowed[:, None, None, :], positions[:, None, None, None], keys)
         self.cache.begin_decode(rows, positions, kv_len)
         hidden = self._forward(
             ids,
@@ -264,6 +265,17 @@ class Generator:
         return self._sample_and_finish(list(self.running), logits)
 
     # ---- pieces ----
+    def _mask(
+        self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive mask of `allowed` ([rows, 1, queries, keys]); with sliding layers (gpt-oss), the one per
+        layer type transformers takes, the sliding layers' keeping the keys within the window of each query."""
+        full = self._additive(allowed)
+        window = self.info.sliding_window
+        if window is None:
+            return full
+        return {"full_attention": full, "sliding_attention": self._additive(allowed & (key_pos > query_pos - window))}
+
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros((), dtype=self.info.dtype, device=self.info.device)
         return torch.where(allowed, zero, torch.full_like(zero, self._min_value))
@@ -272,7 +284,7 @@ class Generator:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | dict[str, torch.Tensor],
         capture: bool,
         lora_names: list[str | None],
     ) -> torch.Tensor:

@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +22,10 @@ SUPPORTED_FAMILIES = (
     "llama",
     "mistral",
     "minimax_m2",
+    "gpt_oss",
 )
+# transformers' attention the engine runs: SDPA, but eager for gpt-oss (its attention sinks; transformers refuses SDPA)
+_EAGER = ("gpt_oss",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +47,7 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     value_dim: int = 0  # width of a cached value; 0 = head_dim (MLA: qk_rope_head_dim, the shared rotary key)
+    sliding_window: int | None = None  # gpt-oss: keys its sliding layers see (the query's own included)
 
     @property
     def is_moe(self) -> bool:
@@ -88,11 +93,12 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         raise ValueError(f"--model {path}: model_type {family!r} is not supported; allowed: {SUPPORTED_FAMILIES}")
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, getattr(config, "dtype", None))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+    attention = "eager" if family in _EAGER else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()
     model.requires_grad_(False)
 
-    moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
+    moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if router_of(layer) is not None)
     num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads, value_dim = config.num_key_value_heads, 0
@@ -113,5 +119,21 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
         dtype=torch_dtype,
         device=dev,
+        sliding_window=_sliding_window(config),
     )
     return model, info
+
+
+def router_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's router (`mlp.gate`; gpt-oss: `mlp.router`), whose forward returns the chosen experts
+    third; None in a dense layer."""
+    router = getattr(layer.mlp, "router", None)
+    return getattr(layer.mlp, "gate", None) if router is None else router
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The window of a gpt-oss config with sliding layers (other families' windows are refused or absent)."""
+    types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "model_type", "") not in _EAGER or "sliding_attention" not in types:
+        return None
+    return getattr(config, "sliding_window", None)
