@@ -424,6 +424,8 @@ class Trainer(Stage):
         history = self.actor.train(batch)
         done = time.perf_counter()
         out.update(summarize_updates(history))
+        if "actor/forward_kl_mean" in out:  # distill.mode = forward_topk: beside the rollout's distill/ metrics
+            out["distill/forward_kl"] = out.pop("actor/forward_kl_mean")
         out["time/train"] = done - trained
         out["throughput/train_tokens_per_s"] = float(sum(batch.lengths)) / (done - trained) if done > trained else 0.0
         if not all(math.isfinite(h.get("loss", 0.0)) for h in history):

@@ -85,6 +85,26 @@ def test_every_field_comes_back_bit_for_bit_in_its_dtype(per_token_adv: bool) ->
     assert sent.nbytes == 8 * HEADER_SLOTS + 8 * 3 * len(LENGTHS) + fields
 
 
+def test_the_teacher_top_k_comes_back_as_rows_of_k() -> None:
+    """distill.mode = forward_topk: the teacher's top-k ids (int32 on the wire) and log-probs, [r_i, K] per
+    sample, K in the header: a receiver rebuilds them from the header and the index alone."""
+    wire = make_wire()
+    gen = torch.Generator().manual_seed(5)
+    resp = [n - p for n, p in zip(LENGTHS, PROMPTS, strict=True)]
+    ids = [torch.randint(0, 50_000, (r, 3), generator=gen, dtype=torch.int32) for r in resp]
+    values = [-torch.rand(r, 3, generator=gen) for r in resp]
+    topped = WireBatch(wire.batch.with_fields(teacher_top_ids=ids, teacher_top_logprobs=values), wire.rewards)
+    sent, got = through_the_wire(topped, 8)
+    assert_same(got.batch.teacher_top_ids, ids)
+    assert_same(got.batch.teacher_top_logprobs, values)
+    assert int(sent.header[7]) == 3
+    _, plain = through_the_wire(wire, 8)
+    assert plain.batch.teacher_top_ids is None and plain.batch.teacher_top_logprobs is None
+    bad = WireBatch(topped.batch.with_fields(teacher_top_ids=[ids[0][:, :2], *ids[1:]]))
+    with pytest.raises(WireFormatError, match=r"teacher_top_ids\[1\] has shape \(2, 3\), expected \(2, 2\)"):
+        pack_light(bad, num_experts=8)
+
+
 def test_without_optional_fields() -> None:
     wire = make_wire()
     bare = WireBatch(ActorBatch(tokens=wire.batch.tokens, prompt_lengths=list(PROMPTS)))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_rl.actor.logprobs import vocab_parallel_logprobs_from_hidden
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs_from_hidden, vocab_parallel_top_logprobs_from_hidden
 from megatron_rl.losses import Normalizer
 from megatron_rl.losses.entropy import entropy_bonus
 
@@ -179,6 +179,46 @@ def test_bf16_inputs_give_fp32_outputs() -> None:
     assert max_diff(wb.grad, wr.grad) <= 0.05 * wr.grad.abs().max().item()
 
 
+def top_case(seed: int, vocab: int = 96, k: int = 5):
+    """`make_case` plus K ids per position (the sampled target among them where a position repeats it) and
+    their upstream gradient."""
+    hidden, weight, target, mask, g_logp, g_ent = make_case(seed, vocab=vocab)
+    g = torch.Generator().manual_seed(seed + 100)
+    top = torch.randint(0, vocab, (*target.shape, k), generator=g)
+    top[0, :, 0] = target[0]  # the sampled token again: both of its gradients add up
+    return hidden, weight, target, top, mask, g_logp, g_ent, torch.randn(*top.shape, generator=g)
+
+
+def top_reference(hidden, weight, target, top, mask, temperature, g_logp, g_ent, g_top):
+    """(log-probs, entropy, top log-probs) of a full log_softmax and the grads of hidden and weight."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = (h @ w.t()).float() / (temperature if temperature > 0 else 1.0)
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1) * mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    tops = logp_all.gather(-1, top) * mask.unsqueeze(-1)
+    (loss_of(logp, entropy, g_logp, g_ent) + (tops * g_top).sum()).backward()
+    return logp, entropy, tops, h.grad, w.grad
+
+
+@pytest.mark.parametrize(("temperature", "chunk"), [(1.0, 3), (0.6, 1000)])
+def test_top_logprobs_match_the_full_vocab_with_their_gradient(temperature: float, chunk: int) -> None:
+    """The log-probs of K more ids per position equal a full log_softmax gathered at them, and the gradient of
+    a loss on all three outputs (ids repeated: the sampled one among the top) equals autograd's."""
+    hidden, weight, target, top, mask, g_logp, g_ent, g_top = top_case(4)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = vocab_parallel_top_logprobs_from_hidden(h, w, target, top, temperature, mask=mask, chunk_tokens=chunk)
+    (loss_of(out.logprobs, out.entropy, g_logp, g_ent) + (out.top * g_top).sum()).backward()
+    ref = top_reference(hidden, weight, target, top, mask, temperature, g_logp, g_ent, g_top)
+    for got, want in zip((out.logprobs, out.entropy, out.top, h.grad, w.grad), ref, strict=True):
+        assert max_diff(got, want) <= TOL
+    assert out.top.shape == (2, 11, 5) and float(out.top.detach()[mask].abs().min()) > 1.0  # real values, not zeros
+    with pytest.raises(ValueError, match=r"top_ids\[0, 1, 2\] = 96 is outside the vocabulary \[0, 96\)"):
+        bad = top.clone()
+        bad[0, 1, 2] = 96
+        vocab_parallel_top_logprobs_from_hidden(hidden, weight, target, bad, mask=torch.ones_like(mask))
+
+
 class _LargestNewTensor(TorchDispatchMode):
     """Largest tensor (in bytes) that an aten op allocates, ignoring outputs that alias an input."""
 
@@ -252,6 +292,7 @@ def _tp_worker(rank: int, world: int, init_file: str) -> None:
             _check_tp_case(rank, world, seed, temperature, chunk)
         _check_tp_padded_vocab(rank, world)
         _check_tp_bf16(rank, world)
+        _check_tp_top(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -307,6 +348,25 @@ def _check_tp_bf16(rank: int, world: int) -> None:
     exact = reference((hidden.bfloat16() @ weight.bfloat16().t()).float(), target, mask, 1.0)
     assert max_diff(out.logprobs, exact[0]) <= TOL and max_diff(out.entropy, exact[1]) <= TOL
     assert max_diff(out.logprobs, reference(hidden @ weight.t(), target, mask, 1.0)[0]) <= 0.1
+
+
+def _check_tp_top(rank: int, world: int) -> None:
+    """The teacher's top-k ids under TP 2, each id on one rank's slice (and a vocabulary of 40: rank 1 only
+    padding), equal to the full vocabulary's, and so are the gradients."""
+    hidden, weight, target, top, mask, g_logp, g_ent, g_top = top_case(16)
+    for real in (96, 40):
+        where = f"rank {rank}, top-k, vocab {real}"
+        tgt, ids = target.clamp(max=real - 1), top.clamp(max=real - 1)
+        h, w = hidden.clone().requires_grad_(), _shard(weight, rank, world, 0).requires_grad_()
+        out = vocab_parallel_top_logprobs_from_hidden(
+            h, w, tgt, ids, 0.8, mask=mask, chunk_tokens=4, vocab_size=real, group=dist.group.WORLD
+        )
+        (loss_of(out.logprobs, out.entropy, g_logp, g_ent) + (out.top * g_top).sum()).backward()
+        ref = top_reference(hidden, weight[:real], tgt, ids, mask, 0.8, g_logp, g_ent, g_top)
+        full_grad_w = torch.cat([ref[4], torch.zeros(weight.shape[0] - real, weight.shape[1])])
+        for got, want in zip((out.logprobs, out.entropy, out.top, h.grad), ref[:4], strict=True):
+            assert max_diff(got, want) <= TOL, where
+        assert max_diff(w.grad, _shard(full_grad_w, rank, world, 0)) <= TOL, where
 
 
 def test_tensor_parallel_two_ranks(tmp_path, monkeypatch) -> None:

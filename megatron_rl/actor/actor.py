@@ -93,6 +93,7 @@ class MegatronActor(Policy):
             routing=self.routing,
             replay=replay,
             loss=loss,
+            distill_coef=self.cfg.distill.kl_coef if batch.teacher_top_ids is not None else 0.0,
         )
 
     def save(self, path: str | os.PathLike) -> dict[str, str]:

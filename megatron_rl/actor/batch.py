@@ -51,6 +51,9 @@ class ActorBatch:
         also be a 0-dim tensor (one value for the whole response).
     old_values / returns: float [r_i], the critic's values of the batch before its update and the GAE
         returns (PPO's critic, `megatron_rl.critic`).
+    teacher_top_ids / teacher_top_logprobs: int / float [r_i, K], on-policy distillation's top-k forward KL
+        (`distill.mode = forward_topk`): the teacher's K most likely tokens at each response token and their
+        log-probs; both or neither.
     routed_experts: int [n_i - 1, num_layers, top_k] (R3: from the engine; R2: recorded by
         `compute_log_probs(..., record_routing=True)`); layers without a router are ignored. An entry
         is None for a sample another DP rank computes: a scattered step batch
@@ -66,6 +69,8 @@ class ActorBatch:
     ref_log_probs: list[Tensor] | None = None
     old_values: list[Tensor] | None = None
     returns: list[Tensor] | None = None
+    teacher_top_ids: list[Tensor] | None = None
+    teacher_top_logprobs: list[Tensor] | None = None
     routed_experts: list[Tensor | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -128,8 +133,32 @@ class ActorBatch:
                         f"ActorBatch.{name}[{i}] has shape {tuple(v.shape)}, expected ({r},) = the response "
                         f"length of tokens[{i}] (shape {tuple(self.tokens[i].shape)}, prompt {self.prompt_lengths[i]})"
                     )
+        if self.teacher_top_ids is not None or self.teacher_top_logprobs is not None:
+            self._validate_teacher_top(vocab_size)
         if self.routed_experts is not None:
             self._validate_routing(num_layers, top_k, num_experts)
+
+    def _validate_teacher_top(self, vocab_size: int) -> None:
+        ids, values = self.teacher_top_ids, self.teacher_top_logprobs
+        if ids is None or values is None:
+            raise ValueError("ActorBatch.teacher_top_ids and teacher_top_logprobs come together; one of them is None")
+        if len(ids) != len(self) or len(values) != len(self):
+            raise ValueError(
+                f"ActorBatch.teacher_top_ids / _logprobs have {len(ids)} / {len(values)} entries, tokens has {len(self)}"
+            )
+        width = int(ids[0].shape[-1]) if ids[0].dim() == 2 else -1
+        for i, (a, b) in enumerate(zip(ids, values, strict=True)):
+            want = (self.response_length(i), width)
+            if tuple(a.shape) != want or tuple(b.shape) != want or a.dtype.is_floating_point:
+                raise ValueError(
+                    f"ActorBatch.teacher_top_ids[{i}] / _logprobs[{i}] are {a.dtype} {tuple(a.shape)} / "
+                    f"{tuple(b.shape)}, expected int / float {want} = [response length, the teacher's top-k]"
+                )
+            if a.numel() and (int(a.min()) < 0 or int(a.max()) >= vocab_size):
+                raise ValueError(
+                    f"ActorBatch.teacher_top_ids[{i}] holds ids in [{int(a.min())}, {int(a.max())}], outside "
+                    f"[0, {vocab_size})"
+                )
 
     def _validate_routing(self, num_layers: int, top_k: int, num_experts: int | None) -> None:
         if num_experts is None:
@@ -201,6 +230,9 @@ class MicroBatchInputs:
     prompt_lengths: tuple[int, ...]
     packing: Packing | None = None
     context: ContextInputs | None = None
+    # the teacher's top-k ids (long) and log-probs (float) at the target positions, [rows, max_len, K] (row layout)
+    top_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -236,15 +268,31 @@ class MicroBatchInputs:
             return self.context.target_mask
         return self.target_mask if self.packing is None else self.packing.target_mask
 
+    @property
+    def head_top_ids(self) -> Tensor | None:
+        """`top_ids` in the model's layout (packed, this CP rank's positions), [rows, positions, K]; None without."""
+        ids = self.top_ids
+        if ids is None:
+            return None
+        if self.packing is not None:
+            packed = ids.new_zeros(1, self.packing.target.shape[1], ids.shape[-1])
+            packed[0, self.packing.index[self.target_mask]] = ids[self.target_mask]
+            ids = packed
+        if self.context is not None:
+            ids = ids.index_select(1, self.context.split.positions().to(ids.device))
+        return ids
+
     def to_rows(self, values: Tensor) -> Tensor:
-        """A per-position result of the model's layout [rows, positions] in the row layout (0 outside
+        """A per-position result of the model's layout [rows, positions, *rest] in the row layout (0 outside
         `target_mask`); differentiable. Under CP, `values` holds this rank's positions and is gathered
         over the CP group first. Padded, the layouts are one."""
         if self.context is not None:
             values = gather_from_context(values, self.context.split, dim=1)
         if self.packing is None:
             return values
-        return values.reshape(-1)[self.packing.index].where(self.target_mask, 0.0)
+        rest = values.shape[2:]
+        mask = self.target_mask.view(*self.target_mask.shape, *(1 for _ in rest))
+        return values.reshape(-1, *rest)[self.packing.index].where(mask, 0.0)
 
     def response_rows(self, values: Tensor) -> list[Tensor]:
         """A row-layout result cut to each real row's response: [r_i] each."""
@@ -284,6 +332,10 @@ def build_inputs(
     target = torch.zeros(rows, max_len, dtype=torch.long)
     target_mask = torch.zeros(rows, max_len, dtype=torch.bool)
     values = {name: torch.zeros(rows, max_len, dtype=torch.float32) for name in with_fields}
+    top = None
+    if batch.teacher_top_ids is not None and not every_response_token:  # the training passes only
+        width = int(batch.teacher_top_ids[0].shape[-1])
+        top = torch.zeros(rows, max_len, width, dtype=torch.long), torch.zeros(rows, max_len, width)
     prompts = []
     for row, i in enumerate(micro_batch.indices):
         tok = batch.tokens[i].to(torch.long).cpu()
@@ -299,6 +351,10 @@ def build_inputs(
             if source is None:
                 raise ValueError(f"ActorBatch.{name} is needed here but is None")
             values[name][row, p - 1 : n - 1] = source[i].to(torch.float32).cpu().expand(n - p)
+        if top is not None:
+            assert batch.teacher_top_logprobs is not None  # validate(): both or neither
+            top[0][row, p - 1 : n - 1] = batch.teacher_top_ids[i].to(torch.long).cpu()
+            top[1][row, p - 1 : n - 1] = batch.teacher_top_logprobs[i].to(torch.float32).cpu()
     position_ids = torch.arange(max_len, dtype=torch.long).unsqueeze(0).expand(rows, max_len).contiguous()
     packing = None
     if micro_batch.packed:
@@ -324,6 +380,8 @@ def build_inputs(
         routed_experts=routed,
         prompt_lengths=tuple(prompts),
         packing=packing,
+        top_ids=None if top is None else top[0].to(device),
+        top_logprobs=None if top is None else top[1].to(device),
     )
 
 

@@ -4,11 +4,11 @@ What `actor.batch_scatter` sends, packed and unpacked here without any communica
 is tested in-process):
 
 - the header: int64 [HEADER_SLOTS]: magic, format version, the number of samples N, whether routed
-  experts follow, their layers L, top-k K and wire dtype, then (kind, dtype, wire dtype) of every
+  experts follow, their layers L, top-k K and wire dtype, the teacher's top-k (distillation; 0 = none), then (kind, dtype, wire dtype) of every
   field of `FIELDS` in that order (kind `ABSENT` for a field the batch does not have);
 - the index: int64 [N, 3]: tokens n_i, prompt length p_i, and the count of sample i's `versions`;
 - one flat tensor per present field, the samples end to end (`kind` says how many values each has:
-  one, n_i, or the response's r_i = n_i - p_i; `COUNTED`: the index's count), token ids as int32 and
+  one, n_i, or the response's r_i = n_i - p_i, or r_i rows of the teacher's top-k; `COUNTED`: the index's count), token ids as int32 and
   masks as uint8 on the wire, unpacked to the dtypes the header names;
 - routed experts, one flat tensor per DP rank holding that rank's samples only, as uint8 when the
   model has at most 256 experts, int16 up to 32768 (`expert_wire_dtype`): 1/4 or 1/2 of SGLang's
@@ -31,10 +31,10 @@ from torch import Tensor
 from megatron_rl.actor.batch import ActorBatch
 
 MAGIC = 0x4D524C42  # "MRLB"
-WIRE_VERSION = 2  # 2: the episodes field
+WIRE_VERSION = 3  # 2: the episodes field; 3: the teacher's top-k
 
 # what a field holds per sample
-ABSENT, PER_SAMPLE, PER_TOKEN, PER_RESPONSE, COUNTED = range(5)
+ABSENT, PER_SAMPLE, PER_TOKEN, PER_RESPONSE, COUNTED, PER_RESPONSE_TOP = range(6)
 
 # (name, wire dtype or None = as the batch holds it), in wire order
 FIELDS: tuple[tuple[str, torch.dtype | None], ...] = (
@@ -44,11 +44,14 @@ FIELDS: tuple[tuple[str, torch.dtype | None], ...] = (
     ("advantages", None),
     ("rollout_log_probs", None),
     ("ref_log_probs", None),
+    ("teacher_top_ids", torch.int32),
+    ("teacher_top_logprobs", None),
     ("rewards", None),
     ("versions", torch.int64),
     ("episodes", torch.int64),
 )
 _ACTOR_FIELDS = ("response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+_TOP_FIELDS = ("teacher_top_ids", "teacher_top_logprobs")
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
@@ -164,6 +167,8 @@ def pack_light(wire: WireBatch, *, num_experts: int | None) -> LightPacket:
         first = routed[0]
         header[3], header[4], header[5] = 1, int(first.shape[1]), int(first.shape[2])
         header[6] = dtype_code(expert_wire_dtype(num_experts))
+    if batch.teacher_top_ids is not None:
+        header[7] = int(batch.teacher_top_ids[0].shape[-1])
     counts = [0] * n
     if wire.versions is not None:
         if len(wire.versions) != n:
@@ -206,6 +211,12 @@ def _field_pieces(wire: WireBatch, name: str, responses: Sequence[int]) -> tuple
     values = getattr(batch, name)
     if values is None:
         return ABSENT, [], torch.float32
+    if name in _TOP_FIELDS:
+        width = int(values[0].shape[-1])
+        for i, (v, r) in enumerate(zip(values, responses, strict=True)):
+            if tuple(v.shape) != (r, width):
+                raise WireFormatError(f"ActorBatch.{name}[{i}] has shape {tuple(v.shape)}, expected ({r}, {width})")
+        return PER_RESPONSE_TOP, list(values), values[0].dtype
     if name == "response_mask":
         for i, (v, r) in enumerate(zip(values, responses, strict=True)):
             if tuple(v.shape) != (r,):
@@ -224,8 +235,10 @@ def check_header(header: Tensor) -> None:
         )
 
 
-def _sizes(kind: int, index: Tensor) -> list[int]:
+def _sizes(kind: int, index: Tensor, top: int = 0) -> list[int]:
     n, p, c = index[:, 0].tolist(), index[:, 1].tolist(), index[:, 2].tolist()
+    if kind == PER_RESPONSE_TOP:
+        return [(a - b) * top for a, b in zip(n, p, strict=True)]
     if kind == PER_SAMPLE:
         return [1] * len(n)
     if kind == PER_TOKEN:
@@ -251,7 +264,7 @@ def field_buffers(header: Tensor, index: Tensor, device: torch.device | None = N
     """Empty flat tensors for the fields `header` announces (what a receiver broadcasts into)."""
     check_header(header)
     return [
-        torch.empty(sum(_sizes(kind, index)), dtype=wire_dtype, device=device)
+        torch.empty(sum(_sizes(kind, index, int(header[7]))), dtype=wire_dtype, device=device)
         for _, kind, _, wire_dtype in _present(header)
     ]
 
@@ -268,19 +281,21 @@ def unpack_light(packet: LightPacket) -> WireBatch:
         raise WireFormatError(f"the header names {len(present)} fields, {len(packet.fields)} came")
     values: dict[str, list[Tensor]] = {}
     for (name, kind, dtype, _), flat in zip(present, packet.fields, strict=True):
-        sizes = _sizes(kind, index)
+        sizes = _sizes(kind, index, int(header[7]))
         if flat.numel() != sum(sizes):
             raise WireFormatError(f"field {name}: {flat.numel()} values, the index says {sum(sizes)}")
         pieces = list(flat.cpu().to(dtype).split(sizes))
         if kind == PER_SAMPLE:
             pieces = [p.reshape(()) for p in pieces]
+        if kind == PER_RESPONSE_TOP:
+            pieces = [p.view(-1, int(header[7])) for p in pieces]
         values[name] = pieces
     if "tokens" not in values:
         raise WireFormatError("a batch header without tokens")
     batch = ActorBatch(
         tokens=values["tokens"],
         prompt_lengths=index[:, 1].tolist(),
-        **{name: values.get(name) for name in _ACTOR_FIELDS},
+        **{name: values.get(name) for name in (*_ACTOR_FIELDS, *_TOP_FIELDS)},
     )
     rewards = torch.stack(values["rewards"]) if "rewards" in values else None
     versions = [v.tolist() for v in values["versions"]] if "versions" in values else None

@@ -44,7 +44,12 @@ from megatron.core.utils import get_model_config, unwrap_model
 from torch import Tensor
 
 from megatron_rl.actor.batch import ActorBatch, MicroBatchInputs, build_inputs, packed_length, split_for_context
-from megatron_rl.actor.logprobs import LogProbs, vocab_parallel_logprobs_from_hidden
+from megatron_rl.actor.logprobs import (
+    LogProbs,
+    TopLogProbs,
+    vocab_parallel_logprobs_from_hidden,
+    vocab_parallel_top_logprobs_from_hidden,
+)
 from megatron_rl.actor.micro_batches import (
     MicroBatch,
     TokenBudget,
@@ -144,13 +149,14 @@ def prepare_inputs(
 @dataclass(frozen=True)
 class LogProbHead:
     """The last stage's output: log-probs of the targets and entropy, at `temperature`, over the real
-    vocabulary (`vocab_size`: Megatron's padding rows ignored), `chunk_tokens` rows at a time."""
+    vocabulary (`vocab_size`: Megatron's padding rows ignored), `chunk_tokens` rows at a time; with the
+    teacher's top-k in the micro-batch (`MicroBatchInputs.top_ids`), their log-probs too (`TopLogProbs`)."""
 
     temperature: float
     vocab_size: int
     chunk_tokens: int
 
-    def __call__(self, model: torch.nn.Module, hidden: Tensor, mb: MicroBatchInputs) -> LogProbs:
+    def __call__(self, model: torch.nn.Module, hidden: Tensor, mb: MicroBatchInputs) -> LogProbs | TopLogProbs:
         """`hidden`: what the last stage's GPTModel returned with its output layer skipped, [s, b, H]
         (s / TP rows under sequence parallelism). The output layer's computation as Megatron does it:
         the sequence gathered over TP (its backward a reduce-scatter), or, without sequence
@@ -167,16 +173,20 @@ class LogProbHead:
         # Float16Module upcasts the last stage's output; the output layer computes in the weights' dtype
         hidden = hidden.to(weight.dtype)
         # [s, b] views of the [b, s] targets: the hidden states are used as they lie, never copied
-        out = vocab_parallel_logprobs_from_hidden(
-            hidden,
-            weight,
-            mb.head_target.t(),
-            self.temperature,
+        options = dict(
             mask=mb.head_mask.t(),
             chunk_tokens=self.chunk_tokens,
             vocab_size=self.vocab_size,
             reduce_hidden_grad=not sequence_parallel,
         )
+        top_ids = mb.head_top_ids
+        if top_ids is not None:
+            top = vocab_parallel_top_logprobs_from_hidden(
+                hidden, weight, mb.head_target.t(), top_ids.transpose(0, 1), self.temperature, **options
+            )
+            rows = (mb.to_rows(top.logprobs.t()), mb.to_rows(top.entropy.t()), mb.to_rows(top.top.transpose(0, 1)))
+            return TopLogProbs(*rows)
+        out = vocab_parallel_logprobs_from_hidden(hidden, weight, mb.head_target.t(), self.temperature, **options)
         return LogProbs(mb.to_rows(out.logprobs.t()), mb.to_rows(out.entropy.t()))
 
 

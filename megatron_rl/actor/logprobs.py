@@ -42,6 +42,14 @@ class LogProbs(NamedTuple):
     entropy: Tensor
 
 
+class TopLogProbs(NamedTuple):
+    """`LogProbs` and `top` [..., K]: the log-probs of K more token ids per position (`top_ids`)."""
+
+    logprobs: Tensor
+    entropy: Tensor
+    top: Tensor
+
+
 @dataclass(frozen=True)
 class _Shard:
     """Where this rank's logits sit in the vocabulary and how to reduce over the TP group."""
@@ -107,12 +115,12 @@ def _check_inputs(what: str, lead_shape: torch.Size, target: Tensor, mask: Tenso
     return mask.to(torch.bool)
 
 
-def _check_targets(target: Tensor, mask: Tensor, vocab_size: int) -> None:
-    bad = mask & ((target < 0) | (target >= vocab_size))
+def _check_targets(target: Tensor, mask: Tensor, vocab_size: int, name: str = "target") -> None:
+    bad = mask.view(*mask.shape, *(1 for _ in target.shape[mask.dim() :])) & ((target < 0) | (target >= vocab_size))
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"target{list(pos)} = {int(target[pos])} is outside the vocabulary [0, {vocab_size}) at an unmasked position"
+            f"{name}{list(pos)} = {int(target[pos])} is outside the vocabulary [0, {vocab_size}) at an unmasked position"
         )
 
 
@@ -128,9 +136,10 @@ def _flat(t: Tensor, cols: int, name: str) -> Tensor:
 
 
 def _local_targets(target: Tensor, mask: Tensor, shard: _Shard) -> tuple[Tensor, Tensor]:
-    """(column of each target in this rank's slice, clamped; whether the target is in the slice and unmasked)."""
+    """Per target [n, J] (J targets per row): its column in this rank's slice, clamped; whether it is in the
+    slice and its row unmasked."""
     local = target.long() - shard.start
-    owned = mask & (local >= 0) & (local < shard.width)
+    owned = mask.unsqueeze(-1) & (local >= 0) & (local < shard.width)
     return local.clamp_(0, max(shard.width - 1, 0)), owned
 
 
@@ -161,7 +170,8 @@ def _chunks(n: int, shard: _Shard) -> list[slice]:
 def _forward_chunk(
     x: Tensor, tmp: Tensor, local: Tensor, owned: Tensor, shard: _Shard
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """x: this chunk's fp32 logits; x and tmp are scratch (overwritten). Returns (logp, log Z, entropy) per row."""
+    """x: this chunk's fp32 logits; x and tmp are scratch (overwritten). Returns (logp [rows, J] of the J
+    targets of each row, log Z, entropy) per row."""
     z = _temper_(x, shard)
     rows = z.shape[0]
     if shard.width > 0:
@@ -171,16 +181,16 @@ def _forward_chunk(
     shard.all_reduce(zmax, dist.ReduceOp.MAX)
     z.sub_(zmax.unsqueeze(-1))  # z - M <= 0, M the global max
     e = torch.exp(z, out=tmp)
-    sums = torch.empty(3, rows, dtype=z.dtype, device=z.device)
+    sums = torch.empty(2 + local.shape[1], rows, dtype=z.dtype, device=z.device)
     sums[0] = e.sum(dim=-1)
     sums[1] = e.mul_(z).sum(dim=-1)  # sum_v e_v (z_v - M)
     if shard.width > 0:
-        sums[2] = z.gather(1, local.unsqueeze(-1)).squeeze(-1) * owned
+        sums[2:] = (z.gather(1, local) * owned).t()
     else:
-        sums[2] = 0.0
+        sums[2:] = 0.0
     shard.all_reduce(sums, dist.ReduceOp.SUM)
     log_s = torch.log(sums[0])
-    logp = sums[2] - log_s
+    logp = (sums[2:] - log_s).t()
     entropy = log_s - sums[1] / sums[0]
     return logp, zmax + log_s, entropy
 
@@ -202,7 +212,7 @@ class _Backward:
         local, owned, mask, lse, entropy = saved
 
         def fix(g: Tensor | None) -> Tensor | None:
-            return None if g is None else g.to(torch.float32) * mask
+            return None if g is None else g.to(torch.float32) * mask.view(-1, *(1 for _ in g.shape[1:]))
 
         return _Backward(local, owned, lse, entropy, fix(g_logp), fix(g_ent))
 
@@ -220,19 +230,22 @@ class _Backward:
 def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
     """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten).
 
-    With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H).
+    With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H); a row's J
+    targets add up: sum_j g_j (onehot(t_j) - p).
     """
     q = _temper_(x, shard).sub_(b.lse.unsqueeze(-1))
     p = torch.exp(q, out=tmp)
+    g_sum = None if b.g_logp is None else b.g_logp.sum(dim=-1, keepdim=True)
     if b.g_ent is not None:
         q.add_(b.entropy.unsqueeze(-1)).mul_(b.g_ent.unsqueeze(-1))
-        if b.g_logp is not None:
-            q.add_(b.g_logp.unsqueeze(-1))
+        if g_sum is not None:
+            q.add_(g_sum)
         grad = q.mul_(p).neg_()
     else:  # then g_logp is set: backward runs only with at least one upstream gradient
-        grad = p.mul_(-b.g_logp.unsqueeze(-1))
+        assert g_sum is not None
+        grad = p.mul_(-g_sum)
     if b.g_logp is not None and shard.width > 0:
-        grad.scatter_add_(1, b.local.unsqueeze(-1), (b.g_logp * b.owned).unsqueeze(-1))
+        grad.scatter_add_(1, b.local, b.g_logp * b.owned)
     if shard.temperature not in (0.0, 1.0):
         grad.div_(shard.temperature)
     return grad
@@ -252,15 +265,16 @@ class _FromHidden(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         w = weight[: shard.width]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse, entropy = torch.empty_like(logp), torch.empty_like(logp)
+        logp = torch.empty(n, target.shape[1], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(lse)
         local, owned = _local_targets(target, mask, shard)
         scratch = _Scratch(n, shard, hidden.device)
         for c in _chunks(n, shard):
             x, tmp = scratch.take(c)
             _project(hidden[c], w, out=x)
             logp[c], lse[c], entropy[c] = _forward_chunk(x, tmp, local[c], owned[c], shard)
-        logp, entropy = logp.where(mask, 0.0), entropy.where(mask, 0.0)
+        logp, entropy = logp.where(mask.unsqueeze(-1), 0.0), entropy.where(mask, 0.0)
         ctx.save_for_backward(hidden, weight, local, owned, mask, lse, entropy)
         ctx.shard = shard
         ctx.reduce_hidden_grad = reduce_hidden_grad
@@ -332,6 +346,52 @@ def vocab_parallel_logprobs_from_hidden(
     caller did a plain copy into the TP region). Pass False when the caller's own region op reduces it,
     e.g. Megatron's gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True).
     """
+    logp, entropy = _from_hidden(
+        hidden, weight, target, None, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad
+    )
+    return LogProbs(logp[..., 0], entropy)
+
+
+def vocab_parallel_top_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    top_ids: Tensor,
+    temperature: float = 1.0,
+    *,
+    mask: Tensor | None = None,
+    chunk_tokens: int = 1024,
+    vocab_size: int | None = None,
+    group: ProcessGroup = None,
+    reduce_hidden_grad: bool = True,
+) -> TopLogProbs:
+    """`vocab_parallel_logprobs_from_hidden`, and the log-probs of `top_ids` [..., K] (integer ids, K per
+    position: the teacher's top-k in on-policy distillation) from the same chunks and reductions, as
+    `TopLogProbs.top` [..., K], differentiable too (0 where the mask is False)."""
+    if top_ids.shape[:-1] != target.shape or top_ids.dtype.is_floating_point or top_ids.dtype == torch.bool:
+        raise ValueError(
+            f"top_ids must hold integer ids [*target shape {tuple(target.shape)}, K], got {top_ids.dtype} "
+            f"{tuple(top_ids.shape)}"
+        )
+    logp, entropy = _from_hidden(
+        hidden, weight, target, top_ids, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad
+    )
+    return TopLogProbs(logp[..., 0], entropy, logp[..., 1:])
+
+
+def _from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    top_ids: Tensor | None,
+    temperature: float,
+    mask: Tensor | None,
+    chunk_tokens: int,
+    vocab_size: int | None,
+    group: ProcessGroup,
+    reduce_hidden_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """(log-probs [..., 1 + K] of the target then the top ids, entropy [...])."""
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight shape {tuple(weight.shape)} must be [V/TP, H] with H = hidden's last dim "
@@ -341,7 +401,15 @@ def vocab_parallel_logprobs_from_hidden(
         raise TypeError(f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
     mask = _check_inputs("hidden", hidden.shape[:-1], target, mask)
     shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group)
+    targets = (
+        target.unsqueeze(-1) if top_ids is None else torch.cat([target.unsqueeze(-1), top_ids.to(target.dtype)], -1)
+    )
     _check_targets(target, mask, vocab_size or weight.shape[0] * shard.world)
+    if top_ids is not None:
+        _check_targets(top_ids, mask, vocab_size or weight.shape[0] * shard.world, "top_ids")
     flat = _flat(hidden, hidden.shape[-1], "hidden")
-    logp, entropy = _FromHidden.apply(flat, weight, target.reshape(-1), mask.reshape(-1), shard, reduce_hidden_grad)
-    return LogProbs(logp.view(target.shape), entropy.view(target.shape))
+    width = targets.shape[-1]
+    logp, entropy = _FromHidden.apply(
+        flat, weight, targets.reshape(-1, width), mask.reshape(-1), shard, reduce_hidden_grad
+    )
+    return logp.view(*target.shape, width), entropy.view(target.shape)

@@ -16,7 +16,8 @@ loss tokens aggregated as the policy loss, `algorithm.loss_agg_mode`), back-prop
 Metrics are reduced over micro-batches and ranks with each key's own
 operation (`losses.metric_reduce_op`) and returned, the same, on every rank: those of
 `policy_loss` after `finalize_metrics` (with a bonus, `loss` includes it and `entropy_bonus` is
-its value), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
+its value; with the teacher's top-k, it includes the distillation term, `distill_loss` is that term and
+forward_kl_mean the top-k forward KL per loss token), plus entropy_mean (per loss token), grad_norm (before clipping), lr (the update's),
 update_skipped, micro_batches (per DP rank), dp_token_imbalance (the DP ranks' token counts, max /
 mean), is_rejected_frac (with is_correction reject: the share
 of the loss tokens rejected) and, when replaying routing,
@@ -44,7 +45,7 @@ from megatron_rl.actor.forward import (
     prepare_inputs,
     run_schedule,
 )
-from megatron_rl.actor.logprobs import LogProbs
+from megatron_rl.actor.logprobs import LogProbs, TopLogProbs
 from megatron_rl.actor.micro_batches import TokenBudget, mini_batches
 from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
@@ -57,6 +58,7 @@ from megatron_rl.losses import (
     metric_reduce_op,
     policy_loss,
 )
+from megatron_rl.losses.distill import forward_kl_loss
 from megatron_rl.losses.entropy import entropy_bonus
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.metrics import masked_sum
@@ -131,9 +133,16 @@ def policy_token_loss(spec: LossSpec) -> TokenLoss:
     return loss
 
 
-def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float, loss_agg_mode: str):
-    def loss_fn(mb: MicroBatchInputs, out: LogProbs | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        if not isinstance(out, LogProbs):  # another head's per-token values (the critic's): no entropy
+def _loss_fn(
+    token_loss: TokenLoss,
+    normalizer: Normalizer,
+    scale: float,
+    entropy_coef: float,
+    loss_agg_mode: str,
+    distill_coef: float = 0.0,
+):
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs | TopLogProbs | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        if not isinstance(out, LogProbs | TopLogProbs):  # another head's per-token values (the critic's): no entropy
             loss, metrics = token_loss(out, mb.fields, mb.target_mask, normalizer)
             return loss * scale, metrics
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
@@ -143,6 +152,15 @@ def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entrop
             loss = loss + bonus
             metrics["loss"] = metrics["loss"] + bonus.detach().to(torch.float64)
             metrics["entropy_bonus"] = bonus.detach().to(torch.float64)
+        if isinstance(out, TopLogProbs):  # on-policy distillation's top-k forward KL (`losses.distill`)
+            assert mb.top_logprobs is not None
+            term, per_token = forward_kl_loss(
+                out.top, mb.top_logprobs, mb.target_mask, distill_coef, normalizer, loss_agg_mode
+            )
+            loss = loss + term
+            metrics["loss"] = metrics["loss"] + term.detach().to(torch.float64)
+            metrics["distill_loss"] = term.detach().to(torch.float64)
+            metrics["forward_kl_sum"] = masked_sum(per_token, mb.target_mask)
         return loss * scale, metrics
 
     return loss_fn
@@ -180,6 +198,7 @@ def train_on_batch(
     routing: RoutingReplay | None = None,
     replay: bool = False,
     loss: TokenLoss | None = None,
+    distill_coef: float = 0.0,
     head: Head | None = None,
     finalize: Callable[[dict[str, Tensor]], dict[str, float]] = finalize_metrics,
 ) -> list[dict[str, float]]:
@@ -191,7 +210,9 @@ def train_on_batch(
     `TokenLoss` (e.g. the SFT cross-entropy) gets the fields the batch has, and no entropy bonus.
     With `replay`, routed_experts (R2 recorded or R3). `head`: None = the log-probs and entropy of the
     targets at `temperature` (`LogProbHead`); another head's output (the critic's values) goes to `loss`
-    as it is. `finalize` turns the reduced statistics into the update's metrics.
+    as it is. `finalize` turns the reduced statistics into the update's metrics. With the policy loss, a batch
+    with the teacher's top-k (`ActorBatch.teacher_top_ids`, `distill.mode = forward_topk`) adds `distill_coef`
+    x the top-k forward KL (`losses.distill`); another loss leaves them out.
     """
     policy = loss is None
     entropy_coef = spec.entropy_coef if policy else 0.0
@@ -200,6 +221,13 @@ def train_on_batch(
             if getattr(batch, name) is None:
                 raise ValueError(f"train: ActorBatch.{name} is required")
         loss = policy_token_loss(spec)
+    if batch.teacher_top_ids is not None and not policy:  # the teacher's top-k are the policy loss's only
+        batch = batch.with_fields(teacher_top_ids=None, teacher_top_logprobs=None)
+    if batch.teacher_top_ids is not None and distill_coef <= 0:
+        raise ValueError(
+            "train: ActorBatch.teacher_top_ids (distill.mode = forward_topk) need distill_coef > 0 "
+            f"(distill.kl_coef), got {distill_coef}"
+        )
     fields = [name for name in (*RESPONSE_FIELDS, *VALUE_FIELDS) if getattr(batch, name) is not None]
     head = LogProbHead(temperature, vocab_size, chunk_tokens) if head is None else head
     config = get_model_config(state.model[0])
@@ -211,7 +239,7 @@ def train_on_batch(
         normalizer = global_normalizer(masks, token_norm=token_norm)
         micro = plan_for_rank(sub.lengths, budget)
         inputs = prepare_inputs(state.model, sub, micro, with_fields=fields)
-        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode)
+        loss_fn = _loss_fn(loss, normalizer, loss_scale(len(inputs)), entropy_coef, spec.loss_agg_mode, distill_coef)
         for chunk in state.model:
             chunk.train()
             chunk.zero_grad_buffer()

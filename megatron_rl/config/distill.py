@@ -38,8 +38,17 @@ class DistillConfig:
         "objective's reward advantage (algorithm.name = opd: the only advantage)",
         gt=0,
     )
-    mode: Literal["reverse_kl"] = _f(
-        "reverse_kl", "reverse_kl = the per-token reverse KL of the sampled tokens (its k1 estimate) as the reward"
+    mode: Literal["reverse_kl", "forward_topk"] = _f(
+        "reverse_kl",
+        "reverse_kl = the per-token reverse KL of the sampled tokens (its k1 estimate) as the reward; "
+        "forward_topk = a loss term: at each generated token, the forward KL over the teacher's top_k tokens, "
+        "sum_v p_T(v) (log p_T(v) - log p_S(v)), p_T not renormalised (docs/training.md)",
+    )
+    top_k: int = _f(
+        20,
+        "mode = forward_topk: the teacher's most likely tokens scored at each generated token (SGLang's "
+        "top_logprobs_num); 20 = the OpenAI API's top_logprobs cap that servers keep, most of a model's mass",
+        ge=1,
     )
 
     @property
@@ -70,6 +79,8 @@ def check_distill(cfg: Config) -> None:
             "distill.teacher_urls need distill.tokenizer (the teacher's tokenizer folder), which is checked equal "
             "to the student's"
         )
+    if distill.mode == "forward_topk":
+        return  # a loss term of its own: no per-token advantage for the rules below to weigh
     if alg.kl_in_reward:
         raise ConfigError(
             "distill (a teacher) gives per-token advantages, which algorithm.kl_in_reward = true (one penalised "

@@ -49,6 +49,9 @@ class Trajectory(Finished):
     earlier_segments: list[Trajectory] = field(default_factory=list)
     # on-policy distillation: the teacher's log-prob of every output token (observations' unused), once scored
     teacher_logprobs: list[float] | None = None
+    # distill.mode = forward_topk: per output token the teacher's top-k token ids and their log-probs
+    teacher_top_ids: list[list[int]] | None = None
+    teacher_top_logprobs: list[list[float]] | None = None
 
     @property
     def turns(self) -> int:

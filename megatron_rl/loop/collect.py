@@ -141,7 +141,8 @@ class RolloutCollector:
             make_env=self.make_env,
         )
         if self.teacher is not None:
-            await score_with_teacher(self.teacher, trajectories, self.teacher_meter)
+            top_k = self.cfg.distill.top_k if self.cfg.distill.mode == "forward_topk" else 0
+            await score_with_teacher(self.teacher, trajectories, self.teacher_meter, top_k)
         return [trajectories[k * g : (k + 1) * g] for k in range(len(prompts))]
 
     def score(

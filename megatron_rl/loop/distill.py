@@ -6,7 +6,9 @@ checked first, and each step reports what it cost.
 `one_step_off` with training), and a fully asynchronous group enters the buffer, under the staleness bound,
 only once scored. Each sequence of an episode (`segments_of`) is sent whole, its prompt unscored: the teacher
 returns the log-prob of every output token, observation tokens too, which the advantage leaves out
-(`samples.distill_advantage`). Aborted episodes are never trained on and not scored. A teacher that fails
+(`samples.distill_advantage`; with `distill.mode = forward_topk`, the loss mask in the trainer). With
+`forward_topk` the teacher also gives its top `distill.top_k` tokens at every output token, which go to the
+trainer in the step batch (`ActorBatch.teacher_top_ids`, `teacher_top_logprobs`). Aborted episodes are never trained on and not scored. A teacher that fails
 past its retries (and restarts) raises `TeacherError`: the step fails, no sample goes on without its score.
 """
 
@@ -23,6 +25,7 @@ from megatron_rl.config import Config, ConfigError
 from megatron_rl.envs import Trajectory, segments_of
 from megatron_rl.rollout.sglang import SGLangError
 from megatron_rl.rollout.teacher import Teacher, TeacherError, tokenizer_difference
+from megatron_rl.rollout.types import PromptScores
 
 
 def check_teacher_tokenizer(cfg: Config, student: Any) -> None:
@@ -59,27 +62,43 @@ class TeacherMeter:
         return out
 
 
-async def score_with_teacher(teacher: Teacher, episodes: Sequence[Trajectory], meter: TeacherMeter) -> None:
-    """Set `teacher_logprobs` on every sequence of the episodes that were not aborted (see the module doc)."""
+async def score_with_teacher(
+    teacher: Teacher, episodes: Sequence[Trajectory], meter: TeacherMeter, top_k: int = 0
+) -> None:
+    """Set `teacher_logprobs` on every sequence of the episodes that were not aborted (see the module doc), and
+    with `top_k` (`distill.mode = forward_topk`) `teacher_top_ids` / `teacher_top_logprobs` too."""
     sequences = [seq for e in episodes if not e.aborted for seq in segments_of(e) if seq.output_ids]
     if not sequences:
         return
     began = time.perf_counter()
+    tokens, starts = [seq.prompt_ids + seq.output_ids for seq in sequences], [len(seq.prompt_ids) for seq in sequences]
     try:
-        scores = await teacher.prompt_logprobs(
-            [seq.prompt_ids + seq.output_ids for seq in sequences], [len(seq.prompt_ids) for seq in sequences]
-        )
+        if top_k:
+            scores = await teacher.prompt_scores(tokens, starts, top_k)
+        else:
+            scores = [PromptScores(v, [], []) for v in await teacher.prompt_logprobs(tokens, starts)]
     except SGLangError as err:
         raise TeacherError(
             f"the teacher could not score {len(sequences)} sample(s): {err}; stopping (nothing is trained on a "
             "missing teacher score)"
         ) from err
-    for seq, values in zip(sequences, scores, strict=True):
-        if len(values) != len(seq.output_ids):
-            raise TeacherError(f"the teacher gave {len(values)} log-probs for {len(seq.output_ids)} output tokens")
-        seq.teacher_logprobs = values
+    for seq, score in zip(sequences, scores, strict=True):
+        if len(score.logprobs) != len(seq.output_ids):
+            raise TeacherError(
+                f"the teacher gave {len(score.logprobs)} log-probs for {len(seq.output_ids)} output tokens"
+            )
+        seq.teacher_logprobs = score.logprobs
+        if top_k:
+            rows = [len(score.top_ids), len(score.top_logprobs)]
+            widths = {len(r) for r in (*score.top_ids, *score.top_logprobs)}
+            if rows != [len(seq.output_ids)] * 2 or widths != {top_k}:
+                raise TeacherError(
+                    f"the teacher gave top-k rows {rows} of widths {sorted(widths)} for {len(seq.output_ids)} "
+                    f"output tokens and distill.top_k = {top_k}"
+                )
+            seq.teacher_top_ids, seq.teacher_top_logprobs = score.top_ids, score.top_logprobs
     meter.seconds += time.perf_counter() - began
-    meter.tokens += sum(len(seq.prompt_ids) + len(seq.output_ids) for seq in sequences)
+    meter.tokens += sum(len(t) for t in tokens)
 
 
 def reverse_kl_metrics(sequences: Sequence[Trajectory]) -> dict[str, float]:

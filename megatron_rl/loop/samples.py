@@ -15,7 +15,8 @@ Each step's data is built here, in verl's order (rewards, old log-probs, the ref
   log-probs, and with `algorithm.advantage_estimator = gae` for the critic's values: the step computes
   them once, on every rank, after those forwards (`step_advantages`: `kl_penalized_advantages` of
   R - beta * KL, or `gae_advantages`). They are never computed twice. With a teacher (`distill`), each
-  generated token's advantage also holds its distillation term (`distill_advantage`).
+  generated token's advantage also holds its distillation term (`distill_advantage`), or, with
+  `distill.mode = forward_topk`, each sequence carries the teacher's top-k to the trainer (`teacher_top`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,25 @@ def distill_advantage(sequence: Trajectory) -> torch.Tensor:
     return torch.where(generated, teacher - student, torch.zeros(()))
 
 
+def teacher_top(sequences: Sequence[Trajectory], top_k: int) -> dict[str, list[torch.Tensor]]:
+    """`ActorBatch.teacher_top_ids` (int32) and `teacher_top_logprobs` (float32) [r_i, K] of `sequences`
+    (`distill.mode = forward_topk`); a sequence the teacher did not score is never trained on."""
+    missing = [seq.rid for seq in sequences if seq.teacher_top_ids is None or seq.teacher_top_logprobs is None]
+    if missing:
+        raise RuntimeError(
+            f"distill: sample {missing[0]!r} has no teacher top-k (distill.mode = forward_topk); a sample the "
+            "teacher did not score is never trained on"
+        )
+    return {
+        "teacher_top_ids": [
+            torch.tensor(seq.teacher_top_ids, dtype=torch.int32).reshape(-1, top_k) for seq in sequences
+        ],
+        "teacher_top_logprobs": [
+            torch.tensor(seq.teacher_top_logprobs, dtype=torch.float32).reshape(-1, top_k) for seq in sequences
+        ],
+    }
+
+
 def advantages_of(
     cfg: Config,
     rewards: torch.Tensor,
@@ -103,12 +123,17 @@ def advantages_of(
     advantage of its turn (`megatron_rl.algorithms.turn_credit`). Without `episodes` (outcome credit
     only): one advantage per reward. `masks`: the loss mask of every sequence (`loss_mask`), which the
     estimators that whiten over the step's tokens need. With a teacher (`distill`), each sequence's is [r_i]: the
-    reward advantage (none with `algorithm.name = opd`) plus `distill.kl_coef` x `distill_advantage`."""
+    reward advantage (none with `algorithm.name = opd`) plus `distill.kl_coef` x `distill_advantage`; with
+    `distill.mode = forward_topk` the reward advantage alone (0 with opd): the teacher enters the loss instead."""
     if not cfg.distill.enabled:
         return _reward_advantages(cfg, rewards, episodes, masks)
     if episodes is None:
         raise ValueError("distill: the advantages need the episodes (their teacher log-probs)")
     sequences = [seq for episode in episodes for seq in segments_of(episode)]
+    if cfg.distill.mode == "forward_topk":  # the teacher is a loss term (`losses.distill`), not an advantage
+        if cfg.algorithm.name == "opd":
+            return [torch.zeros(len(seq.output_ids)) for seq in sequences]
+        return _reward_advantages(cfg, rewards, episodes, masks)
     distilled = [cfg.distill.kl_coef * distill_advantage(seq) for seq in sequences]
     if cfg.algorithm.name == "opd":
         return distilled
@@ -340,7 +365,7 @@ class SampleBuilder:
     def build(self, groups: Sequence[Group], metrics: dict[str, float]) -> StepBatch:
         """The actor batch of `groups`, one sequence per segment of each episode, with `metrics` and
         the batch's own (`reward/train_mean`; agents: `env/trained_sequences_per_episode`)."""
-        alg, ro = self.cfg.algorithm, self.cfg.rollout
+        alg, ro, dist = self.cfg.algorithm, self.cfg.rollout, self.cfg.distill
         episodes = [e for g in groups for e in g.episodes]
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         owner = [k for k, e in enumerate(episodes) for _ in segments_of(e)]
@@ -362,6 +387,7 @@ class SampleBuilder:
             advantages=None if advantages_after_forwards(alg) else advantages_of(self.cfg, rewards, episodes, masks),
             rollout_log_probs=[torch.tensor(seq.logprobs, dtype=torch.float32) for seq in sequences],
             routed_experts=routed,
+            **(teacher_top(sequences, dist.top_k) if dist.mode == "forward_topk" and dist.enabled else {}),
         )
         metrics = {**metrics, "reward/train_mean": sum(r for g in groups for r in g.rewards) / len(episodes)}
         if self.cfg.env.type == "agent":

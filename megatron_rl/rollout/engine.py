@@ -48,7 +48,7 @@ from megatron_rl.rollout.local.launcher import (
 )
 from megatron_rl.rollout.sglang import EngineDiedError, SGLangClient
 from megatron_rl.rollout.sglang_versions import require_versions, version_needs
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import PromptScores, Sample, SamplingParams
 
 T = TypeVar("T")
 
@@ -266,13 +266,20 @@ class RolloutEngine:
                 await self._restart_dead_engine(err, serving, len(prompts) - len(done))
 
     async def prompt_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
-        """Each sequence's log-probs of its tokens from its start on (`GenerationClient.prompt_logprobs`), the
-        requests concurrent within the client's bound: the teacher's scoring in on-policy distillation. A local
-        engine that dies meanwhile is restarted as for `generate`, and only the unscored sequences sent again."""
-        done: dict[int, list[float]] = {}
+        """Each sequence's log-probs of its tokens from its start on: `prompt_scores` without the top-k."""
+        return [scores.logprobs for scores in await self.prompt_scores(sequences, starts)]
+
+    async def prompt_scores(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int], top_k: int = 0
+    ) -> list[PromptScores]:
+        """Each sequence's log-probs of its tokens from its start on, and with `top_k` the k most likely tokens
+        at each (`GenerationClient.prompt_scores`), the requests concurrent within the client's bound: the
+        teacher's scoring in on-policy distillation. A local engine that dies meanwhile is restarted as for
+        `generate`, and only the unscored sequences sent again."""
+        done: dict[int, PromptScores] = {}
 
         async def one(i: int) -> None:
-            done[i] = await self.client.prompt_logprobs(sequences[i], starts[i])
+            done[i] = await self.client.prompt_scores(sequences[i], starts[i], top_k)
 
         while True:
             serving = self.local_process

@@ -12,8 +12,9 @@ router discovery, health and info).
 - The abort of a request that timed out goes where it runs; through a router, to every worker (the
   router answers /abort_request with 404).
 - Control endpoints (pause, continue, abort, flush, memory) go to every server.
-- `prompt_logprobs`: the log-probs of given tokens, a prefill only (`max_new_tokens` 0,
-  `logprob_start_len`): the teacher's answer in on-policy distillation.
+- `prompt_logprobs` / `prompt_scores`: the log-probs of given tokens (and the top-k at each position,
+  `top_logprobs_num`), a prefill only (`max_new_tokens` 0, `logprob_start_len`): the teacher's answer in
+  on-policy distillation.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from megatron_rl.rollout.sglang_errors import BadRequestError, EngineDiedError, SGLangError, UnauthorizedError
 from megatron_rl.rollout.sglang_transport import ADMIN_PATHS, SGLangTransport
 from megatron_rl.rollout.sglang_weights import WeightUpdates
-from megatron_rl.rollout.types import Sample, SamplingParams
+from megatron_rl.rollout.types import PromptScores, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +182,17 @@ class GenerationClient(SGLangTransport):
 
     async def prompt_logprobs(self, input_ids: Sequence[int], start: int, rid: str | None = None) -> list[float]:
         """The server's log-prob of each token of `input_ids[start:]` given the tokens before it (0 < start <
-        len): a prefill only (/generate with `max_new_tokens` 0, `return_logprob`, `logprob_start_len`
-        `start`), at temperature 1, retried as a generation is. What the teacher of on-policy distillation
-        answers (`megatron_rl.rollout.teacher`)."""
+        len): `prompt_scores` without the top-k."""
+        return (await self.prompt_scores(input_ids, start, rid=rid)).logprobs
+
+    async def prompt_scores(
+        self, input_ids: Sequence[int], start: int, top_k: int = 0, rid: str | None = None
+    ) -> PromptScores:
+        """The server's log-prob of each token of `input_ids[start:]` given the tokens before it (0 < start <
+        len), and with `top_k` > 0 the k most likely tokens at each of those positions: a prefill only
+        (/generate with `max_new_tokens` 0, `return_logprob`, `logprob_start_len`, `top_logprobs_num`), at
+        temperature 1, retried as a generation is. What the teacher of on-policy distillation answers
+        (`megatron_rl.rollout.teacher`)."""
         if not 0 < start < len(input_ids):
             raise ValueError(f"prompt_logprobs: start {start} is not inside the {len(input_ids)} tokens")
         rid = rid or uuid.uuid4().hex
@@ -191,14 +200,21 @@ class GenerationClient(SGLangTransport):
         body = self.generate_body(input_ids, params, rid)
         body["sampling_params"]["max_new_tokens"] = 0
         body["logprob_start_len"] = start - 1  # SGLang's first entry is None: one token before `start`
+        if top_k:
+            body["top_logprobs_num"] = top_k
         await self.start()
         assert self._slots is not None
         async with self._slots:
             url, _, text = await self._call("POST", "/generate", body, what=f"rid={rid}")
         where = f"/generate (prompt log-probs) rid={rid} on {url}"
         try:
-            entries = json.loads(text)["meta_info"]["input_token_logprobs"]
+            meta = json.loads(text)["meta_info"]
+            entries = meta["input_token_logprobs"]
             values = [(None if e[0] is None else float(e[0]), int(e[1])) for e in entries]
+            tops = [
+                None if e is None else [(float(v[0]), int(v[1])) for v in e]
+                for e in (meta["input_top_logprobs"] if top_k else [])
+            ]
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise SGLangError(f"{where}: malformed reply ({err}): {text[:200]!r}", server=url) from None
         expected = [int(t) for t in input_ids[start - 1 :]]
@@ -208,7 +224,17 @@ class GenerationClient(SGLangTransport):
                 f"({len(expected)} of them, the first unscored)",
                 server=url,
             )
-        return [lp for lp, _ in values[1:]]  # type: ignore[misc]
+        if top_k and (len(tops) != len(values) or any(e is None or len(e) != top_k for e in tops[1:])):
+            raise SGLangError(
+                f"{where}: {len(tops)} input top log-probs for {len(values)} positions, not {top_k} at each but "
+                "the first",
+                server=url,
+            )
+        return PromptScores(
+            [lp for lp, _ in values[1:]],  # type: ignore[misc]
+            [[t for _, t in e] for e in tops[1:]],  # type: ignore[union-attr]
+            [[lp for lp, _ in e] for e in tops[1:]],  # type: ignore[union-attr]
+        )
 
     async def _quiet_abort(self, url: str, rid: str) -> None:
         """Abort `rid` where it runs: on `url`, or on every worker when `url` is the router."""

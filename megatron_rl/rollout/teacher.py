@@ -2,7 +2,8 @@
 
 The teacher is a second engine handle (`engine.RolloutEngine`) on the rollout loop: a local engine the run
 starts on `distill.teacher` (a Hugging Face folder, served at the folder's dtype), or `distill.teacher_urls`
-(SGLang servers or a router). It answers `prompt_logprobs` (a prefill only: `GenerationClient.prompt_logprobs`)
+(SGLang servers or a router). It answers `prompt_logprobs` (a prefill only: `GenerationClient.prompt_logprobs`), or
+with `distill.mode = forward_topk` `prompt_scores` (the top `distill.top_k` tokens at each position too),
 through the same client, so its failures are the rollout engine's: connection errors and 502/503/504 retried
 (`rollout.max_retries`, backoff, failover), a dead local teacher restarted (`rollout.max_engine_restarts`; its
 weights never change, so nothing is resynced), and past that a `TeacherError`, which stops the run.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from megatron_rl.rollout.event_loop import RolloutLoop
+from megatron_rl.rollout.types import PromptScores
 
 
 class TeacherError(RuntimeError):
@@ -26,6 +28,12 @@ class Teacher(Protocol):
 
     async def prompt_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         """Each sequence's log-prob of every token from its start on, given the tokens before it."""
+        ...
+
+    async def prompt_scores(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int], top_k: int
+    ) -> list[PromptScores]:
+        """The same, with the `top_k` most likely tokens at each of those positions (`distill.mode = forward_topk`)."""
         ...
 
     def close(self) -> None: ...

@@ -89,6 +89,16 @@ class Finished:
 
 
 @dataclass
+class PromptScores:
+    """An engine's scoring of given tokens (`GenerationClient.prompt_scores`), per scored token:
+    its log-prob, and (with a top-k) the k most likely token ids there and their log-probs, descending."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class Sample(Finished):
     """One generated response and what the trainer needs from the engine about it."""
 

@@ -960,10 +960,11 @@ def w4_load_pp2_checkpoint(ctx) -> None:  # noqa: ANN001
 
 
 def scattered_batch(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
-    """Rank 0's step batch with R3 routing, (a) pickled to every rank as `on_rank0` sent it before,
-    (b) scattered: every rank gets the same index and fields, the routing of exactly its DP rank's
-    samples (its TP/EP peers the same), uint8 on the wire, and the bytes the report says; log-probs
-    under replay, two updates' metrics and the parameters after them equal (a) bit for bit."""
+    """Rank 0's step batch with R3 routing and a teacher's top-3 (distill.mode = forward_topk), (a) pickled to
+    every rank as `on_rank0` sent it before, (b) scattered: every rank gets the same index and fields, the
+    routing of exactly its DP rank's samples (its TP/EP peers the same), uint8 on the wire, and the bytes the
+    report says; log-probs under replay, two updates' metrics (the top-k forward KL's among them, from the
+    vocab-parallel log-softmax under TP 2 in w4) and the parameters after them equal (a) bit for bit."""
     import pickle
 
     from megatron.core import parallel_state as ps
@@ -980,7 +981,15 @@ def scattered_batch(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     routing = random_routing(model.num_layers, model.moe_router_topk, model.num_experts)
     gen = torch.Generator().manual_seed(9)
     full = train_batch(make_batch(model.vocab_size), load_ref(ctx, "log_probs"), routing)
-    full = full.with_fields(rollout_log_probs=[lp - 0.1 for lp in full.old_log_probs])
+    top = [
+        torch.randint(0, model.vocab_size, (n - p, 3), generator=gen, dtype=torch.int32)
+        for n, p in zip(LENGTHS, PROMPTS, strict=True)
+    ]
+    full = full.with_fields(
+        rollout_log_probs=[lp - 0.1 for lp in full.old_log_probs],
+        teacher_top_ids=top,
+        teacher_top_logprobs=[torch.log_softmax(torch.randn(t.shape[0], 5, generator=gen), -1)[:, :3] for t in top],
+    )
     rewards = torch.rand(len(LENGTHS), generator=gen)
     versions = [[2] * (n - p) for n, p in zip(LENGTHS, PROMPTS, strict=True)]
     rank0 = dist.get_rank() == 0
@@ -1000,7 +1009,15 @@ def scattered_batch(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
         r = got.batch.routed_experts[i]
         assert torch.equal(r.to(torch.int32), routing[i]), f"routing of sample {i}"
         assert r.dtype == (torch.int32 if rank0 else torch.uint8), r.dtype  # 4 experts: uint8 on the wire
-    for name in ("tokens", "response_mask", "advantages", "rollout_log_probs", "old_log_probs"):
+    for name in (
+        "tokens",
+        "response_mask",
+        "advantages",
+        "rollout_log_probs",
+        "old_log_probs",
+        "teacher_top_ids",
+        "teacher_top_logprobs",
+    ):
         ours, theirs = getattr(got.batch, name), getattr(before.batch, name)
         assert (ours is None) == (theirs is None), name
         if ours is not None:
@@ -1030,6 +1047,7 @@ def scattered_batch(ctx, parallel: ParallelConfig) -> None:  # noqa: ANN001
     history_after = actor.train(got.batch, replay_routing=True)
     assert history_after == history_before, (history_after, history_before)
     assert history_before[0]["loss"] != 0.0 and len(history_before) == 2
+    assert all(h["distill_loss"] > 0.0 and h["forward_kl_mean"] > 0.0 for h in history_before), history_before
     params_after = actor.full_params()
     assert all(torch.equal(params_after[k], v) for k, v in params_before.items()), "parameters after the updates"
     actor.close()

@@ -49,6 +49,7 @@ class GenRequest:
     no_stop_trim: bool = False  # the response's text keeps the matched stop (its output_ids always do)
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0  # a prefill only: the top log-probs of every scored prompt position
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     sampling_seed: int | None = None  # the request's own random stream (SGLang's sampling_seed)
@@ -57,6 +58,7 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[tuple[list[float], list[int]] | None] = field(default_factory=list)  # aligned with it
     routed: list[np.ndarray] = field(default_factory=list)
     finish_reason: dict | None = None
     weight_versions: list[dict] = field(default_factory=list)
@@ -224,7 +226,7 @@ class Generator:
                 req.routed = [routing[s, : len(seq)]]
             if not resumed:
                 if req.return_logprob and req.logprob_start_len >= 0:
-                    req.input_logprobs = self._input_logprobs(req, hidden[s])
+                    req.input_logprobs, req.input_top = self._input_logprobs(req, hidden[s])
                 req.weight_versions.append({"version": self.weight_version, "start": 0, "end": 0})
         # a prefill only (max_new_tokens 0, SGLang's prompt scoring) ends here, with no token
         scored = [req for req in ordered if req.max_new_tokens == 0]
@@ -311,20 +313,28 @@ class Generator:
         self._captured = []
         return out.reshape(rows, width, info.num_layers, info.top_k)
 
-    def _input_logprobs(self, req: GenRequest, hidden: torch.Tensor) -> list[float | None]:
+    def _input_logprobs(
+        self, req: GenRequest, hidden: torch.Tensor
+    ) -> tuple[list[float | None], list[tuple[list[float], list[int]] | None]]:
         """Entries for tokens `logprob_start_len`.., as SGLang 0.5.23's: the first always None (its context
-        is not scored: "the first token logprob has no meaning in sglang"), then each token's log-prob."""
+        is not scored: "the first token logprob has no meaning in sglang"), then each token's log-prob; and,
+        with `top_logprobs_num` k, each position's k largest log-probs and their token ids, in descending
+        order (None first, as SGLang's `input_top_logprobs`; [] without k)."""
         start = min(req.logprob_start_len, len(req.input_ids))
         if start == len(req.input_ids):
-            return []
+            return [], []
         values: list[float | None] = [None]
+        top: list[tuple[list[float], list[int]] | None] = [None] if req.top_logprobs_num else []
         first = start + 1
         if first < len(req.input_ids):
             logits = self.model.lm_head(hidden[first - 1 : len(req.input_ids) - 1]).float()
             lp = torch.log_softmax(logits, dim=-1)  # as SGLang 0.5.23: the prompt's, at temperature 1
             targets = torch.tensor(req.input_ids[first:], device=lp.device)
             values += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        return values
+            if req.top_logprobs_num:
+                best = lp.topk(req.top_logprobs_num, dim=-1)
+                top += list(zip(best.values.tolist(), best.indices.tolist(), strict=True))
+        return values, top
 
     def _sample_and_finish(self, reqs: list[GenRequest], logits: torch.Tensor) -> list[GenRequest]:
         dev = logits.device

@@ -191,9 +191,6 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
         raise FieldError(f"body: expected a JSON object, got {type(body).__name__}")
     if body.get("stream"):
         raise FieldError("stream: streaming is not supported by the local engine")
-    top = body.get("top_logprobs_num")
-    if top not in (None, 0) and not (isinstance(top, list) and all(v in (None, 0) for v in top)):
-        raise FieldError("top_logprobs_num: not supported by the local engine (only 0)")
     if body.get("token_ids_logprob") is not None:
         raise FieldError("token_ids_logprob: not supported by the local engine")
     batch, is_batch = _prompts(body, info, tokenizer, max_prompts)
@@ -210,6 +207,7 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
     samplings = _per_item(body, "sampling_params", n, is_batch)
     return_logprob = _per_item(body, "return_logprob", n, is_batch)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch)
+    top_nums = _per_item(body, "top_logprobs_num", n, is_batch)
     lora_paths = _per_item(body, "lora_path", n, is_batch)
     routed = get_field(body, "return_routed_experts", "bool", False)
     routed_start = get_field(body, "routed_experts_start_len", "int", 0)
@@ -229,6 +227,15 @@ def parse_generate(body: Any, info: ModelInfo, tokenizer: Any = None, max_prompt
         if not _is_int(start):
             raise FieldError(f"logprob_start_len{where}: expected int, got {type(start).__name__}")
         req.logprob_start_len = start
+        top = 0 if top_nums[i] is None else top_nums[i]
+        if not _is_int(top) or not 0 <= top <= info.vocab_size:
+            raise FieldError(f"top_logprobs_num{where}: expected an int in [0, {info.vocab_size}], got {top!r}")
+        if top and req.max_new_tokens > 0:
+            raise FieldError(
+                f"top_logprobs_num{where}: the local engine serves it for a prefill only (max_new_tokens 0: the "
+                "prompt's top log-probs), not for generated tokens"
+            )
+        req.top_logprobs_num = top
         req.return_routed_experts = routed and info.is_moe
         if routed and not 0 <= routed_start < len(ids):
             raise FieldError(f"routed_experts_start_len: {routed_start} is outside the prompt of {len(ids)} tokens")

@@ -196,6 +196,12 @@ class LocalServer:
             meta["input_token_logprobs"] = [
                 [lp, tok, text(tok)] for lp, tok in zip(req.input_logprobs, req.input_ids[start:], strict=True)
             ]
+            if req.top_logprobs_num:  # SGLang's nested form: per position None or [[logprob, id, text], ...]
+                meta["input_top_logprobs"] = [
+                    None if e is None else [[lp, tok, text(tok)] for lp, tok in zip(*e, strict=True)]
+                    for e in req.input_top
+                ]
+                meta["output_top_logprobs"] = []
         if req.return_routed_experts and req.routed:
             routed = np.ascontiguousarray(np.concatenate(req.routed)[req.routed_experts_start_len :], dtype=np.int32)
             meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
