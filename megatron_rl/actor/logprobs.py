@@ -6,10 +6,11 @@ slice [rank * V/TP, (rank + 1) * V/TP), as Megatron's ColumnParallelLinear does.
 `chunk_tokens` rows, `vocab_parallel_logprobs_from_hidden` computes that chunk's logits
 (hidden @ W.T) into an fp32 buffer, and the ranks all-reduce one max and three sums per token; the
 full vocabulary is never gathered. Temperature follows SGLang: `log_softmax(logits / T)`, no
-division for T = 0 (greedy) and T = 1.
+division for T = 0 (greedy) and T = 1. With `softcap` c (Gemma's final logit soft-capping) the logits are
+c * tanh(logits / c) before the temperature, as the model's output layer gives them.
 
 Memory: two fp32 scratch buffers of chunk_tokens x V/TP that every chunk reuses, in forward and in
-backward (plus one chunk in the weight dtype when it is not fp32). Backward recomputes each chunk's
+backward (plus one chunk in the weight dtype when it is not fp32, and a third buffer in a soft-capped backward). Backward recomputes each chunk's
 logits from what forward saved (hidden, weight, log Z and the entropy per token) and accumulates
 the gradients chunk by chunk: of the hidden states into one [tokens, H] tensor, of the weight into
 Megatron's fp32 `main_grad` buffer when the weight has one (as Megatron's gradient-accumulation
@@ -52,6 +53,7 @@ class _Shard:
     width: int  # columns of this rank's slice that are real tokens (the rest is vocab padding)
     temperature: float
     chunk: int
+    softcap: float | None = None
 
     def all_reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         if self.world > 1:
@@ -76,7 +78,12 @@ def _tp_group(group: ProcessGroup) -> tuple[ProcessGroup, int, int]:
 
 
 def _make_shard(
-    local_vocab: int, vocab_size: int | None, temperature: float, chunk_tokens: int, group: ProcessGroup
+    local_vocab: int,
+    vocab_size: int | None,
+    temperature: float,
+    chunk_tokens: int,
+    group: ProcessGroup,
+    softcap: float | None = None,
 ) -> _Shard:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -90,7 +97,9 @@ def _make_shard(
         raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded}] = local vocab {local_vocab} x TP {world}")
     start = rank * local_vocab
     width = min(max(vocab_size - start, 0), local_vocab)
-    return _Shard(group, world, start, width, float(temperature), int(chunk_tokens))
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+    return _Shard(group, world, start, width, float(temperature), int(chunk_tokens), softcap)
 
 
 def _check_inputs(what: str, lead_shape: torch.Size, target: Tensor, mask: Tensor | None) -> Tensor:
@@ -142,16 +151,32 @@ def _temper_(x: Tensor, shard: _Shard) -> Tensor:
 
 
 class _Scratch:
-    """Two fp32 [chunk, width] buffers that every chunk reuses (no allocation, no page faults per chunk)."""
+    """Two fp32 [chunk, width] buffers that every chunk reuses (no allocation, no page faults per chunk), and a
+    third for backward's soft-capping derivative when the shard soft-caps."""
 
-    def __init__(self, n: int, shard: _Shard, device: torch.device) -> None:
+    def __init__(self, n: int, shard: _Shard, device: torch.device, backward: bool = False) -> None:
         rows = min(n, shard.chunk)
         self.x = torch.empty(rows, shard.width, dtype=torch.float32, device=device)
         self.tmp = torch.empty_like(self.x)
+        self.slope = torch.empty_like(self.x) if backward and shard.softcap is not None else None
 
     def take(self, c: slice) -> tuple[Tensor, Tensor]:
         rows = c.stop - c.start
         return self.x[:rows], self.tmp[:rows]
+
+    def take_slope(self, c: slice) -> Tensor | None:
+        return None if self.slope is None else self.slope[: c.stop - c.start]
+
+
+def _softcap_(x: Tensor, shard: _Shard, slope: Tensor | None = None) -> Tensor:
+    """In place on x (fp32 logits): c * tanh(x / c) with the shard's soft-capping c (none: x as it is); its
+    derivative 1 - tanh(x / c)^2 into `slope` when given."""
+    if shard.softcap is None:
+        return x
+    t = x.div_(shard.softcap).tanh_()
+    if slope is not None:
+        torch.mul(t, t, out=slope).neg_().add_(1.0)
+    return t.mul_(shard.softcap)
 
 
 def _chunks(n: int, shard: _Shard) -> list[slice]:
@@ -162,7 +187,7 @@ def _forward_chunk(
     x: Tensor, tmp: Tensor, local: Tensor, owned: Tensor, shard: _Shard
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x: this chunk's fp32 logits; x and tmp are scratch (overwritten). Returns (logp, log Z, entropy) per row."""
-    z = _temper_(x, shard)
+    z = _temper_(_softcap_(x, shard), shard)
     rows = z.shape[0]
     if shard.width > 0:
         zmax = z.max(dim=-1).values
@@ -217,12 +242,14 @@ class _Backward:
         return self.g_logp is None and self.g_ent is None
 
 
-def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
-    """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten).
+def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard, slope: Tensor | None = None) -> Tensor:
+    """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten; `slope`
+    too, the soft-capping's scratch when the shard soft-caps).
 
-    With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H).
+    With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H); soft-capped,
+    times d z / d x = 1 - tanh(x / c)^2.
     """
-    q = _temper_(x, shard).sub_(b.lse.unsqueeze(-1))
+    q = _temper_(_softcap_(x, shard, slope), shard).sub_(b.lse.unsqueeze(-1))
     p = torch.exp(q, out=tmp)
     if b.g_ent is not None:
         q.add_(b.entropy.unsqueeze(-1)).mul_(b.g_ent.unsqueeze(-1))
@@ -235,6 +262,8 @@ def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
         grad.scatter_add_(1, b.local.unsqueeze(-1), (b.g_logp * b.owned).unsqueeze(-1))
     if shard.temperature not in (0.0, 1.0):
         grad.div_(shard.temperature)
+    if slope is not None:
+        grad.mul_(slope)
     return grad
 
 
@@ -288,11 +317,11 @@ class _FromHidden(torch.autograd.Function):
                 acc_w = grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if not b.empty:
             w = weight[: shard.width]
-            scratch = _Scratch(hidden.shape[0], shard, hidden.device)
+            scratch = _Scratch(hidden.shape[0], shard, hidden.device, backward=True)
             for c in _chunks(hidden.shape[0], shard):
                 x, tmp = scratch.take(c)
                 h = hidden[c]
-                dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard)
+                dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard, scratch.take_slope(c))
                 if acc_w is not None:
                     acc_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
                 if grad_h is not None:
@@ -315,6 +344,7 @@ def vocab_parallel_logprobs_from_hidden(
     vocab_size: int | None = None,
     group: ProcessGroup = None,
     reduce_hidden_grad: bool = True,
+    softcap: float | None = None,
 ) -> LogProbs:
     """Log-prob of `target` and entropy of softmax(logits / T) for logits = hidden @ weight.T, from
     this rank's vocabulary shard, computed chunk by chunk (see the module docstring).
@@ -331,6 +361,7 @@ def vocab_parallel_logprobs_from_hidden(
     The gradient of `hidden` is all-reduced over the TP group when `reduce_hidden_grad` is True (the
     caller did a plain copy into the TP region). Pass False when the caller's own region op reduces it,
     e.g. Megatron's gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True).
+    softcap: c > 0 soft-caps the logits to c * tanh(logits / c) before the temperature (Gemma); None = none.
     """
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
@@ -340,7 +371,7 @@ def vocab_parallel_logprobs_from_hidden(
     if weight.dtype != hidden.dtype:
         raise TypeError(f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
     mask = _check_inputs("hidden", hidden.shape[:-1], target, mask)
-    shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group)
+    shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group, softcap)
     _check_targets(target, mask, vocab_size or weight.shape[0] * shard.world)
     flat = _flat(hidden, hidden.shape[-1], "hidden")
     logp, entropy = _FromHidden.apply(flat, weight, target.reshape(-1), mask.reshape(-1), shard, reduce_hidden_grad)

@@ -19,6 +19,7 @@ class FamilySpec:
     multi_latent_attention: bool = False
     router_extras: bool = False  # DeepSeek's group-limited routing, shared experts and routed scaling factor
     qk_norm_whole_projection: bool = False  # QK-norm over all heads of q (and of k) at once, not per head
+    gemma: bool = False  # (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, tanh-GELU GLU
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -59,6 +60,19 @@ FAMILIES: dict[str, FamilySpec] = {
         score_function="sigmoid",
         qk_norm_whole_projection=True,
     ),
+    # Gemma 2 dense: Gemma's layer (models.gemma), attention and final logit soft-capping, sliding-window layers.
+    "gemma2": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False, gemma=True),
+    # Gemma 3 text: Gemma's layer with (1 + weight) QK-norm, the sliding layers' own RoPE base, linear RoPE scaling.
+    "gemma3_text": FamilySpec(moe=False, qk_layernorm=True, add_qkv_bias=False, gemma=True),
+}
+# The ModelConfig switches of Gemma's architecture (set: the families that have them), refused for the others.
+_GEMMA_ONLY = {
+    "model.sliding_window": (lambda m: m.sliding_window is not None, ("gemma2", "gemma3_text")),
+    "model.query_pre_attn_scalar": (lambda m: m.query_pre_attn_scalar is not None, ("gemma2", "gemma3_text")),
+    "model.final_logit_softcapping": (lambda m: m.final_logit_softcapping is not None, ("gemma2", "gemma3_text")),
+    "model.attn_logit_softcapping": (lambda m: m.attn_logit_softcapping is not None, ("gemma2",)),
+    "model.rope_local_theta": (lambda m: m.rope_local_theta is not None, ("gemma3_text",)),
+    "model.rope_scaling = 'linear'": (lambda m: m.rope_scaling == "linear", ("gemma3_text",)),
 }
 
 
@@ -79,6 +93,9 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if spec.norm_topk is not None and model.moe_router_norm_topk != spec.norm_topk:
         raise ConfigError(f"{fam} needs model.moe_router_norm_topk = {str(spec.norm_topk).lower()}")
     _check_sigmoid_router(model, spec, fam)
+    for key, (used, owners) in _GEMMA_ONLY.items():
+        if used(model) and model.family not in owners:
+            raise ConfigError(f"{fam} has no {key} (only {', '.join(owners)})")
     if model.rope_scaling == "yarn" and not spec.multi_latent_attention:
         raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported with MLA (deepseek_v3)")
     if model.rope_scaling == "llama3" and model.family != "llama":
@@ -164,6 +181,7 @@ def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last:
         qkv = (heads + 2 * model.num_query_groups) * d
         norms = (heads + model.num_query_groups) * d if spec.qk_norm_whole_projection else 2 * d
         attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
+        attention += 2 * h if spec.gemma else 0  # the norms after the attention and after the MLP
     pattern = moe_layer_pattern(model)
     moe_layers = sum(pattern[i] for i in layers)
     dense_mlp = 3 * h * model.ffn_hidden_size * (len(layers) - moe_layers)

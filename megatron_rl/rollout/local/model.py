@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +22,14 @@ SUPPORTED_FAMILIES = (
     "llama",
     "mistral",
     "minimax_m2",
+    "gemma2",
+    "gemma3_text",
 )
+# transformers' attention the engine runs: SDPA, but eager for Gemma 2 (its attention soft-capping; transformers
+# refuses SDPA for it)
+_EAGER = ("gemma2",)
+# families whose sliding-window layers the engine masks (`ModelInfo.sliding_window`)
+_SLIDING = ("gemma2", "gemma3_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +51,8 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     value_dim: int = 0  # width of a cached value; 0 = head_dim (MLA: qk_rope_head_dim, the shared rotary key)
+    sliding_window: int | None = None  # keys a sliding layer sees (the query's own included); None: no sliding layer
+    final_logit_softcapping: float | None = None  # Gemma: logits c * tanh(logits / c)
 
     @property
     def is_moe(self) -> bool:
@@ -88,7 +98,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         raise ValueError(f"--model {path}: model_type {family!r} is not supported; allowed: {SUPPORTED_FAMILIES}")
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, getattr(config, "dtype", None))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+    attention = "eager" if family in _EAGER else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attention)
     model.to(dev).eval()
     model.requires_grad_(False)
 
@@ -113,5 +124,15 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
         dtype=torch_dtype,
         device=dev,
+        sliding_window=_sliding_window(config),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
     return model, info
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The window of a config with sliding layers (`_SLIDING`; other families' windows are refused or absent)."""
+    types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "model_type", "") not in _SLIDING or "sliding_attention" not in types:
+        return None
+    return getattr(config, "sliding_window", None)
