@@ -18,19 +18,8 @@ from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
-Family = Literal[
-    "qwen3_moe",
-    "qwen3",
-    "qwen2",
-    "mixtral",
-    "deepseek_v3",
-    "glm4_moe",
-    "llama",
-    "mistral",
-    "minimax_m2",
-    "gemma2",
-    "gemma3_text",
-]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2",
+                 "gemma2", "gemma3_text"]  # fmt: skip
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
@@ -98,9 +87,7 @@ class ModelConfig:
     v_head_dim: int = _f(128, "MLA: value head dimension", ge=1)
     rotary_percent: float = _f(1.0, "share of each head's dimensions RoPE rotates (partial_rotary_factor)", gt=0, le=1)
     rope_scaling: Literal["none", "yarn", "llama3", "linear"] = _f(
-        "none",
-        "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, family llama only; linear: positions "
-        "divided by model.rope_linear_factor, Gemma 3's full-attention layers)",
+        "none", "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, llama only; linear: Gemma 3's)"
     )
     llama3_factor: float = _f(8.0, "llama3: factor (low/high frequency factors 1 and 4 over 8192 positions)", ge=1)
     rope_linear_factor: float = _f(1.0, "linear RoPE scaling: positions divided by this", ge=1)
@@ -110,30 +97,12 @@ class ModelConfig:
     yarn_beta_slow: float = _f(1.0, "yarn: beta_slow", gt=0)
     yarn_mscale: float = _f(1.0, "yarn: mscale of the cos/sin attention factor", ge=0)
     yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
-    sliding_window: int | None = _f(
-        None,
-        "sliding-window attention (gemma2, gemma3_text): keys a query sees, itself included; null = full attention",
-        ge=1,
-    )
-    sliding_window_pattern: int = _f(
-        2,
-        "with model.sliding_window: every n-th layer (n, 2n, ...) attends to the whole sequence, the others slide",
-        ge=2,
-    )
-    rope_local_theta: float | None = _f(
-        None,
-        "RoPE base of the sliding-window layers (gemma3_text's rope_local_base_freq); null = model.rope_theta",
-        gt=0,
-    )
-    query_pre_attn_scalar: int | None = _f(
-        None, "attention softmax scale = this ** -0.5 (gemma2, gemma3_text); null = 1 / sqrt(head dimension)", ge=1
-    )
-    attn_logit_softcapping: float | None = _f(
-        None, "attention scores soft-capped to c * tanh(s / c) before the softmax (gemma2); null = none", gt=0
-    )
-    final_logit_softcapping: float | None = _f(
-        None, "output logits soft-capped to c * tanh(z / c) (gemma2, gemma3_text); null = none", gt=0
-    )
+    sliding_window: int | None = _f(None, "keys a sliding layer's query sees, its own too (Gemma); null = none", ge=1)
+    sliding_window_pattern: int = _f(2, "with sliding_window: layers n, 2n, ... full, the others slide", ge=2)
+    rope_local_theta: float | None = _f(None, "RoPE base of the sliding layers (Gemma 3); null = rope_theta", gt=0)
+    query_pre_attn_scalar: int | None = _f(None, "softmax scale = this ** -0.5 (Gemma); null = head dim ** -0.5", ge=1)
+    attn_logit_softcapping: float | None = _f(None, "scores c * tanh(s / c) before the softmax (Gemma 2)", gt=0)
+    final_logit_softcapping: float | None = _f(None, "output logits c * tanh(z / c) (Gemma); null = none", gt=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     moe_grouped_gemm: Literal["auto", True, False] = _f("auto", "experts as grouped GEMMs (auto: where the widths fit)")
     attention_backend: Literal["auto", "local", "sdpa"] = _f(
