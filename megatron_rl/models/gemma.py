@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
@@ -91,8 +92,9 @@ class GemmaRMSNorm(torch.nn.Module):
         without this method: Megatron's MLP asks each of its children for it (`GemmaMLP.post_layernorm`)."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         state = self.state_dict(prefix="", keep_vars=True)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
         return make_sharded_tensors_for_checkpoint(
-            state, prefix, {}, sharded_offsets, dp_cp_group=metadata["dp_cp_group"]
+            state, prefix, {}, sharded_offsets, tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"]
         )
 
 

@@ -190,8 +190,9 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 
 
 def w2_tp2(ctx) -> None:  # noqa: ANN001
-    """TP=2 (with SP): the MoE family, the one with QKV biases, Llama with llama3 RoPE scaling."""
-    for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "llama"):
+    """TP=2 (with SP): the MoE family, the one with QKV biases, Llama with llama3 RoPE scaling, Gemma 3 (its norms
+    under SP, per-head QK-norm, the sliding layers' RoPE)."""
+    for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "llama", "gemma3_text"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
 
 
@@ -201,8 +202,9 @@ def w2_ep2(ctx) -> None:  # noqa: ANN001
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
-    """PP=2, including embeddings tied across the two stages (qwen3, mistral)."""
-    for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "mistral"):
+    """PP=2, including embeddings tied across the two stages (qwen3, mistral, gemma2: its embedding scale on the
+    first stage, its final soft-capping on the last)."""
+    for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
 
 
