@@ -209,6 +209,22 @@ def test_config_round_trip_and_table_match_what_transformers_writes(tmp_path: Pa
     open_hf_checkpoint(str(folder), model)  # every check passes
 
 
+@pytest.mark.parametrize("family", GEMMA_FAMILIES)
+def test_without_sliding_layers_the_export_still_runs_in_transformers(family: str) -> None:
+    """layer_types all full: no window (model.sliding_window null); the exported config.json still carries one,
+    which transformers' Gemma needs to build its (unused) sliding mask."""
+    from mrl_configs import hf_config_json
+
+    model = model_config_from_hf(hf_config_json(family, "small", layer_types=["full_attention"] * 2))
+    assert model.sliding_window is None
+    hf = hf_config_from_model(model)
+    assert hf["layer_types"] == ["full_attention"] * 2 and model_config_from_hf(hf) == model
+    config = transformers.AutoConfig.for_model(family, **{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.no_grad():
+        logits = transformers.AutoModelForCausalLM.from_config(config)(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 128)
+
+
 def _variant(folder: Path, **config: Any) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", **config).eval()
 
@@ -268,19 +284,25 @@ def _log_probs(actor, batch, budget):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("family", GEMMA_FAMILIES)
 def test_local_engine_serves_it_and_the_actor_gives_its_log_probs(tmp_path: Path, family: str) -> None:
     """The local engine loads Gemma through transformers (Gemma 2's eager attention, a mask per layer type with the
-    window, the final soft-capping on its logits) and samples sequences of 10 to 18 tokens (the window is 5) whose
+    window, the final soft-capping on its logits), takes every tensor the trainer exports by name, and samples sequences of 10 to 18 tokens (the window is 5) whose
     log-probs are a plain transformers forward's; the actor (one rank, loading the folder) gives the sampled tokens
     the engine's log-probs and transformers' within 1e-5 at temperature 0.8, right-padded and packed."""
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.micro_batches import TokenBudget
     from megatron_rl.config import Config, RolloutConfig, TrainConfig
+    from megatron_rl.models.hf_mapping import HFMapping
     from megatron_rl.rollout.local.generator import Generator, GenRequest
     from megatron_rl.rollout.local.model import load_model
+    from megatron_rl.rollout.local.weights import CheckpointLayout
 
     from mrl_configs import actor_of_one
 
     folder = save_random_hf_model(tmp_path / "hf", hf_config(family, "split"), seed=3)
     served, info = load_model(str(folder))
+    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
+    exported = HFMapping(model).expected_hf_shapes()  # what a weight update names
+    targets = CheckpointLayout(served, family).targets
+    assert {name: tuple(targets[name].shape) for name in exported} == exported
     softcap = 4.0 if family == "gemma2" else None
     assert (info.family, info.sliding_window, info.final_logit_softcapping) == (family, 5, softcap)
     assert served.config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
@@ -305,7 +327,6 @@ def test_local_engine_serves_it_and_the_actor_gives_its_log_probs(tmp_path: Path
     engine = [torch.tensor(r.output_logprobs) for r in reqs]
     for got, want in zip(engine, reference, strict=True):
         assert (got - want).abs().max().item() <= 1e-5
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
     cfg = Config(
         model=dataclasses.replace(model, params_dtype="fp32"),
         parallel=layout(),

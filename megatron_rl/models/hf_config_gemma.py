@@ -124,6 +124,8 @@ def _window_fields(hf: dict[str, Any], family: str, source: str, layers: int) ->
         source,
         f"layer_types = {types!r} is not a list of {layers} of {list(_LAYER_TYPES)}",
     )
+    if "sliding_attention" not in types:  # no layer slides: sliding_window is not used
+        return dict(sliding_window=None)
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     pattern = full[0] + 1 if full else layers + 1  # past the last layer: every layer slides
     _refuse(
@@ -135,8 +137,6 @@ def _window_fields(hf: dict[str, Any], family: str, source: str, layers: int) ->
         _refuse(
             value == pattern or not full, source, f"{key} = {value} contradicts layer_types (every {pattern}th full)"
         )
-    if "sliding_attention" not in types:
-        return dict(sliding_window=None)
     window = hf.get("sliding_window", 4096)
     _refuse(window is not None, source, "sliding_window = null, but layer_types has sliding_attention layers")
     return dict(sliding_window=hf_int(hf, source, "sliding_window", default=4096), sliding_window_pattern=pattern)
@@ -212,7 +212,8 @@ def gemma_hf_config(model: Any) -> dict[str, Any]:
         query_pre_attn_scalar=model.query_pre_attn_scalar or head_dim,
         attn_logit_softcapping=model.attn_logit_softcapping,
         final_logit_softcapping=model.final_logit_softcapping,
-        sliding_window=window,
+        # transformers builds the sliding layers' mask even when no layer slides, which needs a window
+        sliding_window=window or model.max_position_embeddings,
         layer_types=[_LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
         rope_parameters=rope,
     )
