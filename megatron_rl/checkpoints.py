@@ -1,10 +1,11 @@
 """A training stage's checkpoint store (RL and SFT): write, verify, select and prune checkpoints.
 
-    CKPT_DIR/step_NNNNNN/{actor/, loop_state.pt, manifest.json}
+    CKPT_DIR/step_NNNNNN/{actor/, [critic/,] loop_state.pt, manifest.json}
                          CKPT_DIR: checkpoint.dir, default RUN_DIR/checkpoints (`megatron_rl.run_folder`)
 
 A checkpoint is written into CKPT_DIR/step_NNNNNN.tmp: the actor (model, optimizer, schedule,
-per-rank RNG), collectively, then on rank 0 `loop_state.pt` (the step, rank 0's Python, NumPy and
+per-rank RNG), collectively, and each other model the stage trains (`stage.Stage.models`: PPO's critic,
+critic/, in the actor's format), then on rank 0 `loop_state.pt` (the step, rank 0's Python, NumPy and
 torch RNG states, the rollout seed, and the stage's named entries, `stage.Stage.state_dict`: the
 prompt sampler's position; the RL loop's asynchronous rollout state and weight version) and `manifest.json`
 (every file with its size and SHA-256), every file flushed to disk; only then is the folder renamed
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 LOOP_STATE_FILE = "loop_state.pt"
 MANIFEST_FILE = "manifest.json"
 ACTOR_DIR = "actor"
+CRITIC_DIR = "critic"
 STAGING_SUFFIX = ".tmp"  # step_NNNNNN.tmp: a checkpoint being written
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_DIR = re.compile(r"^step_\d+" + re.escape(STAGING_SUFFIX) + "$")
@@ -68,6 +70,15 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CheckpointedModel(Protocol):
+    """A distributed model a checkpoint holds a folder of (the actor's kind: the critic), saved and loaded
+    collectively; `save` returns the SHA-256 of each file this rank wrote, by its name in the folder."""
+
+    def save(self, path: str | os.PathLike) -> dict[str, str]: ...
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]: ...
 
 
 def checkpoint_dir(ckpt_root: str | Path, step: int) -> Path:
@@ -192,10 +203,10 @@ def _manifest_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str | None
     return {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
 
 
-def _shard_extent_damage(actor_dir: Path) -> str | None:
-    """A shard that its `.metadata` names missing or shorter than it says, or a `.metadata` that does
-    not unpickle (naming the file), else None."""
-    metadata_path = actor_dir / ".metadata"
+def _shard_extent_damage(model_dir: Path) -> str | None:
+    """A shard that the `.metadata` of a model folder (actor/, critic/) names missing or shorter than it says,
+    or a `.metadata` that does not unpickle (naming the file), else None."""
+    metadata_path = model_dir / ".metadata"
     if not metadata_path.is_file():
         return None
     try:
@@ -207,7 +218,7 @@ def _shard_extent_damage(actor_dir: Path) -> str | None:
     except Exception as err:  # unpickling a damaged file raises about anything
         return f"{metadata_path} is unreadable ({type(err).__name__}: {err})"
     for name, size in sorted(needed.items()):
-        path = actor_dir / name
+        path = model_dir / name
         if not path.is_file():
             return f"{path} is missing"
         if path.stat().st_size < size:
@@ -219,7 +230,7 @@ def checkpoint_damage(folder: str | Path, *, checksums: bool = True) -> str | No
     """What is wrong with the finished checkpoint `folder` against its manifest (naming the file), or
     None. The manifest must list every file of the folder, the loop state among them, with its size;
     `checksums`: also compare every file's SHA-256 (a read of the whole checkpoint) and the shards
-    against the extents the actor's `.metadata` names."""
+    against the extents each model folder's `.metadata` names."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -243,7 +254,10 @@ def checkpoint_damage(folder: str | Path, *, checksums: bool = True) -> str | No
     for name, (_, sha) in files.items() if checksums else ():
         if sha is not None and _sha256(folder / name) != sha:
             return f"{folder / name}: its SHA-256 differs from the manifest's (changed after it was written)"
-    return _shard_extent_damage(folder / ACTOR_DIR) if checksums else None
+    if not checksums:
+        return None
+    models = [folder / ACTOR_DIR, *sorted(p for p in folder.iterdir() if p.is_dir() and p.name != ACTOR_DIR)]
+    return next((damage for model in models if (damage := _shard_extent_damage(model)) is not None), None)
 
 
 def checkpoint_folders(ckpt_root: str | Path) -> list[Path]:

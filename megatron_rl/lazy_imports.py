@@ -38,7 +38,11 @@ class _Deferred(ModuleType):
 
 class _DeferredLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return _Deferred(spec.name)
+        module = _Deferred(spec.name)
+        # `inspect.getmodule` reads `__file__` of every module in sys.modules (torch does so when it registers
+        # a custom op, e.g. when TorchDynamo is imported): answered here, it is not a use
+        module.__file__ = spec.origin
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing of the package runs at the import: `_load` runs it when it is used."""

@@ -7,7 +7,9 @@ points call `launch`, and nothing below it validates again); `start`, which buil
 one `ExitStack` that closes each, the last started first, on every way out, torch.distributed last of
 all (the launch's one teardown); then `run`, the only loop. A stage supplies what differs: `step`,
 `evaluate`, and `state_dict`/`load_state_dict`, its named entries of the checkpoint
-(`checkpoints.LoopState.entries`), restored by `RunFolder.restore` at the end of its start.
+(`checkpoints.LoopState.entries`), restored by `RunFolder.restore` at the end of its start; `models`, the
+distributed models it trains beside the actor (the RL stage's critic), each saved into the checkpoint's
+folder of its name and loaded from it on resume (`RunFolder.resume_model`).
 
 The loop (docs/architecture.md, "Who runs what"): a step; evaluation every `eval.every` steps and
 at the last (`eval_due`); the record logged before the checkpoint, so that a run resumed from step k
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from megatron_rl.config import Config
 from megatron_rl.metrics import MetricsLogger
 from megatron_rl.parallel.signals import StoppedBySignal, StopRequest, exit_code, stop_at_step_boundary
-from megatron_rl.run_folder import ResumeMode, RunFolder
+from megatron_rl.run_folder import CheckpointedModel, ResumeMode, RunFolder
 from megatron_rl.validation import Command, validate_run
 
 if TYPE_CHECKING:
@@ -98,6 +100,10 @@ class Stage(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict`'s entries, as a resumed checkpoint holds them."""
 
+    def models(self) -> dict[str, CheckpointedModel]:
+        """The models besides the actor that a checkpoint holds, by folder name (collective saves)."""
+        return {}
+
     def eval_due(self, step: int) -> bool:
         """Whether `step` ends with an evaluation (the same answer on every rank)."""
         every = self.cfg.eval.every
@@ -159,4 +165,4 @@ class Stage(ABC):
 
     def _save(self, step: int) -> Path:
         with self.holding_still():
-            return self.run_folder.save_checkpoint(self.actor, step, self.state_dict())
+            return self.run_folder.save_checkpoint(self.actor, step, self.state_dict(), models=self.models())

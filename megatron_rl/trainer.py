@@ -7,10 +7,7 @@ Every rank holds a `Trainer`, the RL kind of `megatron_rl.stage.Stage` (the acto
 run folder, the step log); rank 0 also holds the `RolloutRuntime` (`megatron_rl.loop.runtime`). Who runs
 what, the start-up order (`Trainer.start`) and one step are described once, in docs/architecture.md.
 
-RUN_DIR (`logging.run_dir`): config.yaml, metrics.jsonl (+ tensorboard/ when installed),
-engine.log, checkpoints/step_NNNNNN/{actor/, loop_state.pt} (every `checkpoint.every` steps and the
-last; `checkpoint.keep_last` kept), weights/ (disk weight sync), hf/ (the final policy as a Hugging
-Face folder). `--resume` continues from the newest complete checkpoint; on CPU the resumed run's
+RUN_DIR (`logging.run_dir`), its checkpoints and `--resume`: docs/checkpoints.md. On CPU a resumed run's
 metrics equal the uninterrupted run's (timings aside) when the engine decodes one request at a time
 (`rollout.max_concurrency=1`): batched decoding changes the engine's log-probs in the last bits.
 
@@ -45,21 +42,23 @@ from megatron_rl.loop.runtime import (
     check_rollout_servers,
     spawn_engine_early,
 )
-from megatron_rl.loop.samples import StepBatch, kl_penalized_advantages
+from megatron_rl.loop.samples import StepBatch, step_advantages
 from megatron_rl.losses.kl import kl_estimate
+from megatron_rl.losses.value import value_batch_metrics, value_statistics
 from megatron_rl.metrics import MetricsLogger, summarize_updates
 from megatron_rl.models.source import hf_config_folder
 from megatron_rl.parallel.device import local_device
 from megatron_rl.parallel.rank0 import RankZeroError, on_rank0
 from megatron_rl.parallel.signals import StopRequest
 from megatron_rl.rewards import RewardFailureError
-from megatron_rl.run_folder import ResumeMode, RunFolder
+from megatron_rl.run_folder import CRITIC_DIR, CheckpointedModel, ResumeMode, RunFolder
 from megatron_rl.stage import Stage
 
 if TYPE_CHECKING:
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.adapters import AdaptersOffReference
     from megatron_rl.actor.policy import FrozenPolicy
+    from megatron_rl.critic.critic import MegatronCritic
     from megatron_rl.weight_sync import WeightSync
 
 T = TypeVar("T")
@@ -108,18 +107,17 @@ def reference_kl(
     masks: list[torch.Tensor],
     estimator: str,
     max_log_ratio: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token KL(pi || pi_ref) estimates (`algorithm.kl_estimator`) over each sample's loss tokens:
-    their sum per sample (float64 [N]) and `actor/kl_ref_mean` (per token) and `actor/kl_ref_max`."""
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per-token KL(pi || pi_ref) estimates (`algorithm.kl_estimator`) over each sample's loss tokens
+    (float64 [r_i], 0 outside them), and `actor/kl_ref_mean` (per token) and `actor/kl_ref_max`."""
     per_token = [
         kl_estimate(lp.double(), ref.double(), m.bool(), estimator, max_log_ratio)
         for lp, ref, m in zip(log_probs, ref_log_probs, masks, strict=True)
     ]
-    sums = torch.stack([k.sum() for k in per_token])
     kept = torch.cat([k[m.bool()] for k, m in zip(per_token, masks, strict=True)])
     if kept.numel() == 0:
-        return sums, {}
-    return sums, {"actor/kl_ref_mean": float(kept.mean()), "actor/kl_ref_max": float(kept.max())}
+        return per_token, {}
+    return per_token, {"actor/kl_ref_mean": float(kept.mean()), "actor/kl_ref_max": float(kept.max())}
 
 
 def engine_model_path(cfg: Config, run_folder: RunFolder, actor: MegatronActor) -> str | None:
@@ -149,9 +147,11 @@ class Trainer(Stage):
         weight_sync: WeightSync,
         rank0: RolloutRuntime | None,
         reference: FrozenPolicy | AdaptersOffReference | None = None,
+        critic: MegatronCritic | None = None,
     ) -> None:
         super().__init__(cfg, run_folder, actor, log)
         self.reference = reference
+        self.critic = critic
         self.weight_sync = weight_sync
         self.rank0 = rank0
         self.version = 0  # the weight version the engine serves (a resumed run: its checkpoint's)
@@ -196,6 +196,13 @@ class Trainer(Stage):
             # with LoRA, the actor with its adapters off
             reference = start_reference(cfg, actor)
             stack.callback(reference.close)
+        critic = None
+        if cfg.critic.enabled:
+            from megatron_rl.critic.critic import MegatronCritic
+
+            critic = MegatronCritic(cfg)  # after the actor: its layout
+            stack.callback(critic.close)
+            run_folder.resume_model(critic, CRITIC_DIR, "critic.enabled")
         log = run_folder.open_log(desc="rl")
         stack.callback(log.close)
         if epochs_line:
@@ -219,7 +226,7 @@ class Trainer(Stage):
                 weight_sync.close()
 
         stack.callback(close_weight_sync)
-        trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0, reference)
+        trainer = cls(cfg, run_folder, actor, log, weight_sync, rank0, reference, critic)
         run_folder.restore(trainer)
         if colocated_engines_released(cfg):
             weight_sync.mark_released()  # the engines need their weights back (a sync) before the first rollout
@@ -233,6 +240,9 @@ class Trainer(Stage):
         return trainer
 
     # ---- what the stage's loop calls ----
+    def models(self) -> dict[str, CheckpointedModel]:
+        return {} if self.critic is None else {CRITIC_DIR: self.critic}
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"weight_version": self.version}
         if self.rank0 is not None:
@@ -285,7 +295,7 @@ class Trainer(Stage):
         else:
             if self.cfg.rollout.colocate:
                 self.weight_sync.release_engine_memory()
-            metrics.update(self._update(step_batch))
+            metrics.update(self._update(step_batch, step))
             metrics["actor/skipped"] = 0.0
             trainable = getattr(self.actor, "trainable_params", None)  # an actor stand-in may not count them
             if trainable is not None:
@@ -350,9 +360,11 @@ class Trainer(Stage):
         )
         return StepBatch(got.batch, {**metrics, **report.metrics()}, got.rewards, got.versions, got.episodes)
 
-    def _update(self, step_batch: StepBatch) -> dict[str, float]:
-        """Old log-probs, reference log-probs, then `train.updates_per_step` updates `train.ppo_epochs` times
-        over (against those old log-probs); their metrics and timings.
+    def _update(self, step_batch: StepBatch, step: int) -> dict[str, float]:
+        """Old log-probs, reference log-probs, the critic's values, the advantages that wait for them, then
+        `train.updates_per_step` updates of the critic and of the actor (none of the actor's during
+        `critic.warmup_steps`), `train.ppo_epochs` times over (against those old log-probs); their metrics and
+        timings.
 
         Old log-probs: recomputed (R2 records the routing; R3 replays the engine's) or the engine's.
         The reference runs under the same routing as the updates (R2's recorded, R3's engine routing)."""
@@ -385,21 +397,52 @@ class Trainer(Stage):
                 )
         else:
             batch = batch.with_fields(old_log_probs=batch.rollout_log_probs)
-        referenced = time.perf_counter()
+        out["time/old_logprobs"] = time.perf_counter() - began
+        kl = None
         if self.reference is not None:
-            batch = self._with_reference(batch, step_batch, masks, out)
+            began = time.perf_counter()
+            batch, kl = self._with_reference(batch, masks, out)
+            out["time/ref_logprobs"] = time.perf_counter() - began
+        if self.critic is not None:
+            began = time.perf_counter()
+            batch = batch.with_fields(old_values=self.critic.compute_values(batch))
+            out["time/values"] = time.perf_counter() - began
+        if batch.advantages is None:  # left to this point: the KL in the reward, or GAE of the critic's values
+            if step_batch.rewards is None:
+                raise ValueError("the step's batch came without its rewards, which its advantages need")
+            advantages, returns, metrics = step_advantages(
+                self.cfg, step_batch.rewards, masks, step_batch.episodes, kl, batch.old_values
+            )
+            batch = batch.with_fields(advantages=advantages, returns=returns)
+            out.update(metrics)
+        if self.critic is not None:
+            out.update(self._train_critic(batch, masks))
+        if step <= self.cfg.critic.warmup_steps:
+            out["critic/warmup"] = 1.0  # the critic alone: the policy is not updated
+            return out
         trained = time.perf_counter()
         history = self.actor.train(batch)
         done = time.perf_counter()
         out.update(summarize_updates(history))
-        tokens = float(sum(batch.lengths))
-        out["time/old_logprobs"] = referenced - began
-        if self.reference is not None:
-            out["time/ref_logprobs"] = trained - referenced
         out["time/train"] = done - trained
-        out["throughput/train_tokens_per_s"] = tokens / (done - trained) if done > trained else 0.0
+        out["throughput/train_tokens_per_s"] = float(sum(batch.lengths)) / (done - trained) if done > trained else 0.0
         if not all(math.isfinite(h.get("loss", 0.0)) for h in history):
             raise FloatingPointError(f"the loss is not finite: {[h.get('loss') for h in history]} (lower train.lr?)")
+        return out
+
+    def _train_critic(self, batch: ActorBatch, masks: list[torch.Tensor]) -> dict[str, float]:
+        """The critic's updates on `batch` (its V_old and returns) and their metrics, with the rollout batch's
+        explained variance of the returns by V_old (`critic/vf_explained_var`)."""
+        assert self.critic is not None and batch.old_values is not None and batch.returns is not None
+        began = time.perf_counter()
+        history = self.critic.train(batch)
+        out = {**summarize_updates(history, prefix="critic/"), "time/critic_train": time.perf_counter() - began}
+        rows = [torch.cat(part) for part in (batch.old_values, batch.returns, masks)]
+        out.update(value_batch_metrics(value_statistics(*(r.view(1, -1) for r in rows))))
+        if not all(math.isfinite(h["vf_loss"]) for h in history):
+            raise FloatingPointError(
+                f"the critic's loss is not finite: {[h['vf_loss'] for h in history]} (lower critic.lr?)"
+            )
         return out
 
     def check_logprob_gap(self, gap: dict[str, float]) -> None:
@@ -427,25 +470,17 @@ class Trainer(Stage):
         )
 
     def _with_reference(
-        self, batch: ActorBatch, step_batch: StepBatch, masks: list[torch.Tensor], out: dict[str, float]
-    ) -> ActorBatch:
-        """`batch` with the reference's log-probs (and, with `algorithm.kl_in_reward`, its advantages, which
-        the sample builder leaves to this point); KL(pi_old || pi_ref) metrics into `out`."""
+        self, batch: ActorBatch, masks: list[torch.Tensor], out: dict[str, float]
+    ) -> tuple[ActorBatch, list[torch.Tensor]]:
+        """`batch` with the reference's log-probs, and the per-token KL(pi_old || pi_ref) of every sample (the
+        KL in the reward reads it); its metrics into `out`."""
         alg = self.cfg.algorithm
         assert self.reference is not None and batch.old_log_probs is not None
         ref = self.reference.compute_log_probs(batch, replay_routing=alg.routing_replay != "none")
         batch = batch.with_fields(ref_log_probs=ref.log_probs)
-        kl_sums, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
+        kl, metrics = reference_kl(batch.old_log_probs, ref.log_probs, masks, alg.kl_estimator, alg.max_log_ratio)
         out.update(metrics)
-        if alg.kl_in_reward:
-            if step_batch.rewards is None:
-                raise ValueError("algorithm.kl_in_reward: the step's batch came without its rewards")
-            advantages, reward_metrics = kl_penalized_advantages(
-                self.cfg, step_batch.rewards, kl_sums, step_batch.episodes, masks
-            )
-            batch = batch.with_fields(advantages=advantages)
-            out.update(reward_metrics)
-        return batch
+        return batch, kl
 
     def _sync(self, step: int) -> dict[str, float]:
         report = self.weight_sync.sync(str(step))

@@ -83,11 +83,6 @@ def _check_rl_loop_needs(cfg: Config) -> None:
             "rollout.temperature = 0: greedy rollouts give every response of a group the same tokens, so "
             "every advantage is 0; train with a temperature > 0 (greedy evaluation is eval.temperature = 0)"
         )
-    if cfg.critic.enabled:
-        raise ConfigError(
-            "critic.enabled = true: megatron-rl train has no critic step yet (the value model and its loss exist, "
-            "docs/training.md#the-critic); leave critic.enabled false and critic.hf_path unset"
-        )
     environment_class(cfg.env)  # env.type: a built-in, or a module:Class that imports
     if alg.dynamic_sampling_filter:
         try:

@@ -6,8 +6,10 @@ The memory figures are arithmetic, not measurements:
 - trainer: on its largest pipeline stage (the first also holds the embedding, the last the output
   layer), bf16 (params_dtype) weights and fp32 gradients of the ranks' share, the fp32 master copy and
   Adam's moments sharded over the data-parallel (experts: expert-data-parallel) ranks, the moments of
-  `parallel.optimizer_offload_fraction` on the host with `parallel.optimizer_cpu_offload`; within
-  `STATIC_MEMORY_SHARE` of a GPU (the rest: activations, buffers);
+  `parallel.optimizer_offload_fraction` on the host with `parallel.optimizer_cpu_offload`; with
+  `critic.enabled` (PPO) the same again for the critic, a second model of the policy's backbone in the
+  same layout on the same GPUs with its own optimizer (its output layer a [1, H] head instead of the
+  vocabulary's); within `STATIC_MEMORY_SHARE` of a GPU (the rest: activations, buffers);
 - an SGLang engine: the model's parameters in the engine's dtype (SGLang's `--dtype`: SGLANG_ARGS', else
   its `auto`, config.json's dtype and float16 for float32: two bytes unless asked for float32) over its
   `rollout.engine_gpus` GPUs, and the KV cache (`--kv-cache-dtype`, by default the engine's dtype) in
@@ -62,8 +64,8 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 class TrainerMemory:
     """Per GPU of the trainer's static state on its largest pipeline stage, in GiB."""
 
-    dense_params: float  # billions on one GPU: the stage's dense parameters / TP
-    expert_params: float  # billions on one GPU: the stage's experts / (EP x ETP)
+    dense_params: float  # billions on one GPU: the stage's dense parameters / TP (the critic's included)
+    expert_params: float  # billions on one GPU: the stage's experts / (EP x ETP) (the critic's included)
     weights: float
     grads: float
     optimizer: float  # on the GPU: fp32 master shard (unless fp32 weights), Adam's moments unless offloaded
@@ -71,6 +73,8 @@ class TrainerMemory:
     stage: int = 0  # the largest pipeline stage (0-based)
     stage_layers: int = 0  # its transformer layers
     stages: int = 1  # PP
+    critic: float = 0.0  # of `total`, the critic's weights, gradients and optimizer state (critic.enabled)
+    critic_optimizer: float = 0.0  # of `optimizer`, the critic's (rollout.colocate_offload leaves it on the GPU)
 
     @property
     def total(self) -> float:
@@ -84,7 +88,9 @@ def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
     state over the data-parallel ranks (the experts' over the expert-data-parallel ones). With
     `parallel.optimizer_cpu_offload`, Megatron's HybridDeviceOptimizer keeps `optimizer_offload_fraction` of
     each shard's Adam moments on the host, with a pinned fp32 copy of those parameters and their gradients
-    (16 bytes a parameter there); the fp32 master shard stays on the GPU."""
+    (16 bytes a parameter there); the fp32 master shard stays on the GPU. With `critic.enabled`, each stage
+    also holds the critic's share of the value model (`stage_parameter_counts(..., value_head=True)`), in
+    the same layout and with the same optimizer settings."""
     from megatron_rl.config.derived import pipeline_stage_layers
     from megatron_rl.models.families import stage_parameter_counts
     from megatron_rl.parallel.layout import resolve_expert_tensor_parallel
@@ -100,22 +106,37 @@ def trainer_memory(cfg: Any, world: int) -> TrainerMemory:
     gpu_state, host_state = master + 8 * (1 - offloaded), 16 * offloaded  # host: fp32 copy, gradient, moments
     shard = (dp, expert_dp) if par.use_distributed_optimizer else (1, 1)
     stages = pipeline_stage_layers(cfg.model, par)
+    models = (False, True) if cfg.critic.enabled else (False,)
     candidates = []
     for i, layers in enumerate(stages):
-        dense, experts = stage_parameter_counts(cfg.model, layers, first=i == 0, last=i == pp - 1)
-        dense_local, expert_local = dense / tp, experts / (ep * etp)
-        sharded = dense_local / shard[0] + expert_local / shard[1]
+        counts = [
+            stage_parameter_counts(cfg.model, layers, first=i == 0, last=i == pp - 1, value_head=critic)
+            for critic in models
+        ]
+        local = [(dense / tp, experts / (ep * etp)) for dense, experts in counts]
+        per_model = [  # GiB of weights, gradients, GPU optimizer state, host optimizer state
+            (
+                (d + e) * width / GIB,
+                (d + e) * 4 / GIB,
+                (d / shard[0] + e / shard[1]) * gpu_state / GIB,
+                (d / shard[0] + e / shard[1]) * host_state / GIB,
+            )
+            for d, e in local
+        ]
+        weights, grads, optimizer, host = (sum(part) for part in zip(*per_model, strict=True))
         candidates.append(
             TrainerMemory(
-                dense_params=dense_local / 1e9,
-                expert_params=expert_local / 1e9,
-                weights=(dense_local + expert_local) * width / GIB,
-                grads=(dense_local + expert_local) * 4 / GIB,
-                optimizer=sharded * gpu_state / GIB,
-                host=sharded * host_state / GIB,
+                dense_params=sum(d for d, _ in local) / 1e9,
+                expert_params=sum(e for _, e in local) / 1e9,
+                weights=weights,
+                grads=grads,
+                optimizer=optimizer,
+                host=host,
                 stage=i,
                 stage_layers=len(layers),
                 stages=pp,
+                critic=sum(per_model[1][:3]) if cfg.critic.enabled else 0.0,
+                critic_optimizer=per_model[1][2] if cfg.critic.enabled else 0.0,
             )
         )
     return max(candidates, key=lambda mem: mem.total)
@@ -134,9 +155,10 @@ def check_trainer_memory(cfg: Any, world: int, gpu_mem_gib: float) -> TrainerMem
     limit = STATIC_MEMORY_SHARE * gpu_mem_gib
     if mem.total > limit:
         offload = "" if cfg.parallel.optimizer_cpu_offload else ", set parallel.optimizer_cpu_offload=true"
+        critic = f", the critic's {mem.critic:.0f} GiB among them (critic.enabled)" if mem.critic else ""
         raise DoesNotFit(
             f"the trainer needs about {mem.total:.0f} GiB per GPU for weights, gradients and optimizer state"
-            f"{stage_text(mem).rstrip(',')} ({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per "
+            f"{critic}{stage_text(mem).rstrip(',')} ({mem.dense_params:.2f} B dense + {mem.expert_params:.2f} B expert parameters per "
             f"GPU: {mem.weights:.0f} + {mem.grads:.0f} + {mem.optimizer:.0f} GiB) on {world} ranks, over "
             f"{STATIC_MEMORY_SHARE:.0%} of GPU_MEM_GIB={gpu_mem_gib:g}: raise parallel.expert_model_parallel_size, "
             f"parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size{offload}, or train on "
@@ -346,8 +368,9 @@ def check_engine_memory(
 
 def resident_while_generating(trainer: TrainerMemory, offload: bool) -> float:
     """What a colocated trainer keeps on each GPU while the engines generate: its weights and gradients,
-    and its optimizer state unless rollout.colocate_offload moves that to host memory."""
-    return trainer.weights + trainer.grads + (0.0 if offload else trainer.optimizer)
+    and its optimizer state unless rollout.colocate_offload moves the actor's to host memory (the critic's
+    stays)."""
+    return trainer.weights + trainer.grads + (trainer.critic_optimizer if offload else trainer.optimizer)
 
 
 def check_colocated_memory(trainer: TrainerMemory, engine: EngineMemory, offload: bool) -> float:
@@ -371,9 +394,10 @@ def memory_lines(
 ) -> list[str]:
     """The figures of a passing plan, one line per part (`sequence`: the configured context in tokens)."""
     host = f"; {trainer.host:.1f} GiB of optimizer state on the host" if trainer.host else ""
+    critic = f", the critic's {trainer.critic:.1f} GiB among them" if trainer.critic else ""
     lines = [
         f"memory per GPU of {gpu_mem_gib:g} GiB (arithmetic): trainer {trainer.total:.1f} GiB static (weights "
-        f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}){stage_text(trainer)} within {STATIC_MEMORY_SHARE:.0%} ({STATIC_MEMORY_SHARE * gpu_mem_gib:.1f} GiB)"
+        f"{trainer.weights:.1f} + gradients {trainer.grads:.1f} + optimizer {trainer.optimizer:.1f}{critic}){stage_text(trainer)} within {STATIC_MEMORY_SHARE:.0%} ({STATIC_MEMORY_SHARE * gpu_mem_gib:.1f} GiB)"
         f"{host}"
     ]
     if engine is not None:

@@ -1,4 +1,4 @@
-"""Layout presets of the Slurm planner for the largest sigmoid-router MoE models.
+"""Layout presets of the Slurm planner for the largest MoE models.
 
     python slurm/jobplan.py plan --preset deepseek-v3-671b ... CONFIG [key=value ...]   (or PRESET=...)
 
@@ -21,6 +21,12 @@ heads (SGLang's TP splits them).
 - GLM-4.5-355B, 8 nodes: 92 layers (3 dense), 160 experts. 6 training nodes: TP 8, PP 6 (17, 15 x 5
   layers: the first stage's 3 dense layers are light), EP 8, ETP 1, Adam's moments on the host (about
   70 GiB per GPU); an engine of 16 GPUs (2 nodes, 0.71 TB).
+- gpt-oss-120b, 5 nodes: 36 layers, 128 experts (116.8 B parameters, of them 114.7 B the experts'). 4 training
+  nodes: TP 2, EP 32, ETP 1 (Megatron's biased experts take expert-TP 1 only), no pipeline; an engine of 8 GPUs
+  (1 node, 0.23 TB). The Hub release quantizes the experts to MXFP4, which the trainer refuses
+  (`quantization_config`): the run's `model.hf_path` is a bf16 copy of it.
+
+None of them has run here (no GPU cluster); their figures are the planner's arithmetic.
 """
 
 from __future__ import annotations
@@ -56,6 +62,19 @@ GLM_45_355B: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92,
     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_qk_norm": True, "vocab_size": 151552,
+}  # fmt: skip
+
+# openai/gpt-oss-120b's config.json without its quantization_config (the architecture of a bf16 copy).
+GPT_OSS_120B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "experts_per_token": 4,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_local_experts": 128, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 201088,
 }  # fmt: skip
 
 
@@ -115,6 +134,12 @@ PRESETS: dict[str, Preset] = {
         },
         train_nodes=6,
         rollout={"engine_gpus": 16},
+    ),
+    "gpt-oss-120b": Preset(
+        GPT_OSS_120B,
+        {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 32, "expert_tensor_parallel_size": 1},
+        train_nodes=4,
+        rollout={"engine_gpus": 8},
     ),
 }
 

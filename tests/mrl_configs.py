@@ -86,6 +86,27 @@ def tiny_minimax_model(**fields: Any) -> ModelConfig:
     return model_config_from_hf(hf, params_dtype="fp32", **fields)
 
 
+# A tiny gpt-oss (transformers' field names): GQA 6/2 with head_dim 10, sliding (window 5) and full layers
+# alternating, yarn RoPE not rounded (truncate false) over 16 original positions, top-3 of 6 biased experts whose
+# SwiGLU clamps at 1 with gain 1.3; splits over TP = 2 (heads and KV groups), EP = 2 and PP = 2 (a sliding and a
+# full layer per stage).
+GPT_OSS_TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=4, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=10, num_local_experts=6, num_experts_per_tok=3, sliding_window=5,
+    max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False, swiglu_alpha=1.3, swiglu_limit=1.0,
+    rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=16,
+                         beta_fast=8.0, beta_slow=1.0, truncate=False),
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def tiny_gpt_oss_model(**fields: Any) -> ModelConfig:
+    """The fp32 Megatron `model` of `GPT_OSS_TINY` as transformers writes its config.json; `fields` override it."""
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    return model_config_from_hf(hf_config_json("gpt_oss"), params_dtype="fp32", **fields)
+
+
 # Per size: the fields every family shares, then what each family adds (transformers' field names).
 _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
     "small": (
@@ -305,10 +326,12 @@ def layout(
 
 
 def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
-    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"); `overrides`
-    replace its fields."""
+    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"; gpt-oss: `GPT_OSS_TINY`
+    at either); `overrides` replace its fields."""
     import transformers
 
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**{**GPT_OSS_TINY, **overrides})
     classes = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
     classes.update(qwen3=transformers.Qwen3Config, qwen2=transformers.Qwen2Config, llama=transformers.LlamaConfig)
     classes.update(mistral=transformers.MistralConfig)
@@ -337,8 +360,8 @@ def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **ove
 @torch.no_grad()
 def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
-    norms 1 + 0.1 N (Gemma's, which scale by 1 + weight: 0.1 N), other vectors 0.1 N (router margins are then
-    rarely near-ties)."""
+    norms 1 + 0.1 N (Gemma's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
+    weigh, other vectors 0.1 N (router margins are then rarely near-ties)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
@@ -346,9 +369,9 @@ def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.f
     unit_norm = 0.0 if config.model_type.startswith("gemma") else 1.0
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen)
-        if param.dim() == 1:
+        if param.dim() == 1 and not name.endswith("self_attn.sinks"):
             values = unit_norm + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
-        else:
+        elif param.dim() > 1:
             values /= math.sqrt(param.shape[-1])
         param.copy_(values)
     for name, buffer in model.named_buffers():

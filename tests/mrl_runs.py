@@ -233,12 +233,15 @@ def assert_resume_matches(
 
 
 # The overrides of the straight run the resume tests share (tests/test_trainer.py's kill -9, tests/
-# test_faults.py's SIGUSR1): 3 steps of 2 updates, a checkpoint after step 2, a KL penalty in the reward.
+# test_faults.py's SIGUSR1): 3 steps of 2 updates, a checkpoint after step 2, PPO (a critic, trained and
+# checkpointed beside the actor, and GAE of its values) with a KL penalty in the reward.
 RESUME_RUN = (
     "train.steps=3",
     "train.updates_per_step=2",
     "eval.every=0",
     "checkpoint.every=2",
+    "algorithm.name=ppo",
+    "critic.lr=1e-3",
     "algorithm.kl_coef=0.5",
     "algorithm.kl_in_reward=true",
 )

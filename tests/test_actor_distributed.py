@@ -17,7 +17,8 @@ and GSPO with R3, SFT and DeepSeek-V3's multi-latent attention, padded and packe
 log-probs, routing and two updates. The remaining layouts (tests/mrl_multiproc/scenarios_layouts.py):
 DP 2, expert-TP 2 with TP 1, TP 2 with expert-TP 1 (EP 1 both), PP 2 split 3 + 1 layers (which also resumes
 from the world-size-1 checkpoint), PP 2 x EP 2 and TP 2 x EP 2 x expert-TP 1 reproduce the log-probs, routing
-and two updates the same way. The run folder's checkpoints
+and two updates the same way. PPO's critic (tests/mrl_multiproc/scenarios_critic.py): its values and two
+updates of the value loss under TP 2 with SP, PP 2 and EP 2, packed, against world size 1's. The run folder's checkpoints
 (manifest checksums computed while writing, on one rank and on two; resume past damage that keeps
 a file's size) are tests/test_checkpoint_integrity.py's subject, run here to share the launches.
 """
@@ -44,6 +45,7 @@ WORLDS = {
         "w1_shards_hashed_while_written_and_damage_falls_back",
         "w1_lora_reference",
         "w1_grouped_experts",
+        "w1_critic_reference",
     ],
     2: [
         "w2_reject_dp2",
@@ -71,6 +73,9 @@ WORLDS = {
         "w2_etp2",
         "w2_tp2_etp1",
         "w2_pp2_uneven",
+        "w2_critic_tp2_sp",
+        "w2_critic_pp2",
+        "w2_critic_ep2",
     ],
     4: [
         "w4_tp2_ep2",

@@ -25,7 +25,15 @@ def test_presets_carry_published_defaults():
     assert (grpo.clip_eps_low, grpo.clip_eps_high, grpo.kl_estimator) == (0.2, 0.2, "k3")
     opd = preset("opd")  # on-policy distillation: the token-level clipped surrogate, token-mean
     assert (opd.ratio_level, opd.loss_agg_mode, opd.kl_coef) == ("token", "token-mean", 0.0)
-    assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "opd", "sapo"]
+    ppo = preset("ppo")  # verl 0.9.1's ppo_trainer.yaml: the token-level clip, GAE with gamma = lambda = 1, no KL
+    assert (ppo.ratio_level, ppo.clip_eps_low, ppo.clip_eps_high, ppo.loss_agg_mode) == (
+        "token",
+        0.2,
+        0.2,
+        "token-mean",
+    )
+    assert (ppo.advantage_estimator, ppo.gamma, ppo.lam, ppo.kl_coef, ppo.dual_clip_c) == ("gae", 1.0, 1.0, 0.0, None)
+    assert sorted(PRESETS) == ["dapo", "grpo", "gspo", "gspo_token", "opd", "ppo", "sapo"]
 
 
 def test_yaml_then_overrides_win_over_preset(tmp_path):
@@ -67,7 +75,7 @@ def test_override_can_switch_preset_of_yaml(tmp_path):
         (["trian.lr=1"], r"trian: .*allowed: keys of the root are \[.*'train'"),
         (["train.lr=fast"], r"train\.lr: .*'fast'.*allowed: float >= 0"),
         (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: .*allowed: \['token-mean'"),
-        (["algorithm.name=ppo"], r"algorithm\.name: unknown objective 'ppo'; allowed: \['dapo', 'grpo'"),
+        (["algorithm.name=trpo"], r"algorithm\.name: unknown objective 'trpo'; allowed: \['dapo', 'grpo'"),
         (
             ["algorithm.name=gspo", "algorithm.loss_agg_mode=token-mean"],
             r"algorithm\.loss_agg_mode = 'token-mean' is not supported with algorithm\.ratio_level = 'sequence'; "

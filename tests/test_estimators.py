@@ -156,8 +156,21 @@ def test_the_estimators_name_both_shapes_of_mismatched_inputs() -> None:
             ["algorithm.advantage_estimator=rloo", "algorithm.adv_norm_std=false"],
             r"^algorithm\.adv_norm_std = false is read only by .* not by 'rloo'",
         ),
-        # GAE needs the critic's values: the key takes it once the critic is built
-        (["algorithm.advantage_estimator=gae"], r"^algorithm\.advantage_estimator: Invalid value 'gae'"),
+        # GAE reads the critic's values (it implies critic.enabled; refused with the critic off)
+        (
+            ["algorithm.advantage_estimator=gae", "critic.enabled=false"],
+            r"^algorithm\.advantage_estimator = 'gae' needs critic\.enabled = true, but critic\.enabled = false: ",
+        ),
+        (
+            ["algorithm.name=ppo", "algorithm.ratio_level=sequence", "algorithm.loss_agg_mode=seq-mean-token-mean"],
+            r"^algorithm\.advantage_estimator = 'gae' gives each token its own advantage, but .*'sequence'",
+        ),
+        (["algorithm.lam=0.95"], r"^algorithm\.lam = 0\.95 is read only by .* 'gae', not by 'grpo'$"),
+        (
+            ["critic.enabled=true"],
+            r"^critic\.enabled = true trains a value model whose values only algorithm\.advantage_estimator = "
+            r"'gae' reads, but algorithm\.advantage_estimator = 'grpo'",
+        ),
     ],
 )
 def test_the_configuration_refuses_what_an_estimator_cannot_run(overrides: list[str], expected: str) -> None:

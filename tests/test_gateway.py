@@ -926,7 +926,8 @@ def test_a_stop_signal_aborts_slow_agents_after_the_preempt_timeout_and_the_step
     metrics = step_batch.metrics
     assert step_batch.batch is None and metrics["env/end_preempted"] == 2.0 and metrics["groups/aborted"] == 1.0
     assert "env/agent_errors" not in metrics
-    assert not _processes_naming(marker)
+    # killed (SIGKILL to their group) when aborted; on a loaded machine they may take a moment to exit
+    wait_until(lambda: not _processes_naming(marker), 30, f"the aborted agents to end: {_processes_naming(marker)}")
 
 
 def test_env_agent_is_loaded_from_a_file_as_reward_custom_function_is(tmp_path) -> None:

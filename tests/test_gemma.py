@@ -154,7 +154,7 @@ def test_gemma_switches_belong_to_gemma_and_need_local_attention() -> None:
     from mrl_configs import tiny_model
 
     for key, value, family, owners in (
-        ("sliding_window", 4, "llama", "gemma2, gemma3_text"),
+        ("sliding_window", 4, "llama", "gpt_oss, gemma2, gemma3_text"),
         ("final_logit_softcapping", 30.0, "qwen3", "gemma2, gemma3_text"),
         ("attn_logit_softcapping", 50.0, "gemma3_text", "gemma2"),
         ("rope_local_theta", 1e4, "gemma2", "gemma3_text"),

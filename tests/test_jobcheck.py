@@ -212,6 +212,35 @@ def test_trainer_memory_is_the_largest_pipeline_stages(models: Path) -> None:
     assert stage_parameter_counts(tied, range(61), True, True)[0] == 17_117_648_384 - 926_679_040
 
 
+def test_a_critic_is_a_second_model_and_optimizer_on_the_trainer_gpus(models: Path) -> None:
+    """critic.enabled (PPO): the value model in the policy's layout on the same GPUs, with its own gradients and
+    optimizer state; its last stage holds a [1, H] head and its bias instead of the vocabulary's output layer."""
+    from megatron_rl.config.derived import pipeline_stage_layers
+    from megatron_rl.models.families import stage_parameter_counts
+
+    cfg = _dsv3_preset(models, "algorithm.name=ppo")
+    assert cfg.critic.enabled
+    stages = pipeline_stage_layers(cfg.model, cfg.parallel)
+    policy_last = stage_parameter_counts(cfg.model, stages[6], False, True)
+    assert stage_parameter_counts(cfg.model, stages[6], False, True, value_head=True) == (
+        policy_last[0] - 926_679_040 + 7168 + 1,  # the output layer (vocab x H) -> the head (H weights, a bias)
+        policy_last[1],
+    )
+    mem = jobcheck.trainer_memory(cfg, 224)
+    # the largest stage is still 2 of 7, where the critic holds what the policy holds (55.353 GiB, above)
+    assert (mem.stage, mem.critic) == (1, pytest.approx(55.353, abs=1e-3))
+    assert mem.total == pytest.approx(2 * 55.353, abs=2e-3) and mem.weights == pytest.approx(2 * 6_866_031_168 / GIB)
+    assert mem.dense_params * 1e9 == pytest.approx(2 * DSV3_STAGE_DENSE)
+    with pytest.raises(jobcheck.DoesNotFit, match=r"about 111 GiB per GPU .*, the critic's 55 GiB among them"):
+        jobcheck.check_trainer_memory(cfg, 224, 80.0)
+    lines = jobcheck.memory_lines(mem, None, None, 141.0, 1024)
+    assert "optimizer 72.3, the critic's 55.4 GiB among them)" in lines[0]
+    # colocated with rollout.colocate_offload: the actor's optimizer state leaves the GPU, the critic's stays
+    assert jobcheck.resident_while_generating(mem, offload=True) == pytest.approx(
+        2 * (6.394 + 12.789) + 36.170, abs=3e-3
+    )
+
+
 def test_optimizer_offload_puts_the_moments_of_its_share_on_the_host(models: Path) -> None:
     # a quarter offloaded: on the GPU the fp32 master (4 bytes) and 3/4 of Adam's moments (6 bytes) of the
     # shard, 10 x 3,236,424,264 B = 30.14 GiB; on the host the quarter's fp32 copy, gradient and moments

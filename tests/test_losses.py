@@ -362,8 +362,8 @@ def test_bad_inputs_name_the_culprit():
         policy_loss(lp, old, adv, mask, spec("grpo", kl_coef=0.1))
     with pytest.raises(ValueError, match="algorithm.is_correction = 'mask' needs rollout_log_probs"):
         policy_loss(lp, old, adv, mask, spec("grpo", is_correction="mask"))
-    with pytest.raises(ConfigError, match="unknown objective 'ppo'"):
-        policy_loss(lp, old, adv, mask, spec("ppo"))
+    with pytest.raises(ConfigError, match="unknown objective 'trpo'"):
+        policy_loss(lp, old, adv, mask, spec("trpo"))
     with pytest.raises(ConfigError, match="algorithm.loss_agg_mode = 'token-mean' is not supported"):
         loss_spec(AlgorithmConfig(ratio_level="sequence", loss_agg_mode="token-mean"))
     with pytest.raises(ConfigError, match="algorithm.gate = 'hard' is not allowed"):

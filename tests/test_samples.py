@@ -9,7 +9,7 @@ import torch
 from megatron_rl.config import load_config
 from megatron_rl.data import Prompt, RowLocation
 from megatron_rl.envs.trajectory import RoutedExperts, Trajectory, append_generated, append_observation
-from megatron_rl.loop.samples import SampleBuilder, StepBatch, kl_penalized_advantages
+from megatron_rl.loop.samples import SampleBuilder, StepBatch, kl_penalized_advantages, step_advantages
 from megatron_rl.loop.scoring import Group
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer import reference_kl
@@ -117,7 +117,8 @@ def test_kl_in_reward_advantages_wait_for_the_reference_and_penalise_each_episod
         torch.tensor([-0.2]),
     ]
     masks = [batch.loss_mask(i) for i in range(len(batch))]
-    kl_sums, _ = reference_kl(batch.rollout_log_probs, ref, masks, "k1", 20.0)
+    kl, _ = reference_kl(batch.rollout_log_probs, ref, masks, "k1", 20.0)
+    kl_sums = torch.stack([k.sum() for k in kl])
     assert kl_sums.tolist() == pytest.approx([0.4, 0.0, 0.2, 0.6, 0.0])
     cfg = load_config(
         None,
@@ -129,6 +130,9 @@ def test_kl_in_reward_advantages_wait_for_the_reference_and_penalise_each_episod
     advantages, metrics = kl_penalized_advantages(cfg, plan.rewards, kl_sums, plan.episodes)
     # episodes' KL: A 0.4, B 0, C 0.2 + 0.6 = 0.8, D 0; R - 0.5 KL: [0.8, 0] and [0.6, 0] -> +-0.4, +-0.3
     assert close(floats(advantages), [[0.4], [-0.4], [0.3], [0.3], [-0.3]])
+    # the trainer's call, from the per-token KL: the same advantages and no returns (no critic)
+    same, returns, same_metrics = step_advantages(cfg, plan.rewards, masks, plan.episodes, kl)
+    assert close(floats(same), floats(advantages)) and returns is None and same_metrics == metrics
     assert metrics["reward/kl_penalty_mean"] == pytest.approx(0.5 * 1.2 / 4)
     assert metrics["reward/kl_penalized_mean"] == pytest.approx(1.4 / 4)
 

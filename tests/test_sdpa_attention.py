@@ -197,7 +197,9 @@ def test_the_varlen_path_computes_what_local_does(
     from mrl_configs import launch_of_one
 
     calls: list[dict] = []
-    monkeypatch.setattr(sdpa_attention, "varlen_attn", lambda *a, **kw: calls.append(kw) or _reference_varlen(*a, **kw))
+    _, parameters = sdpa_attention._varlen_kernel()  # the installed torch's signature
+    stand_in = lambda *a, **kw: calls.append(kw) or _reference_varlen(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(sdpa_attention, "_varlen_kernel", lambda: (stand_in, parameters))
     monkeypatch.setattr(sdpa_attention, "varlen_available", lambda device, dtype: True)
     config = TransformerConfig(
         num_layers=1,

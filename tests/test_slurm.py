@@ -695,6 +695,10 @@ def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_m
             "trainer 69.6 GiB static (weights 13.9 + gradients 27.9 + optimizer 27.9) on its largest pipeline stage, "
             "6 of 6 with 15 layers, within 90% (72.0 GiB); 111.4 GiB of optimizer state on the host",
         ),
+        (
+            "gpt-oss-120b", 5, (2, 1, 32, False),
+            "trainer 66.8 GiB static (weights 8.7 + gradients 17.3 + optimizer 40.8) within 90% (72.0 GiB)",
+        ),
     ],
 )  # fmt: skip
 def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
@@ -724,7 +728,8 @@ def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
     mem = jobcheck.trainer_memory(cfg, p.world_size)
     assert mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
-    assert {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8}[name] == pytest.approx(total, abs=0.1)
+    published = {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8, "gpt-oss-120b": 116.8}
+    assert published[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by"):
         _preset_plan(preset_configs, name, preset.train_nodes // 2 - 1)
 
@@ -740,7 +745,7 @@ def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: 
         _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=40)  # A100 40 GB
     _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=141)  # H200
     with pytest.raises(
-        jobplan.PlanError, match="PRESET='llama-405b'; allowed: deepseek-v3-671b, glm-4.5-355b, kimi-k2"
+        jobplan.PlanError, match="PRESET='llama-405b'; allowed: deepseek-v3-671b, glm-4.5-355b, gpt-oss-120b, kimi-k2"
     ):
         jobplan.make_plan(
             "disaggregated", str(preset_configs / "kimi-k2.yaml"), [], ["a"], ["1"], 8, "1", preset="llama-405b"

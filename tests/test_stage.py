@@ -133,7 +133,7 @@ class Recorder:
         self.calls = calls
         self.start_step = start_step
 
-    def save_checkpoint(self, actor: object, step: int, entries: dict[str, Any]) -> Path:
+    def save_checkpoint(self, actor: object, step: int, entries: dict[str, Any], models: dict | None = None) -> Path:
         self.calls.append(f"save {step} {entries}")
         return Path(f"ckpt/step_{step}")
 

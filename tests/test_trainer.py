@@ -5,8 +5,9 @@
   (<= 1e-4) before and after a weight sync, the exported HF folder holds the starting weights, bad
   data rows and reward failures are counted (a failed response's group is not trained on), the
   engine is gone after the run.
-- kill -9 during a step after a checkpoint, `--resume` (KL penalty in the reward): the metrics equal an
-  uninterrupted run's, the reference is the start policy in both, the KL to it grows.
+- kill -9 during a step after a checkpoint, `--resume` (PPO: a critic and GAE, with a KL penalty in the
+  reward): the metrics, the critic's included, equal an uninterrupted run's, the reference is the start
+  policy in both, the KL to it grows, the critic's checkpoint is part of the run's.
 - dynamic sampling on a task the policy always fails stops at the round limit with the warning
   metric; mid-run the engine refuses a request without the run's generated key (401), a key found
   on no command line, in no config.yaml or log; SIGTERM to torchrun and a terminal's Ctrl-C under
@@ -110,18 +111,23 @@ def test_frozen_policy_first_kl_zero_logprob_gap_counts_and_export(work: Path, t
 def test_kill_after_a_checkpoint_then_resume_matches_an_uninterrupted_run(
     work: Path, straight_runs: RunCache, tmp_path: Path
 ) -> None:
-    """With a KL penalty in the reward: the resumed run's reference is the start policy, as the
-    uninterrupted run's (a reference taken from the checkpoint would read KL 0 at step 3)."""
+    """PPO with a KL penalty in the reward: the resumed run's reference is the start policy, as the
+    uninterrupted run's (a reference taken from the checkpoint would read KL 0 at step 3), and its critic the
+    checkpoint's (a fresh critic would give other values, returns and advantages at step 3)."""
     run_dir = tmp_path / "killed"
     # kill -9 every process of the run after step 2's checkpoint
     kill_after_checkpoint(work, run_dir, *RESUME_RUN, step=2)
     assert len(steps_logged(run_dir)) == 2
+    assert (run_dir / "checkpoints" / "step_000002" / "critic" / ".metadata").is_file()
     reference, _ = assert_resume_matches(straight_runs, work, run_dir, *RESUME_RUN)
     assert reference[-1]["actor/approx_kl_mean"] > 0.0  # the second update moved the policy: not vacuous
     kl_ref = [r["actor/kl_ref_mean"] for r in reference]
     assert kl_ref[0] == 0.0 < kl_ref[1] < kl_ref[2], kl_ref  # pi_old moves away from the reference
     assert reference[-1]["reward/kl_penalty_mean"] > 0.0 and reference[0]["reward/kl_penalty_mean"] == 0.0
     assert "actor/kl_loss" in reference[0] and reference[0]["actor/kl_loss"] == 0.0  # in the reward, not the loss
+    # the critic trained every step: its values moved (the fresh head's are near 0) and its loss is finite
+    assert all(r["critic/updates"] == 2.0 and r["critic/vf_loss"] > 0.0 for r in reference)
+    assert reference[0]["critic/values_mean"] != reference[2]["critic/values_mean"]
     assert leftovers(work) == []
 
 
@@ -129,7 +135,8 @@ def test_packed_micro_batches_train_the_first_step_as_the_padded_ones(
     work: Path, straight_runs: RunCache, tmp_path: Path
 ) -> None:
     """train.micro_batch_tokens: the same seed's run with packed micro-batches (balanced over the 2 DP
-    ranks) trains step 1 (the same samples) to the loss and gradient norm of the right-padded run. The
+    ranks) trains step 1 (the same samples) to the loss and gradient norm of the right-padded run, the
+    actor's and the critic's. The
     packed run stops after step 1: at a constant learning rate step 1 does not depend on train.steps."""
     padded = straight_runs.records(work, *RESUME_RUN)[0]
     packed_run = train(work, tmp_path / "packed", *RESUME_RUN, "train.micro_batch_tokens=40", "train.steps=1")
@@ -137,7 +144,7 @@ def test_packed_micro_batches_train_the_first_step_as_the_padded_ones(
     packed = packed_run[0]
     assert packed["reward/mean"] == padded["reward/mean"]
     assert packed["actor/micro_batches"] > padded["actor/micro_batches"]  # other micro-batches, not the same ones
-    for key in ("actor/loss", "actor/grad_norm", "actor/entropy_mean"):
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy_mean", "critic/vf_loss", "critic/grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-5), key  # measured: <= 2.1e-6
 
 

@@ -417,12 +417,12 @@ def test_reference_kl_and_kl_penalised_advantages_by_hand() -> None:
     masks = [torch.tensor([True, True, False]), torch.tensor([True, True])]
     k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731 - x = log pi_ref - log pi
     per_token = [[k3(-0.5), k3(1.0)], [k3(0.0), k3(2.0)]]  # the third token of sample 0 is masked out
-    sums, metrics = reference_kl(old, ref, masks, "k3", 20.0)
-    assert sums.tolist() == pytest.approx([sum(t) for t in per_token])
+    kl, metrics = reference_kl(old, ref, masks, "k3", 20.0)
+    assert kl[0].tolist() == pytest.approx([*per_token[0], 0.0]) and kl[1].tolist() == pytest.approx(per_token[1])
     assert metrics["actor/kl_ref_mean"] == pytest.approx(sum(map(sum, per_token)) / 4)
     assert metrics["actor/kl_ref_max"] == pytest.approx(k3(2.0))
-    k1_sums, _ = reference_kl(old, ref, masks, "k1", 20.0)
-    assert k1_sums.tolist() == pytest.approx([0.5 - 1.0, -2.0])  # k1 = log pi - log pi_ref
+    k1, _ = reference_kl(old, ref, masks, "k1", 20.0)
+    assert [float(k.sum()) for k in k1] == pytest.approx([0.5 - 1.0, -2.0])  # k1 = log pi - log pi_ref
 
     # kl_in_reward: group advantages of R - beta * KL; groups of 2 (n_samples_per_prompt), mean-only
     cfg = make_cfg(**{"rollout.n_samples_per_prompt": 2, "algorithm.kl_coef": 0.5, "algorithm.adv_norm_std": False})
@@ -494,9 +494,9 @@ def test_plot_writes_a_png_per_panel(tmp_path: Path) -> None:
 
 def test_kl_in_the_reward_takes_k3_clamped_to_10_per_token() -> None:
     # x = log pi_ref - log pi_old = 7.5 on token 0 (1799.54 unclamped), 0.5 on token 1 (e^0.5 - 1.5)
-    sums, metrics = reference_kl([torch.tensor([-8.0, -1.0])], [torch.tensor([-0.5, -0.5])],
-                                 [torch.tensor([True, True])], "k3", 20.0)  # fmt: skip
-    assert sums.tolist() == pytest.approx([10.0 + math.exp(0.5) - 1.5], abs=1e-12)
+    kl, metrics = reference_kl([torch.tensor([-8.0, -1.0])], [torch.tensor([-0.5, -0.5])],
+                               [torch.tensor([True, True])], "k3", 20.0)  # fmt: skip
+    assert kl[0].tolist() == pytest.approx([10.0, math.exp(0.5) - 1.5], abs=1e-12)
     assert metrics["actor/kl_ref_max"] == 10.0
 
 
@@ -553,7 +553,7 @@ def _run_trainer(cfg: Config, trained: set[int], *, resume: bool) -> tuple[Any, 
     log = run_folder.open_log(desc="rl")
     trainer = Trainer(cfg, run_folder, FileActor(), log, sync, driver)  # type: ignore[arg-type]
     run_folder.restore(trainer)  # as `Trainer.start` does
-    trainer._update = lambda step_batch: {}  # the actor's update is not what is tested
+    trainer._update = lambda step_batch, step: {}  # the actor's update is not what is tested
     try:
         trainer.run()
     finally:

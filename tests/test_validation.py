@@ -359,7 +359,6 @@ def test_validate_run_resolves_the_model_and_is_idempotent(folder: Path) -> None
         (["train.prompts_per_step=1", "rollout.n_samples_per_prompt=4", "train.updates_per_step=2"], 4,
          r"the samples of a step \(train.prompts_per_step x rollout.n_samples_per_prompt = 4\) are fewer than "
          r"train.updates_per_step \(2\) x the data-parallel size \(4\)"),
-        (["critic.enabled=true"], 1, "critic.enabled = true: megatron-rl train has no critic step yet"),
     ],
 )  # fmt: skip
 def test_rl_loop_edge_cases_are_refused(folder: Path, overrides: list[str], world: int, expected: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.losses.value import critic_metrics, value_loss, value_statistics
+from megatron_rl.losses.value import value_batch_metrics, value_loss, value_statistics, value_update_metrics
 
 # Four tokens, the last outside the response; c = 0.2.
 #   t0: V 1.0, V_old 0.5, R 2.0: clip(V) = 0.7, (V-R)^2 = 1, (0.7-2)^2 = 1.69 -> 1.69, clipped
@@ -51,21 +51,23 @@ def test_micro_batch_shares_add_up_to_the_whole_batch() -> None:
         value_loss(values[s], old[s], returns[s], mask[s], 0.2, num_tokens=tokens) for s in (slice(0, 2), slice(2, 6))
     ]
     assert float(sum(p[0] for p in parts)) == pytest.approx(float(whole), rel=1e-6)
-    assert float(sum(p[1]["value_loss"] for p in parts)) == pytest.approx(float(whole), rel=1e-6)
+    assert float(sum(p[1]["vf_loss"] for p in parts)) == pytest.approx(float(whole), rel=1e-6)
 
 
 def test_metrics_by_hand() -> None:
     values, old, returns, mask = _case()
     _, loss_stats = value_loss(values, old, returns, mask, cliprange_value=0.2)
-    metrics = critic_metrics(loss_stats, value_statistics(old, returns, mask))
+    # the values trained, 1, 2, 0 (mean 1); two of the three tokens clipped
+    assert value_update_metrics(loss_stats) == pytest.approx(
+        {"vf_loss": 0.5 * 3.33 / 3, "vf_clipfrac": 2 / 3, "vpred_mean": 1.0, "tokens": 3.0}, abs=1e-7
+    )
     # the rollout batch's values 0.5, 2, 1 against returns 2, 1, 0: errors 1.5, -1, -1 (unbiased variance 25/12),
     # returns' variance 1
-    assert metrics == pytest.approx(
+    assert value_batch_metrics(value_statistics(old, returns, mask)) == pytest.approx(
         {
-            "critic/value_loss": 0.5 * 3.33 / 3,
-            "critic/vf_clipfrac": 2 / 3,
-            "critic/explained_variance": 1 - (25 / 12) / (1 + 1e-5),
+            "critic/vf_explained_var": 1 - (25 / 12) / (1 + 1e-5),
             "critic/values_mean": 3.5 / 3,
+            "critic/returns_mean": 1.0,
         },
         abs=1e-7,
     )
@@ -78,12 +80,11 @@ def test_explained_variance_is_verls_over_split_statistics() -> None:
     mask = torch.rand(5, 7, generator=gen) > 0.4
     parts = [value_statistics(values[s], returns[s], mask[s]) for s in (slice(0, 3), slice(3, 5))]
     merged = {k: parts[0][k] + parts[1][k] for k in parts[0]}
-    _, loss_stats = value_loss(values, values, returns, mask, 0.2)
-    got = critic_metrics(loss_stats, merged)["critic/explained_variance"]
+    got = value_batch_metrics(merged)["critic/vf_explained_var"]
     r, v = returns[mask].double(), values[mask].double()
     assert got == pytest.approx(float(1 - torch.var(r - v) / (torch.var(r) + 1e-5)), abs=1e-12)
-    perfect = critic_metrics(loss_stats, value_statistics(returns, returns, mask))
-    assert perfect["critic/explained_variance"] == 1.0
+    perfect = value_batch_metrics(value_statistics(returns, returns, mask))
+    assert perfect["critic/vf_explained_var"] == 1.0
 
 
 def test_mismatched_shapes_name_the_tensor() -> None:

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
 launch=(python -m megatron_rl.torchrun --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
-# FAMILY=deepseek_v3 or glm4_moe: the same recipe on a DeepSeek-V3- or GLM-4.5-shaped policy, in runs/tiny_math_$FAMILY
+# FAMILY=deepseek_v3, glm4_moe or gpt_oss: the same recipe on a DeepSeek-V3-, GLM-4.5- or gpt-oss-shaped policy, in runs/tiny_math_$FAMILY
 root=runs/tiny_math${FAMILY:+_$FAMILY}
 data=$root/assets/data
 

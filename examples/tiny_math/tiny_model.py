@@ -8,7 +8,8 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-`--family deepseek_v3|glm4_moe` builds a DeepSeek-V3- or GLM-4.5-shaped policy instead (`FAMILY_ARCHITECTURES`).
+`--family deepseek_v3|glm4_moe|gpt_oss` builds a DeepSeek-V3-, GLM-4.5- or gpt-oss-shaped policy instead
+(`FAMILY_ARCHITECTURES`).
 
 Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe]
 """
@@ -96,8 +97,35 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         topk_group=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
+    # gpt-oss-shaped: attention sinks, sliding-window layers (16 keys) between full ones, yarn RoPE not rounded,
+    # biases on every linear and the router, 8 biased experts with the clamped (up + 1) SwiGLU, top-2.
+    "gpt_oss": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        swiglu_limit=7.0,
+        router_aux_loss_coef=0.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        },  # fmt: skip
+    ),
 }
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
+_CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
 
 # The same network as megatron_rl.config `model.*` keys.
 MEGATRON_MODEL: dict[str, Any] = dict(
@@ -141,9 +169,9 @@ def build_model(out: Path, seed: int = 0, tokenizer: Any = None, family: str = "
     else:
         arch = FAMILY_ARCHITECTURES[family]
         rope_theta = arch["rope_parameters"]["rope_theta"]
-        config_cls = transformers.DeepseekV3Config if family == "deepseek_v3" else transformers.Glm4MoeConfig
-        config = config_cls(vocab_size=len(tokenizer), **special, **arch)
-        cls = transformers.DeepseekV3ForCausalLM if family == "deepseek_v3" else transformers.Glm4MoeForCausalLM
+        config_name, cls_name = _CLASSES[family]
+        config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **special, **arch)
+        cls = getattr(transformers, cls_name)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

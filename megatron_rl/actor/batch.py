@@ -37,6 +37,8 @@ from megatron_rl.parallel.context_parallel import ContextSplit, gather_from_cont
 
 # Response-aligned float fields, in the order `policy_loss` takes them.
 RESPONSE_FIELDS = ("old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+# Response-aligned float fields of the critic (`value_loss`): V_old of the rollout batch and the returns.
+VALUE_FIELDS = ("old_values", "returns")
 
 
 @dataclass
@@ -47,6 +49,8 @@ class ActorBatch:
     response_mask: bool [r_i], which response tokens enter the loss (None = all).
     old_log_probs / advantages / rollout_log_probs / ref_log_probs: float [r_i]; an advantage may
         also be a 0-dim tensor (one value for the whole response).
+    old_values / returns: float [r_i], the critic's values of the batch before its update and the GAE
+        returns (PPO's critic, `megatron_rl.critic`).
     routed_experts: int [n_i - 1, num_layers, top_k] (R3: from the engine; R2: recorded by
         `compute_log_probs(..., record_routing=True)`); layers without a router are ignored. An entry
         is None for a sample another DP rank computes: a scattered step batch
@@ -60,6 +64,8 @@ class ActorBatch:
     advantages: list[Tensor] | None = None
     rollout_log_probs: list[Tensor] | None = None
     ref_log_probs: list[Tensor] | None = None
+    old_values: list[Tensor] | None = None
+    returns: list[Tensor] | None = None
     routed_experts: list[Tensor | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -108,7 +114,7 @@ class ActorBatch:
             lo, hi = int(tok.min()), int(tok.max())
             if lo < 0 or hi >= vocab_size:
                 raise ValueError(f"ActorBatch.tokens[{i}] holds ids in [{lo}, {hi}], outside [0, {vocab_size})")
-        for name in ("response_mask", *RESPONSE_FIELDS):
+        for name in ("response_mask", *RESPONSE_FIELDS, *VALUE_FIELDS):
             values = getattr(self, name)
             if values is None:
                 continue

@@ -58,7 +58,10 @@ from megatron_rl.models.gemma import final_logit_softcap
 from megatron_rl.parallel.context_parallel import round_up
 from megatron_rl.parallel.device import local_device
 
-LossFn = Callable[[MicroBatchInputs, LogProbs], tuple[Tensor, Any]]
+LossFn = Callable[[MicroBatchInputs, Any], tuple[Tensor, Any]]
+# The last stage's output of a micro-batch: (model, its final hidden states [s, b, H], the inputs) -> what the
+# loss function reads: `LogProbHead`'s `LogProbs`, or the critic's values (`megatron_rl.critic`)
+Head = Callable[[torch.nn.Module, Tensor, MicroBatchInputs], Any]
 
 
 def _dp_shares(lengths: Sequence[int]) -> list[list[int]]:
@@ -227,7 +230,7 @@ def run_schedule(
     inputs: Sequence[MicroBatchInputs],
     loss_fn: LossFn,
     *,
-    head: LogProbHead,
+    head: Head,
     forward_only: bool,
     routing: RoutingReplay | None = None,
     routing_mode: str | None = None,
@@ -235,8 +238,8 @@ def run_schedule(
 ) -> ScheduleOutput:
     """One call of Megatron's forward-backward function over `inputs`.
 
-    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)`: `LogProbs` in the row
-    layout at the target positions (0 outside `target_mask`), both differentiable, and returns
+    On the last pipeline stage `loss_fn(inputs, out)` gets `out = head(...)` (`LogProbHead`: `LogProbs` in
+    the row layout at the target positions, 0 outside `target_mask`, both differentiable), and returns
     (loss to back-propagate, anything to keep). `routing_mode`: None (free routing), "record" or
     "replay" (the inputs' `routed_experts`, also during recompute in backward).
     """

@@ -94,6 +94,15 @@ def hf_initializer(model: ModelConfig, folder: str | None = None, key: str = "mo
     return load
 
 
+def schedule_overrides(cfg: Config) -> dict[str, Any]:
+    """The TransformerConfig keys the actor's schedule needs beyond the model's: packed micro-batches of other
+    lengths exchanged between pipeline stages (`variable_seq_lengths`, which Megatron refuses with the
+    allgather dispatcher: the actor then pads every micro-batch of a step to one shape)."""
+    if cfg.parallel.pipeline_model_parallel_size > 1 and cfg.model.moe_token_dispatcher == "alltoall":
+        return {"variable_seq_lengths": True}
+    return {}
+
+
 class Policy:
     """Model chunks of `cfg.model`, initialised, with routing replay and the whole-batch log-prob forward."""
 
@@ -109,9 +118,7 @@ class Policy:
             initializer = hf_initializer(cfg.model)
         self.context = self._join_layout()
         moe = cfg.model.num_experts is not None
-        overrides: dict[str, Any] = {}
-        if cfg.parallel.pipeline_model_parallel_size > 1 and cfg.model.moe_token_dispatcher == "alltoall":
-            overrides["variable_seq_lengths"] = True  # Megatron refuses it with the allgather dispatcher
+        overrides = schedule_overrides(cfg)
         self.chunks = build_model(cfg.model, cfg.parallel, enable_routing_replay=moe, config_overrides=overrides)
         if initializer is None:
             init_deterministic(self.chunks, cfg.model, seed=cfg.train.seed)

@@ -34,8 +34,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from megatron_rl.actor.batch import RESPONSE_FIELDS, ActorBatch, MicroBatchInputs
+from megatron_rl.actor.batch import RESPONSE_FIELDS, VALUE_FIELDS, ActorBatch, MicroBatchInputs
 from megatron_rl.actor.forward import (
+    Head,
     LogProbHead,
     dp_token_imbalance,
     is_output_owner,
@@ -131,7 +132,10 @@ def policy_token_loss(spec: LossSpec) -> TokenLoss:
 
 
 def _loss_fn(token_loss: TokenLoss, normalizer: Normalizer, scale: float, entropy_coef: float, loss_agg_mode: str):
-    def loss_fn(mb: MicroBatchInputs, out: LogProbs) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_fn(mb: MicroBatchInputs, out: LogProbs | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        if not isinstance(out, LogProbs):  # another head's per-token values (the critic's): no entropy
+            loss, metrics = token_loss(out, mb.fields, mb.target_mask, normalizer)
+            return loss * scale, metrics
         loss, metrics = token_loss(out.logprobs, mb.fields, mb.target_mask, normalizer)
         metrics["entropy_sum"] = masked_sum(out.entropy, mb.target_mask)
         if entropy_coef > 0:
@@ -176,6 +180,8 @@ def train_on_batch(
     routing: RoutingReplay | None = None,
     replay: bool = False,
     loss: TokenLoss | None = None,
+    head: Head | None = None,
+    finalize: Callable[[dict[str, Tensor]], dict[str, float]] = finalize_metrics,
 ) -> list[dict[str, float]]:
     """`updates` optimizer steps over consecutive mini-batches of `batch`, `epochs` times over (each pass the
     same mini-batches in the same order); one metrics dict per step, pass by pass.
@@ -183,7 +189,9 @@ def train_on_batch(
     `loss`: None = the policy loss of `spec` (with its entropy bonus), for which `batch` needs
     old_log_probs and advantages (plus rollout/ref log-probs when the algorithm uses them); any other
     `TokenLoss` (e.g. the SFT cross-entropy) gets the fields the batch has, and no entropy bonus.
-    With `replay`, routed_experts (R2 recorded or R3).
+    With `replay`, routed_experts (R2 recorded or R3). `head`: None = the log-probs and entropy of the
+    targets at `temperature` (`LogProbHead`); another head's output (the critic's values) goes to `loss`
+    as it is. `finalize` turns the reduced statistics into the update's metrics.
     """
     policy = loss is None
     entropy_coef = spec.entropy_coef if policy else 0.0
@@ -192,7 +200,8 @@ def train_on_batch(
             if getattr(batch, name) is None:
                 raise ValueError(f"train: ActorBatch.{name} is required")
         loss = policy_token_loss(spec)
-    fields = [name for name in RESPONSE_FIELDS if getattr(batch, name) is not None]
+    fields = [name for name in (*RESPONSE_FIELDS, *VALUE_FIELDS) if getattr(batch, name) is not None]
+    head = LogProbHead(temperature, vocab_size, chunk_tokens) if head is None else head
     config = get_model_config(state.model[0])
     history = []
     runs = mini_batches(len(batch), updates, ps.get_data_parallel_world_size())
@@ -211,7 +220,7 @@ def train_on_batch(
             state.model,
             inputs,
             loss_fn,
-            head=LogProbHead(temperature, vocab_size, chunk_tokens),
+            head=head,
             forward_only=False,
             routing=routing if replay else None,
             routing_mode="replay" if replay else None,
@@ -219,7 +228,7 @@ def train_on_batch(
         )
         ok, grad_norm, lr = apply_update(state)
         local = merge_metrics(result.extras) if result.extras else None  # every last-stage rank
-        metrics = finalize_metrics(reduce_metrics(local, is_output_owner()))
+        metrics = finalize(reduce_metrics(local, is_output_owner()))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,

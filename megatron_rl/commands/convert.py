@@ -40,8 +40,10 @@ LAYOUT_FLAGS = {
 }
 
 
-def _leave_uninitialised(tensor: torch.Tensor) -> None:
-    """Init method that keeps the allocated values: every weight is overwritten by the conversion."""
+def _leave_uninitialised(tensor: torch.Tensor) -> torch.Tensor:
+    """Init method that keeps the allocated values: every weight is overwritten by the conversion. It returns
+    the tensor, as torch's init functions do: Megatron assigns the result back (gpt-oss's attention sinks)."""
+    return tensor
 
 
 # Megatron's `perform_initialization=False` would also skip tagging TP-split parameters, so the
@@ -221,7 +223,7 @@ def megatron_to_hf(
     model = model_config_from_hf(hf, source=str(source / "config.json"), params_dtype=_stored_dtype(ckpt))
     parallel = parallel or ParallelConfig()
     _validate(model, parallel)
-    total = len(HFMapping(model).expected_hf_shapes())
+    total = len(HFMapping(model).checkpoint_shapes())
     with _megatron(parallel, model) as chunks:
         load_model_weights(chunks, ckpt)
         _prepare_on_rank0(out, force)

@@ -75,6 +75,12 @@ def check_distill(cfg: Config) -> None:
             "distill (a teacher) gives per-token advantages, which algorithm.kl_in_reward = true (one penalised "
             "reward per trajectory) does not take; use the KL in the loss (kl_in_reward = false)"
         )
+    if alg.advantage_estimator == "gae":
+        raise ConfigError(
+            "distill (a teacher) with algorithm.advantage_estimator = 'gae': GAE's advantages are computed after the "
+            "critic's values, on every trainer rank, where the teacher's scores are not; not built: use another "
+            "estimator with distill, or no teacher with gae"
+        )
     if alg.ratio_level == "sequence":
         raise ConfigError(
             "distill (a teacher) gives each token its own advantage, but algorithm.ratio_level = 'sequence' (GSPO) "

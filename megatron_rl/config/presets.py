@@ -56,6 +56,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         loss_agg_mode="seq-mean-token-mean",
         kl_coef=0.0,
     ),
+    # PPO with a critic (verl 0.9.1's ppo_trainer.yaml): the token-level clip, GAE (gamma = lambda = 1) of the
+    # critic's values, no KL; critic.* keeps verl's critic defaults (lr 1e-5, cliprange_value 0.5, no warm-up)
+    "ppo": dict(
+        ratio_level="token",
+        gate="clip",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        loss_agg_mode="token-mean",
+        kl_coef=0.0,
+        advantage_estimator="gae",
+        gamma=1.0,
+        lam=1.0,
+    ),
     # on-policy distillation: the teacher's per-token advantage alone (distill.*; docs/training.md)
     "opd": dict(
         ratio_level="token",

@@ -11,8 +11,8 @@ what is allowed.
 Implied keys: a key that reads another's value only for one choice of it implies that choice:
 `reward.custom_function` is read only with `reward.type = custom`, `rollout.sglang_urls` only with
 `rollout.engine = sglang`, `critic.hf_path` only with `critic.enabled = true`,
-`algorithm.dynamic_sampling_filter` only with `algorithm.dynamic_sampling = true`, and `train.epochs` only with
-`train.steps = null` (the steps are derived from the data: `megatron_rl.config.epochs`). `imply` sets the implied
+`algorithm.dynamic_sampling_filter` only with `algorithm.dynamic_sampling = true`, `algorithm.advantage_estimator = gae`
+(the critic's values) only with `critic.enabled = true`, and `train.epochs` only with `train.steps = null` (the steps are derived from the data: `megatron_rl.config.epochs`). `imply` sets the implied
 key while loading when no layer (YAML file, overrides) gives it; `check_implied` refuses the two together with
 another choice, naming both keys, so that a setting is never silently ignored (also in a `Config` built in code,
 where nothing is implied).
@@ -77,11 +77,15 @@ def check_rules(cfg: Config, *, model_shape: bool = True) -> None:
 
 @dataclass(frozen=True)
 class Implied:
-    """`key`, when set (not null, not empty), implies `target = value`."""
+    """`key`, when set (not null, not empty; with `when`: set to that choice), implies `target = value`."""
 
     key: str
     target: str
     value: str | bool | None
+    when: str | None = None
+
+    def applies(self, value: Any) -> bool:
+        return bool(value) and (self.when is None or value == self.when)
 
 
 IMPLIED = (
@@ -89,6 +93,7 @@ IMPLIED = (
     Implied("rollout.sglang_urls", "rollout.engine", "sglang"),
     Implied("critic.hf_path", "critic.enabled", True),
     Implied("algorithm.dynamic_sampling_filter", "algorithm.dynamic_sampling", True),
+    Implied("algorithm.advantage_estimator", "critic.enabled", True, when="gae"),
     Implied("train.epochs", "train.steps", None),
 )
 _ABSENT = object()
@@ -98,7 +103,7 @@ def imply(merged: DictConfig, layers: Sequence[DictConfig]) -> None:
     """Set in `merged` each implied key that none of the `layers` gives, when its implying key is set."""
     for rule in IMPLIED:
         given = any(OmegaConf.select(layer, rule.target, default=_ABSENT) is not _ABSENT for layer in layers)
-        if OmegaConf.select(merged, rule.key) and not given:
+        if rule.applies(OmegaConf.select(merged, rule.key)) and not given:
             OmegaConf.update(merged, rule.target, rule.value)
 
 
@@ -106,11 +111,16 @@ def check_implied(cfg: Config) -> None:
     """ConfigError naming both keys when an implying key is set but its target holds another choice."""
     for rule in IMPLIED:
         value, target = _value(cfg, rule.key), _value(cfg, rule.target)
-        if value and target != rule.value:
+        if rule.applies(value) and target != rule.value:
             want, have = _shown(rule.value), _shown(target)
+            if rule.when is None:
+                raise ConfigError(
+                    f"{rule.key} = {value!r} is read only with {rule.target} = {want}, but {rule.target} = "
+                    f"{have}: set {rule.target} = {want} (or leave it out: {rule.key} implies it), or remove {rule.key}"
+                )
             raise ConfigError(
-                f"{rule.key} = {value!r} is read only with {rule.target} = {want}, but {rule.target} = "
-                f"{have}: set {rule.target} = {want} (or leave it out: {rule.key} implies it), or remove {rule.key}"
+                f"{rule.key} = {value!r} needs {rule.target} = {want}, but {rule.target} = {have}: set "
+                f"{rule.target} = {want} (or leave it out: {rule.key} = {value!r} implies it), or another {rule.key}"
             )
 
 
@@ -211,15 +221,19 @@ def _validate_estimator(alg: AlgorithmConfig) -> None:
         "reinforce_plus_plus_baseline, rloo or grpo",
     )
     _require(
-        not (estimator == "reinforce_plus_plus" and alg.ratio_level == "sequence"),
-        "algorithm.advantage_estimator = 'reinforce_plus_plus' gives each token its own advantage, but "
+        not (estimator in ("reinforce_plus_plus", "gae") and alg.ratio_level == "sequence"),
+        f"algorithm.advantage_estimator = '{estimator}' gives each token its own advantage, but "
         "algorithm.ratio_level = 'sequence' (GSPO) has one ratio and one advantage per sequence; use "
         "ratio_level = 'sequence_token' (gspo_token) or another estimator",
     )
     _require(
-        alg.gamma == 1.0 or estimator == "reinforce_plus_plus",
-        f"algorithm.gamma = {alg.gamma} is read only by algorithm.advantage_estimator = 'reinforce_plus_plus', "
-        f"not by '{estimator}' (per-turn discounting is algorithm.turn_discount)",
+        alg.gamma == 1.0 or estimator in ("reinforce_plus_plus", "gae"),
+        f"algorithm.gamma = {alg.gamma} is read only by algorithm.advantage_estimator = 'gae' or "
+        f"'reinforce_plus_plus', not by '{estimator}' (per-turn discounting is algorithm.turn_discount)",
+    )
+    _require(
+        alg.lam == 1.0 or estimator == "gae",
+        f"algorithm.lam = {alg.lam} is read only by algorithm.advantage_estimator = 'gae', not by '{estimator}'",
     )
     _require(
         alg.adv_norm_std or estimator == "grpo",
@@ -419,6 +433,13 @@ def _validate_critic(cfg: Config) -> None:
         critic.enabled or critic.warmup_steps == 0,
         f"critic.warmup_steps = {critic.warmup_steps} trains the critic alone first, but critic.enabled = false: "
         "set critic.enabled = true, or critic.warmup_steps = 0",
+    )
+    estimator = cfg.algorithm.advantage_estimator
+    _require(
+        not critic.enabled or estimator == "gae",
+        f"critic.enabled = true trains a value model whose values only algorithm.advantage_estimator = 'gae' reads, "
+        f"but algorithm.advantage_estimator = '{estimator}': set algorithm.advantage_estimator = gae "
+        "(algorithm.name = ppo), or critic.enabled = false",
     )
 
 

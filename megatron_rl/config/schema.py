@@ -19,7 +19,7 @@ from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2",
-                 "gemma2", "gemma3_text"]  # fmt: skip
+                 "gpt_oss", "gemma2", "gemma3_text"]  # fmt: skip
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
@@ -97,12 +97,15 @@ class ModelConfig:
     yarn_beta_slow: float = _f(1.0, "yarn: beta_slow", gt=0)
     yarn_mscale: float = _f(1.0, "yarn: mscale of the cos/sin attention factor", ge=0)
     yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
-    sliding_window: int | None = _f(None, "keys a sliding layer's query sees, its own too (Gemma); null = none", ge=1)
+    yarn_truncate: bool = _f(True, "yarn: round the correction range to whole dimensions (false: gpt-oss's)")
+    sliding_window: int | None = _f(None, "keys a sliding layer's query sees (its own too); null = none", ge=1)
     sliding_window_pattern: int = _f(2, "with sliding_window: layers n, 2n, ... full, the others slide", ge=2)
     rope_local_theta: float | None = _f(None, "RoPE base of the sliding layers (Gemma 3); null = rope_theta", gt=0)
     query_pre_attn_scalar: int | None = _f(None, "softmax scale = this ** -0.5 (Gemma); null = head dim ** -0.5", ge=1)
     attn_logit_softcapping: float | None = _f(None, "scores c * tanh(s / c) before the softmax (Gemma 2)", gt=0)
     final_logit_softcapping: float | None = _f(None, "output logits c * tanh(z / c) (Gemma); null = none", gt=0)
+    swiglu_alpha: float = _f(1.0, "SwiGLU's gate g * sigmoid(alpha * g): 1 = SiLU; gpt_oss: 1.702", gt=0)
+    swiglu_limit: float | None = _f(None, "gpt_oss: SwiGLU clamp, gate <= this, linear half within +-this", gt=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     moe_grouped_gemm: Literal["auto", True, False] = _f("auto", "experts as grouped GEMMs (auto: where the widths fit)")
     attention_backend: Literal["auto", "local", "sdpa"] = _f(
@@ -267,10 +270,15 @@ class AlgorithmConfig:
     is_threshold: float = _f(2.0, "C: truncation cap of the importance weight", **BOUNDS["is_threshold"])
     is_mask_min: float = _f(0.5, "C_min: lowest importance weight kept when masking", **BOUNDS["is_mask_min"])
     is_mask_max: float = _f(2.0, "C_max: highest importance weight kept when masking", **BOUNDS["is_mask_max"])
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _f(
-        "grpo", "verl's adv_estimator: the advantage of each response or token (docs/training.md has the formulas)"
+    advantage_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _f(
+        "grpo",
+        "verl's adv_estimator: the advantage of each response or token (docs/training.md has the formulas); "
+        "gae reads the critic's values and implies critic.enabled",
     )
-    gamma: float = _f(1.0, "reinforce_plus_plus: discount per trained token (verl's algorithm.gamma)", ge=0, le=1)
+    gamma: float = _f(
+        1.0, "gae and reinforce_plus_plus: discount per trained token (verl's algorithm.gamma)", ge=0, le=1
+    )
+    lam: float = _f(1.0, "gae: lambda, the GAE trace decay per trained token (verl's algorithm.lam)", ge=0, le=1)
     adv_norm_std: bool = _f(True, "divide group advantages by the group std (False = mean-only, Dr. GRPO)")
     adv_eps: float = _f(1e-6, "epsilon added to the group std", ge=0)
     dynamic_sampling: bool = _f(False, "drop groups with zero reward spread and keep sampling")

@@ -27,7 +27,8 @@ transformers' `AutoModelForTokenClassification.from_pretrained(folder, num_label
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,11 +83,12 @@ def value_model_config(model: ModelConfig) -> ModelConfig:
 
 
 def build_value_model(
-    model: ModelConfig, parallel: ParallelConfig, *, enable_routing_replay: bool = False
+    model: ModelConfig, parallel: ParallelConfig, *, config_overrides: Mapping[str, Any] | None = None
 ) -> list[GPTModel]:
-    """This rank's value-model chunks (after `init_distributed`, in `parallel`'s layout); the last stage's
-    vocabulary output layer is built by GPTModel and dropped for the `ValueHead` (weights not yet set)."""
-    chunks = build_model(value_model_config(model), parallel, enable_routing_replay=enable_routing_replay)
+    """This rank's value-model chunks (after `init_distributed`, in `parallel`'s layout), free routing (no
+    replay: the actor's routing is the policy's); the last stage's vocabulary output layer is built by
+    GPTModel and dropped for the `ValueHead` (weights not yet set)."""
+    chunks = build_model(value_model_config(model), parallel, config_overrides=config_overrides)
     for chunk in chunks:
         if chunk.post_process:
             chunk.output_layer = ValueHead(chunk.config, local_device())

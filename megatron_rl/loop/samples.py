@@ -11,9 +11,10 @@ Each step's data is built here, in verl's order (rewards, old log-probs, the ref
   `algorithm.advantage_estimator` of the episodes' rewards (`outcome_advantages`: grpo, rloo,
   reinforce_plus_plus(_baseline)), or per turn and so per token (`algorithm.turn_credit`, the turns of
   an episode counted across its segments). The builder computes them with the sequences
-  when they need no reference; with `algorithm.kl_in_reward` they wait for the reference's
-  log-probs, and the step computes them once, after the reference forward, from R - beta * KL
-  (`kl_penalized_advantages`). They are never computed twice. With a teacher (`distill`), each
+  when they need no trainer forward; with `algorithm.kl_in_reward` they wait for the reference's
+  log-probs, and with `algorithm.advantage_estimator = gae` for the critic's values: the step computes
+  them once, on every rank, after those forwards (`step_advantages`: `kl_penalized_advantages` of
+  R - beta * KL, or `gae_advantages`). They are never computed twice. With a teacher (`distill`), each
   generated token's advantage also holds its distillation term (`distill_advantage`).
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.algorithms import (
+    compute_gae_advantage_return,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
@@ -33,7 +35,7 @@ from megatron_rl.algorithms import (
     overlong_filter_mask,
     per_turn_advantages,
 )
-from megatron_rl.config import Config
+from megatron_rl.config import AlgorithmConfig, Config
 from megatron_rl.envs import Trajectory, segments_of
 from megatron_rl.loop.async_rollout import trained_versions
 from megatron_rl.loop.scoring import Group
@@ -51,6 +53,12 @@ class StepBatch:
     rewards: torch.Tensor | None = None
     versions: list[list[int]] | None = None  # the weight version of each trained token, per sample of `batch`
     episodes: torch.Tensor | None = None
+
+
+def advantages_after_forwards(alg: AlgorithmConfig) -> bool:
+    """Whether the step's advantages wait for the trainer's forwards (`step_advantages`): the reference's KL in
+    the reward (`algorithm.kl_in_reward`) or the critic's values (`algorithm.advantage_estimator = gae`)."""
+    return alg.kl_in_reward or alg.advantage_estimator == "gae"
 
 
 def loss_mask(sequence: Trajectory, overlong_filter: bool) -> torch.Tensor:
@@ -208,6 +216,19 @@ def episode_rows(
     return token_rewards, response_mask, spans
 
 
+def _episode_owner(rewards: torch.Tensor, episodes: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+    """(the episode of each sequence, each episode's reward) from per-sequence `rewards` [N] and `episodes`
+    [N] (`StepBatch.episodes`; None: sequence i is episode i)."""
+    if episodes is None:
+        return list(range(rewards.shape[0])), rewards.to(torch.float32)
+    if episodes.shape != rewards.shape:
+        raise ValueError(f"episodes has shape {tuple(episodes.shape)}, rewards has {tuple(rewards.shape)}")
+    owner = episodes.to(torch.long).tolist()
+    count = max(owner) + 1 if owner else 0
+    index = torch.tensor(owner, dtype=torch.long)
+    return owner, torch.zeros(count).index_copy_(0, index, rewards.to(torch.float32))
+
+
 def kl_penalized_advantages(
     cfg: Config,
     rewards: torch.Tensor,
@@ -222,22 +243,92 @@ def kl_penalized_advantages(
     each of them gets the episode's advantage; `masks` [N]: the sequences' loss masks (`advantages_of`)."""
     if kl_sums.shape != rewards.shape:
         raise ValueError(f"kl_sums has shape {tuple(kl_sums.shape)}, rewards has {tuple(rewards.shape)}")
-    rewards, kl_sums = rewards.to(torch.float32), kl_sums.to(torch.float32)
-    owner: Sequence[int] = range(rewards.shape[0])
+    owner, rewards = _episode_owner(rewards, episodes)  # a sequence carries its episode's reward
+    kl_sums = kl_sums.to(torch.float32)
     if episodes is not None:
-        if episodes.shape != rewards.shape:
-            raise ValueError(f"episodes has shape {tuple(episodes.shape)}, rewards has {tuple(rewards.shape)}")
-        owner = episodes.to(torch.long).tolist()
-        count = max(owner) + 1 if owner else 0
-        index = torch.tensor(owner, dtype=torch.long)
-        rewards = torch.zeros(count).index_copy_(0, index, rewards)  # a sequence carries its episode's reward
-        kl_sums = torch.zeros(count).index_add_(0, index, kl_sums)
+        kl_sums = torch.zeros(rewards.shape[0]).index_add_(0, torch.tensor(owner, dtype=torch.long), kl_sums)
     penalty = cfg.algorithm.kl_coef * kl_sums
     metrics = {
         "reward/kl_penalty_mean": float(penalty.mean()),
         "reward/kl_penalized_mean": float((rewards - penalty).mean()),
     }
     return outcome_advantages(cfg, rewards - penalty, owner, masks), metrics
+
+
+def _rows(
+    per_sequence: Sequence[torch.Tensor], owner: Sequence[int], spans: Sequence[tuple[int, int]], shape: torch.Size
+) -> torch.Tensor:
+    """[E, L] float32: each sequence's [r_i] values at its span of its episode's row (`episode_rows`)."""
+    rows = torch.zeros(shape, dtype=torch.float32)
+    for k, (start, end), values in zip(owner, spans, per_sequence, strict=True):
+        rows[k, start:end] = values.to(torch.float32).reshape(-1)
+    return rows
+
+
+def gae_advantages(
+    cfg: Config,
+    rewards: torch.Tensor,
+    values: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    episodes: torch.Tensor | None = None,
+    kl: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """`algorithm.advantage_estimator = gae`: (advantages, returns, metrics), float32 [r_i] per sequence, from
+    verl's `compute_gae_advantage_return` (`algorithm.gamma`, `algorithm.lam`) over the whole step's batch.
+
+    `rewards` [N]: each sequence's episode reward (shaped); `values`: the critic's V_old [r_i] of each
+    sequence; `masks`: their loss masks; `episodes` [N] (`StepBatch.episodes`): an agent episode's sequences
+    are one response, end to end (`episode_rows`). The token-level rewards, as verl's: the episode's reward on
+    its last trained token, and with `kl` (`algorithm.kl_in_reward`: each sequence's per-token KL to the
+    reference, [r_i]) minus beta x KL on every trained token (verl's `apply_kl_penalty`). Masked tokens
+    (observations, the overlong filter's) take no reward, value or TD error: GAE carries its running terms
+    through them. The advantages are whitened over the step's trained tokens; the returns (A + V, before
+    whitening) are the critic's targets."""
+    for name, given in (("values", values), ("masks", masks), ("kl", kl)):
+        if given is not None and len(given) != rewards.shape[0]:
+            raise ValueError(f"gae_advantages: {len(given)} {name} for {rewards.shape[0]} sequences")
+    owner, episode_rewards = _episode_owner(rewards, episodes)
+    token_rewards, response_mask, spans = episode_rows(episode_rewards, owner, masks)
+    value_rows = _rows(values, owner, spans, response_mask.shape)
+    metrics: dict[str, float] = {}
+    if kl is not None:
+        penalty = cfg.algorithm.kl_coef * _rows(kl, owner, spans, response_mask.shape) * response_mask
+        token_rewards = token_rewards - penalty
+        metrics = {
+            "reward/kl_penalty_mean": float(penalty.sum(dim=-1).mean()),
+            "reward/kl_penalized_mean": float(token_rewards.sum(dim=-1).mean()),
+        }
+    if not bool(response_mask.any()):  # nothing trains this step: no token reads an advantage or a return
+        zeros = [torch.zeros(len(m)) for m in masks]
+        return zeros, [v.to(torch.float32) for v in values], metrics
+    alg = cfg.algorithm
+    adv, returns = compute_gae_advantage_return(token_rewards, value_rows, response_mask, alg.gamma, alg.lam)
+    advantages = [adv[k, start:end] for k, (start, end) in zip(owner, spans, strict=True)]
+    return advantages, [returns[k, start:end] for k, (start, end) in zip(owner, spans, strict=True)], metrics
+
+
+def step_advantages(
+    cfg: Config,
+    rewards: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    episodes: torch.Tensor | None = None,
+    kl: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, dict[str, float]]:
+    """The advantages that wait for the trainer's forwards (`advantages_after_forwards`), computed once on
+    every rank from the whole step batch: (advantages, the critic's returns or None, metrics). `kl`: each
+    sequence's per-token KL to the reference ([r_i], with `algorithm.kl_in_reward`); `values`: the critic's
+    V_old (with gae)."""
+    alg = cfg.algorithm
+    if alg.kl_in_reward and kl is None:
+        raise ValueError("algorithm.kl_in_reward: the advantages need the reference's KL of every sequence")
+    if alg.advantage_estimator == "gae":
+        if values is None:
+            raise ValueError("algorithm.advantage_estimator = 'gae': the advantages need the critic's values")
+        return gae_advantages(cfg, rewards, values, masks, episodes, kl if alg.kl_in_reward else None)
+    kl_sums = torch.stack([k.to(torch.float64).sum() for k in kl]) if kl else torch.zeros(0)
+    advantages, metrics = kl_penalized_advantages(cfg, rewards, kl_sums, episodes, masks)
+    return advantages, None, metrics
 
 
 class SampleBuilder:
@@ -268,7 +359,7 @@ class SampleBuilder:
             tokens=[torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long) for seq in sequences],
             prompt_lengths=[len(seq.prompt_ids) for seq in sequences],
             response_mask=None if all(bool(m.all()) for m in masks) else masks,
-            advantages=None if alg.kl_in_reward else advantages_of(self.cfg, rewards, episodes, masks),
+            advantages=None if advantages_after_forwards(alg) else advantages_of(self.cfg, rewards, episodes, masks),
             rollout_log_probs=[torch.tensor(seq.logprobs, dtype=torch.float32) for seq in sequences],
             routed_experts=routed,
         )

@@ -10,10 +10,11 @@ add up exactly to the whole batch's. `vf_clipfrac` is the fraction of tokens whe
 the larger (verl: strictly larger).
 
 The statistics are detached float64 sums (reduce every key with SUM across micro-batches and DP ranks);
-`critic_metrics` turns them into the run's metrics: `critic/value_loss`, `critic/vf_clipfrac`, and from
-the values of the rollout batch against its returns (`value_statistics`), `critic/values_mean` and
-`critic/explained_variance` = 1 - Var(R - V) / (Var(R) + 1e-5), the unbiased variances over the response
-tokens (verl's `critic/vf_explained_var`).
+the run's metrics take verl's names: `value_update_metrics` those of one update, `vf_loss`, `vf_clipfrac`
+and `vpred_mean` (the mean value being trained, over the update's response tokens), and `value_batch_metrics`
+those of the rollout batch's values against its returns (`value_statistics`): `critic/vf_explained_var` =
+1 - Var(R - V) / (Var(R) + 1e-5), the unbiased variances over the response tokens, `critic/values_mean` and
+`critic/returns_mean`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def value_loss(
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped value loss of these tokens as their share of a batch of `num_tokens` response tokens
-    (default: this call's), and its statistics (`value_loss`, `vf_clipped_tokens`, `tokens`).
+    (default: this call's), and its statistics (`vf_loss`, `vf_clipped_tokens`, `vpred_sum`, `tokens`).
 
     `values` (differentiable), `old_values`, `returns`: float [B, T]; `response_mask`: bool [B, T]."""
     shapes = {"old_values": old_values.shape, "returns": returns.shape, "response_mask": response_mask.shape}
@@ -51,8 +52,9 @@ def value_loss(
     per_token = torch.maximum(unclipped_loss, clipped_loss)
     loss = 0.5 * torch.where(mask, per_token, 0.0).sum() / max(tokens, 1.0)
     stats = {
-        "value_loss": loss.detach().to(torch.float64),
+        "vf_loss": loss.detach().to(torch.float64),
         "vf_clipped_tokens": count(mask & (clipped_loss > unclipped_loss)),
+        "vpred_sum": masked_sum(values, mask),
         "tokens": count(mask),
     }
     return loss, stats
@@ -84,15 +86,25 @@ def _unbiased_variance(total: float, squares: float, n: float) -> float:
     return (squares - total * total / n) / (n - 1) if n > 1 else float("nan")
 
 
-def critic_metrics(loss_stats: dict[str, torch.Tensor], value_stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The run's critic metrics from reduced statistics: one update's `value_loss` sums and the rollout
-    batch's `value_statistics` (NaN where there is no response token, or one for a variance)."""
-    tokens, n = float(loss_stats["tokens"]), float(value_stats["tokens"])
+def value_update_metrics(loss_stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One update's metrics from its reduced `value_loss` statistics (NaN without a response token)."""
+    tokens = float(loss_stats["tokens"])
+    return {
+        "vf_loss": float(loss_stats["vf_loss"]),
+        "vf_clipfrac": float(loss_stats["vf_clipped_tokens"]) / tokens if tokens else float("nan"),
+        "vpred_mean": float(loss_stats["vpred_sum"]) / tokens if tokens else float("nan"),
+        "tokens": tokens,
+    }
+
+
+def value_batch_metrics(value_stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The rollout batch's critic metrics from its reduced `value_statistics` (NaN where there is no response
+    token, or one for a variance)."""
+    n = float(value_stats["tokens"])
     returns_var = _unbiased_variance(float(value_stats["returns_sum"]), float(value_stats["returns_sq_sum"]), n)
     errors_var = _unbiased_variance(float(value_stats["errors_sum"]), float(value_stats["errors_sq_sum"]), n)
     return {
-        "critic/value_loss": float(loss_stats["value_loss"]),
-        "critic/vf_clipfrac": float(loss_stats["vf_clipped_tokens"]) / tokens if tokens else float("nan"),
-        "critic/explained_variance": 1.0 - errors_var / (returns_var + EXPLAINED_VARIANCE_EPS),
+        "critic/vf_explained_var": 1.0 - errors_var / (returns_var + EXPLAINED_VARIANCE_EPS),
         "critic/values_mean": float(value_stats["values_sum"]) / n if n else float("nan"),
+        "critic/returns_mean": float(value_stats["returns_sum"]) / n if n else float("nan"),
     }

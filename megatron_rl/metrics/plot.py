@@ -18,10 +18,20 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("length", "response tokens", ("response/length_mean", "response/length_max")),
     ("kl", "per token", ("actor/approx_kl_mean", "logprob_gap/kl_k3", "logprob_gap/abs_mean")),
     ("groups", "groups", ("groups/groups_generated", "groups/informative", "groups/groups_used")),
+    ("critic", "per token", ("critic/vf_loss", "critic/vf_explained_var", "critic/vf_clipfrac")),
     (
         "stage_times",
         "seconds",
-        ("time/generate", "time/reward", "time/old_logprobs", "time/train", "time/sync", "time/eval"),
+        (
+            "time/generate",
+            "time/reward",
+            "time/old_logprobs",
+            "time/values",
+            "time/critic_train",
+            "time/train",
+            "time/sync",
+            "time/eval",
+        ),
     ),
 )
 

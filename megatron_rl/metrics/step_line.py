@@ -19,6 +19,7 @@ SHOWN: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("eval", ("eval/greedy_accuracy",), ".3f"),
     ("loss", ("sft/loss",), ".4f"),
     ("pg_loss", ("actor/pg_loss",), ".4g"),
+    ("vf_loss", ("critic/vf_loss",), ".4g"),
     ("kl", ("actor/kl_ref_mean", "actor/approx_kl_mean"), ".3g"),
     ("logprob_gap", ("logprob_gap/abs_max",), ".2g"),
 )

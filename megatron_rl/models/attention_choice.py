@@ -8,10 +8,10 @@
   local specs to: force `sdpa` for speed) and under context parallelism, whose attention gathers the keys
   over the CP ranks and is local's.
 
-Sliding-window layers and attention soft-capping (Gemma 2 and 3) run `local` only (`local_attention_only`): SDPA
-computes neither, and the context-parallel attention builds its own causal mask, which Megatron's sliding-window
-softmax would replace by one that assumes the queries are the sequence's last positions. `auto` is `local` there;
-`sdpa` and CP > 1 are refused.
+Attention sinks (gpt-oss), sliding-window layers (gpt-oss, Gemma 2 and 3) and attention soft-capping (Gemma 2) run
+`local` only (`local_attention_only`): SDPA computes none of them, and the context-parallel attention builds its
+own causal mask, which Megatron's sliding-window softmax would replace by one that assumes the queries are the
+sequence's last positions. `auto` is `local` there; `sdpa` and CP > 1 are refused.
 
 With Transformer Engine its own attention runs; the key chooses among the local specs only. Gemma's layers are
 built on the local specs wherever Transformer Engine is (`transformer_engine_layers`).
@@ -20,12 +20,16 @@ built on the local specs wherever Transformer Engine is (`transformer_engine_lay
 from __future__ import annotations
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.models.families import FAMILIES
+from megatron_rl.models.families import FAMILIES, is_gpt_oss
 
 
 def local_attention_only(model: ModelConfig) -> str | None:
-    """What of `model` only Megatron's local core attention computes, None when any attention does."""
-    if model.sliding_window is not None:
+    """What of `model` only Megatron's local core attention computes among the local specs' attentions, None when
+    any of them does."""
+    window = model.sliding_window is not None
+    if is_gpt_oss(model):
+        return "attention sinks and sliding-window layers" if window else "attention sinks"
+    if window:
         return "sliding-window layers"
     if model.attn_logit_softcapping is not None:
         return "attention logit soft-capping"
@@ -52,7 +56,7 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
     choice = model.attention_backend
     cp = parallel.context_parallel_size
     only = local_attention_only(model)
-    if only is not None and (choice == "sdpa" or cp > 1):
+    if only is not None and not transformer_engine and (choice == "sdpa" or cp > 1):
         key = f"model.attention_backend = {choice}" if choice == "sdpa" else f"parallel.context_parallel_size = {cp}"
         raise ConfigError(
             f"{key}: model.family = {model.family!r} has {only}, which only Megatron's local attention computes, "

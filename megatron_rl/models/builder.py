@@ -122,10 +122,54 @@ def transformer_config(
         raise ValueError(f"routing replay needs an MoE model; model.family = {model.family!r} is dense")
     if spec.multi_latent_attention:
         kwargs.update(mla_fields(model))
+    if spec.gpt_oss:
+        kwargs.update(gpt_oss_fields(model))
     if spec.gemma:
         kwargs.update(gemma_fields(model))
+    if model.sliding_window is not None:
+        # Megatron's window (w - 1, 0) keeps the query's own key and the w - 1 before it, as transformers'
+        # `sliding_window` w; every `sliding_window_pattern`-th layer full
+        kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_pattern)
     kwargs.update(overrides or {})
-    return (MLATransformerConfig if spec.multi_latent_attention else TransformerConfig)(**kwargs)
+    config = (MLATransformerConfig if spec.multi_latent_attention else TransformerConfig)(**kwargs)
+    if model.rope_scaling == "yarn" and not spec.multi_latent_attention:
+        # GPTModel's yarn (position_embedding_type = yarn) and its attention's cos/sin factor read these
+        # attributes, which are no TransformerConfig fields
+        config.yarn_rotary_scaling_factor = model.yarn_factor
+        config.yarn_original_max_position_embeddings = model.yarn_original_max_position_embeddings
+        config.yarn_beta_fast, config.yarn_beta_slow = model.yarn_beta_fast, model.yarn_beta_slow
+        config.yarn_mscale, config.yarn_mscale_all_dim = model.yarn_mscale, model.yarn_mscale_all_dim
+        config.yarn_correction_range_round_to_int = model.yarn_truncate
+    return config
+
+
+class GatedSigmoid:
+    """SwiGLU's gate with a gain: g * sigmoid(alpha * g) (gpt-oss's alpha 1.702; alpha 1 is SiLU)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x * self.alpha)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GatedSigmoid) and other.alpha == self.alpha
+
+    def __hash__(self) -> int:
+        return hash(self.alpha)
+
+
+def gpt_oss_fields(model: ModelConfig) -> dict[str, Any]:
+    """gpt-oss's attention and experts: biases on every linear and the router (`add_bias_linear`), a learnable
+    sink logit per head; the SwiGLU clamped, gated by g * sigmoid(alpha * g), its linear half offset by 1 (its
+    sliding-window layers: `transformer_config`)."""
+    return dict(
+        add_bias_linear=True,
+        softmax_type="learnable",
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=model.swiglu_limit,
+        activation_func=GatedSigmoid(model.swiglu_alpha),
+    )
 
 
 def sigmoid_router_fields(model: ModelConfig) -> dict[str, Any]:
@@ -315,7 +359,7 @@ def build_model(
         post_process=ps.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if model.rope_scaling == "yarn" and not spec.multi_latent_attention else "rope",
         rotary_percent=model.rotary_percent,
         rotary_base=model.rope_theta,
         rope_scaling=model.rope_scaling == "llama3",  # Megatron's: low/high frequency factors 1, 4; 8192 positions
@@ -324,10 +368,35 @@ def build_model(
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
     _check_stage_layers(gpt, model, parallel)
+    if spec.gpt_oss:
+        _prepare_sinks_and_expert_biases(gpt)
     if spec.gemma:
         prepare_gemma(gpt, model)
     reduce_experts_over_expert_data_parallel(gpt, parallel)
     return [gpt]
+
+
+def _prepare_sinks_and_expert_biases(gpt: GPTModel) -> None:
+    """Tag the attention sinks (`softmax_offset`, one per head of this TP rank) as split over TP on heads, as
+    Megatron's sharded state dict splits them, and let each expert of a `SequentialMLP` own its output: its MLP
+    adds the output bias in place, which autograd refuses on the view that the reduction over one expert-TP
+    rank returns (without expert parallelism)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for layer in gpt.decoder.layers:
+        offset = layer.self_attention.core_attention.softmax_offset
+        if not isinstance(offset, torch.nn.Parameter):  # Megatron sets it to what the init method returns
+            raise RuntimeError(f"layer {layer.layer_number}: no attention sinks (an init method returned {offset!r})")
+        set_tensor_model_parallel_attributes(offset, True, 0, 1)
+    for module in gpt.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                expert.linear_fc2.register_forward_hook(_own_output)
+
+
+def _own_output(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+    out, bias = output
+    return (out.clone() if out._is_view() else out), bias
 
 
 def reduce_experts_over_expert_data_parallel(model: torch.nn.Module, parallel: ParallelConfig) -> None:

@@ -12,7 +12,9 @@ stage's dense tensors, and
 - by default (`ep_senders=False`: the converter) that same rank with every expert of the stage,
   gathered from all EP ranks;
 - with `ep_senders=True` (weight sync) the first rank of each expert-parallel rank with that EP
-  rank's own experts, nothing gathered across EP: each expert leaves from where it lives.
+  rank's own experts, nothing gathered across EP: each expert leaves from where it lives. Not for a
+  family whose checkpoints stack a layer's experts into one tensor (`fused_experts`: gpt-oss), which
+  one rank must assemble (`sends_experts_per_rank`).
 
 Other ranks hold no gathered tensor and get an empty generator that must still be run to its end
 (it joins the collectives).
@@ -39,6 +41,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.models.fused_experts import ExpertFuser, stacks_experts
 from megatron_rl.models.hf_config_sigmoid import mtp_dropped_config
 from megatron_rl.models.hf_io import ShardedSafetensorsWriter, copy_assets, finalize_hf_folder, write_hf_config
 from megatron_rl.models.hf_mapping import HFMapping
@@ -61,6 +64,12 @@ def _expert_sender(any_ep_rank: bool = False) -> bool:
         and (any_ep_rank or ps.get_expert_model_parallel_rank() == 0)
         and ps.get_expert_data_parallel_rank() == 0
     )
+
+
+def sends_experts_per_rank(model: ModelConfig) -> bool:
+    """The `ep_senders` of weight sync: each EP rank sends its own experts, unless the checkpoint stacks a
+    layer's experts into one tensor (gpt-oss), which the first EP rank assembles from all of them."""
+    return not stacks_experts(model.family)
 
 
 def splits_experts(ep_senders: bool) -> bool:
@@ -191,10 +200,13 @@ def export_hf_weights(
             "parameters under this rank order; the exporter needs them to coincide"
         )
     mapping = HFMapping(model)
+    if stacks_experts(model.family) and splits_experts(ep_senders):
+        raise RuntimeError(f"{model.family} stacks a layer's experts: export them with ep_senders = False")
+    fuser = ExpertFuser(model.family, model.num_experts or 0)
     limit = int(bucket_mb * 2**20)
     open_buckets: dict[bool, tuple[Bucket, int]] = {False: ([], 0), True: ([], 0)}  # by is_expert
     for megatron_name, full, expert in _full_params([unwrap_model(c) for c in chunks], model, ep_senders):
-        for name, tensor in mapping.to_hf(megatron_name, full):
+        for name, tensor in (t for pair in mapping.to_hf(megatron_name, full) for t in fuser.add(*pair)):
             if dtype is not None:
                 tensor = tensor.to(dtype)
             nbytes = tensor.numel() * tensor.element_size()
@@ -204,6 +216,7 @@ def export_hf_weights(
                 bucket, size = [], 0
             bucket.append((name, tensor))
             open_buckets[expert] = (bucket, size + nbytes)
+    fuser.check_done()
     for bucket, _ in open_buckets.values():
         if bucket:
             yield bucket
@@ -295,7 +308,7 @@ def _finish_folder(
     """Rank 0's part of `save_hf_folder`: the final file names, or an error message for all ranks."""
     names = [n for _, file_names, _ in files for n in file_names]
     mapping = HFMapping(model)
-    expected = {**mapping.expected_hf_shapes(), **mapping.empty_hf_shapes()}
+    expected = {**mapping.checkpoint_shapes(), **mapping.empty_hf_shapes()}
     if sorted(names) != sorted(expected):
         missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
         return f"export wrote a wrong tensor set: missing {missing[:3]}, unexpected {extra[:3]}"

@@ -19,6 +19,7 @@ class FamilySpec:
     multi_latent_attention: bool = False
     router_extras: bool = False  # DeepSeek's group-limited routing, shared experts and routed scaling factor
     qk_norm_whole_projection: bool = False  # QK-norm over all heads of q (and of k) at once, not per head
+    gpt_oss: bool = False  # learnable attention sinks, biases on every linear and the router, (1 + up) SwiGLU
     gemma: bool = False  # (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, tanh-GELU GLU
 
 
@@ -60,20 +61,34 @@ FAMILIES: dict[str, FamilySpec] = {
         score_function="sigmoid",
         qk_norm_whole_projection=True,
     ),
+    # gpt-oss: GQA with biases on q/k/v/o and a learnable sink logit per head, sliding-window layers between
+    # full ones, yarn RoPE; router with a bias (softmax of the top-k logits), biased experts whose SwiGLU
+    # clamps its inputs and gates (up + 1); MoE in every layer.
+    "gpt_oss": FamilySpec(moe=True, qk_layernorm=False, add_qkv_bias=True, norm_topk=True, gpt_oss=True),
     # Gemma 2 dense: Gemma's layer (models.gemma), attention and final logit soft-capping, sliding-window layers.
     "gemma2": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False, gemma=True),
     # Gemma 3 text: Gemma's layer with (1 + weight) QK-norm, the sliding layers' own RoPE base, linear RoPE scaling.
     "gemma3_text": FamilySpec(moe=False, qk_layernorm=True, add_qkv_bias=False, gemma=True),
 }
-# The ModelConfig switches of Gemma's architecture (set: the families that have them), refused for the others.
-_GEMMA_ONLY = {
-    "model.sliding_window": (lambda m: m.sliding_window is not None, ("gemma2", "gemma3_text")),
-    "model.query_pre_attn_scalar": (lambda m: m.query_pre_attn_scalar is not None, ("gemma2", "gemma3_text")),
-    "model.final_logit_softcapping": (lambda m: m.final_logit_softcapping is not None, ("gemma2", "gemma3_text")),
+_GEMMA = ("gemma2", "gemma3_text")
+# The ModelConfig switches only some families have (set: the families that have them), refused for the others.
+_FAMILY_ONLY = {
+    "model.sliding_window": (lambda m: m.sliding_window is not None, ("gpt_oss", *_GEMMA)),
+    "model.swiglu_alpha": (lambda m: m.swiglu_alpha != 1.0, ("gpt_oss",)),
+    "model.swiglu_limit": (lambda m: m.swiglu_limit is not None, ("gpt_oss",)),
+    "model.yarn_truncate": (lambda m: not m.yarn_truncate, ("gpt_oss",)),
+    "model.query_pre_attn_scalar": (lambda m: m.query_pre_attn_scalar is not None, _GEMMA),
+    "model.final_logit_softcapping": (lambda m: m.final_logit_softcapping is not None, _GEMMA),
     "model.attn_logit_softcapping": (lambda m: m.attn_logit_softcapping is not None, ("gemma2",)),
     "model.rope_local_theta": (lambda m: m.rope_local_theta is not None, ("gemma3_text",)),
     "model.rope_scaling = 'linear'": (lambda m: m.rope_scaling == "linear", ("gemma3_text",)),
 }
+
+
+def is_gpt_oss(model: ModelConfig) -> bool:
+    """Whether `model` has gpt-oss's attention sinks, sliding-window layers and biased experts."""
+    spec = FAMILIES.get(model.family)
+    return spec is not None and spec.gpt_oss
 
 
 def check_family(model: ModelConfig) -> FamilySpec:
@@ -93,11 +108,15 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if spec.norm_topk is not None and model.moe_router_norm_topk != spec.norm_topk:
         raise ConfigError(f"{fam} needs model.moe_router_norm_topk = {str(spec.norm_topk).lower()}")
     _check_sigmoid_router(model, spec, fam)
-    for key, (used, owners) in _GEMMA_ONLY.items():
+    for key, (used, owners) in _FAMILY_ONLY.items():
         if used(model) and model.family not in owners:
             raise ConfigError(f"{fam} has no {key} (only {', '.join(owners)})")
-    if model.rope_scaling == "yarn" and not spec.multi_latent_attention:
-        raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported with MLA (deepseek_v3)")
+    if spec.gpt_oss and (model.first_k_dense_layers or model.moe_layer_freq != 1):
+        raise ConfigError(
+            f"{fam} has MoE in every layer: needs model.first_k_dense_layers = 0, model.moe_layer_freq = 1"
+        )
+    if model.rope_scaling == "yarn" and not (spec.multi_latent_attention or spec.gpt_oss):
+        raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported for deepseek_v3 (MLA) and gpt_oss")
     if model.rope_scaling == "llama3" and model.family != "llama":
         raise ConfigError(f"{fam}: model.rope_scaling = 'llama3' is only supported for model.family = 'llama'")
     if spec.multi_latent_attention and model.rotary_percent != 1.0:
@@ -164,10 +183,14 @@ def parameter_counts(model: ModelConfig) -> tuple[int, int]:
     return stage_parameter_counts(model, range(model.num_layers), first=True, last=True)
 
 
-def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last: bool) -> tuple[int, int]:
+def stage_parameter_counts(
+    model: ModelConfig, layers: range, first: bool, last: bool, *, value_head: bool = False
+) -> tuple[int, int]:
     """(dense, expert) parameter counts, as `parameter_counts`, of the pipeline stage holding the global
     transformer `layers`: the `first` stage also holds the input embedding, the `last` the final norm and
-    the output layer (with tied embeddings a copy of the embedding, unless that stage is also the first)."""
+    the output layer (with tied embeddings a copy of the embedding, unless that stage is also the first).
+    `value_head`: the critic's value model (`megatron_rl.critic`), untied, whose output layer is a [1, H] head
+    with its bias."""
     spec = check_family(model)
     h, heads = model.hidden_size, model.num_attention_heads
     if spec.multi_latent_attention:
@@ -181,15 +204,18 @@ def stage_parameter_counts(model: ModelConfig, layers: range, first: bool, last:
         qkv = (heads + 2 * model.num_query_groups) * d
         norms = (heads + model.num_query_groups) * d if spec.qk_norm_whole_projection else 2 * d
         attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
+        attention += (h + heads) if spec.gpt_oss else 0  # o_proj's bias, the sinks
         attention += 2 * h if spec.gemma else 0  # the norms after the attention and after the MLP
     pattern = moe_layer_pattern(model)
     moe_layers = sum(pattern[i] for i in layers)
     dense_mlp = 3 * h * model.ffn_hidden_size * (len(layers) - moe_layers)
-    router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" else 0))
+    router = (model.num_experts or 0) * (h + (1 if spec.score_function == "sigmoid" or spec.gpt_oss else 0))
     shared = 3 * h * (model.moe_shared_expert_size or 0)
     embedding = model.vocab_size * h
-    output = h + (0 if model.tie_word_embeddings and first else embedding)  # the final norm and output layer
+    head = h + 1 if value_head else (0 if model.tie_word_embeddings and first else embedding)
+    output = h + head  # the final norm and the output layer
     ends = (embedding if first else 0) + (output if last else 0)
     dense = ends + len(layers) * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
-    experts = moe_layers * (model.num_experts or 0) * 3 * h * model.moe_ffn_hidden_size
+    expert = 3 * h * model.moe_ffn_hidden_size + ((2 * model.moe_ffn_hidden_size + h) if spec.gpt_oss else 0)
+    experts = moe_layers * (model.num_experts or 0) * expert
     return dense, experts

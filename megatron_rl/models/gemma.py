@@ -7,8 +7,8 @@ GPT layer does not, as transformers' `modeling_gemma2` / `modeling_gemma3` compu
 - The sandwich norms: `GemmaSelfAttention` and `GemmaMLP` normalise their output (`post_layernorm`) before the
   residual add (transformers' post_attention_layernorm / post_feedforward_layernorm); the norms before them are
   the layer's input_layernorm and pre_mlp_layernorm (pre_feedforward_layernorm).
-- Sliding-window layers: Megatron's `window_size` and `window_attn_skip_freq` (`gemma_fields`), which its local
-  attention applies (keys q - window + 1 .. q); Gemma 3's sliding layers rotate with their own RoPE base
+- Sliding-window layers: Megatron's `window_size` and `window_attn_skip_freq` (`builder.transformer_config`), which
+  its local attention applies (keys q - window + 1 .. q); Gemma 3's sliding layers rotate with their own RoPE base
   (`rope_local_theta`, `GemmaSelfAttention.local_rope`), its full layers with the model's (linearly scaled
   positions with `rope_scaling = linear`).
 - Gemma 2's attention soft-capping, c * tanh(s / c) on the scaled scores before the mask
@@ -59,14 +59,11 @@ def softcap(x: Tensor, cap: float) -> Tensor:
 
 
 def gemma_fields(model: ModelConfig) -> dict[str, Any]:
-    """TransformerConfig fields of a Gemma model: the tanh-GELU GLU, query_pre_attn_scalar's softmax scale, and
-    sliding-window layers (Megatron's window (w - 1, 0) keeps the query's own key and the w - 1 before it, as
-    transformers' `sliding_window` w; every `sliding_window_pattern`-th layer full)."""
+    """TransformerConfig fields of a Gemma model: the tanh-GELU GLU and query_pre_attn_scalar's softmax scale (its
+    sliding-window layers: `builder.transformer_config`)."""
     fields: dict[str, Any] = dict(activation_func=gelu_tanh)
     if model.query_pre_attn_scalar is not None:
         fields["softmax_scale"] = model.query_pre_attn_scalar**-0.5
-    if model.sliding_window is not None:
-        fields.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_pattern)
     return fields
 
 

@@ -4,8 +4,8 @@ Every value the architecture needs is derived (family from `architectures`, laye
 KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
-config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`; Gemma 2 and
-Gemma 3: `hf_config_gemma`).
+config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
+`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`; Gemma 2 and Gemma 3: `hf_config_gemma`).
 Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
 defaults unless passed as overrides.
 """
@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
 }
@@ -194,6 +195,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_minimax import minimax_model_fields
 
         return _finish(minimax_model_fields(hf, source), hf, hf_path, source, overrides)
+    if family == "gpt_oss":
+        from megatron_rl.models.hf_config_gpt_oss import gpt_oss_model_fields
+
+        return _finish(gpt_oss_model_fields(hf, source), hf, hf_path, source, overrides)
     if family in ("gemma2", "gemma3_text"):
         from megatron_rl.models.hf_config_gemma import gemma_model_fields
 
@@ -298,6 +303,11 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(minimax_hf_config(model))
+    elif model.family == "gpt_oss":
+        from megatron_rl.models.hf_config_gpt_oss import gpt_oss_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(gpt_oss_hf_config(model))
     elif model.family in ("gemma2", "gemma3_text"):
         from megatron_rl.models.hf_config_gemma import gemma_hf_config
 

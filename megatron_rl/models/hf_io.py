@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.models.fused_experts import STACKED_KINDS
 from megatron_rl.models.hf_config import ConversionError
 from megatron_rl.models.safetensors_io import MappedSafetensors, SafetensorsFormatError, read_header, write_safetensors
 
@@ -66,10 +67,16 @@ class HFCheckpoint:
         self._derived: dict[str, tuple[str, int, slice]] = {}
         self._fused_files: dict[str, Path] = {}
 
-    def split_fused_experts(self) -> None:
+    def split_fused_experts(self, family: str) -> None:
         """Present transformers 5's fused experts (`...mlp.experts.gate_up_proj` [E, 2I, H], gate rows
         first, and `...mlp.experts.down_proj` [E, H, I]) under the per-expert checkpoint names
-        (`...mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) that the mappings read."""
+        (`...mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) that the mappings read; for a
+        `family` whose checkpoints stack the experts in their own layout (`fused_experts`: gpt-oss), each
+        expert's slice as `...mlp.experts.{e}.{kind}`."""
+        stacked = STACKED_KINDS.get(family)
+        if stacked is not None:
+            self._split_stacked(stacked)
+            return
         for name in [n for n in self.shapes if n.endswith(_FUSED)]:
             prefix, kind = name.rsplit(".", 1)
             shape = self.shapes.pop(name)
@@ -89,6 +96,17 @@ class HFCheckpoint:
                     self._derived[derived] = (name, expert, rows_of)
                     self.files[derived], self.dtypes[derived] = file, dtype
                     self.shapes[derived] = (rows_of.stop - rows_of.start, shape[2])
+
+    def _split_stacked(self, kinds: tuple[str, ...]) -> None:
+        for name in [n for n in self.shapes if n.rsplit(".", 1)[-1] in kinds and ".mlp.experts." in n]:
+            prefix, kind = name.rsplit(".", 1)
+            shape = self.shapes.pop(name)
+            file, dtype = self.files.pop(name), self.dtypes.pop(name)
+            self._fused_files[name] = file
+            for expert in range(shape[0]):
+                derived = f"{prefix}.{expert}.{kind}"
+                self._derived[derived] = (name, expert, slice(None))
+                self.files[derived], self.dtypes[derived], self.shapes[derived] = file, dtype, tuple(shape[1:])
 
     def _check_index(self, files: list[Path]) -> None:
         index = self.folder / INDEX_NAME

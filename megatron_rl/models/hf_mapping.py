@@ -12,6 +12,9 @@ A rule joins one Megatron tensor and one or more HF tensors:
 - `qkv`: Megatron's fused QKV rows are grouped per KV head, `[q of the group's heads, k, v]` per
   group; HF has separate q, k, v projections (weights and biases alike).
 - `gate_up`: Megatron's SwiGLU `linear_fc1` is `[gate; up]` stacked on rows.
+- `interleaved` / `interleaved_t`: gpt-oss's expert `gate_up_proj` (bias / weight) interleaves gate and up
+  (gate j at 2j, up j at 2j + 1); its weights, and `down_proj`'s (`transpose`), are stored transposed ([in, out]).
+  Its checkpoints stack a layer's experts (`fused_experts`): the rules name one slice per expert.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.fused_experts import stacked_shapes, stacks_experts
 from megatron_rl.models.hf_config import ConversionError
 
 _L = "decoder.layers.{layer}."
@@ -146,6 +150,22 @@ _DEEPSEEK_EXPERTS = _experts(
 _MIXTRAL_EXPERTS = _experts(
     "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight", "w2.weight"
 )
+_MG_EXPERT = _L + "mlp.experts.local_experts.{expert}."
+_GPT_OSS_EXPERT = _P + "mlp.experts.{expert}."  # a slice of the stacked tensor (fused_experts)
+# gpt-oss: o_proj's bias, the sinks, the router's bias, the experts' biases and their stacked, transposed layout.
+_GPT_OSS: tuple[Rule, ...] = (
+    Rule(_A + "linear_proj.bias", (_HA + "o_proj.bias",), (("H",),)),
+    Rule(_A + "core_attention.softmax_offset", (_HA + "sinks",), (("NH",),)),
+    Rule(_L + "mlp.router.weight", (_P + "mlp.router.weight",), (("E", "H"),), layers="moe"),
+    Rule(_L + "mlp.router.bias", (_P + "mlp.router.bias",), (("E",),), layers="moe"),
+    Rule(_MG_EXPERT + "linear_fc1.weight", (_GPT_OSS_EXPERT + "gate_up_proj",), (("H", "2M"),), "interleaved_t",
+         layers="moe"),
+    Rule(_MG_EXPERT + "linear_fc1.bias", (_GPT_OSS_EXPERT + "gate_up_proj_bias",), (("2M",),), "interleaved",
+         layers="moe"),
+    Rule(_MG_EXPERT + "linear_fc2.weight", (_GPT_OSS_EXPERT + "down_proj",), (("M", "H"),), "transpose",
+         layers="moe"),
+    Rule(_MG_EXPERT + "linear_fc2.bias", (_GPT_OSS_EXPERT + "down_proj_bias",), (("H",),), layers="moe"),
+)  # fmt: skip
 # Gemma: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and post_feedforward_layernorm
 # normalise the attention's and the MLP's outputs (models.gemma's post_layernorm).
 _GEMMA: tuple[Rule, ...] = (
@@ -174,6 +194,7 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
             _L + "mlp.router.expert_bias", (_P + "block_sparse_moe.e_score_correction_bias",), (("E",),), layers="moe"
         ),
     ),
+    "gpt_oss": _BASE + _GQA + _GPT_OSS,
 }
 
 
@@ -199,8 +220,10 @@ class HFMapping:
             "Q": model.num_attention_heads * head_dim,
             "KV": model.num_query_groups * head_dim,
             "D": head_dim,
+            "NH": model.num_attention_heads,
             "F": model.ffn_hidden_size,
             "M": model.moe_ffn_hidden_size,
+            "2M": 2 * model.moe_ffn_hidden_size,
             "E": model.num_experts or 0,
             "S": model.moe_shared_expert_size or 0,
             "QA": model.q_lora_rank or 0,
@@ -264,6 +287,14 @@ class HFMapping:
                     self._add(out, rule, {"layer": layer})
         return out
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """`expected_hf_shapes` as the checkpoint files hold them: where the family stacks a layer's experts
+        (`fused_experts`), the stacked tensors in place of the per-expert slices."""
+        shapes = self.expected_hf_shapes()
+        if not stacks_experts(self.model.family):
+            return shapes
+        return stacked_shapes(shapes, self.model.family, self.model.num_experts or 0)
+
     def empty_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """The 0-width tensors `transformers` writes for a sigmoid-router model without shared experts
         (`n_shared_experts = 0`: `mlp.shared_experts` of width 0 in every MoE layer). No Megatron parameter
@@ -293,8 +324,10 @@ class HFMapping:
             parts = [tensor[: self.model.vocab_size]]
         elif rule.kind == "qkv":
             parts = list(self._split_qkv(tensor))
-        else:
+        elif rule.kind == "gate_up":
             parts = list(tensor.chunk(2, dim=0))
+        else:
+            parts = [_to_stored(rule.kind, tensor)]
         return [(n, p.contiguous()) for n, p in zip(names, parts, strict=True)]
 
     def to_megatron(
@@ -319,6 +352,8 @@ class HFMapping:
             out = torch.empty(full_shape, dtype=parts[0].dtype, device=parts[0].device)
         if rule.kind == "copy":
             out.copy_(parts[0])
+        elif rule.kind in _STORED:
+            out.copy_(_from_stored(rule.kind, parts[0]))
         elif rule.kind == "vocab":  # Megatron's padding rows are zero
             out[: parts[0].shape[0]].copy_(parts[0])
             out[parts[0].shape[0] :].zero_()
@@ -341,11 +376,30 @@ class HFMapping:
         return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+_STORED = ("interleaved", "interleaved_t", "transpose")  # gpt-oss's expert layouts
+
+
+def _to_stored(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Megatron expert tensor in gpt-oss's stored layout: [gate; up] rows interleaved, weights transposed."""
+    if kind != "transpose":
+        tensor = torch.stack(tensor.chunk(2, dim=0), dim=1).reshape(tensor.shape)
+    return tensor if kind == "interleaved" else tensor.transpose(0, 1)
+
+
+def _from_stored(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_to_stored`."""
+    if kind != "interleaved":
+        tensor = tensor.transpose(0, 1)
+    return tensor if kind == "transpose" else torch.cat([tensor[0::2], tensor[1::2]], dim=0)
+
+
 def _merged_shape(kind: str, parts: list[torch.Tensor], full_shape: Sequence[int], vocab: int) -> tuple[int, ...]:
     """The shape the Megatron tensor made of `parts` has (vocab: `vocab` rows padded to `full_shape`)."""
     first = tuple(parts[0].shape)
-    if kind == "copy":
+    if kind in ("copy", "interleaved"):
         return first
+    if kind in ("transpose", "interleaved_t"):
+        return first[::-1]
     if kind == "vocab":
         return (full_shape[0], *first[1:]) if first and first[0] == vocab <= full_shape[0] else first
     if any(tuple(p.shape[1:]) != first[1:] for p in parts):

@@ -79,16 +79,19 @@ def check_config_against_checkpoint(
         return
     first_moe = mapping.moe_layers.index(1)
     found = {int(m.group(2)) for n in shapes if (m := _EXPERT.match(n)) and int(m.group(1)) == first_moe}
-    key = {"mixtral": "num_local_experts", "minimax_m2": "num_local_experts"}.get(model.family, "num_experts")
+    key = "num_local_experts" if model.family in ("mixtral", "minimax_m2", "gpt_oss") else "num_experts"
     key = "n_routed_experts" if model.family in ("deepseek_v3", "glm4_moe") else key
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
     if model.family in ("deepseek_v3", "glm4_moe"):
         shared = f"model.layers.{first_moe}.mlp.shared_experts.gate_proj.weight"
         shape_check("n_shared_experts x moe_intermediate_size", dims["S"], shared, 0)
-    width = "intermediate_size" if model.family in ("mixtral", "minimax_m2") else "moe_intermediate_size"
+    width = "intermediate_size" if model.family in ("mixtral", "minimax_m2", "gpt_oss") else "moe_intermediate_size"
     gate = mapping.hf_names(f"decoder.layers.{first_moe}.mlp.experts.local_experts.0.linear_fc1.weight")[0]
-    shape_check(width, dims["M"], gate, 0)
+    if model.family == "gpt_oss":  # [hidden, 2 x width]: stored transposed, gate and up interleaved
+        shape_check(width, dims["2M"], gate, 1, f"{dims['M']} (x 2 columns)")
+    else:
+        shape_check(width, dims["M"], gate, 0)
 
 
 def open_hf_checkpoint(
@@ -99,7 +102,7 @@ def open_hf_checkpoint(
     tensors and shapes the folder holds in place of lm_head.weight (a token-classification model's
     score.weight and score.bias: the critic's value model)."""
     ckpt = HFCheckpoint(folder)
-    ckpt.split_fused_experts()
+    ckpt.split_fused_experts(model.family)
     _drop_mtp_layers(ckpt, model, read_hf_config(folder))
     for name, shape in HFMapping(model).empty_hf_shapes().items():  # n_shared_experts = 0: nothing to load
         if ckpt.shapes.get(name) == shape:

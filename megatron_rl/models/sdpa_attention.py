@@ -8,7 +8,7 @@ unfused. `SDPAttention` computes the same causal attention without one:
 - a packed (THD) micro-batch on CUDA in bf16/fp16: `torch.nn.attention.varlen.varlen_attn` over the
   whole pack with the packer's `cu_seqlens` (on the device) and `max_seqlen` (an int), no host sync.
   Its signature changed after torch 2.10 (`is_causal` became `window_size=(-1, 0)`; `scale` and
-  `enable_gqa` came later): `_VARLEN` reads which one is installed;
+  `enable_gqa` came later): `_varlen_kernel` reads which one is installed;
 - a packed micro-batch elsewhere (the CPU, fp32, a torch without varlen): one causal SDPA per
   sequence (the block-diagonal mask without building it), the bounds read once per micro-batch
   (`_segment_sizes`), not once per layer.
@@ -21,8 +21,10 @@ to its unfused kernel, which writes the scores).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,20 +35,23 @@ from torch import Tensor
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.packed_attention import check_packed
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-
-    _VARLEN: frozenset[str] = frozenset(inspect.signature(varlen_attn).parameters)
-except ImportError:  # torch < 2.10
-    varlen_attn = None
-    _VARLEN = frozenset()
-
 _VARLEN_DTYPES = (torch.bfloat16, torch.float16)  # its flash kernel's
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., Tensor] | None, frozenset[str]]:
+    """torch's `varlen_attn` and its parameter names; (None, empty) before torch 2.10. Imported on first
+    use on CUDA only: the module imports TorchDynamo, about 1.3 s of CPU a process that never calls it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed micro-batches of `dtype` on `device` run as one varlen attention."""
-    return varlen_attn is not None and device.type == "cuda" and dtype in _VARLEN_DTYPES
+    return device.type == "cuda" and dtype in _VARLEN_DTYPES and _varlen_kernel()[0] is not None
 
 
 _last_bounds: tuple[Tensor, list[int]] | None = None
@@ -129,15 +134,16 @@ class SDPAttention(MLADotProductAttention):
 
     def _varlen(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
         """The whole pack in one varlen attention: [t, heads, dim] -> [t, heads, v dim]."""
+        varlen_attn, parameters = _varlen_kernel()
         width, v_width = query.shape[-1], value.shape[-1]
         value = _pad_to(value, width)
-        kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in _VARLEN else {"window_size": (-1, 0)}
-        if "scale" in _VARLEN:
+        kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
+        if "scale" in parameters:
             kwargs["scale"] = self.scale
         else:  # its default scale is 1 / sqrt(width)
             query = query * (self.scale * math.sqrt(width))
         if query.shape[1] != key.shape[1]:
-            if "enable_gqa" in _VARLEN:
+            if "enable_gqa" in parameters:
                 kwargs["enable_gqa"] = True
             else:
                 repeat = query.shape[1] // key.shape[1]

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_rl.checkpoints import (
     ACTOR_DIR,
     STAGING_SUFFIX,
+    CheckpointedModel,
     LoopState,
     checkpoint_dir,
     checkpoint_write_error,
@@ -263,6 +264,19 @@ class RunFolder:
         gc.freeze()
         return actor
 
+    def resume_model(self, model: CheckpointedModel, name: str, key: str) -> None:
+        """Load `model` (collective) from the resumed checkpoint's folder `name` (`Stage.models`), when
+        resuming; ConfigError naming `key` (the setting that asks for the model) when that checkpoint has none."""
+        if self.resume_from is None:
+            return
+        folder = self.resume_from / name
+        if not folder.is_dir():
+            raise ConfigError(
+                f"{key} = true, but the checkpoint {self.resume_from} holds no {name}/ (saved by a run without it): "
+                f"resume with the settings it was saved with, or start afresh"
+            )
+        model.load(folder)
+
     def restore(self, stage: Stateful) -> None:
         """Give `stage` its named entries of the resumed checkpoint (`load_state_dict`); on rank 0 also
         restore the RNG state saved with them. Call it once the stage's pieces have started (the actor's
@@ -308,25 +322,34 @@ class RunFolder:
             log.message(f"--force: the previous run's {old} was moved to {new}")
         return log
 
-    def save_checkpoint(self, actor: MegatronActor, step: int, entries: dict[str, Any]) -> Path:
-        """CKPT_DIR/step_NNNNNN (collective): the actor, then rank 0's loop state and manifest into
-        step_NNNNNN.tmp, renamed into place once every file is on disk; then pruning to
-        `checkpoint.keep_last`. `entries`: the stage's named entries (`Stage.state_dict`; rank 0's are
-        written); with a "rollout" entry the loop state records `rollout.async_mode` too."""
+    def save_checkpoint(
+        self,
+        actor: MegatronActor,
+        step: int,
+        entries: dict[str, Any],
+        models: dict[str, CheckpointedModel] | None = None,
+    ) -> Path:
+        """CKPT_DIR/step_NNNNNN (collective): the actor and each of `models` into its folder (`Stage.models`:
+        the critic), then rank 0's loop state and manifest into step_NNNNNN.tmp, renamed into place once every
+        file is on disk; then pruning to `checkpoint.keep_last`. `entries`: the stage's named entries
+        (`Stage.state_dict`; rank 0's are written); with a "rollout" entry the loop state records
+        `rollout.async_mode` too."""
         staging = staging_dir(self.ckpt_root, step)
         self.check_lock(f"the checkpoint of step {step}")
         if self.rank == 0:
             remove_staging(self.ckpt_root)
         dist.barrier()
+        written: dict[str, str] = {}
         try:
-            written = actor.save(staging / ACTOR_DIR)
+            for name, model in {ACTOR_DIR: actor, **(models or {})}.items():
+                written.update({f"{name}/{file}": sha for file, sha in model.save(staging / name).items()})
         except (Exception, CheckpointException) as err:  # CheckpointException: a BaseException
             raise checkpoint_write_error(staging, err) from err
         shard_digests: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(shard_digests, written)  # also: every rank's files are written before rank 0 lists them
 
         def finish() -> None:
-            digests = {f"{ACTOR_DIR}/{name}": sha for per_rank in shard_digests for name, sha in per_rank.items()}
+            digests = {name: sha for per_rank in shard_digests for name, sha in per_rank.items()}
             state = LoopState(
                 step=step,
                 entries=entries,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.models.export import save_hf_folder
+from megatron_rl.models.export import save_hf_folder, sends_experts_per_rank
 from megatron_rl.models.hf_config import hf_config_from_model
 from megatron_rl.models.write_errors import StorageWriteError, write_failure
 from megatron_rl.run_folder import sync_folder
@@ -78,7 +78,7 @@ class DiskSync(WeightSync):
                 folder,
                 self.hf_config,
                 bucket_mb=self.bucket_mb,
-                ep_senders=True,
+                ep_senders=sends_experts_per_rank(self.model),
                 in_place=True,
             )
         except OSError as err:  # raised on every rank alike; the engine keeps serving the other folder

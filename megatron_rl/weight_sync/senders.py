@@ -2,7 +2,7 @@
 
 `export_hf_weights(..., ep_senders=True)` yields each pipeline stage's dense tensors on the stage's
 first rank and, with expert parallelism, each EP rank's experts on that EP rank's first rank
-(`models/export.py`). Those ranks are the *senders* (`export_senders`); global rank 0 is stage 0's
+(`models/export.py`; gpt-oss's stacked experts leave from the stage's first rank: `sends_experts_per_rank`). Those ranks are the *senders* (`export_senders`); global rank 0 is stage 0's
 and EP rank 0's, and it is also the *controller*, the rank that pauses generation, opens and closes
 the weight-update session and checks the version (`base.py`). The distributed and tensor modes
 (`FromSenders`) give every sender a client of its own for the same servers (`sender_engine`), and
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rl.models.export import export_hf_weights, is_export_sender
+from megatron_rl.config import ModelConfig
+from megatron_rl.models.export import export_hf_weights, is_export_sender, sends_experts_per_rank
 from megatron_rl.weight_sync.base import WeightSync, all_outcomes, shared_outcome
 from megatron_rl.weight_sync.packing import Bucket, with_last
 from megatron_rl.weight_sync.prefetch import prefetched
@@ -71,10 +72,10 @@ def check_senders(roles: Sequence[tuple[int, int, str] | None], stages: int) -> 
     return [senders[key] for key in sorted(senders)]
 
 
-def export_senders() -> list[Sender]:
-    """Every export sender of `export_hf_weights(..., ep_senders=True)`, by (stage, EP rank) (collective)."""
+def export_senders(model: ModelConfig) -> list[Sender]:
+    """Every export sender of weight sync's `export_hf_weights`, by (stage, EP rank) (collective)."""
     role = None
-    if is_export_sender(ep_senders=True):
+    if is_export_sender(ep_senders=sends_experts_per_rank(model)):
         ep_rank = ps.get_expert_model_parallel_rank() if ps.get_expert_model_parallel_world_size() > 1 else 0
         role = (ps.get_pipeline_model_parallel_rank(), ep_rank, socket.gethostname())
     roles: list[Any] = [None] * dist.get_world_size()
@@ -122,7 +123,7 @@ class FromSenders(WeightSync):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.senders = export_senders()
+        self.senders = export_senders(self.model)
         me = dist.get_rank()
         self.sender = next((s for s in self.senders if s.rank == me), None)
         self.engine = sender_engine(self.engine, self.sender is not None)
@@ -148,7 +149,9 @@ class FromSenders(WeightSync):
             self._before_sending()
 
     def _transfer(self, version: str) -> int:
-        buckets = export_hf_weights(self.chunks, self.model, bucket_mb=self.bucket_mb, ep_senders=True)
+        buckets = export_hf_weights(
+            self.chunks, self.model, bucket_mb=self.bucket_mb, ep_senders=sends_experts_per_rank(self.model)
+        )
         if self.is_sender:  # bucket k + 1 is gathered while bucket k goes to the engine
             buckets = prefetched(buckets, device=params_device(self.chunks))
         held: Bucket | None = None

@@ -1366,8 +1366,14 @@ def w2_cp_reductions(ctx) -> None:  # noqa: ANN001
 
 
 # Context parallelism's scenarios live in scenarios_cp.py, the remaining layouts' in scenarios_layouts.py;
-# the launches run them from here.
+# the launches run them from here, and those of PPO's critic (scenarios_critic.py).
 from mrl_multiproc.scenarios_cp import w1_cp_references, w2_cp2, w2_cp2_gspo_sft_mla, w4_tp2_cp2  # noqa: E402, F401
+from mrl_multiproc.scenarios_critic import (  # noqa: E402, F401
+    w1_critic_reference,
+    w2_critic_ep2,
+    w2_critic_pp2,
+    w2_critic_tp2_sp,
+)
 from mrl_multiproc.scenarios_layouts import (  # noqa: E402, F401
     w2_dp2,
     w2_etp2,

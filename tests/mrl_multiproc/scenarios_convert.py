@@ -91,17 +91,18 @@ def roundtrip(
     convert_with: ParallelConfig,
     load_with: ParallelConfig,
     tag: str,
+    tol: float = LOGIT_TOL,
     **hf: object,
 ) -> None:
-    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's; Megatron -> HF under
-    `load_with` gives the original tensors bit for bit, and transformers loads the folder as it is.
+    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's (within `tol`); Megatron -> HF
+    under `load_with` gives the original tensors bit for bit, and transformers loads the folder as it is.
     `hf`: transformers config fields of the source model."""
     from megatron_rl.commands.convert import hf_to_megatron, megatron_to_hf
 
     src = hf_folder(ctx, family, **hf)
     ckpt, back = ctx.shared_dir / f"mg-{family}-{tag}", ctx.shared_dir / f"back-{family}-{tag}"
     hf_to_megatron(src, ckpt, parallel=convert_with)
-    assert_close(megatron_logits(ckpt, load_with), hf_logits(ctx, src), LOGIT_TOL, f"{family} {tag}: Megatron vs HF")
+    assert_close(megatron_logits(ckpt, load_with), hf_logits(ctx, src), tol, f"{family} {tag}: Megatron vs HF")
     megatron_to_hf(ckpt, back, parallel=load_with, max_shard_mb=0.05)
     assert_same_tensors(back, src)
     if ctx.rank == 0:
@@ -191,21 +192,26 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 
 def w2_tp2(ctx) -> None:  # noqa: ANN001
     """TP=2 (with SP): the MoE family, the one with QKV biases, Llama with llama3 RoPE scaling, Gemma 3 (its norms
-    under SP, per-head QK-norm, the sliding layers' RoPE)."""
+    under SP, per-head QK-norm, the sliding layers' RoPE); gpt-oss (its sinks split with the heads, o_proj's bias
+    whole; expert-TP 1) within 1e-5."""
     for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "llama", "gemma3_text"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
+    roundtrip(ctx, "gpt_oss", layout(tp=2, etp=1), layout(tp=2, etp=1), "tp2", tol=1e-5)
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
+    """EP=2; gpt-oss within 1e-5, its stacked experts assembled from both EP ranks on export."""
     for family in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(ep=2), layout(ep=2), "ep2")
+    roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2, including embeddings tied across the two stages (qwen3, mistral, gemma2: its embedding scale on the
-    first stage, its final soft-capping on the last)."""
+    first stage, its final soft-capping on the last); gpt-oss (a sliding and a full layer per stage) within 1e-5."""
     for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
+    roundtrip(ctx, "gpt_oss", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
 
 
 def w2_across_layouts(ctx) -> None:  # noqa: ANN001

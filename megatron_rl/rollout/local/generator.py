@@ -29,7 +29,7 @@ import torch
 
 from megatron_rl.rollout.local.kv_cache import SlotKVCache
 from megatron_rl.rollout.local.lora import LocalAdapters
-from megatron_rl.rollout.local.model import ModelInfo
+from megatron_rl.rollout.local.model import ModelInfo, router_of
 from megatron_rl.rollout.local.sampling import sample_tokens
 
 
@@ -102,7 +102,7 @@ class Generator:
         self._capture = False
         self._captured: list[torch.Tensor] = []
         self._hooks = [
-            model.model.layers[i].mlp.gate.register_forward_hook(self._record_routing) for i in info.moe_layers
+            router_of(model.model.layers[i]).register_forward_hook(self._record_routing) for i in info.moe_layers
         ]
         self._min_value = torch.finfo(info.dtype).min
 

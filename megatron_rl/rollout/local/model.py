@@ -22,14 +22,15 @@ SUPPORTED_FAMILIES = (
     "llama",
     "mistral",
     "minimax_m2",
+    "gpt_oss",
     "gemma2",
     "gemma3_text",
 )
-# transformers' attention the engine runs: SDPA, but eager for Gemma 2 (its attention soft-capping; transformers
-# refuses SDPA for it)
-_EAGER = ("gemma2",)
+# transformers' attention the engine runs: SDPA, but eager for gpt-oss (its attention sinks) and Gemma 2 (its
+# attention soft-capping): transformers refuses SDPA for both
+_EAGER = ("gpt_oss", "gemma2")
 # families whose sliding-window layers the engine masks (`ModelInfo.sliding_window`)
-_SLIDING = ("gemma2", "gemma3_text")
+_SLIDING = ("gpt_oss", "gemma2", "gemma3_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,7 +104,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
     model.to(dev).eval()
     model.requires_grad_(False)
 
-    moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate"))
+    moe_layers = tuple(i for i, layer in enumerate(model.model.layers) if router_of(layer) is not None)
     num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads, value_dim = config.num_key_value_heads, 0
@@ -128,6 +129,13 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
     return model, info
+
+
+def router_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's router (`mlp.gate`; gpt-oss: `mlp.router`), whose forward returns the chosen experts
+    third; None in a dense layer."""
+    router = getattr(layer.mlp, "router", None)
+    return getattr(layer.mlp, "gate", None) if router is None else router
 
 
 def _sliding_window(config: Any) -> int | None:

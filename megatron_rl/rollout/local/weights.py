@@ -3,7 +3,8 @@
 Checkpoints (and SGLang's weight-update endpoints) name one tensor per expert
 (`...mlp.experts.{e}.gate_proj.weight`, Mixtral and MiniMax-M2: `...block_sparse_moe.experts.{e}.w1.weight`),
 while `transformers` 5.x keeps each layer's experts fused (`experts.gate_up_proj` [E, 2I, H] with
-the gate rows first, `experts.down_proj` [E, H, I]). `CheckpointLayout` maps every checkpoint name
+the gate rows first, `experts.down_proj` [E, H, I]); gpt-oss's checkpoints hold its stacked experts
+as transformers does (`models.fused_experts`). `CheckpointLayout` maps every checkpoint name
 onto the view of the in-memory parameter it fills; `apply_named_tensors` validates a whole update
 (names, shapes, dtypes) before copying anything, so a rejected update leaves the old weights serving.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.models.fused_experts import stacks_experts
 from megatron_rl.models.safetensors_io import DTYPES, MappedSafetensors, SafetensorsFormatError, read_header
 
 _FUSED = re.compile(r"(?P<prefix>.*)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
@@ -50,7 +52,7 @@ class CheckpointLayout:
     def __init__(self, model: torch.nn.Module, family: str):
         self.targets: dict[str, torch.Tensor] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():
-            match = _FUSED.fullmatch(name)
+            match = None if stacks_experts(family) else _FUSED.fullmatch(name)
             if match is None:
                 self.targets[_checkpoint_name(family, name)] = tensor.data
                 continue
