@@ -22,7 +22,7 @@ from typing import Literal, get_args
 from megatron_rl.config import Config, ConfigError, check_rules
 from megatron_rl.envs.base import environment_class
 from megatron_rl.metrics.trackers import missing_tracker_packages
-from megatron_rl.models.attention_choice import check_attention_backend
+from megatron_rl.models.attention_choice import check_attention_backend, transformer_engine_layers
 from megatron_rl.models.experts_choice import check_grouped_experts
 from megatron_rl.models.lora_rank import check_lora_rank
 from megatron_rl.models.lora_targets import (
@@ -220,7 +220,9 @@ def validate_run(
             check_local_engine_adapters(resolved.model)
     if command != "convert":
         resolved = _with_trajectory_budget(resolved)
-    transformer_engine = transformer_engine_available() if cuda_available is None else cuda_available
+    transformer_engine = transformer_engine_layers(
+        resolved.model, available=transformer_engine_available() if cuda_available is None else cuda_available
+    )
     check_grouped_experts(resolved.model, resolved.parallel, transformer_engine=transformer_engine)
     check_attention_backend(resolved.model, resolved.parallel, transformer_engine=transformer_engine)
     world = read_launch_env().world_size if world_size is None else world_size

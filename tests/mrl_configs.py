@@ -30,6 +30,8 @@ _MEGATRON_FAMILY_SWITCHES = {
     "mixtral": dict(qk_layernorm=False, add_qkv_bias=False),
     "llama": dict(qk_layernorm=False, add_qkv_bias=False, num_experts=None),
     "mistral": dict(qk_layernorm=False, add_qkv_bias=False, num_experts=None),
+    "gemma2": dict(qk_layernorm=False, add_qkv_bias=False, num_experts=None, tie_word_embeddings=True),
+    "gemma3_text": dict(qk_layernorm=True, add_qkv_bias=False, num_experts=None, tie_word_embeddings=True),
 }
 
 # The sigmoid-router families (DeepSeek-V3, GLM-4.5): group-limited routing with 8 experts in 4 groups,
@@ -51,6 +53,15 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
 DENSE_FAMILIES = ("llama", "mistral")
 _LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=8192, rope_theta=10000.0)  # fmt: skip
+
+# Gemma 2 and 3 (text), every switch off its default and visible at these widths: windows shorter than the test
+# sequences, query_pre_attn_scalar unlike head_dim, soft-capping that bites on O(1) activations (Gemma 2), the
+# sliding layers' own RoPE base and linear scaling of the full layers (Gemma 3: every 3rd layer full at "split").
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+_GEMMA2 = dict(query_pre_attn_scalar=20, attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+               tie_word_embeddings=True)  # fmt: skip
+_GEMMA3_ROPE = dict(full_attention=dict(rope_type="linear", factor=4.0, rope_theta=5e5),
+                    sliding_attention=dict(rope_type="default", rope_theta=100.0))  # fmt: skip
 
 
 # A tiny MiniMax-M2 (transformers' field names): GQA 6/2 with head_dim 10, partial RoPE on 6 of them, top-3 of 6
@@ -132,6 +143,16 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "glm4_moe": dict(_GLM, head_dim=12, intermediate_size=40, moe_intermediate_size=12),
             "llama": dict(head_dim=24, intermediate_size=64, rope_scaling=_LLAMA3),
             "mistral": dict(intermediate_size=64, sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
+            "gemma2": dict(_GEMMA2, head_dim=8, intermediate_size=64, sliding_window=4),
+            "gemma3_text": dict(
+                head_dim=8,
+                intermediate_size=64,
+                sliding_window=4,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=12,
+                rope_parameters=_GEMMA3_ROPE,
+                final_logit_softcapping=6.0,
+            ),  # fmt: skip
         },
     ),
     "split": (
@@ -170,6 +191,14 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "glm4_moe": dict(_GLM, head_dim=20, moe_intermediate_size=20, routed_scaling_factor=1.8),
             "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
             "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
+            "gemma2": dict(_GEMMA2, head_dim=24, sliding_window=5),
+            "gemma3_text": dict(
+                sliding_window=5,
+                sliding_window_pattern=3,
+                query_pre_attn_scalar=12,
+                rope_parameters=_GEMMA3_ROPE,
+                tie_word_embeddings=False,
+            ),  # fmt: skip
         },
     ),
 }
@@ -306,9 +335,12 @@ def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) 
     classes = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
     classes.update(qwen3=transformers.Qwen3Config, qwen2=transformers.Qwen2Config, llama=transformers.LlamaConfig)
     classes.update(mistral=transformers.MistralConfig)
+    classes.update(gemma2=transformers.Gemma2Config, gemma3_text=transformers.Gemma3TextConfig)
     classes.update(deepseek_v3=transformers.DeepseekV3Config, glm4_moe=transformers.Glm4MoeConfig)
     if family not in classes:
-        raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES + DENSE_FAMILIES)}")
+        raise ValueError(
+            f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES + DENSE_FAMILIES + GEMMA_FAMILIES)}"
+        )
     if size not in _HF_SIZES:
         raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")
     common, per_family = _HF_SIZES[size]
@@ -328,16 +360,17 @@ def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **ove
 @torch.no_grad()
 def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
-    norms 1 + 0.1 N, attention sinks (gpt-oss) N(0, 1) so that they weigh, other vectors 0.1 N (router margins are
-    then rarely near-ties)."""
+    norms 1 + 0.1 N (Gemma's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
+    weigh, other vectors 0.1 N (router margins are then rarely near-ties)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
+    unit_norm = 0.0 if config.model_type.startswith("gemma") else 1.0
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen)
         if param.dim() == 1 and not name.endswith("self_attn.sinks"):
-            values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
+            values = unit_norm + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
         elif param.dim() > 1:
             values /= math.sqrt(param.shape[-1])
         param.copy_(values)

@@ -126,7 +126,7 @@ def test_transformers_5_config_spellings() -> None:
     "change, culprit",
     [
         ({"architectures": ["PhiForCausalLM"]}, "PhiForCausalLM"),
-        ({"architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*logit soft-capping"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration.*vision-language"),
         ({"architectures": None}, "architectures"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),

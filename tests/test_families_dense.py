@@ -1,5 +1,5 @@
 """Llama (3.1's llama3 RoPE scaling) and Mistral in one process: published config.json files -> `model`,
-every refusal naming its field (Gemma 2/3 naming what Megatron lacks), the way back through transformers,
+every refusal naming its field, the way back through transformers (Gemma: tests/test_gemma.py),
 and on one rank in this process: HF -> Megatron log-probs equal transformers' (fp32, <= 1e-5) and
 Megatron -> HF gives every tensor back bit for bit. (TP2/PP2: tests/test_convert_distributed.py.)"""
 
@@ -108,10 +108,6 @@ def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         (MISTRAL_7B_V03, "sliding_window", 4096, "sliding_window = 4096: sliding-window attention is not supported"),
         (MISTRAL_7B_V03, "attention_bias", False, "attention_bias is not handled by the mistral mapping"),
         (MISTRAL_7B_V03, "num_key_value_heads", 5, "model.num_attention_heads (32) must be a multiple of"),
-        (MISTRAL_7B_V03, "architectures", ["Gemma2ForCausalLM"],
-         "sandwich norms (post_attention_layernorm and post_feedforward_layernorm"),
-        (MISTRAL_7B_V03, "architectures", ["Gemma2ForCausalLM"], "attention and final logit soft-capping"),
-        (MISTRAL_7B_V03, "architectures", ["Gemma3ForCausalLM"], "(1 + weight) QK-norm, the sliding layers' own RoPE"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field(base: dict[str, Any], path: str, value: Any, needle: str) -> None:

@@ -62,6 +62,25 @@ def test_from_hidden_matches_full_vocab(temperature: float, chunk: int) -> None:
     assert max_diff(grads[1], ref_grads[1]) <= TOL
 
 
+@pytest.mark.parametrize(("temperature", "chunk"), [(1.0, 3), (0.6, 1000), (0.0, 5)])
+def test_softcapped_logits_match_full_vocab(temperature: float, chunk: int) -> None:
+    """Gemma's final logit soft-capping, 2 tanh(logits / 2) before the temperature, on logits of std ~3 (the cap
+    bites): log-probs, entropy and both gradients (the backward's 1 - tanh^2) as autograd through the capped
+    full-vocabulary reference gives them; without the cap they differ by far more."""
+    hidden, weight, target, mask, g_logp, g_ent = make_case(7)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = vocab_parallel_logprobs_from_hidden(h, w, target, temperature, mask=mask, chunk_tokens=chunk, softcap=2.0)
+    grads = torch.autograd.grad(loss_of(*out, g_logp, g_ent), [h, w])
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = reference(torch.tanh(hr @ wr.t() / 2.0) * 2.0, target, mask, temperature)
+    ref_grads = torch.autograd.grad(loss_of(*ref, g_logp, g_ent), [hr, wr])
+    for got, want in zip((*out, *grads), (*ref, *ref_grads), strict=True):
+        assert max_diff(got, want) <= TOL
+    assert max_diff(out.logprobs, reference(hidden @ weight.t(), target, mask, temperature)[0]) > 1.0
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        vocab_parallel_logprobs_from_hidden(hidden, weight, target, softcap=0.0)
+
+
 @pytest.mark.parametrize("use", ["logprobs", "entropy"])
 def test_one_output_backward(use: str) -> None:
     """Backward through only one output (the other's gradient arrives as None)."""

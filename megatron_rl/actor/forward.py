@@ -59,6 +59,7 @@ from megatron_rl.actor.micro_batches import (
     token_imbalance,
 )
 from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.models.gemma import final_logit_softcap
 from megatron_rl.parallel.context_parallel import round_up
 from megatron_rl.parallel.device import local_device
 
@@ -161,7 +162,7 @@ class LogProbHead:
         (s / TP rows under sequence parallelism). The output layer's computation as Megatron does it:
         the sequence gathered over TP (its backward a reduce-scatter), or, without sequence
         parallelism, a copy whose gradient is all-reduced over TP; the weight shard of
-        `output_layer` or, tied, the embedding's."""
+        `output_layer` or, tied, the embedding's; the logits soft-capped where the model's are (Gemma)."""
         gpt = unwrap_model(model)
         tied = gpt.share_embeddings_and_output_weights
         weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
@@ -178,6 +179,7 @@ class LogProbHead:
             chunk_tokens=self.chunk_tokens,
             vocab_size=self.vocab_size,
             reduce_hidden_grad=not sequence_parallel,
+            softcap=final_logit_softcap(gpt),
         )
         top_ids = mb.head_top_ids
         if top_ids is not None:

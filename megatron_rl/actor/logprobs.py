@@ -6,10 +6,11 @@ slice [rank * V/TP, (rank + 1) * V/TP), as Megatron's ColumnParallelLinear does.
 `chunk_tokens` rows, `vocab_parallel_logprobs_from_hidden` computes that chunk's logits
 (hidden @ W.T) into an fp32 buffer, and the ranks all-reduce one max and three sums per token; the
 full vocabulary is never gathered. Temperature follows SGLang: `log_softmax(logits / T)`, no
-division for T = 0 (greedy) and T = 1.
+division for T = 0 (greedy) and T = 1. With `softcap` c (Gemma's final logit soft-capping) the logits are
+c * tanh(logits / c) before the temperature, as the model's output layer gives them.
 
 Memory: two fp32 scratch buffers of chunk_tokens x V/TP that every chunk reuses, in forward and in
-backward (plus one chunk in the weight dtype when it is not fp32). Backward recomputes each chunk's
+backward (plus one chunk in the weight dtype when it is not fp32, and a third buffer in a soft-capped backward). Backward recomputes each chunk's
 logits from what forward saved (hidden, weight, log Z and the entropy per token) and accumulates
 the gradients chunk by chunk: of the hidden states into one [tokens, H] tensor, of the weight into
 Megatron's fp32 `main_grad` buffer when the weight has one (as Megatron's gradient-accumulation
@@ -60,6 +61,7 @@ class _Shard:
     width: int  # columns of this rank's slice that are real tokens (the rest is vocab padding)
     temperature: float
     chunk: int
+    softcap: float | None = None
 
     def all_reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType) -> None:
         if self.world > 1:
@@ -84,7 +86,12 @@ def _tp_group(group: ProcessGroup) -> tuple[ProcessGroup, int, int]:
 
 
 def _make_shard(
-    local_vocab: int, vocab_size: int | None, temperature: float, chunk_tokens: int, group: ProcessGroup
+    local_vocab: int,
+    vocab_size: int | None,
+    temperature: float,
+    chunk_tokens: int,
+    group: ProcessGroup,
+    softcap: float | None = None,
 ) -> _Shard:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -98,7 +105,9 @@ def _make_shard(
         raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded}] = local vocab {local_vocab} x TP {world}")
     start = rank * local_vocab
     width = min(max(vocab_size - start, 0), local_vocab)
-    return _Shard(group, world, start, width, float(temperature), int(chunk_tokens))
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+    return _Shard(group, world, start, width, float(temperature), int(chunk_tokens), softcap)
 
 
 def _check_inputs(what: str, lead_shape: torch.Size, target: Tensor, mask: Tensor | None) -> Tensor:
@@ -151,16 +160,32 @@ def _temper_(x: Tensor, shard: _Shard) -> Tensor:
 
 
 class _Scratch:
-    """Two fp32 [chunk, width] buffers that every chunk reuses (no allocation, no page faults per chunk)."""
+    """Two fp32 [chunk, width] buffers that every chunk reuses (no allocation, no page faults per chunk), and a
+    third for backward's soft-capping derivative when the shard soft-caps."""
 
-    def __init__(self, n: int, shard: _Shard, device: torch.device) -> None:
+    def __init__(self, n: int, shard: _Shard, device: torch.device, backward: bool = False) -> None:
         rows = min(n, shard.chunk)
         self.x = torch.empty(rows, shard.width, dtype=torch.float32, device=device)
         self.tmp = torch.empty_like(self.x)
+        self.slope = torch.empty_like(self.x) if backward and shard.softcap is not None else None
 
     def take(self, c: slice) -> tuple[Tensor, Tensor]:
         rows = c.stop - c.start
         return self.x[:rows], self.tmp[:rows]
+
+    def take_slope(self, c: slice) -> Tensor | None:
+        return None if self.slope is None else self.slope[: c.stop - c.start]
+
+
+def _softcap_(x: Tensor, shard: _Shard, slope: Tensor | None = None) -> Tensor:
+    """In place on x (fp32 logits): c * tanh(x / c) with the shard's soft-capping c (none: x as it is); its
+    derivative 1 - tanh(x / c)^2 into `slope` when given."""
+    if shard.softcap is None:
+        return x
+    t = x.div_(shard.softcap).tanh_()
+    if slope is not None:
+        torch.mul(t, t, out=slope).neg_().add_(1.0)
+    return t.mul_(shard.softcap)
 
 
 def _chunks(n: int, shard: _Shard) -> list[slice]:
@@ -172,7 +197,7 @@ def _forward_chunk(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x: this chunk's fp32 logits; x and tmp are scratch (overwritten). Returns (logp [rows, J] of the J
     targets of each row, log Z, entropy) per row."""
-    z = _temper_(x, shard)
+    z = _temper_(_softcap_(x, shard), shard)
     rows = z.shape[0]
     if shard.width > 0:
         zmax = z.max(dim=-1).values
@@ -227,13 +252,14 @@ class _Backward:
         return self.g_logp is None and self.g_ent is None
 
 
-def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
-    """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten).
+def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard, slope: Tensor | None = None) -> Tensor:
+    """d(loss)/d(logits) of one chunk from its fp32 logits x, in x or tmp (both scratch, overwritten; `slope`
+    too, the soft-capping's scratch when the shard soft-caps).
 
     With q = log p = z - log Z: d logp_t / dz = onehot(t) - p and d H / dz = -p * (q + H); a row's J
-    targets add up: sum_j g_j (onehot(t_j) - p).
+    targets add up: sum_j g_j (onehot(t_j) - p); soft-capped, times d z / d x = 1 - tanh(x / c)^2.
     """
-    q = _temper_(x, shard).sub_(b.lse.unsqueeze(-1))
+    q = _temper_(_softcap_(x, shard, slope), shard).sub_(b.lse.unsqueeze(-1))
     p = torch.exp(q, out=tmp)
     g_sum = None if b.g_logp is None else b.g_logp.sum(dim=-1, keepdim=True)
     if b.g_ent is not None:
@@ -248,6 +274,8 @@ def _grad_chunk(x: Tensor, tmp: Tensor, b: _Backward, shard: _Shard) -> Tensor:
         grad.scatter_add_(1, b.local, b.g_logp * b.owned)
     if shard.temperature not in (0.0, 1.0):
         grad.div_(shard.temperature)
+    if slope is not None:
+        grad.mul_(slope)
     return grad
 
 
@@ -302,11 +330,11 @@ class _FromHidden(torch.autograd.Function):
                 acc_w = grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if not b.empty:
             w = weight[: shard.width]
-            scratch = _Scratch(hidden.shape[0], shard, hidden.device)
+            scratch = _Scratch(hidden.shape[0], shard, hidden.device, backward=True)
             for c in _chunks(hidden.shape[0], shard):
                 x, tmp = scratch.take(c)
                 h = hidden[c]
-                dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard)
+                dx = _grad_chunk(_project(h, w, out=x), tmp, b.rows(c), shard, scratch.take_slope(c))
                 if acc_w is not None:
                     acc_w[: shard.width].addmm_(dx.t(), h if fp32 else h.to(torch.float32))
                 if grad_h is not None:
@@ -329,6 +357,7 @@ def vocab_parallel_logprobs_from_hidden(
     vocab_size: int | None = None,
     group: ProcessGroup = None,
     reduce_hidden_grad: bool = True,
+    softcap: float | None = None,
 ) -> LogProbs:
     """Log-prob of `target` and entropy of softmax(logits / T) for logits = hidden @ weight.T, from
     this rank's vocabulary shard, computed chunk by chunk (see the module docstring).
@@ -345,9 +374,10 @@ def vocab_parallel_logprobs_from_hidden(
     The gradient of `hidden` is all-reduced over the TP group when `reduce_hidden_grad` is True (the
     caller did a plain copy into the TP region). Pass False when the caller's own region op reduces it,
     e.g. Megatron's gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True).
+    softcap: c > 0 soft-caps the logits to c * tanh(logits / c) before the temperature (Gemma); None = none.
     """
     logp, entropy = _from_hidden(
-        hidden, weight, target, None, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad
+        hidden, weight, target, None, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad, softcap
     )
     return LogProbs(logp[..., 0], entropy)
 
@@ -364,6 +394,7 @@ def vocab_parallel_top_logprobs_from_hidden(
     vocab_size: int | None = None,
     group: ProcessGroup = None,
     reduce_hidden_grad: bool = True,
+    softcap: float | None = None,
 ) -> TopLogProbs:
     """`vocab_parallel_logprobs_from_hidden`, and the log-probs of `top_ids` [..., K] (integer ids, K per
     position: the teacher's top-k in on-policy distillation) from the same chunks and reductions, as
@@ -374,7 +405,7 @@ def vocab_parallel_top_logprobs_from_hidden(
             f"{tuple(top_ids.shape)}"
         )
     logp, entropy = _from_hidden(
-        hidden, weight, target, top_ids, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad
+        hidden, weight, target, top_ids, temperature, mask, chunk_tokens, vocab_size, group, reduce_hidden_grad, softcap
     )
     return TopLogProbs(logp[..., 0], entropy, logp[..., 1:])
 
@@ -390,6 +421,7 @@ def _from_hidden(
     vocab_size: int | None,
     group: ProcessGroup,
     reduce_hidden_grad: bool,
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
     """(log-probs [..., 1 + K] of the target then the top ids, entropy [...])."""
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -400,7 +432,7 @@ def _from_hidden(
     if weight.dtype != hidden.dtype:
         raise TypeError(f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
     mask = _check_inputs("hidden", hidden.shape[:-1], target, mask)
-    shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group)
+    shard = _make_shard(weight.shape[0], vocab_size, temperature, chunk_tokens, group, softcap)
     targets = (
         target.unsqueeze(-1) if top_ids is None else torch.cat([target.unsqueeze(-1), top_ids.to(target.dtype)], -1)
     )

@@ -18,9 +18,8 @@ from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
-Family = Literal[
-    "qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2", "gpt_oss"
-]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2",
+                 "gpt_oss", "gemma2", "gemma3_text"]  # fmt: skip
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
@@ -87,10 +86,11 @@ class ModelConfig:
     qk_rope_head_dim: int = _f(64, "MLA: query/key head dimension with RoPE", ge=1)
     v_head_dim: int = _f(128, "MLA: value head dimension", ge=1)
     rotary_percent: float = _f(1.0, "share of each head's dimensions RoPE rotates (partial_rotary_factor)", gt=0, le=1)
-    rope_scaling: Literal["none", "yarn", "llama3"] = _f(
-        "none", "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, family llama only)"
+    rope_scaling: Literal["none", "yarn", "llama3", "linear"] = _f(
+        "none", "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, llama only; linear: Gemma 3's)"
     )
     llama3_factor: float = _f(8.0, "llama3: factor (low/high frequency factors 1 and 4 over 8192 positions)", ge=1)
+    rope_linear_factor: float = _f(1.0, "linear RoPE scaling: positions divided by this", ge=1)
     yarn_factor: float = _f(1.0, "yarn: context extension factor", ge=1)
     yarn_original_max_position_embeddings: int = _f(4096, "yarn: pre-training context length", ge=1)
     yarn_beta_fast: float = _f(32.0, "yarn: beta_fast", gt=0)
@@ -98,16 +98,14 @@ class ModelConfig:
     yarn_mscale: float = _f(1.0, "yarn: mscale of the cos/sin attention factor", ge=0)
     yarn_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (also scales MLA's softmax)", ge=0)
     yarn_truncate: bool = _f(True, "yarn: round the correction range to whole dimensions (false: gpt-oss's)")
-    sliding_window: int | None = _f(
-        None, "sliding-window attention (gpt_oss only): keys a query sees, itself included; null = full attention", ge=1
-    )
-    sliding_window_pattern: int = _f(
-        2, "with model.sliding_window: every n-th layer (n, 2n, ...) attends to the whole sequence, the others slide", ge=2
-    )
+    sliding_window: int | None = _f(None, "keys a sliding layer's query sees (its own too); null = none", ge=1)
+    sliding_window_pattern: int = _f(2, "with sliding_window: layers n, 2n, ... full, the others slide", ge=2)
+    rope_local_theta: float | None = _f(None, "RoPE base of the sliding layers (Gemma 3); null = rope_theta", gt=0)
+    query_pre_attn_scalar: int | None = _f(None, "softmax scale = this ** -0.5 (Gemma); null = head dim ** -0.5", ge=1)
+    attn_logit_softcapping: float | None = _f(None, "scores c * tanh(s / c) before the softmax (Gemma 2)", gt=0)
+    final_logit_softcapping: float | None = _f(None, "output logits c * tanh(z / c) (Gemma); null = none", gt=0)
     swiglu_alpha: float = _f(1.0, "SwiGLU's gate g * sigmoid(alpha * g): 1 = SiLU; gpt_oss: 1.702", gt=0)
-    swiglu_limit: float | None = _f(
-        None, "gpt_oss: SwiGLU clamp, the gate at most this and the linear half within +-this; null = none", gt=0
-    )
+    swiglu_limit: float | None = _f(None, "gpt_oss: SwiGLU clamp, gate <= this, linear half within +-this", gt=0)
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "MoE token dispatcher")
     moe_grouped_gemm: Literal["auto", True, False] = _f("auto", "experts as grouped GEMMs (auto: where the widths fit)")
     attention_backend: Literal["auto", "local", "sdpa"] = _f(

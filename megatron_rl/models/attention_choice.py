@@ -8,23 +8,45 @@
   local specs to: force `sdpa` for speed) and under context parallelism, whose attention gathers the keys
   over the CP ranks and is local's.
 
-gpt-oss (attention sinks, sliding-window layers) runs `local` only: SDPA has no sink, and the context-parallel
-attention builds its own causal mask, which Megatron's sliding-window softmax would replace by one that assumes
-the queries are the sequence's last positions. `auto` is `local` there; `sdpa` and CP > 1 are refused.
+Attention sinks (gpt-oss), sliding-window layers (gpt-oss, Gemma 2 and 3) and attention soft-capping (Gemma 2) run
+`local` only (`local_attention_only`): SDPA computes none of them, and the context-parallel attention builds its
+own causal mask, which Megatron's sliding-window softmax would replace by one that assumes the queries are the
+sequence's last positions. `auto` is `local` there; `sdpa` and CP > 1 are refused.
 
-With Transformer Engine its own attention runs; the key chooses among the local specs only.
+With Transformer Engine its own attention runs; the key chooses among the local specs only. Gemma's layers are
+built on the local specs wherever Transformer Engine is (`transformer_engine_layers`).
 """
 
 from __future__ import annotations
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.models.families import is_gpt_oss
+from megatron_rl.models.families import FAMILIES, is_gpt_oss
+
+
+def local_attention_only(model: ModelConfig) -> str | None:
+    """What of `model` only Megatron's local core attention computes among the local specs' attentions, None when
+    any of them does."""
+    window = model.sliding_window is not None
+    if is_gpt_oss(model):
+        return "attention sinks and sliding-window layers" if window else "attention sinks"
+    if window:
+        return "sliding-window layers"
+    if model.attn_logit_softcapping is not None:
+        return "attention logit soft-capping"
+    return None
+
+
+def transformer_engine_layers(model: ModelConfig, *, available: bool) -> bool:
+    """Whether `model` is built from Transformer Engine's layer specs where TE is `available`: never Gemma's
+    (`models.gemma` builds on the local specs)."""
+    spec = FAMILIES.get(model.family)
+    return available and not (spec is not None and spec.gemma)
 
 
 def use_sdpa(model: ModelConfig, parallel: ParallelConfig, *, cuda: bool) -> bool:
     """Whether the local specs' core attention is `SDPAttention` (`cuda`: the model runs on a GPU)."""
     if model.attention_backend == "auto":
-        return cuda and parallel.context_parallel_size == 1 and not is_gpt_oss(model)
+        return cuda and parallel.context_parallel_size == 1 and local_attention_only(model) is None
     return model.attention_backend == "sdpa"
 
 
@@ -33,11 +55,12 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
     Transformer Engine (its attention runs there)."""
     choice = model.attention_backend
     cp = parallel.context_parallel_size
-    if is_gpt_oss(model) and not transformer_engine and (choice == "sdpa" or cp > 1):
+    only = local_attention_only(model)
+    if only is not None and not transformer_engine and (choice == "sdpa" or cp > 1):
         key = f"model.attention_backend = {choice}" if choice == "sdpa" else f"parallel.context_parallel_size = {cp}"
         raise ConfigError(
-            f"{key}: model.family = {model.family!r} has attention sinks and sliding-window layers, which the local "
-            "specs compute in Megatron's local attention only, without context parallelism"
+            f"{key}: model.family = {model.family!r} has {only}, which only Megatron's local attention computes, "
+            "without context parallelism"
         )
     if choice == "auto":
         return

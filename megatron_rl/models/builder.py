@@ -24,10 +24,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig, pipeline_stage_layers
-from megatron_rl.models.attention_choice import check_attention_backend, use_sdpa
+from megatron_rl.models.attention_choice import check_attention_backend, transformer_engine_layers, use_sdpa
 from megatron_rl.models.context_attention import ContextParallelAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.gemma import gemma_block_spec, gemma_fields, prepare_gemma
 from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import KeyProjectionRMSNorm, QueryProjectionRMSNorm, SequenceParallelRMSNorm
@@ -123,6 +124,12 @@ def transformer_config(
         kwargs.update(mla_fields(model))
     if spec.gpt_oss:
         kwargs.update(gpt_oss_fields(model))
+    if spec.gemma:
+        kwargs.update(gemma_fields(model))
+    if model.sliding_window is not None:
+        # Megatron's window (w - 1, 0) keeps the query's own key and the w - 1 before it, as transformers'
+        # `sliding_window` w; every `sliding_window_pattern`-th layer full
+        kwargs.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_pattern)
     kwargs.update(overrides or {})
     config = (MLATransformerConfig if spec.multi_latent_attention else TransformerConfig)(**kwargs)
     if model.rope_scaling == "yarn" and not spec.multi_latent_attention:
@@ -154,19 +161,15 @@ class GatedSigmoid:
 
 def gpt_oss_fields(model: ModelConfig) -> dict[str, Any]:
     """gpt-oss's attention and experts: biases on every linear and the router (`add_bias_linear`), a learnable
-    sink logit per head, sliding-window layers (Megatron's window (w - 1, 0) keeps the query's own key and the
-    w - 1 before it, as transformers' `sliding_window` w), every `sliding_window_pattern`-th layer full; the
-    SwiGLU clamped, gated by g * sigmoid(alpha * g), its linear half offset by 1."""
-    fields: dict[str, Any] = dict(
+    sink logit per head; the SwiGLU clamped, gated by g * sigmoid(alpha * g), its linear half offset by 1 (its
+    sliding-window layers: `transformer_config`)."""
+    return dict(
         add_bias_linear=True,
         softmax_type="learnable",
         glu_linear_offset=1.0,
         activation_func_clamp_value=model.swiglu_limit,
         activation_func=GatedSigmoid(model.swiglu_alpha),
     )
-    if model.sliding_window is not None:
-        fields.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.sliding_window_pattern)
-    return fields
 
 
 def sigmoid_router_fields(model: ModelConfig) -> dict[str, Any]:
@@ -320,7 +323,13 @@ def build_model(
     """
     _check_parallel_state(parallel)
     spec = check_family(model)
-    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    if use_transformer_engine and spec.gemma:
+        raise ValueError(
+            f"model.family = {model.family!r} is built on the local specs (models.gemma), not Transformer Engine's"
+        )
+    use_te = transformer_engine_layers(
+        model, available=transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    )
     check_grouped_experts(model, parallel, transformer_engine=use_te)
     grouped = use_grouped_experts(model, parallel, transformer_engine=use_te)
     check_attention_backend(model, parallel, transformer_engine=use_te)
@@ -332,15 +341,16 @@ def build_model(
         overrides=config_overrides,
     )
     RouterReplay.clear_global_router_replay_instances()
+    layer_spec = decoder_block_spec(
+        config,
+        use_te,
+        grouped_experts=grouped,
+        sdpa=not use_te and use_sdpa(model, parallel, cuda=torch.cuda.is_available()),
+        qk_norm_whole_projection=spec.qk_norm_whole_projection,
+    )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(
-            config,
-            use_te,
-            grouped_experts=grouped,
-            sdpa=not use_te and use_sdpa(model, parallel, cuda=torch.cuda.is_available()),
-            qk_norm_whole_projection=spec.qk_norm_whole_projection,
-        ),
+        transformer_layer_spec=gemma_block_spec(layer_spec, model) if spec.gemma else layer_spec,
         vocab_size=padded_vocab_size(
             model.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
         ),
@@ -354,11 +364,14 @@ def build_model(
         rotary_base=model.rope_theta,
         rope_scaling=model.rope_scaling == "llama3",  # Megatron's: low/high frequency factors 1, 4; 8192 positions
         rope_scaling_factor=model.llama3_factor,
+        seq_len_interpolation_factor=model.rope_linear_factor if model.rope_scaling == "linear" else None,
     )
     gpt.to(local_device())  # local-spec norms are created on the CPU
     _check_stage_layers(gpt, model, parallel)
     if spec.gpt_oss:
         _prepare_sinks_and_expert_biases(gpt)
+    if spec.gemma:
+        prepare_gemma(gpt, model)
     reduce_experts_over_expert_data_parallel(gpt, parallel)
     return [gpt]
 

@@ -20,6 +20,7 @@ class FamilySpec:
     router_extras: bool = False  # DeepSeek's group-limited routing, shared experts and routed scaling factor
     qk_norm_whole_projection: bool = False  # QK-norm over all heads of q (and of k) at once, not per head
     gpt_oss: bool = False  # learnable attention sinks, biases on every linear and the router, (1 + up) SwiGLU
+    gemma: bool = False  # (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, tanh-GELU GLU
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -64,13 +65,23 @@ FAMILIES: dict[str, FamilySpec] = {
     # full ones, yarn RoPE; router with a bias (softmax of the top-k logits), biased experts whose SwiGLU
     # clamps its inputs and gates (up + 1); MoE in every layer.
     "gpt_oss": FamilySpec(moe=True, qk_layernorm=False, add_qkv_bias=True, norm_topk=True, gpt_oss=True),
+    # Gemma 2 dense: Gemma's layer (models.gemma), attention and final logit soft-capping, sliding-window layers.
+    "gemma2": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False, gemma=True),
+    # Gemma 3 text: Gemma's layer with (1 + weight) QK-norm, the sliding layers' own RoPE base, linear RoPE scaling.
+    "gemma3_text": FamilySpec(moe=False, qk_layernorm=True, add_qkv_bias=False, gemma=True),
 }
-# The ModelConfig switches of gpt-oss's architecture, refused (when set) for the other families.
-_GPT_OSS_ONLY = {
-    "model.sliding_window": lambda m: m.sliding_window is not None,
-    "model.swiglu_alpha": lambda m: m.swiglu_alpha != 1.0,
-    "model.swiglu_limit": lambda m: m.swiglu_limit is not None,
-    "model.yarn_truncate": lambda m: not m.yarn_truncate,
+_GEMMA = ("gemma2", "gemma3_text")
+# The ModelConfig switches only some families have (set: the families that have them), refused for the others.
+_FAMILY_ONLY = {
+    "model.sliding_window": (lambda m: m.sliding_window is not None, ("gpt_oss", *_GEMMA)),
+    "model.swiglu_alpha": (lambda m: m.swiglu_alpha != 1.0, ("gpt_oss",)),
+    "model.swiglu_limit": (lambda m: m.swiglu_limit is not None, ("gpt_oss",)),
+    "model.yarn_truncate": (lambda m: not m.yarn_truncate, ("gpt_oss",)),
+    "model.query_pre_attn_scalar": (lambda m: m.query_pre_attn_scalar is not None, _GEMMA),
+    "model.final_logit_softcapping": (lambda m: m.final_logit_softcapping is not None, _GEMMA),
+    "model.attn_logit_softcapping": (lambda m: m.attn_logit_softcapping is not None, ("gemma2",)),
+    "model.rope_local_theta": (lambda m: m.rope_local_theta is not None, ("gemma3_text",)),
+    "model.rope_scaling = 'linear'": (lambda m: m.rope_scaling == "linear", ("gemma3_text",)),
 }
 
 
@@ -97,9 +108,9 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if spec.norm_topk is not None and model.moe_router_norm_topk != spec.norm_topk:
         raise ConfigError(f"{fam} needs model.moe_router_norm_topk = {str(spec.norm_topk).lower()}")
     _check_sigmoid_router(model, spec, fam)
-    used = [key for key, set_ in _GPT_OSS_ONLY.items() if set_(model)]
-    if used and not spec.gpt_oss:
-        raise ConfigError(f"{fam} has no {used[0]} (gpt_oss only)")
+    for key, (used, owners) in _FAMILY_ONLY.items():
+        if used(model) and model.family not in owners:
+            raise ConfigError(f"{fam} has no {key} (only {', '.join(owners)})")
     if spec.gpt_oss and (model.first_k_dense_layers or model.moe_layer_freq != 1):
         raise ConfigError(
             f"{fam} has MoE in every layer: needs model.first_k_dense_layers = 0, model.moe_layer_freq = 1"
@@ -194,6 +205,7 @@ def stage_parameter_counts(
         norms = (heads + model.num_query_groups) * d if spec.qk_norm_whole_projection else 2 * d
         attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
         attention += (h + heads) if spec.gpt_oss else 0  # o_proj's bias, the sinks
+        attention += 2 * h if spec.gemma else 0  # the norms after the attention and after the MLP
     pattern = moe_layer_pattern(model)
     moe_layers = sum(pattern[i] for i in layers)
     dense_mlp = 3 * h * model.ffn_hidden_size * (len(layers) - moe_layers)

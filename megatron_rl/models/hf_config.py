@@ -5,7 +5,7 @@ KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
 config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
-`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`).
+`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`; Gemma 2 and Gemma 3: `hf_config_gemma`).
 Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
 defaults unless passed as overrides.
 """
@@ -31,17 +31,15 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
-# Architectures that Megatron-Core 0.16's GPT layer cannot compute exactly, and what it lacks.
-_GEMMA = (
-    "the sqrt(hidden_size) embedding scale, (1 + weight) RMSNorm, the sandwich norms (post_attention_layernorm and "
-    "post_feedforward_layernorm around each block), query_pre_attn_scalar, per-layer sliding-window attention"
-)
-_GEMMA3 = f"{_GEMMA}, (1 + weight) QK-norm, the sliding layers' own RoPE base (rope_local_base_freq)"
+# Architectures refused by name, and why.
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Gemma2ForCausalLM": f"{_GEMMA}, attention and final logit soft-capping",
-    "Gemma3ForCausalLM": _GEMMA3,
-    "Gemma3ForConditionalGeneration": f"a vision tower, {_GEMMA3}",
+    "Gemma3ForConditionalGeneration": (
+        "Gemma 3's vision-language model (a SigLIP vision tower and projector, the text model under "
+        "model.language_model); its text model converts as Gemma3ForCausalLM (model_type gemma3_text)"
+    ),
 }
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -73,8 +71,7 @@ def family_of(hf: dict[str, Any], source: str = "config.json") -> str:
         raise ConversionError(f"{source}: architectures = {archs!r}; expected one of {sorted(ARCHITECTURES)}")
     if archs[0] in UNSUPPORTED_ARCHITECTURES:
         raise ConversionError(
-            f"{source}: architectures = {archs!r} is not supported: Megatron-Core's GPT layer has none of "
-            f"{UNSUPPORTED_ARCHITECTURES[archs[0]]}"
+            f"{source}: architectures = {archs!r} is not supported: {UNSUPPORTED_ARCHITECTURES[archs[0]]}"
         )
     if archs[0] not in ARCHITECTURES:
         raise ConversionError(
@@ -202,6 +199,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_gpt_oss import gpt_oss_model_fields
 
         return _finish(gpt_oss_model_fields(hf, source), hf, hf_path, source, overrides)
+    if family in ("gemma2", "gemma3_text"):
+        from megatron_rl.models.hf_config_gemma import gemma_model_fields
+
+        return _finish(gemma_model_fields(hf, family, source), hf, hf_path, source, overrides)
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", f"{source}: hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
@@ -307,6 +308,12 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(gpt_oss_hf_config(model))
+    elif model.family in ("gemma2", "gemma3_text"):
+        from megatron_rl.models.hf_config_gemma import gemma_hf_config
+
+        hf.pop("rope_theta")
+        hf.pop("hidden_act")
+        hf.update(gemma_hf_config(model))
     elif model.family == "qwen3_moe":
         hf.update(
             num_experts=model.num_experts,

@@ -166,6 +166,14 @@ _GPT_OSS: tuple[Rule, ...] = (
          layers="moe"),
     Rule(_MG_EXPERT + "linear_fc2.bias", (_GPT_OSS_EXPERT + "down_proj_bias",), (("H",),), layers="moe"),
 )  # fmt: skip
+# Gemma: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and post_feedforward_layernorm
+# normalise the attention's and the MLP's outputs (models.gemma's post_layernorm).
+_GEMMA: tuple[Rule, ...] = (
+    *(r for r in _COMMON if r.megatron != _L + "pre_mlp_layernorm.weight"),
+    Rule(_L + "pre_mlp_layernorm.weight", (_P + "pre_feedforward_layernorm.weight",), (("H",),)),
+    Rule(_L + "self_attention.post_layernorm.weight", (_P + "post_attention_layernorm.weight",), (("H",),)),
+    Rule(_L + "mlp.post_layernorm.weight", (_P + "post_feedforward_layernorm.weight",), (("H",),)),
+)
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + _DEEPSEEK_EXPERTS,
     "deepseek_v3": _BASE + _MLA + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
@@ -174,6 +182,8 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen2": _COMMON,
     "llama": _COMMON,
     "mistral": _COMMON,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
     "mixtral": _COMMON + _MIXTRAL_EXPERTS,
     "minimax_m2": _BASE
     + _GQA

@@ -214,7 +214,7 @@ class Generator:
             [batch[i].lora_name for i in uniques],
         )
         last_hidden = hidden[torch.arange(n_unique, device=dev), lengths - 1]
-        logits = self.model.lm_head(last_hidden)
+        logits = self._logits(last_hidden)
         src = [first_of[keys[i]] for i in order]
         for req, seq, s in zip(ordered[n_unique:], ordered_seqs[n_unique:], src[n_unique:], strict=True):
             self.cache.copy_row(base + s, req.row, len(seq))
@@ -256,7 +256,7 @@ class Generator:
             any(r.return_routed_experts for r in self.running),
             [r.lora_name for r in self.running],
         )
-        logits = self.model.lm_head(hidden[:, 0])
+        logits = self._logits(hidden[:, 0])
         routing = self._take_routing(rows, 1)
         if routing is not None:
             for i, req in enumerate(self.running):
@@ -268,13 +268,19 @@ class Generator:
     def _mask(
         self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The additive mask of `allowed` ([rows, 1, queries, keys]); with sliding layers (gpt-oss), the one per
-        layer type transformers takes, the sliding layers' keeping the keys within the window of each query."""
+        """The additive mask of `allowed` ([rows, 1, queries, keys]); with sliding layers, the one per layer type
+        transformers takes, the sliding layers' keeping the keys within the window of each query."""
         full = self._additive(allowed)
         window = self.info.sliding_window
         if window is None:
             return full
         return {"full_attention": full, "sliding_attention": self._additive(allowed & (key_pos > query_pos - window))}
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits of `hidden`, soft-capped where the model's are (Gemma)."""
+        logits = self.model.lm_head(hidden)
+        cap = self.info.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros((), dtype=self.info.dtype, device=self.info.device)
@@ -327,7 +333,7 @@ class Generator:
         top: list[tuple[list[float], list[int]] | None] = [None] if req.top_logprobs_num else []
         first = start + 1
         if first < len(req.input_ids):
-            logits = self.model.lm_head(hidden[first - 1 : len(req.input_ids) - 1]).float()
+            logits = self._logits(hidden[first - 1 : len(req.input_ids) - 1]).float()
             lp = torch.log_softmax(logits, dim=-1)  # as SGLang 0.5.23: the prompt's, at temperature 1
             targets = torch.tensor(req.input_ids[first:], device=lp.device)
             values += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()

@@ -23,9 +23,14 @@ SUPPORTED_FAMILIES = (
     "mistral",
     "minimax_m2",
     "gpt_oss",
+    "gemma2",
+    "gemma3_text",
 )
-# transformers' attention the engine runs: SDPA, but eager for gpt-oss (its attention sinks; transformers refuses SDPA)
-_EAGER = ("gpt_oss",)
+# transformers' attention the engine runs: SDPA, but eager for gpt-oss (its attention sinks) and Gemma 2 (its
+# attention soft-capping): transformers refuses SDPA for both
+_EAGER = ("gpt_oss", "gemma2")
+# families whose sliding-window layers the engine masks (`ModelInfo.sliding_window`)
+_SLIDING = ("gpt_oss", "gemma2", "gemma3_text")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,7 +52,8 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     value_dim: int = 0  # width of a cached value; 0 = head_dim (MLA: qk_rope_head_dim, the shared rotary key)
-    sliding_window: int | None = None  # gpt-oss: keys its sliding layers see (the query's own included)
+    sliding_window: int | None = None  # keys a sliding layer sees (the query's own included); None: no sliding layer
+    final_logit_softcapping: float | None = None  # Gemma: logits c * tanh(logits / c)
 
     @property
     def is_moe(self) -> bool:
@@ -120,6 +126,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         dtype=torch_dtype,
         device=dev,
         sliding_window=_sliding_window(config),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
     return model, info
 
@@ -132,8 +139,8 @@ def router_of(layer: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _sliding_window(config: Any) -> int | None:
-    """The window of a gpt-oss config with sliding layers (other families' windows are refused or absent)."""
+    """The window of a config with sliding layers (`_SLIDING`; other families' windows are refused or absent)."""
     types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "model_type", "") not in _EAGER or "sliding_attention" not in types:
+    if getattr(config, "model_type", "") not in _SLIDING or "sliding_attention" not in types:
         return None
     return getattr(config, "sliding_window", None)
