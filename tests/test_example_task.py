@@ -191,7 +191,12 @@ def test_gpt_oss_model_is_seeded_and_converts(tmp_path: Path) -> None:
     tiny_model.build_model(tmp_path / "b", seed=0, family="gpt_oss")
     model = model_config_from_hf(read_hf_config(tmp_path / "a"))
     assert (model.family, model.num_experts, model.moe_router_topk, model.sliding_window) == ("gpt_oss", 8, 2, 16)
-    assert (model.rope_scaling, model.yarn_truncate, model.swiglu_limit, model.swiglu_alpha) == ("yarn", False, 7, 1.702)
+    assert (model.rope_scaling, model.yarn_truncate, model.swiglu_limit, model.swiglu_alpha) == (
+        "yarn",
+        False,
+        7,
+        1.702,
+    )
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 128, 192)

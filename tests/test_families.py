@@ -136,7 +136,9 @@ def test_sigmoid_switches_are_refused_elsewhere() -> None:
 
     with pytest.raises(ConfigError, match="qwen3_moe' has no model.moe_shared_expert_size"):
         check_family(tiny_model("qwen3_moe", moe_shared_expert_size=64))
-    with pytest.raises(ConfigError, match=r"rope_scaling = .yarn. is only supported for deepseek_v3 \(MLA\) and gpt_oss"):
+    with pytest.raises(
+        ConfigError, match=r"rope_scaling = .yarn. is only supported for deepseek_v3 \(MLA\) and gpt_oss"
+    ):
         check_family(tiny_model("qwen3_moe", rope_scaling="yarn"))
 
 

@@ -124,7 +124,9 @@ def test_llama3_scaling_belongs_to_llama() -> None:
 
     with pytest.raises(ConfigError, match="rope_scaling = 'llama3' is only supported for model.family = 'llama'"):
         check_family(tiny_model("mistral", rope_scaling="llama3"))
-    with pytest.raises(ConfigError, match=r"rope_scaling = 'yarn' is only supported for deepseek_v3 \(MLA\) and gpt_oss"):
+    with pytest.raises(
+        ConfigError, match=r"rope_scaling = 'yarn' is only supported for deepseek_v3 \(MLA\) and gpt_oss"
+    ):
         check_family(tiny_model("llama", rope_scaling="yarn"))
 
 

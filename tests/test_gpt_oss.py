@@ -40,6 +40,8 @@ GPT_OSS_120B: dict[str, Any] = {
     "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
     "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088, "torch_dtype": "bfloat16",
 }  # fmt: skip
+
+
 def _tiny_folder(folder: Path) -> Path:
     return save_random_hf_model(folder, hf_config("gpt_oss"), seed=3)
 

@@ -178,8 +178,6 @@ def gpt_oss_hf_config(model: Any) -> dict[str, Any]:
         swiglu_alpha=model.swiglu_alpha,
         swiglu_limit=model.swiglu_limit,
         sliding_window=window,
-        layer_types=[
-            _LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)
-        ],
+        layer_types=[_LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
         rope_parameters=rope,
     )
