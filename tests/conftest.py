@@ -70,24 +70,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-# The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command):
-# a module is one unit of work, so that its module-scoped fixtures are built once; modules that share a
-# session's straight run (`straight_runs`) are one unit. The e2e tier has two units (`-n 2 --dist
-# loadgroup`): on one worker the tests that mostly wait (the Slurm jobs on the cluster's daemons, the
-# engines' security and router tests on their servers), on the other every other launch, one after another
-# (docs/architecture.md, "Tests and benchmarks", has the measurements).
+# The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command),
+# and so may the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; CI runs it in one process,
+# which is faster there). A module is one unit of work, so that its module-scoped fixtures are built
+# once; modules that share a session's straight run (`straight_runs`) are one unit. The e2e modules
+# that take longest go first, so that two workers end together.
 SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
-E2E_UNITS = ("waiting", "launches")
-WAITING_MODULES = ("test_slurm", "test_security", "test_router")
 LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
 
 
 def work_unit(item: pytest.Item) -> str:
-    """The xdist group of a test: for the e2e tier one of E2E_UNITS, else its module's name or the unit of
-    modules sharing a launch."""
+    """The xdist group of a test: its module's name, or the unit of modules sharing a launch."""
     module = item.path.stem
-    if "e2e" in item.keywords:
-        return E2E_UNITS[0] if "slurm" in item.keywords or module in WAITING_MODULES else E2E_UNITS[1]
     return SHARED_UNITS.get(module, module)
 
 

@@ -55,13 +55,8 @@ def test_an_unmarked_test_cannot_launch_one() -> None:
 
 
 def test_modules_that_share_a_straight_run_are_one_unit_of_work_and_others_their_own() -> None:
-    def unit(module: str, *markers: str) -> str:
-        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py", keywords=set(markers)))
+    def unit(module: str) -> str:
+        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py"))
 
     assert unit("test_trainer") == unit("test_faults") != unit("test_async")
     assert unit("test_async") == "test_async" and unit("test_slurm") == "test_slurm"
-    # the e2e tier: the tests that mostly wait on one worker (the Slurm jobs, the engines' security and
-    # router tests), every other launch on the other
-    assert unit("test_faults", "e2e", "slurm") == unit("test_slurm", "e2e", "slurm") == "waiting"
-    assert unit("test_security", "e2e") == unit("test_router", "e2e") == "waiting"
-    assert unit("test_faults", "e2e") == unit("test_async", "e2e") == unit("test_trainer", "e2e") == "launches"
