@@ -125,6 +125,30 @@ def hf_bool(hf: dict[str, Any], source: str, key: str, default: bool) -> bool:
     return value
 
 
+def shared_fields(
+    hf: dict[str, Any], source: str, *, head_dim: int | None = None, kv_heads: bool = True, tied: bool = False
+) -> tuple[dict[str, Any], int]:
+    """The `model` fields every family reads alike from config.json (layers, widths, heads, vocabulary, positions,
+    norm epsilon, tied embeddings), and the attention head width. `head_dim`: the width when config.json has no
+    `head_dim` (None: hidden_size / heads); `kv_heads`: a missing `num_key_value_heads` means one per head (False:
+    it is required); `tied`: `tie_word_embeddings` when unset."""
+    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
+    width = hf_int(hf, source, "head_dim", default=head_dim or hidden // heads)
+    fields = dict(
+        num_layers=hf_int(hf, source, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=hf_int(hf, source, "num_key_value_heads", **({"default": heads} if kv_heads else {})),
+        kv_channels=None if width * heads == hidden else width,
+        vocab_size=hf_int(hf, source, "vocab_size"),
+        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
+        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
+        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=tied),
+    )
+    return fields, width
+
+
 def hf_section(hf: dict[str, Any], source: str, key: str) -> dict[str, Any]:
     """The object `hf[key]` ({} when unset or null); ConversionError naming the key for any other value."""
     value = hf.get(key) or {}
@@ -213,30 +237,17 @@ def model_config_from_hf(
             not hf.get("attention_bias", False),
             f"{source}: attention_bias = true is not supported for {family} (biases on q/k/v and o_proj)",
         )
-    hidden = hf_int(hf, source, "hidden_size")
-    heads = hf_int(hf, source, "num_attention_heads")
-    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
-    layers = hf_int(hf, source, "num_hidden_layers")
-    fields: dict[str, Any] = dict(
+    fields, _ = shared_fields(hf, source)
+    fields.update(
         family=family,
         hf_path=hf_path,
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=hf_int(hf, source, "vocab_size"),
-        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
         rope_theta=_rope_theta(hf, source),
-        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
         add_qkv_bias=family == "qwen2",
-        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
         num_experts=None,
     )
     if family in ("qwen3_moe", "mixtral"):
-        fields.update(_moe_fields(hf, family, source, layers))
+        fields.update(_moe_fields(hf, family, source, fields["num_layers"]))
     return _finish(fields, hf, hf_path, source, overrides)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_section, shared_fields
 
 # Keys that are not architecture (training, generation, tokenizer, loader and bookkeeping settings).
 _IGNORED = frozenset(
@@ -83,24 +83,8 @@ def dense_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str
         _refuse(not hf_bool(hf, source, bias, default=False), source, f"{bias} = true is not supported for {family}")
     window = hf.get("sliding_window")
     _refuse(window is None, source, f"sliding_window = {window!r}: sliding-window attention is not supported")
-    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
-    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
-    fields: dict[str, Any] = dict(
-        family=family,
-        num_layers=hf_int(hf, source, "num_hidden_layers"),
-        hidden_size=hidden,
-        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=hf_int(hf, source, "vocab_size"),
-        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
-        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
-        qk_layernorm=False,
-        add_qkv_bias=False,
-        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
-        num_experts=None,
-    )
+    fields, _ = shared_fields(hf, source)
+    fields.update(family=family, qk_layernorm=False, add_qkv_bias=False, num_experts=None)
     fields.update(_rope_fields(hf, family, source))
     return fields
 

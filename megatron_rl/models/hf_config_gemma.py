@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, shared_fields
 
 _IGNORED = frozenset(
     {
@@ -165,22 +165,12 @@ def gemma_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str
         f"attn_logit_softcapping = {attn_cap!r} is not supported for gemma3_text: transformers' Gemma 3 attention does "
         "not apply it (set it to null)",
     )
-    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
-    head_dim, layers = hf_int(hf, source, "head_dim", default=256), hf_int(hf, source, "num_hidden_layers")
-    fields: dict[str, Any] = dict(
+    fields, _ = shared_fields(hf, source, head_dim=256, kv_heads=False, tied=True)
+    layers = fields["num_layers"]
+    fields.update(
         family=family,
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=hf_int(hf, source, "intermediate_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf_int(hf, source, "num_key_value_heads"),
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=hf_int(hf, source, "vocab_size"),
-        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
-        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
         qk_layernorm=family == "gemma3_text",
         add_qkv_bias=False,
-        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=True),
         num_experts=None,
         query_pre_attn_scalar=hf_int(hf, source, "query_pre_attn_scalar", default=256),
         attn_logit_softcapping=attn_cap,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, shared_fields
 
 # Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `hidden_act` is not read by
 # transformers' GptOss (its experts' activation is the clamped swiglu_alpha gate); `initial_context_length` is the
@@ -121,26 +121,15 @@ def gpt_oss_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     topk = hf_int(hf, source, "num_experts_per_tok", "experts_per_token")
     other = hf.get("experts_per_token")
     _refuse(other is None or other == topk, source, f"experts_per_token = {other!r} contradicts num_experts_per_tok")
-    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
-    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
-    width, layers = hf_int(hf, source, "intermediate_size"), hf_int(hf, source, "num_hidden_layers")
-    fields: dict[str, Any] = dict(
+    fields, _ = shared_fields(hf, source)
+    layers = fields["num_layers"]
+    fields.update(
         family="gpt_oss",
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=width,
-        num_attention_heads=heads,
-        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=hf_int(hf, source, "vocab_size"),
-        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
-        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
-        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
         qk_layernorm=False,
         add_qkv_bias=True,
         num_experts=hf_int(hf, source, "num_local_experts", "num_experts"),
         moe_router_topk=topk,
-        moe_ffn_hidden_size=width,
+        moe_ffn_hidden_size=fields["ffn_hidden_size"],
         moe_router_norm_topk=True,
         first_k_dense_layers=0,
         moe_layer_freq=1,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+from megatron_rl.models.hf_config import ConversionError, hf_float, hf_int, hf_section, shared_fields
 
 # Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `mlp_intermediate_size`
 # sizes a dense MLP that no layer has (every layer is MoE); the MTP keys describe layers that are not imported.
@@ -108,26 +108,14 @@ def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
     act = hf.get("hidden_act", "silu")
     _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
-    hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
-    head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
-    width = hf_int(hf, source, "intermediate_size")
-    fields: dict[str, Any] = dict(
+    fields, head_dim = shared_fields(hf, source)
+    fields.update(
         family="minimax_m2",
-        num_layers=hf_int(hf, source, "num_hidden_layers"),
-        hidden_size=hidden,
-        ffn_hidden_size=width,
-        num_attention_heads=heads,
-        num_query_groups=hf_int(hf, source, "num_key_value_heads", default=heads),
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        vocab_size=hf_int(hf, source, "vocab_size"),
-        max_position_embeddings=hf_int(hf, source, "max_position_embeddings"),
-        norm_epsilon=hf_float(hf, source, "rms_norm_eps"),
-        tie_word_embeddings=hf_bool(hf, source, "tie_word_embeddings", default=False),
         qk_layernorm=True,
         add_qkv_bias=False,
         num_experts=hf_int(hf, source, "num_local_experts", "num_experts"),
         moe_router_topk=hf_int(hf, source, "num_experts_per_tok"),
-        moe_ffn_hidden_size=width,
+        moe_ffn_hidden_size=fields["ffn_hidden_size"],
         moe_router_norm_topk=True,
         first_k_dense_layers=0,
         moe_layer_freq=1,
