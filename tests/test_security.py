@@ -6,6 +6,7 @@ truncated or garbage safetensors, SIGTERM during a pending group init, and no te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from mrl_engine import rollout_loop
 
-from megatron_rl.rollout.local.launcher import start_local_engine
+from megatron_rl.rollout.local.launcher import spawn_local_engine, start_local_engine
 from megatron_rl.rollout.local.server import (
     CONTROL_BODY_BYTES,
     GENERATE_BYTES_PER_POSITION,
@@ -209,16 +210,16 @@ def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args = ["--threads", "1", "--group-init-timeout-s"]
-    quick = start_local_engine(model, api_key=KEY, extra_args=[*args, "2"], env=ENV)
-    try:
+    with contextlib.ExitStack() as stack:
+        starting = [spawn_local_engine(model, api_key=KEY, extra_args=[*args, s], env=ENV) for s in ("2", "600")]
+        for engine in starting:
+            stack.callback(engine.kill)  # whatever fails below: a no-op once the engine has exited
+        quick, slow = (engine.wait() for engine in starting)  # they load side by side
         assert list(tmp_path.glob("megatron-rl-serve-*")) == []
         status, text = _group_init(quick.url, free_port(), timeout_s=120)
         assert status == 400 and "Failed to initialize custom process group" in text, text
         assert "timeout" in text.lower() or "timed out" in text.lower(), text
-    finally:
         quick.stop()
-    slow = start_local_engine(model, api_key=KEY, extra_args=[*args, "600"], env=ENV)
-    try:
 
         def wait_on_group() -> None:
             try:
@@ -236,7 +237,6 @@ def test_sigterm_during_a_pending_group_init_and_no_temporary_folder_left(
         slow.process.send_signal(signal.SIGTERM)
         assert slow.process.wait(60) == 0, slow.log_tail()  # 600 s before the store would time out
         assert "shutting down" in slow.log_tail()
-    finally:
         slow.stop()
     assert list(tmp_path.glob("megatron-rl-serve-*")) == []
 
