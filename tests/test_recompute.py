@@ -22,16 +22,9 @@ PROMPTS = (5, 3, 6, 2, 4, 3)
 TOL = 1e-6  # relative to the largest value compared (at least 1)
 
 # per model: the runs compared with the one without recompute (recompute, modules, attention backend)
-RUNS = {
-    "gqa": [
-        ("full", [], "local"),
-        ("selective", ["core_attn"], "local"),
-        ("selective", ["core_attn"], "sdpa"),
-        ("selective", ["mlp"], "local"),
-        ("selective", ["moe"], "local"),
-        ("selective", ["core_attn", "mlp", "moe"], "local"),
-    ],
-    "mla": [("selective", ["shared_experts", "core_attn"], "local"), ("selective", ["moe"], "local")],
+RUNS = {  # full recompute: tests/test_actor_distributed.py (`recompute_replay` scenario)
+    "gqa": [("selective", ["core_attn", "mlp", "moe"], "local"), ("selective", ["core_attn"], "sdpa")],
+    "mla": [("selective", ["core_attn", "shared_experts", "moe"], "local")],
 }
 MODELS = {"gqa": lambda: tiny_model("qwen3_moe"), "mla": lambda: tiny_sigmoid_model("deepseek_v3", "split")}
 
