@@ -39,7 +39,9 @@ def test_transformer_engine_on_cuda_runs_every_fusion_the_model_supports() -> No
     yarn = fusion_blockers(tiny_sigmoid_model("deepseek_v3"), TE_CUDA, routing_replay=False)
     assert "experimental and training-only" in yarn["apply_rope_fusion"]
     gpt_oss = fusion_blockers(tiny_gpt_oss_model(), TE_CUDA, routing_replay=False)
-    assert "clamps and offsets its gate" in gpt_oss["bias_activation_fusion"]
+    assert "model.family = 'gpt_oss': its gate is no plain SiLU" in gpt_oss["bias_activation_fusion"]
+    gemma = fusion_blockers(tiny_model("gemma2", num_experts=None), LOCAL_CUDA, routing_replay=False)
+    assert "model.family = 'gemma2': its gate is no plain SiLU" in gemma["bias_activation_fusion"]
     assert "no yarn cos/sin factor" in gpt_oss["apply_rope_fusion"]
 
 

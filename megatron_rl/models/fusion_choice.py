@@ -80,7 +80,7 @@ def fusion_blockers(model: ModelConfig, platform: Platform, *, routing_replay: b
         blockers["bias_activation_fusion"] = "it needs CUDA (on the CPU it would only change the rounding)"
     elif is_gpt_oss(model) or check_family(model).gemma:
         blockers["bias_activation_fusion"] = (
-            f"model.family = {model.family!r}'s gate is no plain SiLU (gpt_oss clamps and offsets it, Gemma's is "
+            f"model.family = {model.family!r}: its gate is no plain SiLU (gpt_oss clamps and offsets it, Gemma's is "
             "tanh-GELU), which Megatron's fused kernel refuses"
         )
     for name in ("moe_permute_fusion", "moe_router_fusion"):
