@@ -1,6 +1,6 @@
 """Activation recompute (`model.recompute`, `model.recompute_modules`, `models.recompute_choice`) on one rank in this
-process, fp32: one GRPO update replaying recorded routing (R2: an MoE layer recomputed reruns its router in
-REPLAY_BACKWARD) with each module set the local specs recompute, against the same update without recompute on the
+process, fp32: one GRPO update, on the MoE policies replaying recorded routing (R2: an MoE layer recomputed reruns its
+router in REPLAY_BACKWARD), with each module set the local specs recompute, against the same update without recompute on the
 same weights: loss, gradient norm and every parameter after it within 1e-6. Then the refusals, each one line naming
 the key."""
 
@@ -25,8 +25,13 @@ TOL = 1e-6  # relative to the largest value compared (at least 1)
 RUNS = {  # full recompute: tests/test_actor_distributed.py (`recompute_replay` scenario)
     "gqa": [("selective", ["core_attn", "mlp", "moe"], "local"), ("selective", ["core_attn"], "sdpa")],
     "mla": [("selective", ["core_attn", "shared_experts", "moe"], "local")],
+    "gemma": [("selective", ["core_attn", "mlp"], "local")],  # dense, Gemma's own layer (sandwich norms, soft-capping)
 }
-MODELS = {"gqa": lambda: tiny_model("qwen3_moe"), "mla": lambda: tiny_sigmoid_model("deepseek_v3", "split")}
+MODELS = {
+    "gqa": lambda: tiny_model("qwen3_moe"),
+    "mla": lambda: tiny_sigmoid_model("deepseek_v3", "split"),
+    "gemma": lambda: tiny_model("gemma2", num_experts=None),
+}
 
 
 def _config(model: ModelConfig) -> Config:
@@ -34,7 +39,7 @@ def _config(model: ModelConfig) -> Config:
         model=model,
         parallel=layout(),
         rollout=RolloutConfig(temperature=0.7, max_new_tokens=24),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r2"),
+        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r2" if model.num_experts else "none"),
         train=TrainConfig(updates_per_step=1, max_tokens_per_micro_batch=48, lr=3e-3, adam_eps=1e-3, grad_clip=0.5),
     )
 
@@ -57,7 +62,7 @@ def _update(model: ModelConfig) -> tuple[dict[str, float], dict[str, torch.Tenso
         assert _checkpointed(layers) == (set(model.recompute_modules) if model.recompute == "selective" else set())
         assert (actor.chunks[0].config.recompute_granularity == "full") == (model.recompute == "full")
         batch = seeded_batch(model.vocab_size, LENGTHS, PROMPTS)
-        recorded = actor.compute_log_probs(batch, record_routing=True)
+        recorded = actor.compute_log_probs(batch, record_routing=model.num_experts is not None)
         gen = torch.Generator().manual_seed(3)
         (metrics,) = actor.train(
             batch.with_fields(
