@@ -23,7 +23,7 @@ from megatron_rl.config import Config, ConfigError, check_rules
 from megatron_rl.envs.base import environment_class
 from megatron_rl.metrics.trackers import missing_tracker_packages
 from megatron_rl.models.attention_choice import check_attention_backend, transformer_engine_layers
-from megatron_rl.models.experts_choice import check_grouped_experts
+from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.lora_rank import check_lora_rank
 from megatron_rl.models.lora_targets import (
     check_init_adapter,
@@ -32,6 +32,7 @@ from megatron_rl.models.lora_targets import (
     check_target_modules,
     resolve_lora_sync,
 )
+from megatron_rl.models.recompute_choice import check_recompute
 from megatron_rl.models.safetensors_io import SafetensorsFormatError, read_header
 from megatron_rl.models.source import resolve_model
 from megatron_rl.parallel.device import transformer_engine_available
@@ -225,6 +226,8 @@ def validate_run(
     )
     check_grouped_experts(resolved.model, resolved.parallel, transformer_engine=transformer_engine)
     check_attention_backend(resolved.model, resolved.parallel, transformer_engine=transformer_engine)
+    te_grouped = transformer_engine and use_grouped_experts(resolved.model, resolved.parallel, transformer_engine=True)
+    check_recompute(resolved.model, transformer_engine=transformer_engine, te_grouped_experts=te_grouped)
     world = read_launch_env().world_size if world_size is None else world_size
     layout = check_layout(resolved.parallel, world, resolved.model)
     if command == "train":

@@ -84,6 +84,17 @@ def test_script_without_a_gpu_skips_every_step_and_says_why() -> None:
     assert summary["skipped"] == len(names) and summary["ok"] == summary["failed"] == 0
     assert all("no CUDA device" in s["reason"] for s in summary["steps"]), summary["steps"]
     assert summary["device"] == "cpu"
+    probe = summary["probe"]  # asked of torch on any machine
+    import torch
+
+    assert probe["torch"] == torch.__version__ and probe["grouped_mm"] is hasattr(torch, "_grouped_mm")
+    assert probe["devices"] == [] and probe["flash_attention_built"] is None
+    assert set(probe["sdpa_backends_enabled"]) == {"flash", "mem_efficient", "cudnn", "math"}
+    varlen = probe["varlen_attn_parameters"]  # read from the source (importing it would import TorchDynamo)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        assert varlen.startswith("absent")
+    else:
+        assert varlen[:5] == ["query", "key", "value", "cu_seq_q", "cu_seq_k"], varlen
 
     bad = subprocess.run(
         [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--only", "nope"], capture_output=True, text=True

@@ -1,7 +1,12 @@
 """The one-shot GPU check (run through tools/gpu_check.sh): every GPU path once, one JSON summary.
 
-Steps, in order, each a child process with its own time limit inside one overall budget (--budget-s,
-default 450 s: a single H200 finishes in under 8 minutes); each records status ok, failed or skipped
+First the probe, in this process (a second or two, on any machine): torch's and CUDA's versions, the devices,
+whether `torch._grouped_mm` exists, the parameters of `torch.nn.attention.varlen.varlen_attn` (its signature
+changed between torch 2.10 and 2.12), the SDPA backends torch enables and, on CUDA, whether flash attention is
+built in; whether Transformer Engine, Apex and SGLang import.
+
+Then the steps, in order, each a child process with its own time limit inside one overall budget (--budget-s,
+default 480 s: 8 minutes on one H100 / H200); each records status ok, failed or skipped
 with the reason, its seconds, the figures it printed (the benchmarks' JSON lines) and, when it
 failed, the tail of its output:
 
@@ -12,12 +17,21 @@ failed, the tail of its output:
   loss and gradient norm of a padded and a packed update; needs two GPUs (skipped, saying so, on one).
 - te_vs_local: Transformer Engine specs against Megatron's local specs on the same weights
   (`init_deterministic`): the actor's log-probs and entropy of one batch, fp32, max abs difference.
+- fast_vs_local_1b: the ~1B Qwen3-MoE preset's bf16 train step on the local specs' slow path (experts one after
+  another, Megatron's local attention) against the fast path (grouped experts, SDPA / varlen attention), in one
+  process on the same weights and batch (tools/bench/train_step.py --fast-path --profile): loss and gradient-norm
+  difference, tokens/s, MFU, and per path the 10 kernels of the most GPU time and the GPU-busy share.
+- experts: one MoE layer's experts at the 1b widths, loop against grouped GEMMs, bf16: rows/s, peak memory
+  (tools/bench/experts.py).
+- attention: one layer's core attention, local against SDPA (padded) and varlen (packed), bf16, at 2,048 and
+  8,192 tokens: tokens/s, peak memory (tools/bench/attention.py).
+- logprobs_32k, logprobs_64k: the actor's log-prob path on the fast path (SDPA, the default with CUDA) at
+  V = 151,936 and T = 32,768 / 65,536 against the naive full-vocabulary path: peak memory
+  (tools/bench/logprobs.py --device cuda).
 - train_step_1b: bf16 train-step tokens/s and MFU of the ~1B Qwen3-MoE preset (tools/bench/train_step.py).
 - train_step_mixed: the same preset on 32 samples of 32..1024 response tokens, packed micro-batches
   (`train.micro_batch_tokens`) against right-padded ones: seconds per update, peak memory, and the
   loss and gradient norm of both (tools/bench/train_step.py --lengths mixed).
-- logprobs: the actor's log-prob path's peak memory at V = 151,936 and T = 32,768 (8,192 without
-  Transformer Engine) against the naive full-vocabulary path (tools/bench/logprobs.py --device cuda).
 - weight_sync: tensor-mode (CUDA IPC) weight sync into the local engine on the same GPU, GB/s and
   the ratio to a device memcpy (tools/bench/weight_sync.py).
 - sglang_sync: tools/gpu/sglang_sync_check.py when it exists (skipped, saying so, when it does not);
@@ -27,7 +41,11 @@ failed, the tail of its output:
 Without CUDA every step that needs it is skipped with that reason, so the script runs anywhere and
 its summary is the same shape; --dry-run skips every step (the plan only).
 
-    bash tools/gpu_check.sh [--budget-s 450] [--only gpu_tests,te_vs_local] [--dry-run]
+    bash tools/gpu_check.sh [--budget-s 480] [--only gpu_tests,te_vs_local] [--dry-run]
+
+The summary (one JSON object; docs/benchmarks.md, "One-shot GPU check"): gpu_check, device, budget_s, seconds,
+the ok / failed / skipped counts, probe, and steps (name, what, status, reason when not ok, seconds, figures,
+tail when failed).
 """
 
 from __future__ import annotations
@@ -117,12 +135,6 @@ def _transformer_engine() -> str:
     return _cuda_and("transformer_engine", "Transformer Engine")
 
 
-def _logprob_tokens() -> int:
-    """32,768 under TE's flash attention; the local specs' attention keeps every head's T x T scores
-    (at 32,768 tokens more than an H200 holds), so without TE the step measures 8,192."""
-    return 8192 if _transformer_engine() else 32768
-
-
 def _two_gpus() -> str:
     why = _cuda()
     if why:
@@ -157,6 +169,19 @@ STEPS = (
          _two_gpus, lambda out, s: {"figures": json_lines(out), **_gpu_tests_parse(out, s)}),
     Step("te_vs_local", "TE specs (padded and packed THD) vs local specs, same weights: log-probs", 90,
          lambda s: [PY, str(Path(__file__).resolve()), "--step", "te_vs_local"], _transformer_engine),
+    Step("fast_vs_local_1b", "1b bf16 train step, local specs' slow path vs grouped experts + SDPA, same weights: "
+         "loss and grad-norm difference, tokens/s, MFU, top-10 kernels, GPU-busy share", 180,
+         lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--fast-path", "--profile",
+                    "--warmup", "1", "--iters", "2"], _cuda),
+    Step("experts", "one MoE layer's experts at the 1b widths, loop vs grouped, bf16: rows/s, peak memory", 60,
+         lambda s: [PY, str(REPO / "tools/bench/experts.py"), "--tokens", "2048", "8192", "--dtype", "bf16"], _cuda),
+    Step("attention", "core attention, local vs SDPA (padded) / varlen (packed), bf16: tokens/s, peak memory", 60,
+         lambda s: [PY, str(REPO / "tools/bench/attention.py"), "--dtype", "bf16", "--seq-len", "2048", "8192"], _cuda),
+    *(Step(f"logprobs_{t // 1024}k", f"actor log-prob path (SDPA) vs naive at V = 151,936, T = {t:,}: peak memory",
+           timeout, lambda s, t=t: [PY, str(REPO / "tools/bench/logprobs.py"), "--device", "cuda", "--tokens", str(t),
+                                    "--before", ""], _cuda)
+      for t, timeout in ((32768, 90), (65536, 120))),
     Step("train_step_1b", "bf16 train step of the ~1B Qwen3-MoE preset: tokens/s, MFU", 120,
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--warmup", "1", "--iters", "2"], _cuda),
@@ -164,9 +189,6 @@ STEPS = (
          lambda s: [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     str(REPO / "tools/bench/train_step.py"), "--preset", "1b", "--lengths", "mixed", "--samples", "32",
                     "--warmup", "1", "--iters", "1"], _cuda),
-    Step("logprobs", "actor log-prob path vs naive at V = 151,936, T = 32,768 (8,192 without TE): peak memory", 150,
-         lambda s: [PY, str(REPO / "tools/bench/logprobs.py"), "--device", "cuda", "--tokens", str(_logprob_tokens()),
-                    "--before", ""], _cuda),
     Step("weight_sync", "tensor-mode weight sync into the local engine on the same GPU vs a device memcpy", 90,
          lambda s: [PY, str(REPO / "tools/bench/weight_sync.py"), "--modes", "tensor", "--hidden", "1024", "--layers",
                     "4", "--experts", "16", "--repeats", "3", "--bucket-mb", "512", "--workdir", str(s)], _cuda),
@@ -227,7 +249,50 @@ def run_all(steps: tuple[Step, ...], budget_s: float, dry_run: bool) -> dict:
         "budget_s": budget_s,
         "seconds": round(time.monotonic() - start, 1),
         **counts,
+        "probe": probe(),
         "steps": records,
+    }
+
+
+def _varlen_parameters() -> list[str] | str:
+    """The parameter names of torch's `varlen_attn`, read from its source: importing it imports TorchDynamo
+    (seconds of CPU the check on a CPU should not spend)."""
+    import ast
+
+    spec = importlib.util.find_spec("torch.nn.attention.varlen")
+    if spec is None or spec.origin is None:
+        return "absent: torch.nn.attention.varlen does not exist (torch < 2.10)"
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef) and node.name == "varlen_attn":
+            a = node.args
+            return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return f"absent: no varlen_attn in {spec.origin}"
+
+
+def probe() -> dict:
+    """What this machine's torch offers the fast path (module doc); no GPU work beyond asking."""
+    try:
+        import torch
+    except ImportError as err:
+        return {"torch": f"cannot be imported: {err}"}
+    cuda = torch.cuda.is_available()
+    varlen = _varlen_parameters()
+    backends = torch.backends.cuda
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "grouped_mm": hasattr(torch, "_grouped_mm"),
+        "varlen_attn_parameters": varlen,
+        "sdpa_backends_enabled": {
+            "flash": backends.flash_sdp_enabled(),
+            "mem_efficient": backends.mem_efficient_sdp_enabled(),
+            "cudnn": backends.cudnn_sdp_enabled(),
+            "math": backends.math_sdp_enabled(),
+        },
+        "flash_attention_built": backends.is_flash_attention_available() if cuda else None,
+        "packages": {m: importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex", "sglang")},
     }
 
 
@@ -310,7 +375,7 @@ def te_vs_local() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget-s", type=float, default=450.0, help="overall time for all steps")
+    p.add_argument("--budget-s", type=float, default=480.0, help="overall time for all steps")
     p.add_argument("--only", default="", help="comma-separated step names (default: all)")
     p.add_argument("--dry-run", action="store_true", help="skip every step: the summary's shape only")
     p.add_argument("--step", choices=["te_vs_local"], help=argparse.SUPPRESS)

@@ -319,7 +319,7 @@ class _FromHidden(torch.autograd.Function):
         fp32 = weight.dtype == torch.float32
         # every row of grad_h is written by one chunk; the weight gradient accumulates over chunks in
         # fp32 whatever the parameter dtype: straight into Megatron DDP's gradient buffer when there is
-        # one (returning None, so autograd adds nothing more), else into one accumulator returned
+        # one (returning a placeholder DDP does not add, `_main_grad_added`), else into one accumulator returned
         grad_h = (torch.zeros_like(hidden) if b.empty else torch.empty_like(hidden)) if want_h else None
         grad_w = acc_w = None
         if want_w:
@@ -343,7 +343,20 @@ class _FromHidden(torch.autograd.Function):
             shard.all_reduce(grad_h, dist.ReduceOp.SUM)
         if grad_w is not None and not fp32:
             grad_w = grad_w.to(weight.dtype)
+        if acc_w is not None and grad_w is None and hasattr(weight, "grad_added_to_main_grad"):
+            grad_w = _main_grad_added(weight)
         return grad_h, grad_w, None, None, None, None
+
+
+def _main_grad_added(weight: Tensor) -> Tensor:
+    """Megatron's contract for a gradient written straight into DDP's `main_grad` (its gradient-accumulation fusion):
+    autograd gets a placeholder, so DDP's per-parameter hook still runs and marks the bucket ready (under
+    `overlap_grad_reduce` it refuses a None gradient), and `grad_added_to_main_grad` tells it not to add it. The
+    placeholder is zeros where the weight also takes another gradient (tied embeddings, `zero_out_wgrad`): then
+    DDP adds their sum."""
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def vocab_parallel_logprobs_from_hidden(
@@ -365,7 +378,8 @@ def vocab_parallel_logprobs_from_hidden(
     hidden: [..., H] (leading dims viewable as one, never copied), the full sequence (gathered if
     sequence parallel), the same on every TP rank.
     weight: [V/TP, H], this rank's rows of the output layer (ColumnParallelLinear.weight); no bias.
-    When it carries Megatron DDP's fp32 `main_grad`, its gradient is added there and autograd gets None.
+    When it carries Megatron DDP's fp32 `main_grad`, its gradient is added there and autograd gets a placeholder
+    (None without DDP's `grad_added_to_main_grad` flag).
     target: [...] integer token ids in the full vocabulary (the next token: shift before calling).
     mask: [...] bool, False = padding/prompt: outputs and gradients are 0 there and targets unchecked.
     vocab_size: real vocabulary size; rows at ids >= vocab_size (Megatron's padding) are ignored.

@@ -43,21 +43,38 @@ class TrainingState:
     step: int = 0
 
 
-def wrap_ddp(chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
-    """Float16Module for bf16/fp16 chunks, then Megatron's DDP; installs the grad finalisation hooks."""
-    config = get_model_config(chunks[0])
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config(parallel: ParallelConfig, backend: str) -> DistributedDataParallelConfig:
+    """Megatron's DDP config under the torch.distributed `backend`: fp32 gradient reduction, the NaN check, and
+    `parallel.overlap_grad_reduce` / `overlap_param_gather` (auto: on with NCCL, the gather with the distributed
+    optimizer only; off with gloo, see their help)."""
+    nccl = backend == "nccl"
+    grad, gather = parallel.overlap_grad_reduce, parallel.overlap_param_gather
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=grad is True or (grad == "auto" and nccl),
+        overlap_param_gather=parallel.use_distributed_optimizer and (gather is True or (gather == "auto" and nccl)),
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
         check_for_nan_in_grad=True,
         average_in_collective=False,
     )
+
+
+def gather_updated_params(state: TrainingState) -> None:
+    """Finish the parameter all-gather that `overlap_param_gather` defers to the next training forward, so that
+    whatever reads the parameters next (log-probs, weight sync, export, checkpoints) sees the update."""
+    for chunk in state.model:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+def wrap_ddp(chunks: Sequence[torch.nn.Module], parallel: ParallelConfig) -> list[torch.nn.Module]:
+    """Float16Module for bf16/fp16 chunks, then Megatron's DDP (`ddp_config`); installs the grad finalisation hooks."""
+    config = get_model_config(chunks[0])
+    ddp = ddp_config(parallel, torch.distributed.get_backend(ps.get_data_parallel_group()))
     wrapped = []
     for chunk in chunks:
         module = Float16Module(config, chunk) if (config.bf16 or config.fp16) else chunk
-        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module))
+        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp, module=module))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = wrapped[0].no_sync if len(wrapped) == 1 else [m.no_sync for m in wrapped]
     return wrapped
@@ -86,6 +103,20 @@ def optimizer_config(train: TrainConfig, parallel: ParallelConfig, params_dtype:
     )
 
 
+def fuse_adam(optimizer: MegatronOptimizer) -> int:
+    """Switch the torch Adam that Megatron falls back to without Transformer Engine or Apex (whose FusedAdam is
+    fused already) to torch's fused kernel (one launch for all tensors; CUDA, also on the CPU in torch >= 2.4):
+    the same update. The CPU offload's host optimizer is left as it is. Returns the parameter groups switched."""
+    switched = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if isinstance(adam, torch.optim.Adam):  # AdamW too
+            for group in adam.param_groups:
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
+
+
 def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerParamScheduler:
     """Megatron's scheduler over `config.optimizer_steps` (train.steps x updates_per_step x ppo_epochs; module doc).
 
@@ -112,10 +143,12 @@ def lr_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerP
 def build_training_state(
     chunks: Sequence[torch.nn.Module], train: TrainConfig, parallel: ParallelConfig
 ) -> TrainingState:
-    """DDP + optimizer + schedule around freshly built model chunks."""
+    """DDP + optimizer (torch's fused Adam with CUDA, `fuse_adam`) + schedule around freshly built model chunks."""
     config = get_model_config(chunks[0])
-    model = wrap_ddp(chunks, parallel.use_distributed_optimizer)
+    model = wrap_ddp(chunks, parallel)
     optimizer = get_megatron_optimizer(optimizer_config(train, parallel, config.params_dtype), model)
+    if torch.cuda.is_available():
+        fuse_adam(optimizer)
     return TrainingState(model=model, optimizer=optimizer, scheduler=lr_scheduler(optimizer, train))
 
 

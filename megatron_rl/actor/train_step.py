@@ -47,7 +47,7 @@ from megatron_rl.actor.forward import (
 )
 from megatron_rl.actor.logprobs import LogProbs, TopLogProbs
 from megatron_rl.actor.micro_batches import TokenBudget, mini_batches
-from megatron_rl.actor.optimizer import TrainingState, apply_update, loss_scale
+from megatron_rl.actor.optimizer import TrainingState, apply_update, gather_updated_params, loss_scale
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.losses import (
     LossSpec,
@@ -269,4 +269,5 @@ def train_on_batch(
         if replay and routing is not None:
             metrics.update(_routing_metrics(routing, config.num_layers))
         history.append(metrics)
+    gather_updated_params(state)
     return history

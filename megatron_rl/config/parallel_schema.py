@@ -40,6 +40,18 @@ class ParallelConfig:
     )
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo")
     use_distributed_optimizer: bool = _f(True, "shard the optimizer state over data-parallel ranks")
+    overlap_grad_reduce: Literal["auto", True, False] = _f(
+        "auto",
+        "reduce each gradient bucket as soon as backward has filled it, overlapped with the rest of backward "
+        "(Megatron's DDP); auto = on with NCCL; off with gloo: it runs there and gives the same update (checked "
+        "at DP 2), but on a CPU's few cores the collective has no idle device to overlap with",
+    )
+    overlap_param_gather: Literal["auto", True, False] = _f(
+        "auto",
+        "with use_distributed_optimizer: gather the updated parameter shards bucket by bucket during the next "
+        "forward instead of right after the optimizer step; auto = on with NCCL, off with gloo (as "
+        "overlap_grad_reduce); the actor gathers them all at the end of each train call, before anything reads them",
+    )
     optimizer_cpu_offload: bool = _f(
         False,
         "Adam's moments and update on the host (Megatron's HybridDeviceOptimizer): GPU memory for more of the "

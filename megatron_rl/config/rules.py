@@ -309,6 +309,10 @@ def _validate_parallel(cfg: Config) -> None:
             par.use_distributed_optimizer,
             "parallel.optimizer_cpu_offload = true needs parallel.use_distributed_optimizer = true",
         )
+    _require(
+        par.overlap_param_gather is not True or par.use_distributed_optimizer,
+        "parallel.overlap_param_gather = true needs parallel.use_distributed_optimizer = true (it gathers its shards)",
+    )
     if par.sequence_parallel is False and tp > 1 and model.num_experts is not None:
         raise ConfigError(
             "parallel.sequence_parallel = false with parallel.tensor_model_parallel_size > 1 on an MoE "

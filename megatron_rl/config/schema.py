@@ -14,6 +14,7 @@ from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
+from megatron_rl.config.model_extras import FusionConfig, LoraConfig
 from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
@@ -22,23 +23,6 @@ Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_
                  "gpt_oss", "gemma2", "gemma3_text"]  # fmt: skip
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
-
-
-@dataclass
-class LoraConfig:
-    """Low-rank adapters (LoRA) on the frozen policy: W x + (alpha / rank) B A x (megatron_rl.models.lora)."""
-
-    rank: int = _f(0, "adapter rank r; 0 = off (the whole policy trains)", ge=0)
-    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank", gt=0)
-    dropout: float = _f(0.0, "dropout on the adapters' input (training forwards only)", ge=0, lt=1)
-    target_modules: list = _f(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "the family's PEFT module names that get adapters (attention projections, dense MLP, routed experts; "
-        "megatron_rl.models.lora_targets lists them per family)",
-    )
-    init_path: str | None = _f(
-        None, "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of the same base to start from"
-    )
 
 
 @dataclass
@@ -112,7 +96,18 @@ class ModelConfig:
         "auto", "core attention of the local specs (auto: sdpa with CUDA, else local; local under CP)"
     )
     params_dtype: Dtype = _f("fp32", "training dtype of the policy (bf16 on GPUs)")
-    recompute: bool = _f(False, "recompute transformer layers in backward (saves activation memory)")
+    recompute: Literal[False, True, "full", "selective"] = _f(
+        False,
+        "activation recompute in backward (saves activation memory): full (or true) = whole transformer layers; "
+        "selective = the model.recompute_modules only; false = none",
+    )
+    recompute_modules: list = _f(
+        ["core_attn"],
+        "with model.recompute = selective, Megatron's submodules to recompute: core_attn, mlp (dense MLP layers), "
+        "moe (whole MoE layers), shared_experts; with Transformer Engine also layernorm, mla_up_proj (MLA) and, "
+        "with its grouped experts, moe_act (megatron_rl.models.recompute_choice)",
+    )
+    fusions: FusionConfig = field(default_factory=FusionConfig, metadata={"help": "fused kernels"})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
 
 

@@ -28,13 +28,15 @@ from megatron_rl.models.attention_choice import check_attention_backend, transfo
 from megatron_rl.models.context_attention import ContextParallelAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.fusion_choice import CPU, Platform, fusion_fields
 from megatron_rl.models.gemma import gemma_block_spec, gemma_fields, prepare_gemma
 from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import KeyProjectionRMSNorm, QueryProjectionRMSNorm, SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
+from megatron_rl.models.recompute_choice import recompute_fields
 from megatron_rl.models.sdpa_attention import SDPAttention
-from megatron_rl.parallel.device import local_device, transformer_engine_available
+from megatron_rl.parallel.device import local_device, transformer_engine_available, transformer_engine_version
 from megatron_rl.parallel.layout import resolve_expert_tensor_parallel, resolve_sequence_parallel
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,9 +54,11 @@ def transformer_config(
     *,
     enable_routing_replay: bool = False,
     moe_grouped_gemm: bool = False,
+    platform: Platform = CPU,
     overrides: Mapping[str, Any] | None = None,
 ) -> TransformerConfig:
-    """The TransformerConfig of `model` under `parallel` (no dropout, fp32 router, dropless MoE).
+    """The TransformerConfig of `model` under `parallel` (no dropout, fp32 router, dropless MoE) on `platform`
+    (the fusions that run there: `fusion_choice`; `moe_grouped_gemm`: Transformer Engine's grouped experts).
 
     `overrides` sets any other TransformerConfig field (e.g. `calculate_per_token_loss`).
     """
@@ -77,10 +81,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
@@ -95,8 +96,9 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
     )
-    if model.recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(fusion_fields(model, platform, routing_replay=enable_routing_replay))
+    te = platform.transformer_engine is not None
+    kwargs.update(recompute_fields(model, transformer_engine=te, te_grouped_experts=te and moe_grouped_gemm))
     if model.num_experts is not None:
         kwargs.update(
             num_moe_experts=model.num_experts,
@@ -338,6 +340,9 @@ def build_model(
         parallel,
         enable_routing_replay=enable_routing_replay,
         moe_grouped_gemm=use_te and grouped,  # Megatron's own grouped experts are Transformer Engine's
+        platform=Platform(
+            cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_version() if use_te else None
+        ),
         overrides=config_overrides,
     )
     RouterReplay.clear_global_router_replay_instances()

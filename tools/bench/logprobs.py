@@ -20,6 +20,8 @@ calls on a 32-token sample, so the state that persists across calls (Adam moment
 buffers) is in place before the measured calls and only what a call needs for itself is counted.
 A one-layer model at this vocabulary is almost all output layer; what the transformer layer
 itself needs at --tokens is the `layer_only` figure (the same actor with a 1,024-token vocabulary).
+`memory_ratio_vs_layer_only` is the actor's peak over that one; a naive path out of memory (its fp32 T x V
+logits) is reported as `naive_error`, its ratios left out.
 Time: wall-clock and process CPU seconds of the same calls (the machine may be shared: CPU time
 is less sensitive to other processes). One JSON line per figure with its baselines and ratios.
 
@@ -224,7 +226,12 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "measured": "peak extra memory of the call (fresh high-water mark), fresh process per path",
     }
-    naive = _run_child(args, "naive", REPO)["fwd_bwd"]
+    try:
+        naive, naive_error = _run_child(args, "naive", REPO)["fwd_bwd"], None
+    except RuntimeError as err:  # at T = 65,536 the naive logits alone (T x V fp32) outgrow an H100
+        if "out of memory" not in str(err).lower():
+            raise
+        naive, naive_error = None, "out of memory"
     actor = _run_child(args, "actor", REPO)
     layer_only = _run_child(args, "actor", REPO, vocab=SMALL_VOCAB)
     before = None
@@ -237,17 +244,23 @@ def main(argv: list[str] | None = None) -> None:
         line = {
             "figure": f"actor_{call}",
             "peak_extra_GiB": now["peak_extra_GiB"],
-            "naive_GiB": naive["peak_extra_GiB"],
-            "memory_ratio_vs_naive": now["peak_extra_GiB"] / naive["peak_extra_GiB"],
             "time_s": now["time_s"],
-            "naive_time_s": naive["time_s"],
-            "time_ratio_vs_naive": now["time_s"] / naive["time_s"],
             "cpu_s": now["cpu_s"],
-            "naive_cpu_s": naive["cpu_s"],
-            "cpu_ratio_vs_naive": now["cpu_s"] / naive["cpu_s"],
             "layer_only_GiB": layer_only[call]["peak_extra_GiB"],
             "layer_only_time_s": layer_only[call]["time_s"],
+            "memory_ratio_vs_layer_only": now["peak_extra_GiB"] / max(layer_only[call]["peak_extra_GiB"], 1e-9),
         }
+        if naive is None:
+            line["naive_error"] = naive_error
+        else:
+            line.update(
+                naive_GiB=naive["peak_extra_GiB"],
+                memory_ratio_vs_naive=now["peak_extra_GiB"] / naive["peak_extra_GiB"],
+                naive_time_s=naive["time_s"],
+                time_ratio_vs_naive=now["time_s"] / naive["time_s"],
+                naive_cpu_s=naive["cpu_s"],
+                cpu_ratio_vs_naive=now["cpu_s"] / naive["cpu_s"],
+            )
         if before is not None:
             then = before[call]
             line.update(
@@ -260,10 +273,11 @@ def main(argv: list[str] | None = None) -> None:
                 before_cpu_s=then["cpu_s"],
             )
         print(json.dumps({**line, **common}), flush=True)
-        met[call] = {
-            "memory": line["memory_ratio_vs_naive"] <= GOAL_MEMORY_RATIO,
-            "time": line["time_ratio_vs_naive"] <= GOAL_TIME_RATIO,
-        }
+        if naive is not None:
+            met[call] = {
+                "memory": line["memory_ratio_vs_naive"] <= GOAL_MEMORY_RATIO,
+                "time": line["time_ratio_vs_naive"] <= GOAL_TIME_RATIO,
+            }
     goals = {"memory_ratio": GOAL_MEMORY_RATIO, "time_ratio": GOAL_TIME_RATIO}
     print(json.dumps({"figure": "goal_met", **met, "goals_vs_naive": goals, **common}), flush=True)
 

@@ -14,6 +14,11 @@ micro-batch through Megatron's schedule, the policy loss, DDP gradient reduction
 - `--experts` (either lengths): the experts one after another (`model.moe_grouped_gemm=false`, the
   baseline) and as grouped GEMMs (`true`), each in an actor of its own on the same weights and batch,
   free routing, `lr` 0: both must give the same loss and gradient norm (`grouped_vs_sequential_results`).
+- `--fast-path` (either lengths): the local specs' slow path (`model.moe_grouped_gemm=false`,
+  `model.attention_backend=local`, the baseline) against the fast one (grouped experts, SDPA / varlen
+  attention), in one process on the same weights and batch, free routing, `lr` 0 (`fast_vs_local_results`).
+- `--profile`: one more step of each variant under torch.profiler: the 10 kernels (CUDA) or operators
+  (CPU) of the most self time, and on CUDA the GPU-busy share (kernel time / wall time of the step).
 
 One JSON line per figure with the baseline and the ratio, then one with the model size.
 
@@ -31,6 +36,7 @@ from --peak-tflops or the GPU name (bf16 dense); on the CPU it is only given wit
     python tools/bench/train_step.py                       # CPU: a tiny model, one process
     python tools/bench/train_step.py --lora-rank 8         # full fine-tuning vs LoRA rank 8: s/step, peak memory
     python tools/bench/train_step.py --experts --preset wide   # sequential vs grouped experts
+    torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b --fast-path --profile  # local vs fast path
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b
     torchrun --nproc-per-node 8 tools/bench/train_step.py --preset 1b --ep 8 --samples 64
     torchrun --nproc-per-node 1 tools/bench/train_step.py --preset 1b --lengths mixed
@@ -85,6 +91,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--experts", action="store_true", help="sequential vs grouped experts (model.moe_grouped_gemm)")
+    p.add_argument("--fast-path", action="store_true", help="local specs' slow path vs grouped experts + SDPA")
+    p.add_argument("--profile", action="store_true", help="top-10 kernels of one more step per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant")
     p.add_argument("--iters", type=int, default=3, help="timed steps of each variant")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak; 0 = from the GPU name")
@@ -276,15 +284,24 @@ def run(args: argparse.Namespace) -> list[dict]:
             steps=args.warmup + args.iters,
             updates_per_step=1,
             max_tokens_per_micro_batch=budget,
-            lr=0.0 if mixed or args.experts else 1e-6,
+            lr=0.0 if mixed or args.experts or args.fast_path else 1e-6,
             seed=1,
         ),
     )
     cfg.model = dataclasses.replace(cfg.model, recompute=args.recompute)
     validate(cfg)
-    experts = {"sequential": False, "grouped": True} if args.experts else {"auto": "auto"}
-    actors = {k: MegatronActor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_grouped_gemm=g)))
-              for k, g in experts.items()}  # fmt: skip
+    paired = args.experts or args.fast_path
+    if args.fast_path:
+        kinds = {"local": dict(moe_grouped_gemm=False, attention_backend="local"),
+                 "fast": dict(moe_grouped_gemm="auto", attention_backend="sdpa")}  # fmt: skip
+    else:
+        kinds = (
+            {"sequential": dict(moe_grouped_gemm=False), "grouped": dict(moe_grouped_gemm=True)}
+            if args.experts
+            else {"auto": {}}
+        )
+    actors = {k: MegatronActor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields)))
+              for k, fields in kinds.items()}  # fmt: skip
     actor = next(iter(actors.values()))
     batch = ActorBatch(
         tokens=[torch.randint(0, model.vocab_size, (n,), generator=gen) for n in lengths],
@@ -294,8 +311,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     old = actor.compute_log_probs(batch, record_routing=True)
     batch = batch.with_fields(old_log_probs=old.log_probs, routed_experts=old.routed_experts)
     # (name, actor, replay routing, train.micro_batch_tokens); the first is the baseline
-    if args.experts:
-        variants = [(name, actors[name], False, 0) for name in experts]
+    if paired:
+        variants = [(name, actors[name], False, 0) for name in kinds]
     elif mixed:
         variants = [("padded", actor, False, 0), ("packed", actor, False, budget)]
     else:
@@ -318,6 +335,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             peaks[variant] = _peak_memory_gib()
             if it >= args.warmup:
                 times[variant].append(elapsed)
+    profiles = [_profile(variant, actor, batch) for variant, actor, *_ in variants] if args.profile else []
     for actor in actors.values():
         actor.close()
     flops = model_flops_per_step(model, lengths)
@@ -350,14 +368,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         out.append(dict(figure="train_step_model_tflops_per_s", value=round(flops / t / 1e12, 6),
                         baseline_value=round(flops / base_t / 1e12, 6), ratio=round(base_t / t, 3),
                         note="no peak known for this device: MFU needs --peak-tflops", **pair, **common))  # fmt: skip
-    if mixed or args.experts:
+    if mixed or paired:
         out.append(dict(figure="train_step_seconds", value=round(t, 4), baseline_value=round(base_t, 4),
                         ratio=round(t / base_t, 3), **pair, **common))  # fmt: skip
         if peaks[var_name] is not None:
             out.append(dict(figure="train_step_peak_memory_gib", value=round(peaks[var_name], 3),
                             baseline_value=round(peaks[base_name], 3), ratio=round(peaks[var_name] / peaks[base_name], 3),
                             **pair, **common))  # fmt: skip
-    if mixed or args.experts:
+    if mixed or paired:
         rel = {k: abs(first[var_name][k] - first[base_name][k]) / max(abs(first[base_name][k]), 1e-12)
                for k in ("loss", "grad_norm")}  # fmt: skip
         out.append(dict(figure=f"{var_name}_vs_{base_name}_results", loss=first[var_name]["loss"],
@@ -367,7 +385,30 @@ def run(args: argparse.Namespace) -> list[dict]:
                         baseline_micro_batches=first[base_name]["micro_batches"], **common))  # fmt: skip
     total, active = param_counts(model)
     out.append(dict(figure="model_size", params=total, active_params=active, model_flops_per_step=flops, **common))
-    return out
+    return out + [{**p, **common} for p in profiles]
+
+
+def _profile(variant: str, actor, batch) -> dict:  # noqa: ANN001 - MegatronActor, ActorBatch
+    """One train step of `actor` under torch.profiler: its 10 kernels (CPU: operators) of the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    _sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        actor.train(batch)
+        _sync()
+    wall_us = (time.perf_counter() - start) * 1e6
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # on CUDA only kernels have self device time (an operator's is its kernels')
+    events = [e for e in prof.key_averages() if getattr(e, field, 0) > 0]
+    events.sort(key=lambda e: getattr(e, field), reverse=True)
+    busy = sum(getattr(e, field) for e in events)
+    top = [dict(name=e.key[:120], self_ms=round(getattr(e, field) / 1e3, 3), calls=e.count) for e in events[:10]]
+    line = dict(figure="train_step_top_kernels", variant=variant, step_ms=round(wall_us / 1e3, 1), top=top)
+    if cuda:
+        line["gpu_busy"] = round(busy / wall_us, 3)
+    return line
 
 
 def main(argv: list[str] | None = None) -> None:
