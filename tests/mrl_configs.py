@@ -416,6 +416,18 @@ def actor_of_one(cfg: Any) -> Iterator[Any]:
             actor.close()
 
 
+def actor_log_probs(actor: Any, batch: Any, budget: Any, mode: str | None = None) -> Any:
+    """The actor's `compute_log_probs` of `batch` in micro-batches of `budget`, with its routing replay in `mode`
+    ("record", "replay" or None) and the run's temperature, vocabulary and chunking."""
+    from megatron_rl.actor.forward import compute_log_probs
+
+    cfg = actor.cfg
+    return compute_log_probs(
+        actor.state.model, batch, temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size, budget=budget,
+        chunk_tokens=cfg.train.logprob_chunk_tokens, routing=actor.routing, routing_mode=mode,
+    )  # fmt: skip
+
+
 def seeded_batch(vocab: int, lengths: tuple[int, ...], prompts: tuple[int, ...]) -> Any:
     """An `ActorBatch` of random tokens (seed 0) with these sample and prompt lengths, one random
     advantage per sample."""

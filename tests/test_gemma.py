@@ -23,7 +23,7 @@ import transformers
 from megatron_rl.config import ConfigError, ParallelConfig
 from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
 
-from mrl_configs import GEMMA_FAMILIES, hf_config, layout, save_random_hf_model, with_key
+from mrl_configs import GEMMA_FAMILIES, actor_log_probs, hf_config, layout, save_random_hf_model, with_key
 
 _BOOKKEEPING = {"attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16",
                 "bos_token_id": 2, "pad_token_id": 0, "cache_implementation": "hybrid"}  # fmt: skip
@@ -315,16 +315,6 @@ def test_gradients_equal_transformers(tmp_path: Path, family: str) -> None:
     assert compared == set(expected)
 
 
-def _log_probs(actor, batch, budget):  # noqa: ANN001, ANN202
-    from megatron_rl.actor.forward import compute_log_probs
-
-    cfg = actor.cfg
-    return compute_log_probs(
-        actor.state.model, batch, temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size,
-        budget=budget, chunk_tokens=cfg.train.logprob_chunk_tokens,
-    ).log_probs  # fmt: skip
-
-
 @pytest.mark.parametrize("family", GEMMA_FAMILIES)
 def test_local_engine_serves_it_and_the_actor_gives_its_log_probs(tmp_path: Path, family: str) -> None:
     """The local engine loads Gemma through transformers (Gemma 2's eager attention, a mask per layer type with the
@@ -381,8 +371,8 @@ def test_local_engine_serves_it_and_the_actor_gives_its_log_probs(tmp_path: Path
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
     )
     with actor_of_one(cfg) as actor:
-        padded = _log_probs(actor, batch, TokenBudget(64))
-        packed = _log_probs(actor, batch, TokenBudget(40, packed=True))
+        padded = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        packed = actor_log_probs(actor, batch, TokenBudget(40, packed=True)).log_probs
     for name, got in (("padded", padded), ("packed", packed)):
         for against, want in (("engine", engine), ("transformers", reference)):
             gap = max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))

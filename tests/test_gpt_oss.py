@@ -25,7 +25,15 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import hf_config, layout, megatron_names, save_random_hf_model, tiny_gpt_oss_model, with_key
+from mrl_configs import (
+    actor_log_probs,
+    hf_config,
+    layout,
+    megatron_names,
+    save_random_hf_model,
+    tiny_gpt_oss_model,
+    with_key,
+)
 
 # openai/gpt-oss-120b's config.json without its quantization_config (the MXFP4 release; a bf16 copy's keys).
 GPT_OSS_120B: dict[str, Any] = {
@@ -217,16 +225,6 @@ def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_pat
             assert moved > 1e-2, (what, moved)
 
 
-def _log_probs(actor, batch, budget, mode=None):  # noqa: ANN001, ANN202
-    from megatron_rl.actor.forward import compute_log_probs
-
-    cfg = actor.cfg
-    return compute_log_probs(
-        actor.state.model, batch, temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size, budget=budget,
-        chunk_tokens=cfg.train.logprob_chunk_tokens, routing=actor.routing, routing_mode=mode,
-    )  # fmt: skip
-
-
 def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path) -> None:
     """The local engine loads gpt-oss through transformers (eager attention, a mask per layer type), its
     weight-update names are the checkpoint's (the stacked experts), and the routed experts it returns (SGLang's
@@ -294,12 +292,16 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
     )
     engine = [torch.tensor(r.output_logprobs) for r in reqs]
     with actor_of_one(cfg) as actor:
-        own = _log_probs(actor, batch, TokenBudget(64)).log_probs
-        recorded = _log_probs(actor, batch, TokenBudget(40, packed=True), "record")  # R2: the old policy's routing
-        r2 = _log_probs(actor, batch.with_fields(routed_experts=recorded.routed_experts), TokenBudget(64), "replay")
-        replayed = _log_probs(actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay")
+        own = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        recorded = actor_log_probs(actor, batch, TokenBudget(40, packed=True), "record")  # R2: the old policy's routing
+        r2 = actor_log_probs(
+            actor, batch.with_fields(routed_experts=recorded.routed_experts), TokenBudget(64), "replay"
+        )
+        replayed = actor_log_probs(
+            actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
+        )
         shifted = [(r + 1) % 6 for r in routed]
-        other = _log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(64), "replay").log_probs
+        other = actor_log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(64), "replay").log_probs
     for mine, theirs in zip(recorded.routed_experts, routed, strict=True):
         assert torch.equal(torch.as_tensor(mine).sort(-1).values, theirs.sort(-1).values)
     runs = (("own routing, padded", own), ("R2 record, packed", recorded.log_probs),

@@ -23,7 +23,14 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import MINIMAX_M2_TINY, megatron_names, save_random_hf_model, tiny_minimax_model, with_key
+from mrl_configs import (
+    MINIMAX_M2_TINY,
+    actor_log_probs,
+    megatron_names,
+    save_random_hf_model,
+    tiny_minimax_model,
+    with_key,
+)
 
 # MiniMaxAI/MiniMax-M2's config.json (bf16 shape; the Hub release adds an FP8 quantization_config).
 MINIMAX_M2: dict[str, Any] = {
@@ -167,16 +174,6 @@ def test_megatron_forward_equals_transformers(tmp_path: Path) -> None:
     assert (unbiased - expected).abs().max().item() > 1e-2
 
 
-def _log_probs(actor, batch, budget, mode=None):  # noqa: ANN001, ANN202
-    from megatron_rl.actor.forward import compute_log_probs
-
-    cfg = actor.cfg
-    return compute_log_probs(
-        actor.state.model, batch, temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size, budget=budget,
-        chunk_tokens=cfg.train.logprob_chunk_tokens, routing=actor.routing, routing_mode=mode,
-    )  # fmt: skip
-
-
 def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> None:
     """The local engine loads MiniMax-M2 through transformers, its weight-update names are the checkpoint's
     (block_sparse_moe, the expert bias included), and the routed experts it returns (SGLang's layout
@@ -236,10 +233,12 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
     )
     engine = [torch.tensor(r.output_logprobs) for r in reqs]
     with actor_of_one(cfg) as actor:
-        own = _log_probs(actor, batch, TokenBudget(48)).log_probs
-        replayed = _log_probs(actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay")
+        own = actor_log_probs(actor, batch, TokenBudget(48)).log_probs
+        replayed = actor_log_probs(
+            actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
+        )
         shifted = [(r + 1) % 6 for r in routed]
-        other = _log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(48), "replay").log_probs
+        other = actor_log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(48), "replay").log_probs
     for name, got in (("own routing", own), ("R3 replay", replayed.log_probs)):
         gap = max((g - e).abs().max().item() for g, e in zip(got, engine, strict=True))
         assert gap <= 1e-5, (name, gap)
