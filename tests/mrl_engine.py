@@ -67,9 +67,12 @@ def on_loop(coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
     return rollout_loop().run(coro, timeout)
 
 
-def fake_runtime(cfg: Any, engine: Any, tokenizer: Any, prompts: list, eval_prompts: list | None = None) -> Any:
-    """The product's `RolloutRuntime` around a fake `engine`, its prompts drawn in order, on a loop of its own (an
-    abort after a stop signal holds for the loop's life); `runtime.close()`, then `runtime.data.close()` end it."""
+def fake_runtime(
+    cfg: Any, engine: Any, tokenizer: Any, prompts: list, eval_prompts: list | None = None, teacher: Any = None
+) -> Any:
+    """The product's `RolloutRuntime` around a fake `engine` (and a fake distillation `teacher`), its prompts drawn in
+    order, on a loop of its own (an abort after a stop signal holds for the loop's life); `runtime.close()`, then
+    `runtime.data.close()` end it."""
     from megatron_rl.data import PromptSampler
     from megatron_rl.loop.runtime import RolloutData, RolloutRuntime
     from megatron_rl.rewards import RewardScorer
@@ -78,4 +81,4 @@ def fake_runtime(cfg: Any, engine: Any, tokenizer: Any, prompts: list, eval_prom
     scorer = RewardScorer(cfg.reward, run=loop.run)
     sampler = PromptSampler(prompts, shuffle=False)
     data = RolloutData(tokenizer, sampler, eval_prompts or [], scorer, {}, loop)
-    return RolloutRuntime(cfg, data, model_path=None, engine_log=Path("engine.log"), engine=engine)
+    return RolloutRuntime(cfg, data, model_path=None, engine_log=Path("engine.log"), engine=engine, teacher=teacher)

@@ -3,7 +3,9 @@
   loss, by hand; its mix with a reward advantage; observation tokens never scored;
 - the `distill` section's rules and the teacher's tokenizer refused by its first difference;
 - the teacher scoring in the rollout runtime (sync, one_step_off, fully_async): every trained token's advantage
-  from its teacher score, `distill/reverse_kl`; a dead teacher stops the step with its reason, no batch made."""
+  from its teacher score, `distill/reverse_kl`; a dead teacher stops the step with its reason, no batch made;
+- multi-turn episodes (the calculator, in the runtime) and an agent's gateway segments (a rewritten history): the
+  model's tokens of every turn and segment distilled, the tool output and user messages between them never."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from mrl_engine import FakeEngine
+from mrl_engine import FakeEngine, fake_runtime
+from test_envs import CALL, IM_END, TOK, chars, row
+from test_gateway import REWRITE_OUTPUTS, REWRITE_PROMPTS, USER_DELTA, rendered, rewrite_step
 
 from megatron_rl.config import Config, ConfigError, load_config, loss_spec, preset
 from megatron_rl.envs import Trajectory
@@ -141,10 +145,12 @@ class FakeTeacher:
 
     def __init__(self) -> None:
         self.asked: list[tuple[int, int]] = []  # (sequence length, start)
+        self.sequences: list[list[int]] = []
         self.closed = False
 
     async def prompt_logprobs(self, sequences: Any, starts: Any) -> list[list[float]]:
         self.asked += [(len(s), k) for s, k in zip(sequences, starts, strict=True)]
+        self.sequences += [list(s) for s in sequences]
         return [[-t / 10 for t in s[k:]] for s, k in zip(sequences, starts, strict=True)]
 
     def close(self) -> None:
@@ -224,3 +230,83 @@ def test_a_dead_teacher_stops_the_step_after_its_retries(data_dir: Path, rank0_e
     finally:
         driver.close()
         driver.data.close()
+
+
+# ---- multi-turn episodes and gateway segments ----
+class CallsThenAnswers(FakeEngine):
+    """Turn 0 of every episode calls the calculator, turn 1 answers; log-prob -0.01 * (k + 1) at position k of
+    a turn."""
+
+    def answer(self, ids: list[int], params: Any, routed: bool) -> Sample:
+        gen = [*chars(CALL if ids == [7, 20, 30] else "Answer: 56088"), IM_END]
+        return Sample(list(ids), gen, [-0.01 * (k + 1) for k in range(len(gen))], "stop")
+
+
+def test_a_multi_turn_episode_is_distilled_on_the_models_tokens_of_every_turn(rank0_env: None) -> None:
+    """The calculator: the teacher scores each episode's whole output once (its prompt unscored); the advantage is
+    0.5 x (teacher - student) on the tokens of both turns, 0 on the tool's response, which the loss never sees."""
+    cfg = load_config(None, [
+        "model.hf_path=unused", "data.train_path=unused", f"rollout.n_samples_per_prompt={G}",
+        "train.prompts_per_step=1", "env.type=calculator", "env.max_turns=3", "algorithm.name=opd",
+        "distill.teacher=/teacher", "distill.kl_coef=0.5",
+    ])  # fmt: skip
+    teacher = FakeTeacher()
+    driver = fake_runtime(cfg, CallsThenAnswers(), TOK, [row(7)], teacher=teacher)
+    try:
+        plan = driver.collect(1)
+    finally:
+        driver.close()
+        driver.data.close()
+    call, answer = [*chars(CALL), IM_END], [*chars("Answer: 56088"), IM_END]
+    batch = plan.batch
+    assert batch is not None and len(batch.advantages) == G
+    for i in range(G):
+        output = batch.tokens[i][batch.prompt_lengths[i] :].tolist()
+        observation = output[len(call) : len(output) - len(answer)]
+        assert output == call + observation + answer
+        assert "<tool_response>\n56088\n</tool_response>" in TOK.decode(observation)
+        mask = batch.response_mask[i].tolist()
+        assert mask == [True] * len(call) + [False] * len(observation) + [True] * len(answer)
+        want = [0.5 * (-t / 10 + 0.01 * (k + 1)) for k, t in enumerate(call)]
+        want += [0.0] * len(observation) + [0.5 * (-t / 10 + 0.01 * (k + 1)) for k, t in enumerate(answer)]
+        torch.testing.assert_close(batch.advantages[i], torch.tensor(want), rtol=0, atol=1e-6)
+        # by hand: "<" (id 70) opens the call at student -0.01, teacher -7.0; "A" (id 75) opens the answer
+        assert float(batch.advantages[i][0]) == pytest.approx(0.5 * (-7.0 + 0.01))
+        assert float(batch.advantages[i][len(call) + len(observation)]) == pytest.approx(0.5 * (-7.5 + 0.01))
+    assert teacher.asked == [(3 + len(output), 3)] * G  # each episode once, whole, after its 3 prompt tokens
+    assert teacher.sequences == [[7, 20, 30, *output]] * G
+    student = [-0.01 * (k + 1) for k in range(len(call))] + [-0.01 * (k + 1) for k in range(len(answer))]
+    scores = [-t / 10 for t in call + answer]
+    gap = sum(s - t for s, t in zip(student, scores, strict=True)) / len(student)
+    assert plan.metrics["distill/reverse_kl"] == pytest.approx(gap)
+
+
+def test_every_gateway_segment_is_distilled_on_its_own_and_user_messages_never() -> None:
+    """An agent that rewrites its history (test_gateway's `rewriting_agent`): each of its three segments is sent
+    to the teacher as a sequence of its own, and the user message inside the second is not distilled."""
+    teacher = FakeTeacher()
+    outcome, owner, rewriter = rewrite_step(
+        teacher, **{"algorithm.name": "opd", "distill.teacher": "/teacher", "distill.kl_coef": "0.5"}
+    )
+    batch = outcome.batch
+    mine = [i for i, e in enumerate(owner) if e == rewriter]
+    seg_d = rendered([{"role": "user", "content": "seg-d"}])
+    sent = [p + o for p, o in zip(REWRITE_PROMPTS, REWRITE_OUTPUTS, strict=True)]
+    sent.append(seg_d + [*chars("Answer: 1"), IM_END])
+    assert sorted(teacher.sequences) == sorted(sent)
+    assert sorted(teacher.asked) == sorted(
+        (len(s), len(p)) for s, p in zip(sent, [*REWRITE_PROMPTS, seg_d], strict=True)
+    )
+
+    def by_call(text: str) -> list[float]:  # one engine call's tokens: 0.5 x (teacher -t/10 - student -0.01 k)
+        return [0.5 * (-t / 10 + 0.01 * k) for k, t in enumerate([*chars(text), IM_END])]
+
+    wants = [
+        by_call("thinking"),
+        by_call("more") + [0.0] * len(USER_DELTA) + by_call("still"),
+        by_call("Answer: 56088"),
+    ]
+    for i, want in zip(mine, wants, strict=True):
+        torch.testing.assert_close(batch.advantages[i], torch.tensor(want), rtol=0, atol=1e-6)
+    (theirs,) = [i for i, e in enumerate(owner) if e != rewriter]
+    torch.testing.assert_close(batch.advantages[theirs], torch.tensor(by_call("Answer: 1")), rtol=0, atol=1e-6)

@@ -628,9 +628,10 @@ async def rewriting_agent(base_url, api_key, row):
 REWRITE_SCRIPT = {"seg-a": ["thinking"], "seg-b": ["more", "still"], "seg-c": ["Answer: 56088"], "seg-d": ["Answer: 1"]}
 
 
-def rewrite_step(**over: object):
+def rewrite_step(teacher: object = None, **over: object):
     """One collected step of `rewriting_agent`'s group (G = 2), scored by the reward rule on the row's
-    answer; the batch, the step, and the index of the rewriting episode (the one of three sequences)."""
+    answer (and by a distillation `teacher`); the batch, the step, and the index of the rewriting episode (the one
+    of three sequences)."""
     _rewriters.clear()
     base = {
         "model.hf_path": "unused",
@@ -643,7 +644,12 @@ def rewrite_step(**over: object):
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])
     col = RolloutCollector(
-        cfg, ScriptEngine(REWRITE_SCRIPT), TT, RewardScorer(cfg.reward), PromptSampler([task("task-R")], shuffle=False)
+        cfg,
+        ScriptEngine(REWRITE_SCRIPT),
+        TT,
+        RewardScorer(cfg.reward),
+        PromptSampler([task("task-R")], shuffle=False),
+        teacher=teacher,
     )
     outcome = on_loop(col.collect(step=0))
     owner = outcome.episodes.tolist()

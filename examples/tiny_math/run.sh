@@ -5,6 +5,10 @@
 #   3. megatron-rl train (rl.yaml): RL with DAPO -> runs/tiny_math/rl (metrics.jsonl, plots/, hf/)
 # Both training stages run on 2 ranks (EP=2) with gloo; RL uses the local rollout engine.
 #   bash examples/tiny_math/run.sh [key=value ...]     # RL overrides, e.g. algorithm.name=gspo
+# DISTILL=1: then 4. on-policy distillation (algorithm.name=opd) of the RL policy (the teacher, runs/tiny_math/rl/hf)
+# into the warm start, with rl.yaml's other settings -> runs/tiny_math/opd. Measured (2026-12-06): 10.6% -> 93.8% in
+# 40 steps (DAPO: 94.8%), +40 points at the first evaluation (step 5) as DAPO, 16 s against 18 s; evaluated every
+# step, DAPO passes +40 at step 1 and OPD at step 2 (docs/benchmarks.md#on-policy-distillation)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
@@ -20,3 +24,8 @@ python examples/tiny_math/prepare.py --out $root/assets --sft-rows 76800 --sft-c
 "${launch[@]}" train examples/tiny_math/rl.yaml model.hf_path=$root/sft/hf logging.run_dir=$root/rl \
   data.train_path=$data/train.jsonl data.eval_path=$data/heldout.jsonl "$@"
 megatron-rl plot $root/rl > /dev/null   # curves: $root/rl/plots/
+if [[ -n ${DISTILL:-} ]]; then
+  "${launch[@]}" train examples/tiny_math/rl.yaml algorithm.name=opd distill.teacher=$root/rl/hf \
+    model.hf_path=$root/sft/hf logging.run_dir=$root/opd data.train_path=$data/train.jsonl data.eval_path=$data/heldout.jsonl
+  megatron-rl plot $root/opd > /dev/null
+fi
