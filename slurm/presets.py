@@ -31,6 +31,7 @@ None of them has run here (no GPU cluster); their figures are the planner's arit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,10 +154,10 @@ def preset_overrides(name: str) -> list[str]:
         raise ValueError(f"PRESET={name!r}; allowed: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
     model = model_config_from_hf(preset.hf_config, source=f"preset {name}", recompute=True)
-    skip = {"hf_path", "family", "lora"}  # lora: the run's choice, not the checkpoint's shape
     out = [f"model.family={model.family}"]
     for key, value in vars(model).items():
-        if key not in skip:
+        # its sections (lora, fusions): the run's choices, not the checkpoint's shape
+        if key not in ("hf_path", "family") and not dataclasses.is_dataclass(value):
             out.append(f"model.{key}={'null' if value is None else value}")
     out += [f"parallel.{k}={v}" for k, v in preset.layout.items()]
     out += [f"rollout.{k}={v}" for k, v in preset.rollout.items()]

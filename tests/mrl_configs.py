@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -243,7 +244,8 @@ def write_plan_config(root: Path, folder: str, hf_config: dict[str, Any], yaml: 
 
     (root / folder).mkdir()
     (root / folder / "config.json").write_text(json.dumps(hf_config))
-    model = {k: v for k, v in vars(model_config_from_hf(hf_config, source=folder)).items() if k != "lora"}
+    fields = vars(model_config_from_hf(hf_config, source=folder)).items()
+    model = {k: v for k, v in fields if not dataclasses.is_dataclass(v)}  # its sections (lora, fusions): defaults
     config = {
         "model": {**model, "hf_path": str(root / folder), "params_dtype": "bf16", "recompute": True},
         "parallel": {
