@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e  # every test here launches (or uses a launch of) a
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_math"
 
-SFT_STEPS, SFT_ROWS = 300, 96  # measured 10.0% -> 31.0% (2026-12-06); 300 x 128: 18.5% -> 63.5%, 300 x 64: 1.5% -> 13%
+SFT_STEPS, SFT_ROWS = 300, 96  # 10.0% -> 31.0% (2026-12-06); 300 x 128: 18.5% -> 63.5%; 300 x 64: 5.5% -> 12.5%, short
 RL_STEPS, EVAL_PROMPTS = 4, 200
 MIN_GAIN = 0.10
 TIMEOUT_S = 600
