@@ -171,6 +171,35 @@ def _rope_theta(hf: dict[str, Any], source: str) -> float:
     return hf_float(hf, source, "rope_theta")
 
 
+def refuse(ok: bool, source: str, message: str) -> None:
+    """ConversionError `source: message` unless `ok` (the families' config.json readers)."""
+    if not ok:
+        raise ConversionError(f"{source}: {message}")
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")  # config.json's `layer_types`
+
+
+def full_layer_period(types: Any, layers: int, source: str) -> int | None:
+    """n of `layer_types` read as every n-th layer full attention and the others sliding (n > `layers`: every
+    layer slides); None when no layer slides. ConversionError naming `layer_types` for any other list."""
+    refuse(
+        isinstance(types, list) and len(types) == layers and all(t in LAYER_TYPES for t in types),
+        source,
+        f"layer_types = {types!r} is not a list of {layers} of {list(LAYER_TYPES)}",
+    )
+    if "sliding_attention" not in types:
+        return None
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    period = full[0] + 1 if full else layers + 1  # past the last layer: every layer slides
+    refuse(
+        period >= 2 and full == list(range(period - 1, layers, period)),
+        source,
+        f"layer_types = {types!r} is not supported: every n-th layer full (n >= 2), the others sliding",
+    )
+    return period
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConversionError(message)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_section, shared_fields
+from megatron_rl.models.hf_config import hf_bool, hf_float, hf_section, refuse, shared_fields
 
 # Keys that are not architecture (training, generation, tokenizer, loader and bookkeeping settings).
 _IGNORED = frozenset(
@@ -41,30 +41,25 @@ _LLAMA3_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor", "orig
 MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _refuse(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConversionError(f"{source}: {message}")
-
-
 def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """RoPE base and Llama 3.1's scaling, from rope_scaling (Hub files) or rope_parameters (transformers 5)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope, within = dict(hf_section(hf, source, key)), f"{source}: {key}"
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    _refuse(kind in ("default", "llama3"), source, f"{key} rope_type = {kind!r} is not supported (default or llama3)")
+    refuse(kind in ("default", "llama3"), source, f"{key} rope_type = {kind!r} is not supported (default or llama3)")
     allowed = _ROPE_KEYS | (_LLAMA3_KEYS if kind == "llama3" else frozenset())
     unknown = sorted(set(rope) - allowed)
-    _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled with rope_type {kind!r}")
+    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled with rope_type {kind!r}")
     theta = hf_float(rope, within, "rope_theta", default=None)
     if theta is None:
-        _refuse(hf.get("rope_theta") is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
+        refuse(hf.get("rope_theta") is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
         theta = hf_float(hf, source, "rope_theta")
     if kind == "default":
         return dict(rope_theta=theta)
-    _refuse(family == "llama", source, f"{key} rope_type = 'llama3' is only supported for llama")
+    refuse(family == "llama", source, f"{key} rope_type = 'llama3' is only supported for llama")
     for name, fixed in MEGATRON_LLAMA3.items():
         value = hf_float(rope, within, name)
-        _refuse(
+        refuse(
             value == fixed,
             source,
             f"{key}.{name} = {value:g}: Megatron-Core's llama3 RoPE scaling fixes it to {fixed:g} "
@@ -76,13 +71,13 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
 def dense_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """The architecture fields of `ModelConfig` of a llama / mistral config.json."""
     unknown = sorted(set(hf) - _IGNORED - _MAPPED - _FAMILY_KEYS[family])
-    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
+    refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     act = hf.get("hidden_act", "silu")
-    _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
+    refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     for bias in ("attention_bias", "mlp_bias"):
-        _refuse(not hf_bool(hf, source, bias, default=False), source, f"{bias} = true is not supported for {family}")
+        refuse(not hf_bool(hf, source, bias, default=False), source, f"{bias} = true is not supported for {family}")
     window = hf.get("sliding_window")
-    _refuse(window is None, source, f"sliding_window = {window!r}: sliding-window attention is not supported")
+    refuse(window is None, source, f"sliding_window = {window!r}: sliding-window attention is not supported")
     fields, _ = shared_fields(hf, source)
     fields.update(family=family, qk_layernorm=False, add_qkv_bias=False, num_experts=None)
     fields.update(_rope_fields(hf, family, source))

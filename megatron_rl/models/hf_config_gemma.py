@@ -22,7 +22,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, shared_fields
+from megatron_rl.models.hf_config import (
+    LAYER_TYPES,
+    ConversionError,
+    full_layer_period,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_section,
+    refuse,
+    shared_fields,
+)
 
 _IGNORED = frozenset(
     {
@@ -42,7 +52,6 @@ _MAPPED = frozenset(
     }
 )  # fmt: skip
 _GEMMA3_KEYS = frozenset({"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"})
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 _GELU_TANH = "gelu_pytorch_tanh"
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor"})
 # transformers' defaults for what a config.json may leave out, per family
@@ -50,11 +59,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pattern=2),
     "gemma3_text": dict(attn_logit_softcapping=None, final_logit_softcapping=None, pattern=6),
 }
-
-
-def _refuse(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConversionError(f"{source}: {message}")
 
 
 def _optional_float(hf: dict[str, Any], source: str, key: str, default: float | None) -> float | None:
@@ -86,8 +90,8 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         theta, _, _ = _rope(hf_section(hf, source, key), f"{source}: {key}", ("default",))
         return dict(rope_theta=hf_float(hf, source, "rope_theta", default=1e4) if theta is None else theta)
     if params:  # transformers 5: one section per layer type
-        unknown = sorted(set(params) - set(_LAYER_TYPES))
-        _refuse(
+        unknown = sorted(set(params) - set(LAYER_TYPES))
+        refuse(
             not unknown,
             source,
             f"rope_parameters.{unknown[0] if unknown else ''} is not a layer type (gemma3_text's rope_parameters holds "
@@ -118,27 +122,19 @@ def _window_fields(hf: dict[str, Any], family: str, source: str, layers: int) ->
     default = next(iter(patterns.values()), _DEFAULTS[family]["pattern"])
     types = hf.get("layer_types")
     if types is None:  # transformers' default
-        types = [_LAYER_TYPES[(i + 1) % default == 0] for i in range(layers)]
-    _refuse(
-        isinstance(types, list) and len(types) == layers and all(t in _LAYER_TYPES for t in types),
-        source,
-        f"layer_types = {types!r} is not a list of {layers} of {list(_LAYER_TYPES)}",
-    )
-    if "sliding_attention" not in types:  # no layer slides: sliding_window is not used
+        types = [LAYER_TYPES[(i + 1) % default == 0] for i in range(layers)]
+    pattern = full_layer_period(types, layers, source)
+    if pattern is None:  # no layer slides: sliding_window is not used
         return dict(sliding_window=None)
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    pattern = full[0] + 1 if full else layers + 1  # past the last layer: every layer slides
-    _refuse(
-        pattern >= 2 and full == list(range(pattern - 1, layers, pattern)),
-        source,
-        f"layer_types = {types!r} is not supported: every n-th layer full (n >= 2), the others sliding",
-    )
+    every_layer_slides = pattern > layers
     for key, value in patterns.items():
-        _refuse(
-            value == pattern or not full, source, f"{key} = {value} contradicts layer_types (every {pattern}th full)"
+        refuse(
+            value == pattern or every_layer_slides,
+            source,
+            f"{key} = {value} contradicts layer_types (every {pattern}th full)",
         )
     window = hf.get("sliding_window", 4096)
-    _refuse(window is not None, source, "sliding_window = null, but layer_types has sliding_attention layers")
+    refuse(window is not None, source, "sliding_window = null, but layer_types has sliding_attention layers")
     return dict(sliding_window=hf_int(hf, source, "sliding_window", default=4096), sliding_window_pattern=pattern)
 
 
@@ -146,20 +142,20 @@ def gemma_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str
     """The architecture fields of `ModelConfig` of a gemma2 / gemma3_text config.json."""
     allowed = _MAPPED | (_GEMMA3_KEYS if family == "gemma3_text" else frozenset())
     unknown = sorted(set(hf) - _IGNORED - allowed)
-    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
+    refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     act = hf.get("hidden_activation") or _GELU_TANH
-    _refuse(act == _GELU_TANH, source, f"hidden_activation = {act!r} is not supported ({_GELU_TANH} only)")
+    refuse(act == _GELU_TANH, source, f"hidden_activation = {act!r} is not supported ({_GELU_TANH} only)")
     other = hf.get("hidden_act")
-    _refuse(other in (None, act), source, f"hidden_act = {other!r} contradicts hidden_activation = {act!r}")
-    _refuse(not hf_bool(hf, source, "attention_bias", default=False), source, "attention_bias = true is not supported")
-    _refuse(
+    refuse(other in (None, act), source, f"hidden_act = {other!r} contradicts hidden_activation = {act!r}")
+    refuse(not hf_bool(hf, source, "attention_bias", default=False), source, "attention_bias = true is not supported")
+    refuse(
         not hf.get("use_bidirectional_attention"),
         source,
         "use_bidirectional_attention = true is not supported (causal attention only)",
     )
     defaults = _DEFAULTS[family]
     attn_cap = _optional_float(hf, source, "attn_logit_softcapping", defaults["attn_logit_softcapping"])
-    _refuse(
+    refuse(
         family == "gemma2" or attn_cap is None,
         source,
         f"attn_logit_softcapping = {attn_cap!r} is not supported for gemma3_text: transformers' Gemma 3 attention does "
@@ -204,6 +200,6 @@ def gemma_hf_config(model: Any) -> dict[str, Any]:
         final_logit_softcapping=model.final_logit_softcapping,
         # transformers builds the sliding layers' mask even when no layer slides, which needs a window
         sliding_window=window or model.max_position_embeddings,
-        layer_types=[_LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
+        layer_types=[LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
         rope_parameters=rope,
     )

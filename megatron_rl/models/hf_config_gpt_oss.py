@@ -19,7 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, shared_fields
+from megatron_rl.models.hf_config import (
+    LAYER_TYPES,
+    ConversionError,
+    full_layer_period,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_section,
+    refuse,
+    shared_fields,
+)
 
 # Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `hidden_act` is not read by
 # transformers' GptOss (its experts' activation is the clamped swiglu_alpha gate); `initial_context_length` is the
@@ -44,22 +54,16 @@ _ROPE_KEYS = frozenset(
     {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
      "truncate"}
 )  # fmt: skip
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 _SWIGLU_ALPHA = 1.702  # transformers' default (the Hub files leave it out)
-
-
-def _refuse(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConversionError(f"{source}: {message}")
 
 
 def _rope_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope, within = hf_section(hf, source, key), f"{source}: {key}"
     unknown = sorted(set(rope) - _ROPE_KEYS)
-    _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the gpt_oss mapping")
+    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the gpt_oss mapping")
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    _refuse(kind in ("yarn", "default"), source, f"{key} rope_type = {kind!r} is not supported (yarn or plain RoPE)")
+    refuse(kind in ("yarn", "default"), source, f"{key} rope_type = {kind!r} is not supported (yarn or plain RoPE)")
     theta = hf_float(rope, within, "rope_theta", default=None)
     fields: dict[str, Any] = dict(rope_theta=hf_float(hf, source, "rope_theta") if theta is None else theta)
     if kind == "default":
@@ -80,39 +84,28 @@ def _window_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
     if types is None:  # transformers' default: sliding, full, sliding, ...
-        types = [_LAYER_TYPES[i % 2] for i in range(layers)]
-    _refuse(
-        isinstance(types, list) and len(types) == layers and all(t in _LAYER_TYPES for t in types),
-        source,
-        f"layer_types = {types!r} is not a list of {layers} of {list(_LAYER_TYPES)}",
-    )
-    if "sliding_attention" not in types:  # no layer slides
+        types = [LAYER_TYPES[i % 2] for i in range(layers)]
+    pattern = full_layer_period(types, layers, source)
+    if pattern is None:  # no layer slides
         return dict(sliding_window=None)
-    _refuse(window is not None, source, "sliding_window = null with sliding layers in layer_types (transformers "
-            "cannot run it)")  # fmt: skip
+    refuse(window is not None, source, "sliding_window = null with sliding layers in layer_types (transformers "
+           "cannot run it)")  # fmt: skip
     window = hf_int(hf, source, "sliding_window")
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    pattern = full[0] + 1 if full else layers + 1  # past the last layer: every layer slides
-    _refuse(
-        pattern >= 2 and full == list(range(pattern - 1, layers, pattern)),
-        source,
-        f"layer_types = {types!r} is not supported: every n-th layer full (n >= 2), the others sliding",
-    )
     return dict(sliding_window=window, sliding_window_pattern=pattern)
 
 
 def gpt_oss_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The architecture fields of `ModelConfig` of a gpt-oss config.json."""
     quant = hf.get("quantization_config")
-    _refuse(
+    refuse(
         quant is None,
         source,
         f"quantization_config (quant_method {(quant or {}).get('quant_method')!r}) is not supported: the experts "
         "are quantized (the Hub's MXFP4 release); dequantize the checkpoint to bf16 first",
     )
     unknown = sorted(set(hf) - _IGNORED - _MAPPED)
-    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the gpt_oss mapping")
-    _refuse(
+    refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the gpt_oss mapping")
+    refuse(
         hf_bool(hf, source, "attention_bias", default=True),
         source,
         "attention_bias = false is not supported (Megatron's add_bias_linear puts the biases on q/k/v/o, the router "
@@ -120,7 +113,7 @@ def gpt_oss_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
     topk = hf_int(hf, source, "num_experts_per_tok", "experts_per_token")
     other = hf.get("experts_per_token")
-    _refuse(other is None or other == topk, source, f"experts_per_token = {other!r} contradicts num_experts_per_tok")
+    refuse(other is None or other == topk, source, f"experts_per_token = {other!r} contradicts num_experts_per_tok")
     fields, _ = shared_fields(hf, source)
     layers = fields["num_layers"]
     fields.update(
@@ -167,6 +160,6 @@ def gpt_oss_hf_config(model: Any) -> dict[str, Any]:
         swiglu_alpha=model.swiglu_alpha,
         swiglu_limit=model.swiglu_limit,
         sliding_window=window,
-        layer_types=[_LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
+        layer_types=[LAYER_TYPES[window is None or (i + 1) % n == 0] for i in range(model.num_layers)],
         rope_parameters=rope,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_float, hf_int, hf_section, shared_fields
+from megatron_rl.models.hf_config import ConversionError, hf_float, hf_int, hf_section, refuse, shared_fields
 
 # Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `mlp_intermediate_size`
 # sizes a dense MLP that no layer has (every layer is MoE); the MTP keys describe layers that are not imported.
@@ -61,18 +61,13 @@ _FIXED: dict[str, tuple[Any, ...]] = {
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
-def _refuse(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConversionError(f"{source}: {message}")
-
-
 def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, Any]:
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope, within = hf_section(hf, source, key), f"{source}: {key}"
     unknown = sorted(set(rope) - _ROPE_KEYS)
-    _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
+    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    _refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
+    refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
     theta = hf_float(rope, within, "rope_theta", default=None)
     theta = hf_float(hf, source, "rope_theta") if theta is None else theta
     partial = hf_float(rope, within, "partial_rotary_factor", default=None)
@@ -80,7 +75,7 @@ def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, An
         partial = hf_int(hf, source, "rotary_dim") / head_dim
     partial = hf_float(hf, source, "partial_rotary_factor", default=1.0) if partial is None else partial
     rotated = partial * head_dim
-    _refuse(
+    refuse(
         0 < partial <= 1 and rotated == int(rotated) and int(rotated) % 2 == 0,
         source,
         f"partial_rotary_factor {partial} x head_dim {head_dim} is not an even number of rotated dimensions",
@@ -91,23 +86,21 @@ def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, An
 def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The architecture fields of `ModelConfig` of a MiniMax-M2 config.json."""
     unknown = sorted(set(hf) - _IGNORED - _MAPPED - set(_FIXED))
-    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
+    refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
     for key, allowed in _FIXED.items():
         if key not in hf:  # transformers 5 writes none of them
             continue
         value = hf[key]
         ok = value in allowed and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed))
-        _refuse(
-            ok, source, f"{key} = {value!r} is not supported (transformers' MiniMaxM2 computes with {allowed[0]!r})"
-        )
+        refuse(ok, source, f"{key} = {value!r} is not supported (transformers' MiniMaxM2 computes with {allowed[0]!r})")
     attn_types = hf.get("attn_type_list")
-    _refuse(
+    refuse(
         attn_types is None or (isinstance(attn_types, list) and all(t == 1 for t in attn_types)),
         source,
         f"attn_type_list = {attn_types!r}: only full attention (1) in every layer is supported",
     )
     act = hf.get("hidden_act", "silu")
-    _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
+    refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     fields, head_dim = shared_fields(hf, source)
     fields.update(
         family="minimax_m2",
@@ -120,7 +113,7 @@ def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         first_k_dense_layers=0,
         moe_layer_freq=1,
     )
-    _refuse(
+    refuse(
         fields["moe_router_topk"] > 1, source, "num_experts_per_tok = 1 is not supported (transformers' gate is "
         "then 1, Megatron's the sigmoid score)",
     )  # fmt: skip

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section
+from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, refuse
 
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
 _HF_CLASS = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -68,21 +68,16 @@ _YARN_KEYS = frozenset(
 )  # fmt: skip
 
 
-def _refuse(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConversionError(f"{source}: {message}")
-
-
 def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """RoPE base, partial rotation and yarn scaling, from rope_scaling (Hub files) or rope_parameters
     (transformers 5)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope, within = dict(hf_section(hf, source, key)), f"{source}: {key}"
     unknown = sorted(set(rope) - _YARN_KEYS)
-    _refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the {family} mapping")
+    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     theta = hf_float(rope, within, "rope_theta", default=None)
     if theta is None:
-        _refuse(hf.get("rope_theta") is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
+        refuse(hf.get("rope_theta") is not None, source, "missing key 'rope_theta' (or rope_parameters.rope_theta)")
         theta = hf_float(hf, source, "rope_theta")
     fields: dict[str, Any] = dict(rope_theta=theta)
     partial = hf_float(rope, within, "partial_rotary_factor", default=None)
@@ -90,15 +85,15 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     if family == "glm4_moe":
         fields["rotary_percent"] = partial
     else:
-        _refuse(partial == 1.0, source, f"partial_rotary_factor = {partial}: MLA rotates all of qk_rope_head_dim")
+        refuse(partial == 1.0, source, f"partial_rotary_factor = {partial}: MLA rotates all of qk_rope_head_dim")
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         extra = sorted(set(rope) - {"type", "rope_type", "rope_theta", "partial_rotary_factor"})
-        _refuse(not extra, source, f"{key}.{extra[0] if extra else ''} is set but rope_type is 'default'")
+        refuse(not extra, source, f"{key}.{extra[0] if extra else ''} is set but rope_type is 'default'")
         return fields
-    _refuse(kind == "yarn", source, f"{key} rope_type = {kind!r} is not supported (default or yarn)")
-    _refuse(family == "deepseek_v3", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 (MLA)")
-    _refuse(rope.get("truncate", True) is True, source, f"{key}.truncate = {rope.get('truncate')!r}: needs true")
+    refuse(kind == "yarn", source, f"{key} rope_type = {kind!r} is not supported (default or yarn)")
+    refuse(family == "deepseek_v3", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 (MLA)")
+    refuse(rope.get("truncate", True) is True, source, f"{key}.truncate = {rope.get('truncate')!r}: needs true")
     original = hf_int(rope, within, "original_max_position_embeddings")
     factor = hf_float(rope, within, "factor", default=None)
     factor = factor if factor is not None else hf_int(hf, source, "max_position_embeddings") / original
@@ -107,7 +102,7 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
     # transformers uses mscale / mscale_all_dim only when both are non-zero, else attention factor
     # 0.1 ln(factor) + 1 (= Megatron's with mscale 1, mscale_all_dim 0); the softmax scale uses mscale_all_dim.
     if not (mscale and all_dim):
-        _refuse(
+        refuse(
             not all_dim, source, f"{key}.mscale_all_dim = {all_dim} without mscale: the yarn attention factor differs"
         )
         mscale, all_dim = 1.0, 0.0
@@ -127,10 +122,10 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
     experts = hf_int(hf, source, "n_routed_experts", "num_local_experts")
     topk = hf_int(hf, source, "num_experts_per_tok")
     dense = hf_int(hf, source, "first_k_dense_replace", default=0, minimum=0)
-    _refuse(dense < layers, source, f"first_k_dense_replace = {dense} leaves no MoE layer")
+    refuse(dense < layers, source, f"first_k_dense_replace = {dense} leaves no MoE layer")
     norm = hf_bool(hf, source, "norm_topk_prob", default=True)
-    _refuse(norm or topk == 1, source, "norm_topk_prob = false with top-k > 1 is not supported (Megatron renormalises)")
-    _refuse(
+    refuse(norm or topk == 1, source, "norm_topk_prob = false with top-k > 1 is not supported (Megatron renormalises)")
+    refuse(
         not (norm and topk == 1), source, "norm_topk_prob = true with num_experts_per_tok = 1 is not supported "
         "(transformers' gate is then 1, Megatron's the sigmoid score)",
     )  # fmt: skip
@@ -148,7 +143,7 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
         moe_router_scaling_factor=hf_float(hf, source, "routed_scaling_factor", default=1.0),
     )
     if 1 < groups and group_topk < groups:  # otherwise every group is always chosen: plain top-k
-        _refuse(
+        refuse(
             topk // group_topk == 2,
             source,
             f"num_experts_per_tok // topk_group = {topk} // {group_topk} must be 2 (Megatron scores a group by its "
@@ -160,20 +155,20 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
 
 def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     nope, rope = hf_int(hf, source, "qk_nope_head_dim"), hf_int(hf, source, "qk_rope_head_dim")
-    _refuse(
+    refuse(
         hf.get("qk_head_dim") in (None, nope + rope), source, f"qk_head_dim = {hf.get('qk_head_dim')} != {nope + rope}"
     )
-    _refuse(hf.get("head_dim") in (None, rope), source, f"head_dim = {hf.get('head_dim')} != qk_rope_head_dim ({rope})")
-    _refuse(hf.get("scoring_func", "sigmoid") == "sigmoid", source, f"scoring_func = {hf.get('scoring_func')!r}")
+    refuse(hf.get("head_dim") in (None, rope), source, f"head_dim = {hf.get('head_dim')} != qk_rope_head_dim ({rope})")
+    refuse(hf.get("scoring_func", "sigmoid") == "sigmoid", source, f"scoring_func = {hf.get('scoring_func')!r}")
     method = hf.get("topk_method", "noaux_tc")
-    _refuse(method == "noaux_tc", source, f"topk_method = {method!r} is not supported (noaux_tc)")
-    _refuse(
+    refuse(method == "noaux_tc", source, f"topk_method = {method!r} is not supported (noaux_tc)")
+    refuse(
         hf_int(hf, source, "moe_layer_freq", default=1) == 1,
         source,
         f"moe_layer_freq = {hf.get('moe_layer_freq')}: needs 1",
     )
-    _refuse(hf.get("rope_interleave", True) is True, source, "rope_interleave = false is not supported")
-    _refuse(not hf.get("attention_bias", False), source, "attention_bias = true is not supported for deepseek_v3")
+    refuse(hf.get("rope_interleave", True) is True, source, "rope_interleave = false is not supported")
+    refuse(not hf.get("attention_bias", False), source, "attention_bias = true is not supported for deepseek_v3")
     q_lora = hf.get("q_lora_rank")
     return dict(
         q_lora_rank=None if q_lora is None else hf_int(hf, source, "q_lora_rank"),
@@ -189,9 +184,9 @@ def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 def sigmoid_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """The architecture fields of `ModelConfig` of a deepseek_v3 / glm4_moe config.json."""
     unknown = sorted(set(hf) - _IGNORED - _COMMON - _FAMILY_KEYS[family])
-    _refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
+    refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     act = hf.get("hidden_act", "silu")
-    _refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
+    refuse(act == "silu", source, f"hidden_act = {act!r} is not supported (SwiGLU with silu only)")
     hidden, heads = hf_int(hf, source, "hidden_size"), hf_int(hf, source, "num_attention_heads")
     layers = hf_int(hf, source, "num_hidden_layers")
     fields: dict[str, Any] = dict(
