@@ -29,7 +29,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 GPU_MEMORY_GIB = 80.0  # per GPU, unless GPU_MEM_GIB / --gpu-mem-gib says otherwise
 STATIC_MEMORY_SHARE = 0.9  # of a GPU for weights, gradients and optimizer state; the rest: activations, buffers
@@ -236,6 +236,18 @@ def kv_cache_dtype(
     return weights
 
 
+class EngineRole(NamedTuple):
+    """Whose engine a memory check sizes, in its messages: the servers' name, the setting of their GPUs, and
+    the variable of their extra arguments."""
+
+    name: str
+    gpus_key: str
+    args_name: str
+
+
+ROLLOUT_ENGINE = EngineRole("a rollout engine", "rollout.engine_gpus", "SGLANG_ARGS")
+
+
 @dataclass(frozen=True)
 class EngineMemory:
     """Per GPU of one SGLang engine, in GiB: its weights and the KV cache its static share leaves."""
@@ -274,18 +286,19 @@ def engine_memory(
     gpu_mem_gib: float,
     engine_args: Sequence[str],
     job_fraction: str | None,
+    args_name: str = ROLLOUT_ENGINE.args_name,
 ) -> EngineMemory:
-    """An engine of `engine_gpus` GPUs: the fraction from `engine_args` (SGLANG_ARGS), else the job's
-    (`job_fraction`: a colocated job's default), else SGLang's own default; the dtypes from `engine_args`,
-    else SGLang's defaults for the checkpoint's config.json (`hf_config`)."""
+    """An engine of `engine_gpus` GPUs: the fraction from `engine_args` (SGLANG_ARGS, or the variable
+    `args_name`), else the job's (`job_fraction`: a colocated job's default), else SGLang's own default; the
+    dtypes from `engine_args`, else SGLang's defaults for the checkpoint's config.json (`hf_config`)."""
     from megatron_rl.models.families import check_family, parameter_counts
 
     given = flag_value(engine_args, MEM_FRACTION_FLAG)
     if given is not None:
         try:
-            fraction, source = float(given), "SGLANG_ARGS"
+            fraction, source = float(given), args_name
         except ValueError:
-            raise DoesNotFit(f"SGLANG_ARGS: {MEM_FRACTION_FLAG} {given!r} is not a number") from None
+            raise DoesNotFit(f"{args_name}: {MEM_FRACTION_FLAG} {given!r} is not a number") from None
     elif job_fraction is not None:
         fraction, source = float(job_fraction), "the colocated default"
     else:
@@ -312,56 +325,64 @@ def sequence_tokens(cfg: Any) -> tuple[int, str]:
 
 def _smallest_engine(
     cfg: Any, hf_config: dict[str, Any], gpus_per_node: int, gpu_mem_gib: float, engine_args: Sequence[str],
-    job_fraction: str | None, kv_tokens: int,
+    job_fraction: str | None, kv_tokens: int, args_name: str,
 ) -> int | None:  # fmt: skip
     """The fewest GPUs above `rollout.engine_gpus` (dividing a node, or whole nodes, up to 128) whose
     engine holds `kv_tokens` tokens of KV cache; None if none does."""
     gpus = cfg.rollout.engine_gpus
     sizes = [d for d in range(gpus + 1, gpus_per_node + 1) if gpus_per_node % d == 0]
     sizes += [gpus_per_node * n for n in range(2, 129) if gpus_per_node * n > gpus]
-    memories = (engine_memory(cfg, hf_config, g, gpu_mem_gib, engine_args, job_fraction) for g in sizes)
+    memories = (engine_memory(cfg, hf_config, g, gpu_mem_gib, engine_args, job_fraction, args_name) for g in sizes)
     return next((m.engine_gpus for m in memories if m.kv_tokens >= kv_tokens), None)
 
 
 def check_engine_memory(
-    cfg: Any, gpus_per_node: int, gpu_mem_gib: float, engine_args: Sequence[str], job_fraction: str | None
+    cfg: Any,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    engine_args: Sequence[str],
+    job_fraction: str | None,
+    role: EngineRole = ROLLOUT_ENGINE,
 ) -> tuple[EngineMemory, str | None]:
-    """(the engine's memory, a warning or None). DoesNotFit, with the figures and the smallest
-    `rollout.engine_gpus` that would fit, when an engine's weights leave its static share no KV cache for
-    one whole sequence; the warning when the KV cache holds fewer than `rollout.max_concurrency` of them."""
+    """(the engine's memory, a warning or None) of an engine of `cfg.model` on `rollout.engine_gpus` GPUs
+    (`role`: whose, in the messages). DoesNotFit, with the figures and the smallest engine that would fit,
+    when an engine's weights leave its static share no KV cache for one whole sequence; the warning when the
+    KV cache holds fewer than `rollout.max_concurrency` of them."""
     gpus = cfg.rollout.engine_gpus
     hf_config = json.loads(Path(cfg.model.hf_path, "config.json").read_text())
-    mem = engine_memory(cfg, hf_config, gpus, gpu_mem_gib, engine_args, job_fraction)
+    mem = engine_memory(cfg, hf_config, gpus, gpu_mem_gib, engine_args, job_fraction, role.args_name)
     tokens, context = sequence_tokens(cfg)
 
     def smallest(kv_tokens: int) -> int | None:
-        return _smallest_engine(cfg, hf_config, gpus_per_node, gpu_mem_gib, engine_args, job_fraction, kv_tokens)
+        return _smallest_engine(
+            cfg, hf_config, gpus_per_node, gpu_mem_gib, engine_args, job_fraction, kv_tokens, role.args_name
+        )
 
     if mem.kv_tokens >= tokens:
         wanted = cfg.rollout.max_concurrency * tokens
         if mem.kv_tokens >= wanted:
             return mem, None
         fitting = smallest(wanted)
-        hint = f"rollout.engine_gpus={fitting} would hold them" if fitting else "no engine of up to 128 nodes would"
+        hint = f"{role.gpus_key}={fitting} would hold them" if fitting else "no engine of up to 128 nodes would"
         return mem, (
-            f"a rollout engine's KV cache holds {mem.kv_tokens:,} tokens: {mem.kv_tokens // tokens} whole sequences "
+            f"{role.name}'s KV cache holds {mem.kv_tokens:,} tokens: {mem.kv_tokens // tokens} whole sequences "
             f"of {tokens:,} ({context}) at once, fewer than rollout.max_concurrency={cfg.rollout.max_concurrency} "
             f"({wanted:,} tokens): SGLang runs fewer requests at once and retracts some as responses grow; {hint}"
         )
     fitting = smallest(tokens)
-    hint = f"rollout.engine_gpus={fitting} would fit" if fitting else "no engine of up to 128 nodes fits"
+    hint = f"{role.gpus_key}={fitting} would fit" if fitting else "no engine of up to 128 nodes fits"
     share = (
         f"its static share of {mem.static:.1f} GiB per GPU ({MEM_FRACTION_FLAG} {mem.fraction:g}: "
         f"{mem.fraction_source}; GPU_MEM_GIB={gpu_mem_gib:g})"
     )
     weights = (
         f"{mem.weights:.1f} GiB per GPU of {mem.dtype} weights ({mem.weights * gpus:.0f} GiB for {mem.params:.1f} B "
-        f"parameters / rollout.engine_gpus={gpus})"
+        f"parameters / {role.gpus_key}={gpus})"
     )
     if mem.kv_cache <= 0:
-        raise DoesNotFit(f"a rollout engine needs {weights}, more than {share}; {hint}")
+        raise DoesNotFit(f"{role.name} needs {weights}, more than {share}; {hint}")
     raise DoesNotFit(
-        f"a rollout engine's {weights} leave {mem.kv_cache:.1f} GiB of {share} for the KV cache: {mem.kv_tokens} "
+        f"{role.name}'s {weights} leave {mem.kv_cache:.1f} GiB of {share} for the KV cache: {mem.kv_tokens} "
         f"tokens, fewer than one sequence of {tokens} ({context}); {hint}"
     )
 
@@ -401,16 +422,21 @@ def memory_lines(
         f"{host}"
     ]
     if engine is not None:
-        lines.append(
-            f"engine ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB "
-            f"{engine.dtype} weights ({engine.params:.1f} B parameters) + {engine.kv_cache:.1f} GiB KV cache "
-            f"({engine.kv_tokens:,} {engine.kv_dtype} tokens at {engine.kv_token_bytes:,} bytes: "
-            f"{engine.kv_tokens // sequence:,} sequences of {sequence:,}) = {engine.static:.1f} GiB: "
-            f"{MEM_FRACTION_FLAG} {engine.fraction:g} ({engine.fraction_source})"
-        )
+        lines.append(engine_line("engine", engine, sequence))
     if kept is not None:
         lines.append(f"colocated: the trainer keeps {kept:.1f} GiB while the engines generate")
     return lines
+
+
+def engine_line(label: str, engine: EngineMemory, sequence: int) -> str:
+    """One engine's figures per GPU as the plan prints them (`label`: "engine", "teacher")."""
+    return (
+        f"{label} ({engine.engine_gpus} GPU{'s' * (engine.engine_gpus > 1)}): {engine.weights:.1f} GiB "
+        f"{engine.dtype} weights ({engine.params:.1f} B parameters) + {engine.kv_cache:.1f} GiB KV cache "
+        f"({engine.kv_tokens:,} {engine.kv_dtype} tokens at {engine.kv_token_bytes:,} bytes: "
+        f"{engine.kv_tokens // sequence:,} sequences of {sequence:,}) = {engine.static:.1f} GiB: "
+        f"{MEM_FRACTION_FLAG} {engine.fraction:g} ({engine.fraction_source})"
+    )
 
 
 def check_tokenizer(cfg: Any) -> str | None:

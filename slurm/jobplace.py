@@ -9,6 +9,7 @@ memory per GPU and the tokenizer: slurm/jobcheck.py; a layout preset: slurm/pres
   SGLang servers per node (a server of more GPUs than a node has spans several nodes), or one
   local engine (`megatron-rl serve`) per node on CPU. Weights go over a NCCL (gloo on CPU) group.
 - with `rollout.sglang_urls` (servers or a router that already run): no engine, every node trains.
+- with `distill.teacher`: the teacher's servers on the last rollout nodes (slurm/jobteacher.py).
 - colocated: every node trains and serves; the engines release their memory while the trainer
   updates (`--enable-memory-saver`, a default `--mem-fraction-static`). Weights go by handle
   (`rollout.weight_sync=tensor`) on one node; on more, from disk on GPUs (a NCCL group would hold
@@ -40,8 +41,10 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path: its siblings in slurm/
     sys.path.append(str(Path(__file__).resolve().parent))
 import jobcheck  # noqa: E402
+import jobteacher  # noqa: E402
 
 CHECKPOINT_EVERY = 10  # the trainer's checkpoint cadence in a job, unless the config sets checkpoint.every
+TEACHER_GPUS_KEY = jobteacher.TEACHER_ROLE.gpus_key
 
 
 class PlanError(ValueError):
@@ -75,6 +78,9 @@ class JobPlan:
     api_key: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # exported to every step (trainer and engines)
     external_urls: list[str] = field(default_factory=list)  # rollout.sglang_urls: the job starts no server
+    teachers: list[Engine] = field(default_factory=list)  # the servers of distill.teacher (slurm/jobteacher.py)
+    teacher_urls: list[str] = field(default_factory=list)  # distill.teacher_urls: running ones, not the job's
+    teacher_model: str = ""  # the folder of distill.teacher, which the teachers serve
     memory: list[str] = field(default_factory=list)  # the figures per GPU (GPU jobs)
     warnings: list[str] = field(default_factory=list)
 
@@ -120,28 +126,27 @@ def _min_world(cfg: Any) -> int:
 
 
 def _engine_layout(
-    mode: str, gpus_per_node: int, engine_gpus: int, rollout_nodes: list[str]
+    mode: str, gpus_per_node: int, engine_gpus: int, rollout_nodes: list[str], key: str = "rollout.engine_gpus"
 ) -> list[list[tuple[str, int]]]:
-    """Per engine, its (node, first GPU) pairs."""
+    """Per engine, its (node, first GPU) pairs (`key`: the setting of `engine_gpus`, in the messages)."""
     if gpus_per_node == 0:
         return [[(node, 0)] for node in rollout_nodes]
     if engine_gpus <= gpus_per_node:
         if gpus_per_node % engine_gpus:
             raise PlanError(
-                f"rollout.engine_gpus ({engine_gpus}) must divide the GPUs per node ({gpus_per_node}): "
+                f"{key} ({engine_gpus}) must divide the GPUs per node ({gpus_per_node}): "
                 "every GPU of a rollout node serves"
             )
         return [[(node, k * engine_gpus)] for node in rollout_nodes for k in range(gpus_per_node // engine_gpus)]
     if engine_gpus % gpus_per_node:
         raise PlanError(
-            f"rollout.engine_gpus ({engine_gpus}) spans several nodes and must be a multiple of the GPUs per node "
-            f"({gpus_per_node})"
+            f"{key} ({engine_gpus}) spans several nodes and must be a multiple of the GPUs per node ({gpus_per_node})"
         )
     span = engine_gpus // gpus_per_node
     if len(rollout_nodes) % span:
         what = "nodes" if mode == "colocated" else "rollout nodes"
         raise PlanError(
-            f"rollout.engine_gpus ({engine_gpus}) needs {span} nodes per engine, which does not divide the "
+            f"{key} ({engine_gpus}) needs {span} nodes per engine, which does not divide the "
             f"{len(rollout_nodes)} {what}"
         )
     return [[(node, 0) for node in rollout_nodes[i : i + span]] for i in range(0, len(rollout_nodes), span)]
@@ -294,12 +299,16 @@ def make_plan(
     environ: dict[str, str] | None = None,
     preset: str | None = None,
     gpu_mem_gib: float = jobcheck.GPU_MEMORY_GIB,
+    teacher_nodes: int | None = None,
+    teacher_gpus: int | None = None,
+    teacher_args: Sequence[str] = (),
 ) -> JobPlan:
     """The job's layout for `mode` ("disaggregated" or "colocated"); raises PlanError or ConfigError.
     `router`: ROUTER (None: lib.sh's default); `sglang_python` runs the SGLang servers (default `python`:
     one environment for both roles); `environ` (default os.environ) gives NCCL settings set at submission;
     `preset` (slurm/presets.py) puts a model's layout before `overrides`; on GPUs the trainer and the
-    engines must fit `gpu_mem_gib` (slurm/jobcheck.py)."""
+    engines must fit `gpu_mem_gib` (slurm/jobcheck.py). `teacher_nodes`, `teacher_gpus`, `teacher_args`
+    (TEACHER_NODES, TEACHER_GPUS, TEACHER_ARGS): the servers of `distill.teacher` (slurm/jobteacher.py)."""
     from megatron_rl.config import load_config
 
     if preset:
@@ -334,6 +343,13 @@ def make_plan(
             "servers nor a router; unset ROUTER"
         )
     n_train, rollout_nodes, forced = _placement(mode, nodes, train_nodes, cfg, explicit, gpus_per_node > 0)
+    try:
+        teacher = jobteacher.split_nodes(mode, cfg, rollout_nodes, gpus_per_node, teacher_nodes, teacher_gpus)
+    except jobteacher.TeacherPlanError as err:
+        raise PlanError(str(err)) from None
+    if teacher is not None:
+        rollout_nodes = teacher.rollout_nodes
+        forced += jobteacher.trainer_overrides(cfg, teacher)
     if "checkpoint.every" not in explicit:  # a requeued or preempted job resumes from the last of these
         forced.append(f"checkpoint.every={CHECKPOINT_EVERY}")
     if not gpus_per_node:
@@ -341,6 +357,7 @@ def make_plan(
 
     # the config as the trainer will see it: user settings, the placement's, the servers' addresses (known later)
     pending = [] if external else ['rollout.sglang_urls=["http://servers.pending:1"]']
+    pending += [jobteacher.PENDING_URLS] if teacher is not None else []
     cfg = load_config(config_path, [*overrides, *forced, *pending])
     if not cfg.model.hf_path:
         raise PlanError(
@@ -364,7 +381,13 @@ def make_plan(
         memory, warnings = jobcheck.check_resources(
             cfg, n_train * rpn, gpus_per_node, gpu_mem_gib, engine_args, not external, colocated_fraction
         )
-    except jobcheck.DoesNotFit as err:
+        if teacher is not None:
+            teacher_cfg = jobteacher.teacher_config(cfg, teacher)
+            if gpus_per_node:
+                line, warning = jobteacher.check_teacher_memory(teacher_cfg, gpus_per_node, gpu_mem_gib, teacher_args)
+                memory.append(line)
+                warnings += [warning] if warning else []
+    except (jobcheck.DoesNotFit, jobteacher.TeacherPlanError) as err:
         raise PlanError(str(err)) from None
     if external and engine_args:
         name = "SGLANG_ARGS" if gpus_per_node else "LOCAL_ENGINE_ARGS"
@@ -372,17 +395,30 @@ def make_plan(
 
     addr_of = dict(zip(nodes, addrs, strict=True))
     base_port = 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500  # multi-node engines' rendezvous
-    engines = []
-    for i, placed in enumerate(_engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes)):
-        first, base_gpu = placed[0]
-        dist_init = f"{addr_of[first]}:{base_port + i}"
-        engine_python = (sglang_python or python) if gpus_per_node else python
-        host = engine_bind(bind, len(nodes), addr_of[first])
-        command = _engine_command(
-            cfg, gpus_per_node > 0, engine_python, host, base_gpu, len(placed), dist_init, engine_args
-        )
-        url_host = addr_of[first] if host in ("0.0.0.0", "::") else host
-        engines.append(Engine(i, tuple(n for n, _ in placed), url_host, base_gpu, command))
+    engine_python = (sglang_python or python) if gpus_per_node else python
+
+    def servers(
+        server_cfg: Any, placement: list[list[tuple[str, int]]], first_port: int, extra: Sequence[str]
+    ) -> list[Engine]:
+        found = []
+        for i, placed in enumerate(placement):
+            first, base_gpu = placed[0]
+            dist_init = f"{addr_of[first]}:{first_port + i}"
+            host = engine_bind(bind, len(nodes), addr_of[first])
+            command = _engine_command(
+                server_cfg, gpus_per_node > 0, engine_python, host, base_gpu, len(placed), dist_init, extra
+            )
+            url_host = addr_of[first] if host in ("0.0.0.0", "::") else host
+            found.append(Engine(i, tuple(n for n, _ in placed), url_host, base_gpu, command))
+        return found
+
+    engines = servers(
+        cfg, _engine_layout(mode, gpus_per_node, cfg.rollout.engine_gpus, rollout_nodes), base_port, engine_args
+    )
+    teachers = []
+    if teacher is not None:
+        placement = _engine_layout(mode, gpus_per_node, teacher.gpus, teacher.nodes, TEACHER_GPUS_KEY)
+        teachers = servers(teacher_cfg, placement, base_port + len(engines), teacher_args)
 
     run_dir = str(Path(cfg.logging.run_dir).resolve())
     return JobPlan(
@@ -399,6 +435,9 @@ def make_plan(
         api_key=cfg.rollout.api_key,
         env=_job_env(mode, gpus_per_node, dict(os.environ if environ is None else environ)),
         external_urls=external,
+        teachers=teachers,
+        teacher_model=teacher.model if teacher is not None else "",
+        teacher_urls=list(cfg.distill.teacher_urls) if teacher is None else [],
         memory=memory,
         warnings=warnings,
     )

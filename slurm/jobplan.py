@@ -8,7 +8,7 @@
 
 `plan` checks the whole submission before anything starts and prints one error naming the problem
 (exit 2) or shell assignments for `eval`, the plan and its memory figures on stderr; it needs no
-cluster. What runs where: slurm/jobplace.py; the memory and tokenizer checks: slurm/jobcheck.py; the
+cluster. What runs where: slurm/jobplace.py (distillation's teacher servers: slurm/jobteacher.py); the memory and tokenizer checks: slurm/jobcheck.py; the
 layout presets: slurm/presets.py; the printed plan: slurm/jobshell.py; the other commands:
 slurm/jobtools.py.
 """
@@ -73,6 +73,9 @@ def _main(argv: list[str] | None = None) -> int:
         "--gpu-mem-gib", type=float, default=float(os.environ.get("GPU_MEM_GIB") or jobcheck.GPU_MEMORY_GIB),
         help="memory of one GPU ($GPU_MEM_GIB)",
     )  # fmt: skip
+    p.add_argument("--teacher-nodes", default="", help="rollout nodes of distill.teacher's servers; empty = 1")
+    p.add_argument("--teacher-gpus", default="", help="GPUs per teacher server; empty = rollout.engine_gpus")
+    p.add_argument("--teacher-args", default="", help="extra arguments of the teacher's servers (shell words)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("free-port", help="print a free TCP port of this machine")
@@ -110,6 +113,9 @@ def _main(argv: list[str] | None = None) -> int:
                 sglang_python=args.sglang_python or None,
                 preset=args.preset or None,
                 gpu_mem_gib=args.gpu_mem_gib,
+                teacher_nodes=_int_or_none(args.teacher_nodes, "TEACHER_NODES"),
+                teacher_gpus=_int_or_none(args.teacher_gpus, "TEACHER_GPUS"),
+                teacher_args=shlex.split(args.teacher_args),
             )
             print(describe(plan), file=sys.stderr)
             print(to_shell(plan), end="")

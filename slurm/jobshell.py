@@ -33,14 +33,16 @@ def to_shell(plan: JobPlan) -> str:
         array("EXTERNAL_URLS", plan.external_urls),
         f"START_ROUTER={'auto' if plan.router is None else int(plan.router)}",
         f"ENGINE_API_KEY={q(plan.api_key or '')}",
+        f"TEACHER_COUNT={len(plan.teachers)}",
     ]
     lines += [f"export {key}={q(value)}" for key, value in plan.env.items()]
-    for e in plan.engines:
-        lines += [
-            array(f"ENGINE_NODES_{e.index}", e.nodes),
-            f"ENGINE_ADDR_{e.index}={q(e.addr)}",
-            array(f"ENGINE_CMD_{e.index}", e.command),
-        ]
+    for prefix, servers in (("ENGINE", plan.engines), ("TEACHER", plan.teachers)):
+        for e in servers:
+            lines += [
+                array(f"{prefix}_NODES_{e.index}", e.nodes),
+                f"{prefix}_ADDR_{e.index}={q(e.addr)}",
+                array(f"{prefix}_CMD_{e.index}", e.command),
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -51,10 +53,19 @@ def describe(plan: JobPlan) -> str:
         servers = f"{len(plan.engines)} engine(s): " + "; ".join(
             f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.engines
         )
+    teachers = []
+    if plan.teachers:
+        teachers = [
+            f"{len(plan.teachers)} teacher server(s) of {plan.teacher_model} (distill.teacher): "
+            + "; ".join(f"#{e.index} on {','.join(e.nodes)} from GPU {e.base_gpu}" for e in plan.teachers)
+        ]
+    elif plan.teacher_urls:
+        teachers = [f"teacher: no server of its own: distill.teacher_urls = [{', '.join(plan.teacher_urls)}]"]
     out = [
         f"{plan.mode} on {plan.device}: trainer {len(plan.train_nodes)} node(s) x {plan.ranks_per_node} ranks "
         f"= world {plan.world_size} on {','.join(plan.train_nodes)}, master {plan.master_addr}",
         servers,
+        *teachers,
         *plan.memory,
         f"run folder {plan.run_dir}, logs {plan.log_dir}",
         "trainer overrides: " + " ".join(plan.trainer_overrides),

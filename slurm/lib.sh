@@ -6,7 +6,8 @@
 # 1. plan (slurm/jobplan.py): check the config, the node split and the trainer's parallel layout;
 #    fail at once with one message naming the problem;
 # 2. start the rollout servers as background job steps (one srun each), wait for their /health,
-#    then an sglang-router in front of them when there is one; with rollout.sglang_urls in the config
+#    then distill.teacher's servers when the config distils (slurm/jobteacher.py), then an
+#    sglang-router in front of the rollout servers when there is one; with rollout.sglang_urls in the config
 #    (a router or servers running already) start none, wait for those, and train on every node;
 # 3. run the trainer (one srun: one task per GPU, on CPU the least ranks the layout takes) with
 #    rollout.engine=sglang rollout.sglang_urls=[the servers] and --resume-if-any;
@@ -31,6 +32,10 @@
 #   ROUTER_POLICY      the router's --policy (default cache_aware)
 #   SGLANG_ARGS        extra sglang.launch_server arguments (e.g. "--mem-fraction-static 0.7 --ep-size 8")
 #   LOCAL_ENGINE_ARGS  extra `megatron-rl serve` arguments (CPU runs)
+#   TEACHER_NODES      with distill.teacher (on-policy distillation): the last rollout nodes that serve the
+#                      teacher (default 1; on GPUs they serve it alone, on CPU beside their engine)
+#   TEACHER_GPUS       GPUs of one teacher server (default rollout.engine_gpus)
+#   TEACHER_ARGS       extra arguments of the teacher's servers (SGLANG_ARGS and LOCAL_ENGINE_ARGS do not reach them)
 #   ENGINE_BIND        address the servers bind (default: 127.0.0.1 on a one-node job, else each server's
 #                      node address; never 0.0.0.0 unless asked for). Every server requires the job's
 #                      API key (rollout.api_key, else a random one: RUN_DIR/logs/job-ID/engine_api_key)
@@ -245,28 +250,30 @@ start_server() {
     bash "$SLURM_DIR/task.sh" serve "$name" "$addr" "$LOG_DIR" -- "$@"
 }
 
-# Starts every engine and waits for them; sets ENGINE_URLS.
-start_engines() {
-  local i url
+# start_servers KIND (engine: the policy's, ENGINE_*; teacher: distillation's, TEACHER_*): starts every
+# server of the plan and waits for them; sets SERVER_URLS.
+start_servers() {
+  local kind=$1 prefix=${1^^} i url
+  local -n count="${prefix}_COUNT"
   local -a pids=()
-  ENGINE_URLS=()
-  for ((i = 0; i < ENGINE_COUNT; i++)); do
-    local -n cmd="ENGINE_CMD_$i" hosts="ENGINE_NODES_$i" addr="ENGINE_ADDR_$i"
+  SERVER_URLS=()
+  for ((i = 0; i < count; i++)); do
+    local -n cmd="${prefix}_CMD_$i" hosts="${prefix}_NODES_$i" addr="${prefix}_ADDR_$i"
     # --overlap: several servers (and, colocated, the trainer) share a node's GPUs; each picks its own
     # with --base-gpu-id, so every step sees all of them
-    start_server "engine$i" "$addr" "$(join_by , "${hosts[@]}")" --overlap -- "${cmd[@]}"
+    start_server "$kind$i" "$addr" "$(join_by , "${hosts[@]}")" --overlap -- "${cmd[@]}"
     pids+=("${BG_PIDS[-1]}")
     unset -n cmd hosts addr
   done
-  for ((i = 0; i < ENGINE_COUNT; i++)); do
-    url=$(wait_url "engine$i" "${pids[$i]}") || exit 2
-    ENGINE_URLS+=("$url")
+  for ((i = 0; i < count; i++)); do
+    url=$(wait_url "$kind$i" "${pids[$i]}") || exit 2
+    SERVER_URLS+=("$url")
   done
-  say "waiting for ${ENGINE_URLS[*]} to answer /health"
+  say "waiting for ${SERVER_URLS[*]} to answer /health"
   "$PYTHON" "$SLURM_DIR/jobplan.py" wait-healthy --timeout "${ENGINE_TIMEOUT:-1800}" --pids "$(join_by , "${pids[@]}")" \
-    "${ENGINE_URLS[@]}" || {
-    show_tail "$LOG_DIR"/engine*.log
-    die "the rollout servers did not start"
+    "${SERVER_URLS[@]}" || {
+    show_tail "$LOG_DIR/$kind"*.log
+    die "the $kind servers did not start"
   }
 }
 
@@ -343,7 +350,8 @@ run_job() {
   local -a plan_args=(--mode "$mode" --job-id "$job_id" --gpus-per-node "$gpus"
     --nodes "$(join_by , "${nodes[@]}")" --addrs "$(join_by , "${addrs[@]}")"
     --train-nodes "${TRAIN_NODES:-}" --ranks-per-node "${RANKS_PER_NODE:-}" --router "${ROUTER:-}"
-    --bind "${ENGINE_BIND:-auto}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON")
+    --bind "${ENGINE_BIND:-auto}" --engine-args "$engine_args" --sglang-python "$SGLANG_PYTHON"
+    --teacher-nodes "${TEACHER_NODES:-}" --teacher-gpus "${TEACHER_GPUS:-}" "--teacher-args=${TEACHER_ARGS:-}")
 
   say "job $job_id ($mode): ${#nodes[@]} node(s) ${nodes[*]}, $gpus GPU(s) per node; $config ${overrides[*]}"
   plan=$("$PYTHON" "$SLURM_DIR/jobplan.py" plan "${plan_args[@]}" "$config" "${overrides[@]}") || exit 2
@@ -362,6 +370,12 @@ run_job() {
       say "engine$i on $(join_by , "${hosts[@]}"): ${cmd[*]}"
       unset -n cmd hosts
     done
+    for ((i = 0; i < TEACHER_COUNT; i++)); do
+      local -n cmd="TEACHER_CMD_$i" hosts="TEACHER_NODES_$i"
+      say "teacher$i on $(join_by , "${hosts[@]}"): ${cmd[*]}"
+      unset -n cmd hosts
+    done
+    ((TEACHER_COUNT)) && urls+=' distill.teacher_urls=[...]'
     ((START_ROUTER)) && say "router on ${ENGINE_NODES_0[0]}: sglang_router.launch_router --worker-urls ..."
     say "trainer on $(join_by , "${TRAIN_HOSTS[@]}") x $RANKS_PER_NODE ranks: ${trainer[*]} $urls ${resume[*]}"
     return 0
@@ -374,8 +388,14 @@ run_job() {
     trainer+=("${resume[@]}")
   else
     write_job_key "$LOG_DIR/engine_api_key"
-    start_engines
+    start_servers engine
+    ENGINE_URLS=("${SERVER_URLS[@]}")
     say "$ENGINE_COUNT rollout server(s) healthy after $((SECONDS - started)) s"
+    if ((TEACHER_COUNT)); then # distill.teacher: weights that never change, so no sync and no router reach them
+      start_servers teacher
+      say "$TEACHER_COUNT teacher server(s) healthy after $((SECONDS - started)) s"
+      trainer+=("distill.teacher_urls=[$(printf '"%s",' "${SERVER_URLS[@]}" | sed 's/,$//')]")
+    fi
     ((START_ROUTER)) && start_router
     # the trainer talks to each server itself: weight updates must reach every one
     trainer+=("rollout.sglang_urls=[$(printf '"%s",' "${ENGINE_URLS[@]}" | sed 's/,$//')]" "${resume[@]}")

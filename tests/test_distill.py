@@ -132,6 +132,31 @@ def test_tokenizer_differences_are_named(tmp_path: Path) -> None:
                                        f"distill.tokenizer={tmp_path / 'other'}"), student)  # fmt: skip
 
 
+def test_a_deeper_teacher_of_the_same_tokenizer_is_taken(tmp_path: Path) -> None:
+    """run.sh's DISTILL=4to2: tiny_model.py's 4-layer teacher and its 2-layer student (`--layers 2`) share the
+    tokenizer; the run validates with the student's depth from its config.json, the teacher's being no rule."""
+    from megatron_rl.data import load_tokenizer
+    from megatron_rl.validation import validate_run
+
+    import tiny_model
+
+    teacher = tiny_model.build_model(tmp_path / "teacher")
+    student = tiny_model.build_model(tmp_path / "student", layers=2)
+    assert (teacher.config.num_hidden_layers, student.config.num_hidden_layers) == (4, 2)
+    # a layer: attention 4 x 128 x 128 - 2 x 128 x 64 + 2 x 32 (QK-norm), 8 experts x 3 x 128 x 128, a 128 x 8
+    # router, 2 norms of 128: 443,712; the model 1,782,144 with 4 layers
+    assert sum(p.numel() for p in student.parameters()) == 1_782_144 - 2 * 443_712
+    prompt = {"prompt": [{"role": "user", "content": "2+3="}], "reward_model": {"ground_truth": "5"}}
+    (tmp_path / "train.jsonl").write_text(json.dumps(prompt) + "\n")
+    cfg = validate_run(
+        config("algorithm.name=opd", f"model.hf_path={tmp_path / 'student'}", f"distill.teacher={tmp_path / 'teacher'}",
+               f"data.train_path={tmp_path / 'train.jsonl'}", "parallel.expert_model_parallel_size=2"),
+        "train", world_size=2, cuda_available=False,
+    )  # fmt: skip
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_experts) == (2, 128, 8)
+    check_teacher_tokenizer(cfg, load_tokenizer(tmp_path / "student", "model.hf_path"))
+
+
 # ---- in the rollout runtime ----
 class TwoTokens(FakeEngine):
     """Every response: tokens 7, 8 with sampling log-probs -0.5, -1.0, of weight version 0."""

@@ -18,7 +18,7 @@ Every job is the real script running the tiny_math example's model and task on t
 - misconfigured submissions fail within seconds, naming the problem.
 
 The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
-offsets, multi-node engines, the weight-sync defaults and every refusal.
+offsets, multi-node engines, the weight-sync defaults, distillation's teacher servers and every refusal.
 """
 
 from __future__ import annotations
@@ -180,6 +180,8 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config for a 30B-A3B-class policy, laid out as in docs/slurm.md (TP 4, EP 8, ETP 1)."""
     root = tmp_path_factory.mktemp("plan")
     write_plan_config(root, "qwen3_30b_a3b", QWEN3_30B_A3B, "rl.yaml")
+    (root / "teacher").mkdir()  # a distillation teacher: the same architecture, twice the layers
+    (root / "teacher" / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": 96}))
     return root
 
 
@@ -379,6 +381,73 @@ def test_plan_with_running_servers_starts_none_and_trains_on_every_node(big: Pat
         plan(big, "disaggregated", urls, router=True)
 
 
+def test_plan_places_the_teachers_servers_and_counts_their_memory(big: Path) -> None:
+    """distill.teacher: the last rollout node serves the teacher (TEACHER_GPUS per server, TEACHER_ARGS only),
+    its memory is the teacher's own, and the trainer is told the servers instead of the folder."""
+    teacher = str(big / "teacher")
+    opd = ("algorithm.name=opd", f"distill.teacher={teacher}", "rollout.engine_gpus=4")
+    p = plan(big, "disaggregated", *opd, train_nodes=2, teacher_gpus=8, engine_args=["--ep-size", "4"],
+             teacher_args=["--enable-torch-compile"])  # fmt: skip
+    assert [(e.nodes, e.base_gpu) for e in p.engines] == [(("gpu3",), 0), (("gpu3",), 4)]  # the policy keeps gpu3
+    (server,) = p.teachers
+    assert (server.nodes, server.addr, server.base_gpu) == (("gpu4",), "10.1.0.4", 0)
+    assert server.command[1:5] == ("-m", "sglang.launch_server", "--model-path", teacher)
+    assert server.command[server.command.index("--tp-size") + 1] == "8"
+    assert server.command[-1] == "--enable-torch-compile" and "--ep-size" not in server.command
+    assert p.trainer_overrides[2:4] == ["distill.teacher=null", f"distill.tokenizer={teacher}"]
+    # by hand: a layer of Qwen3-30B-A3B holds 623,120,640 parameters (attention 18,874,624, 128 experts of
+    # 3 x 2048 x 768, router, norms), the embeddings 2 x 151,936 x 2048, so 96 layers: 60,441,913,344; bf16
+    # over 8 GPUs 14.07 GiB. SGLang's default fraction for 80 GiB at TP 8: reserve 512 + 1.5 x 8192 + 1024 +
+    # 2 x 512 + 8 x 58 prefill graphs = 15,312 MiB, (81,920 - 15,312) / 81,920 = 0.813: 65.04 GiB. KV per
+    # token: 96 layers x (K, V) x 1 of 4 KV heads per GPU x 128 x 2 bytes = 49,152.
+    weights = 60_441_913_344 * 2 / 8 / 2**30
+    tokens = int((0.813 * 80 - weights) * 2**30 // 49_152)
+    assert tokens == 1_113_397
+    assert p.memory[2] == (
+        f"teacher (8 GPUs): 14.1 GiB bf16 weights (60.4 B parameters) + 51.0 GiB KV cache ({tokens:,} bf16 tokens "
+        f"at 49,152 bytes: {tokens // 2048} sequences of 2,048) = 65.0 GiB: --mem-fraction-static 0.813 (SGLang's "
+        "default for 80 GiB and TP 8)"
+    )
+    shell = jobplan.to_shell(p)
+    assert "ENGINE_COUNT=2\n" in shell and "TEACHER_COUNT=1\n" in shell and "TEACHER_NODES_0=(gpu4)\n" in shell
+    assert f"1 teacher server(s) of {teacher} (distill.teacher): #0 on gpu4 from GPU 0" in jobplan.describe(p)
+    two = plan(big, "disaggregated", *opd, train_nodes=2, teacher_gpus=4)  # rollout.engine_gpus by default too
+    assert [(e.nodes, e.base_gpu) for e in two.teachers] == [(("gpu4",), 0), (("gpu4",), 4)]
+    assert "teacher (4 GPUs): 28.1 GiB bf16 weights" in two.memory[2]
+    small = plan(big, "disaggregated", *opd, train_nodes=2, teacher_gpus=2).warnings[-1]
+    assert small.startswith("a teacher server's KV cache holds 109,544 tokens: 53 whole sequences of 2,048")
+    assert small.endswith("TEACHER_GPUS=4 would hold them")
+    # on CPU the teacher's local engine runs beside the policy's, on the rollout node
+    cpu = plan(big, "disaggregated", *opd, "parallel.tensor_model_parallel_size=1", nodes=2, gpus=0)
+    assert [e.nodes for e in cpu.engines] == [e.nodes for e in cpu.teachers] == [("gpu2",)]
+    assert cpu.teachers[0].command[1:6] == ("-m", "megatron_rl.cli", "serve", "--model", teacher)
+    # running teacher servers: the job starts none
+    urls = plan(big, "disaggregated", "distill.teacher_urls=[http://10.9.0.2:30000]", f"distill.tokenizer={teacher}")
+    assert urls.teachers == [] and "TEACHER_COUNT=0\n" in jobplan.to_shell(urls)
+    assert "teacher: no server of its own: distill.teacher_urls = [http://10.9.0.2:30000]" in jobplan.describe(urls)
+
+
+@pytest.mark.parametrize(
+    "mode, overrides, kwargs, message",
+    [
+        ("colocated", [], {"nodes": 1}, r"train_colocated.sbatch gives every GPU .* distill.teacher_urls"),
+        ("disaggregated", ['rollout.sglang_urls=["http://h:1"]'], {}, r"rollout.sglang_urls gives the servers: .*"),
+        ("disaggregated", [], {"teacher_nodes": 2}, r"TEACHER_NODES=2 of the job's 2 rollout node\(s\) .* 1 to 1 can"),
+        ("disaggregated", [], {"teacher_gpus": 3}, r"TEACHER_GPUS \(3\) must divide the GPUs per node \(8\)"),
+        # 60.4 B parameters in bf16: 112.6 GiB on 1 GPU, over its 66.4 GiB share; on 2, 56.3 GiB leave 10 GiB
+        ("disaggregated", [], {"teacher_gpus": 1}, r"a teacher server needs 112.6 GiB .* TEACHER_GPUS=2 would fit"),
+        ("disaggregated", ["distill.teacher=/nonexistent"], {}, r"distill.teacher = /nonexistent: no config.json"),
+    ],
+)
+def test_plan_refuses_a_teacher_it_cannot_serve(
+    big: Path, mode: str, overrides: list[str], kwargs: dict, message: str
+) -> None:
+    nodes = kwargs.pop("nodes", 4)
+    opd = ["algorithm.name=opd", f"distill.teacher={big / 'teacher'}", "rollout.engine_gpus=8"]
+    with pytest.raises(jobplan.PlanError, match=message):
+        plan(big, mode, *opd, *overrides, nodes=nodes, **kwargs)
+
+
 SLURM_COMMANDS = ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel", "salloc", "sacct")
 
 
@@ -402,22 +471,26 @@ def test_dry_run_plans_without_slurm(big: Path, tmp_path: Path) -> None:
     """DRY_RUN=1 bash slurm/train.sbatch where no Slurm command is on PATH: NODES and GPUS_PER_NODE give
     the job; the plan, its memory figures and the commands are printed, and no missing command was tried
     (bash's command_not_found_handle, exported to the script, would report it)."""
-    env = job_env(PATH=path_without_slurm(tmp_path), DRY_RUN="1", NODES="4", GPUS_PER_NODE="8", TRAIN_NODES="2")
+    env = job_env(PATH=path_without_slurm(tmp_path), DRY_RUN="1", NODES="5", GPUS_PER_NODE="8", TRAIN_NODES="2")
     assert shutil.which("sbatch", path=env["PATH"]) is None and shutil.which("bash", path=env["PATH"])
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")} | {"ROUTER": "0"}
     missing = tmp_path / "missing_commands"  # written by the handler even where stderr goes to /dev/null
     env["MISSING_COMMANDS"] = str(missing)
     env["BASH_FUNC_command_not_found_handle%%"] = '() { echo "$1" >>"$MISSING_COMMANDS"; return 127; }'
-    args = [str(big / "rl.yaml"), "rollout.engine_gpus=4"]
+    env |= {"TEACHER_GPUS": "8", "TEACHER_ARGS": "--enable-torch-compile"}  # node5 serves distill.teacher
+    args = [str(big / "rl.yaml"), "rollout.engine_gpus=4", "algorithm.name=opd", f"distill.teacher={big / 'teacher'}"]
     done = subprocess.run(
         ["bash", str(ROOT / "slurm" / "train.sbatch"), *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert not missing.exists(), missing.read_text()
-    engines = [line for line in done.stdout.splitlines() if "sglang.launch_server" in line]
+    *engines, teacher = [line for line in done.stdout.splitlines() if "sglang.launch_server" in line]
     assert len(engines) == 4 and "engine0 on node3: " in engines[0] and "--tp-size 4 --base-gpu-id 4" in engines[1]
+    assert "teacher0 on node5: " in teacher and teacher.endswith("--tp-size 8 --base-gpu-id 0 --enable-torch-compile")
     assert "trainer on node1,node2 x 8 ranks: " in done.stdout and "rollout.sglang_urls=[...]" in done.stdout
+    assert "distill.teacher=null" in done.stdout and "distill.teacher_urls=[...]" in done.stdout
     assert "memory per GPU of 80 GiB" in done.stderr and "engine (4 GPUs): 14.2 GiB bf16 weights" in done.stderr
+    assert "teacher (8 GPUs): 14.1 GiB bf16 weights (60.4 B parameters)" in done.stderr
     assert not (big / "run").exists()  # nothing started
 
 

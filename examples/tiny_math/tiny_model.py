@@ -9,9 +9,10 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
 `--family deepseek_v3|glm4_moe|gpt_oss` builds a DeepSeek-V3-, GLM-4.5- or gpt-oss-shaped policy instead
-(`FAMILY_ARCHITECTURES`).
+(`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's DISTILL=4to2 student: 2 layers, the same
+tokenizer as the 4-layer teacher).
 
-Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe]
+Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe] [--layers 4]
 """
 
 from __future__ import annotations
@@ -150,24 +151,30 @@ MEGATRON_MODEL: dict[str, Any] = dict(
 )
 
 
-def build_model(out: Path, seed: int = 0, tokenizer: Any = None, family: str = "qwen3_moe") -> Any:
+def build_model(
+    out: Path, seed: int = 0, tokenizer: Any = None, family: str = "qwen3_moe", layers: int | None = None
+) -> Any:
     """Write the model of `family` (FAMILIES; safetensors, config, generation config) and its tokenizer
-    (tiny_math's by default) to `out`; returns the model. The vocabulary size is the tokenizer's."""
+    (tiny_math's by default) to `out`; returns the model. The vocabulary size is the tokenizer's; `layers`
+    replaces the family's depth (None: its 4)."""
     import torch
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: allowed {', '.join(FAMILIES)}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers = {layers}: a model needs at least 1 layer")
+    depth = {} if layers is None else {"num_hidden_layers": layers}
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     if family == "qwen3_moe":
-        arch = dict(ARCHITECTURE)
+        arch = dict(ARCHITECTURE, **depth)
         rope_theta = arch.pop("rope_theta")
         rope = {"rope_type": "default", "rope_theta": rope_theta}
         config: Any = transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), rope_parameters=rope, **special, **arch)
         cls: Any = transformers.Qwen3MoeForCausalLM
     else:
-        arch = FAMILY_ARCHITECTURES[family]
+        arch = dict(FAMILY_ARCHITECTURES[family], **depth)
         rope_theta = arch["rope_parameters"]["rope_theta"]
         config_name, cls_name = _CLASSES[family]
         config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **special, **arch)
@@ -206,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="model folder to write")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--family", default="qwen3_moe", choices=FAMILIES, help="model family")
+    parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the family's 4)")
     args = parser.parse_args(argv)
-    model = build_model(args.out, args.seed, family=args.family)
+    model = build_model(args.out, args.seed, family=args.family, layers=args.layers)
     print(f"model: {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
 
