@@ -115,8 +115,13 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
-            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
         },  # fmt: skip
     ),
 }

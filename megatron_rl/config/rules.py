@@ -35,10 +35,8 @@ from megatron_rl.config.distill import check_distill
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.reference import describe_type
 from megatron_rl.config.schema import (
-    MLA_FAMILIES,
     REDACTED,
     SECRET_KEYS,
-    SPARSE_ATTENTION_FAMILIES,
     TRACKERS,
     AlgorithmConfig,
     Config,
@@ -275,7 +273,7 @@ def _validate_parallel(cfg: Config) -> None:
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups ({model.num_query_groups})",
     )
     pipeline_stage_layers(model, par)
-    if model.family in MLA_FAMILIES:  # MLA's down projections are column-parallel on the local spec
+    if model.family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # MLA: column-parallel down projections
         latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
         if model.q_lora_rank is not None:
             latent["model.q_lora_rank"] = model.q_lora_rank
@@ -289,11 +287,6 @@ def _validate_parallel(cfg: Config) -> None:
             f"parallel.expert_model_parallel_size ({ep}) must divide model.num_experts ({model.num_experts})",
         )
     cp = par.context_parallel_size
-    _require(
-        cp == 1 or model.family not in SPARSE_ATTENTION_FAMILIES,
-        f"parallel.context_parallel_size = {cp}: model.family = {model.family!r} has DeepSeek sparse attention, whose "
-        "indexer picks keys from the whole sequence (not split over CP ranks): set it to 1",
-    )
     if cp > 1:
         _require(
             cfg.train.micro_batch_tokens == 0 or par.cp_comm_type == "p2p",

@@ -101,7 +101,9 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         refuse(not extra, source, f"{key}.{extra[0] if extra else ''} is set but rope_type is 'default'")
         return fields
     refuse(kind == "yarn", source, f"{key} rope_type = {kind!r} is not supported (default or yarn)")
-    refuse(family != "glm4_moe", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 and the MLA families")
+    refuse(
+        family != "glm4_moe", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 and the MLA families"
+    )
     refuse(rope.get("truncate", True) is True, source, f"{key}.truncate = {rope.get('truncate')!r}: needs true")
     original = hf_int(rope, within, "original_max_position_embeddings")
     factor = hf_float(rope, within, "factor", default=None)
@@ -211,10 +213,10 @@ def sigmoid_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[s
     )
     fields.update(_rope_fields(hf, family, source))
     fields.update(_router_fields(hf, source, layers))
-    if family != "glm4_moe":
-        fields.update(_mla_fields(hf, family, source), num_query_groups=heads, kv_channels=None)
     if family in DSA_FAMILIES:
         fields.update(dsa_fields(hf, family, source, layers, fields["first_k_dense_layers"]))
+    if family != "glm4_moe":
+        fields.update(_mla_fields(hf, family, source), num_query_groups=heads, kv_channels=None)
     else:
         head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
         fields.update(
