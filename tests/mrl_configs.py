@@ -49,11 +49,11 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
             use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
 
 # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3's MLA and router (yarn RoPE for DeepSeek-V3.2, plain
-# for GLM-5) plus an indexer of 3 heads of 10 channels (its RoPE part 6) keeping 5 keys per query, fewer than the
+# for GLM-5) plus an indexer of 8 heads of 10 channels (its RoPE part 6) keeping 5 keys per query, fewer than the
 # tests' sequences.
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 _DSA = dict(q_lora_rank=22, kv_lora_rank=18, qk_nope_head_dim=10, qk_rope_head_dim=6, head_dim=6, v_head_dim=14,
-            moe_intermediate_size=24, n_shared_experts=2, index_n_heads=3, index_head_dim=10, index_topk=5)  # fmt: skip
+            moe_intermediate_size=24, n_shared_experts=2, index_n_heads=8, index_head_dim=10, index_topk=5)  # fmt: skip
 
 # The bias-free dense families: Llama with Llama 3.1's RoPE scaling (factor 4; head_dim 24 or 8 puts
 # frequencies in all three of its bands: kept, smoothed, divided) and a head_dim that is not hidden / heads;

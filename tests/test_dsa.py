@@ -118,14 +118,14 @@ def test_config_round_trip_and_table_match_what_transformers_writes(tmp_path: Pa
     folder = _tiny_folder(tmp_path / "hf", family)
     saved = json.loads((folder / "config.json").read_text())
     model = _model_of(folder)
-    assert (model.dsa_index_n_heads, model.dsa_index_head_dim, model.dsa_index_topk) == (3, 10, 5)
+    assert (model.dsa_index_n_heads, model.dsa_index_head_dim, model.dsa_index_topk) == (8, 10, 5)
     assert model_config_from_hf(hf_config_from_model(model), params_dtype="fp32") == model
     again = _CLASSES[family](**{k: v for k, v in hf_config_from_model(model).items() if k != "model_type"})
     assert again.index_topk == saved["index_topk"] and again.layer_types == saved["layer_types"]
     mapping = HFMapping(model)
     original = load_file(folder / "model.safetensors")
     assert {n: tuple(t.shape) for n, t in original.items()} == mapping.checkpoint_shapes()
-    assert mapping.checkpoint_shapes()["model.layers.2.self_attn.indexer.wq_b.weight"] == (30, 22)
+    assert mapping.checkpoint_shapes()["model.layers.2.self_attn.indexer.wq_b.weight"] == (80, 22)
     ckpt = open_hf_checkpoint(str(folder), model)
     for name in megatron_names(mapping):
         hf_names = mapping.hf_names(name)
@@ -198,3 +198,91 @@ def test_indexer_layouts_differ(tmp_path: Path) -> None:
     cos, sin = torch.zeros(1, 8), torch.ones(1, 8)
     assert _rotate(x, cos, sin, interleaved=False).flatten().tolist() == [-4, -5, -6, -7, 0, 1, 2, 3]
     assert _rotate(x, cos, sin, interleaved=True).flatten().tolist() == [-1, -3, -5, -7, 0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("family", DSA_FAMILIES)
+def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, family: str) -> None:
+    """The local engine serves the family through transformers (its indexer's keys cached with the latents), its
+    weight-update names are the checkpoint's, the routed experts it returns (SGLang's layout [tokens - 1, layers,
+    top_k]) are its routers' own. Sequences of 10 to 19 tokens, each query keeping 5 keys: the trainer (one rank)
+    picks the keys transformers' indexer picks in a plain forward of each sequence, and gives the sampled tokens
+    the engine's log-probs and transformers' within 1e-5, right-padded and packed (the selection restarting at each
+    sequence of the pack), replaying the engine's routing (R3)."""
+    import numpy as np
+
+    from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.actor.micro_batches import TokenBudget
+    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
+    from megatron_rl.models.dsa_attention import LightningIndexer
+    from megatron_rl.rollout.local.generator import Generator, GenRequest
+    from megatron_rl.rollout.local.model import load_model
+    from megatron_rl.rollout.local.weights import CheckpointLayout
+
+    from mrl_configs import actor_log_probs, actor_of_one
+
+    folder = _tiny_folder(tmp_path / "hf", family)
+    served, info = load_model(str(folder))
+    assert (info.family, info.moe_layers, info.indexer_dim, info.num_kv_heads) == (family, (1, 2, 3), 10, 1)
+    assert set(CheckpointLayout(served, info.family).targets) == set(load_file(folder / "model.safetensors"))
+    gen = Generator(served, info, max_running=3, max_prefill_tokens=64, seed=5)
+    prompts = ([5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17])
+    reqs = [
+        GenRequest(rid=str(i), input_ids=p, max_new_tokens=6 + 3 * i, temperature=1.0, top_p=1.0, top_k=-1,
+                   return_logprob=True, return_routed_experts=True)
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    for req in reqs:
+        gen.add(req)
+    while gen.has_work:
+        gen.step()
+    tokens = [torch.tensor(r.input_ids + r.output_ids) for r in reqs]
+    assert [len(t) for t in tokens] == [10, 11, 19]
+    routed = [torch.from_numpy(np.concatenate(r.routed)) for r in reqs]
+    reference, picked = [], []
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(lambda m, a, o: picked.append(o)) for layer in served.model.layers
+    ]
+    for prompt, ids, experts in zip(prompts, tokens, routed, strict=True):
+        with torch.no_grad():
+            logits = served(ids[None]).logits[0].log_softmax(-1)
+        reference.append(logits[len(prompt) - 1 : -1].gather(1, ids[len(prompt) :, None])[:, 0])
+        assert experts.shape == (len(ids) - 1, 4, info.top_k)  # every layer's row (the dense one's unused)
+    for hook in hooks:
+        hook.remove()
+    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
+    cfg = Config(
+        model=dataclasses.replace(model, params_dtype="fp32"),
+        parallel=layout(),
+        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
+        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
+        train=TrainConfig(max_tokens_per_micro_batch=64, logprob_chunk_tokens=16),
+    )
+    batch = ActorBatch(
+        tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
+    )
+    engine = [torch.tensor(r.output_logprobs) for r in reqs]
+    kept: list[torch.Tensor] = []
+    with actor_of_one(cfg) as actor:
+        indexers = [m for m in actor.state.model[0].modules() if isinstance(m, LightningIndexer)]
+        hooks = [m.register_forward_hook(lambda m, a, o: kept.append(o)) for m in indexers]
+        packed = actor_log_probs(actor, batch, TokenBudget(64, packed=True)).log_probs
+        for hook in hooks:
+            hook.remove()
+        padded = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        replayed = actor_log_probs(
+            actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
+        ).log_probs
+    # the packed forward ran each sequence's selection alone, layer by layer: the keys transformers' indexer picked
+    # kept: layer by layer, the pack's sequences in its order; picked: sequence by sequence (told apart by length)
+    assert len(kept) == len(picked) == 3 * 4
+    theirs_of = {(int(p.shape[1]), i % 4): p for i, p in enumerate(picked)}
+    for i, mine in enumerate(kept):
+        theirs = theirs_of[(int(mine.shape[1]), i // 3)]
+        want = torch.zeros_like(mine).scatter_(-1, theirs.long(), True) & mine.new_ones(mine.shape).tril()
+        assert torch.equal(mine, want)
+        assert int(mine[0, -1].sum()) == 5  # the last query keeps 5 of its 10 to 19 keys
+    runs = (("padded", padded), ("packed", packed), ("R3 replay, packed", replayed))
+    for name, got in runs:
+        for against, want in (("engine", engine), ("transformers", reference)):
+            gap = max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))
+            assert gap <= 1e-5, (name, against, gap)
