@@ -147,8 +147,9 @@ def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_pat
     """One rank, local spec, fp32, two rows of 16 tokens whose queries keep 5 keys each: log-probs within 1e-5 of
     transformers' (its MLA latent norms at rms_norm_eps, as Megatron, SGLang and the local engine compute them),
     which move by far more with every key kept; the indexer is frozen; the exporter writes the checkpoint back bit
-    for bit."""
+    for bit; the near-tie share of the selections is counted once (all of them with every score 0)."""
     from megatron_rl.models.builder import build_model
+    from megatron_rl.models.dsa_attention import take_near_ties
     from megatron_rl.models.export import save_hf_folder
     from megatron_rl.models.import_hf import load_hf_weights
     from megatron_rl.parallel import init_distributed
@@ -170,6 +171,12 @@ def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_pat
         load_hf_weights(chunks, model, open_hf_checkpoint(str(folder), model))
         logp = forward_logits(chunks, ids, model.vocab_size).log_softmax(-1)
         save_hf_folder(chunks, model, out, hf_config_from_model(model))
+        near = take_near_ties(chunks)["indexer_near_tie_frac"]  # of 2 rows x 11 queries with > 5 keys x 4 layers
+        assert 0 <= near < 0.1 and take_near_ties(chunks) == {}, near  # counted once
+        for weights in (p for n, p in chunks[0].named_parameters() if n.endswith("indexer.linear_weights_proj.weight")):
+            weights.data.zero_()  # every score 0: every contested selection a tie
+        forward_logits(chunks, ids, model.vocab_size)
+        assert take_near_ties(chunks) == {"indexer_near_tie_frac": 1.0}
     original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(exported) == set(original)
     for name, tensor in original.items():
@@ -272,6 +279,14 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
         replayed = actor_log_probs(
             actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
         ).log_probs
+        before = actor.full_params()
+        history = actor.train(batch.with_fields(old_log_probs=padded, routed_experts=routed))
+        after = actor.full_params()
+    # one RL step: the indexer stays as loaded (frozen), the rest moves; the near-tie share is reported
+    assert 0 <= history[-1]["indexer_near_tie_frac"] < 0.1
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and not any(".indexer." in n for n in moved)
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.weight" in moved
     # the packed forward ran each sequence's selection alone, layer by layer: the keys transformers' indexer picked
     # kept: layer by layer, the pack's sequences in its order; picked: sequence by sequence (told apart by length)
     assert len(kept) == len(picked) == 3 * 4

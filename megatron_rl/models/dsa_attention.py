@@ -16,7 +16,8 @@ mask only. This module computes transformers' indexer, so that the trainer picks
   attention); packed (THD) sequences one at a time, positions restarting at each, as `packed_attention`.
 
 The indexer is frozen (no gradient, `requires_grad` off; docs/training.md says why): it runs under `no_grad`, as in
-transformers, and DeepSeek's indexer KL loss is not computed. Context parallelism is refused (`config.rules`).
+transformers, and DeepSeek's indexer KL loss is not computed. Context parallelism is refused (`attention_choice`).
+`take_near_ties` reports how often a query's selection sits at a near tie, where the engine's may differ.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from torch import Tensor
 from megatron_rl.models.packed_attention import check_packed
 
 _INDEXER_NORM_EPS = 1e-6  # transformers' and the reference code's, whatever rms_norm_eps is
+# A query's k-th and (k+1)-th best keys scoring within this (relative, scores floored at 1) of each other: float
+# noise of another computation order (the engine's kernels, its KV-cached decode) may swap them.
+NEAR_TIE = 1e-3
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -62,6 +66,7 @@ class LightningIndexer(MegatronModule):
             for linear in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
                 config.init_method(linear.weight)
         self.requires_grad_(False)
+        self.near_ties: Tensor | None = None  # [near ties, contested queries] since the last take_near_ties
         if config.rope_type == "yarn":
             self.rotary: Any = YarnRotaryEmbedding(
                 self.rope_width, rotary_base=config.rotary_base, scaling_factor=config.rotary_scaling_factor,
@@ -96,10 +101,19 @@ class LightningIndexer(MegatronModule):
         return torch.matmul(weights.unsqueeze(-2), torch.relu(scores)).squeeze(-2)
 
     def forward(self, x: Tensor, qr: Tensor, allowed: Tensor) -> Tensor:
-        """The keys each query attends, [b, s, s] bool: the `index_topk` best-scoring of its `allowed` keys."""
+        """The keys each query attends, [b, s, s] bool: the `index_topk` best-scoring of its `allowed` keys. Counts
+        the queries with more allowed keys than that, and those among them whose k-th and (k+1)-th best score
+        within `NEAR_TIE` (relative) of each other (`take_near_ties`)."""
         scores = self.scores(x, qr).masked_fill(~allowed, float("-inf"))
-        top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
-        return torch.zeros_like(allowed).scatter_(-1, top, True) & allowed
+        k = min(self.topk, scores.shape[-1])
+        top = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)
+        if k < scores.shape[-1]:
+            last, after = top.values[..., k - 1], top.values[..., k]
+            contested = after > float("-inf")
+            near = contested & (last - after <= NEAR_TIE * last.abs().clamp_min(1.0))
+            counts = torch.stack((near.sum(), contested.sum())).to(torch.float64)
+            self.near_ties = counts if self.near_ties is None else self.near_ties + counts
+        return torch.zeros_like(allowed).scatter_(-1, top.indices[..., :k], True) & allowed
 
 
 class SparseMLAttention(MegatronModule):
@@ -174,3 +188,24 @@ class SparseMLAttention(MegatronModule):
         parts = zip(*(t.split(sizes) for t in (query, key, value, x, qr)), strict=True)
         out = [self._attend(q[:, None], k[:, None], v[:, None], h, r, None) for q, k, v, h, r in parts]
         return torch.cat(out, dim=0)  # [t, 1, heads x dv]
+
+
+def take_near_ties(chunks: list[torch.nn.Module]) -> dict[str, float]:
+    """`indexer_near_tie_frac`: of the queries whose indexer chose among more keys than it keeps, the share at a
+    near tie (`NEAR_TIE`), over this rank's indexers since the last call, summed over all ranks; the counts reset.
+    Empty without an indexer. The engine's own choice is not returned (SGLang has no such output): this measures
+    how often the trainer's and the engine's selections can differ, the log-prob gap what it costs."""
+    import torch.distributed as dist
+
+    indexers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, LightningIndexer)]
+    if not indexers:
+        return {}
+    device = next(chunks[0].parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for indexer in indexers:
+        if indexer.near_ties is not None:
+            total += indexer.near_ties
+        indexer.near_ties = None
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return {"indexer_near_tie_frac": float(total[0] / total[1])} if total[1] > 0 else {}
