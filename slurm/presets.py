@@ -155,6 +155,32 @@ PRESETS: dict[str, Preset] = {
         train_nodes=6,
         rollout={"engine_gpus": 16},
     ),
+    "deepseek-v3.2-671b": Preset(
+        DEEPSEEK_V32_671B,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 7,
+            "num_layers_in_first_pipeline_stage": 8,
+            "num_layers_in_last_pipeline_stage": 8,
+            "expert_model_parallel_size": 32,
+            "expert_tensor_parallel_size": 1,
+        },
+        train_nodes=28,
+        rollout={"engine_gpus": 32},
+    ),
+    "glm-5-744b": Preset(
+        GLM_5_744B,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 8,
+            "num_layers_in_first_pipeline_stage": 9,
+            "num_layers_in_last_pipeline_stage": 9,
+            "expert_model_parallel_size": 32,
+            "expert_tensor_parallel_size": 1,
+        },
+        train_nodes=32,
+        rollout={"engine_gpus": 32},
+    ),
     "gpt-oss-120b": Preset(
         GPT_OSS_120B,
         {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 32, "expert_tensor_parallel_size": 1},

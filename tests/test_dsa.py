@@ -22,7 +22,7 @@ import transformers
 from presets import DEEPSEEK_V32_671B, GLM_5_744B
 from safetensors.torch import load_file
 
-from megatron_rl.config import ConfigError, ParallelConfig
+from megatron_rl.config import ConfigError, LoraConfig, ParallelConfig
 from megatron_rl.models.builder import transformer_config
 from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
 from megatron_rl.models.hf_mapping import HFMapping
@@ -90,9 +90,11 @@ def test_refusals_name_the_field(base: dict[str, Any], path: str, value: Any, ne
 
 
 def test_settings_only_the_families_have() -> None:
-    """The indexer's keys belong to these families; context parallelism and SDPA are refused for them."""
+    """The indexer's keys belong to these families; context parallelism, SDPA and LoRA (as for DeepSeek-V3: MLA's
+    projections have no adapters) are refused for them."""
     from megatron_rl.models.attention_choice import check_attention_backend
     from megatron_rl.models.families import check_family
+    from megatron_rl.models.lora_targets import check_target_modules
 
     from mrl_configs import tiny_sigmoid_model
 
@@ -104,6 +106,8 @@ def test_settings_only_the_families_have() -> None:
     for te in (False, True):
         with pytest.raises(ConfigError, match="parallel.context_parallel_size = 2: model.family = 'glm_moe_dsa' has"):
             check_attention_backend(model, layout(tp=8, cp=2), transformer_engine=te)
+    with pytest.raises(ConfigError, match="LoRA is not available for model.family = 'glm_moe_dsa'"):
+        check_target_modules(dataclasses.replace(model, lora=LoraConfig(rank=4)))
     with pytest.raises(ConfigError, match="model.attention_backend = sdpa: .* has DeepSeek sparse attention"):
         check_attention_backend(
             dataclasses.replace(model, attention_backend="sdpa"), layout(), transformer_engine=False

@@ -8,8 +8,8 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-`--family deepseek_v3|glm4_moe|gpt_oss` builds a DeepSeek-V3-, GLM-4.5- or gpt-oss-shaped policy instead
-(`FAMILY_ARCHITECTURES`).
+`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32` builds a DeepSeek-V3-, GLM-4.5-, gpt-oss- or
+DeepSeek-V3.2-shaped policy instead (`FAMILY_ARCHITECTURES`).
 
 Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe]
 """
@@ -87,6 +87,8 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
             "mscale_all_dim": 1.0,
         },  # fmt: skip
     ),
+    # DeepSeek-V3.2-shaped: the DeepSeek-V3 shape plus a lightning indexer (4 heads of 32, its RoPE part 16) keeping
+    # 24 keys per query: from the 25th token of a sequence (prompts are 8, responses up to 32) attention is sparse.
     "glm4_moe": dict(
         _SIGMOID_COMMON,
         num_key_value_heads=2,
@@ -125,11 +127,15 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         },  # fmt: skip
     ),
 }
+FAMILY_ARCHITECTURES["deepseek_v32"] = dict(
+    FAMILY_ARCHITECTURES["deepseek_v3"], index_n_heads=4, index_head_dim=32, index_topk=24
+)
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
 }
 
 # The same network as megatron_rl.config `model.*` keys.
