@@ -34,8 +34,8 @@ from torch import Tensor
 from megatron_rl.models.packed_attention import check_packed
 
 _INDEXER_NORM_EPS = 1e-6  # transformers' and the reference code's, whatever rms_norm_eps is
-# A query's k-th and (k+1)-th best keys scoring within this (relative, scores floored at 1) of each other: float
-# noise of another computation order (the engine's kernels, its KV-cached decode) may swap them.
+# A query's k-th and (k+1)-th best keys scoring within this share of its best key's score of each other (exact ties
+# included): float noise of another computation order (the engine's kernels, its KV-cached decode) may swap them.
 NEAR_TIE = 1e-3
 
 
@@ -110,7 +110,7 @@ class LightningIndexer(MegatronModule):
         if k < scores.shape[-1]:
             last, after = top.values[..., k - 1], top.values[..., k]
             contested = after > float("-inf")
-            near = contested & (last - after <= NEAR_TIE * last.abs().clamp_min(1.0))
+            near = contested & (last - after <= NEAR_TIE * top.values[..., 0].abs())
             counts = torch.stack((near.sum(), contested.sum())).to(torch.float64)
             self.near_ties = counts if self.near_ties is None else self.near_ties + counts
         return torch.zeros_like(allowed).scatter_(-1, top.indices[..., :k], True) & allowed
