@@ -147,11 +147,15 @@ def _hf_model(folder: Path) -> Any:
 
 
 @pytest.mark.parametrize("family", DSA_FAMILIES)
-def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_path: Path, family: str) -> None:
+def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One rank, local spec, fp32, two rows of 16 tokens whose queries keep 5 keys each: log-probs within 1e-5 of
     transformers' (its MLA latent norms at rms_norm_eps, as Megatron, SGLang and the local engine compute them),
     which move by far more with every key kept; the indexer is frozen; the exporter writes the checkpoint back bit
-    for bit; the near-tie share of the selections is counted once (all of them with every score 0)."""
+    for bit; in blocks of 5 queries the same; the near-tie share of the selections is counted once (all of them with
+    every score 0)."""
+    from megatron_rl.models import dsa_attention
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.dsa_attention import take_near_ties
     from megatron_rl.models.export import save_hf_folder
@@ -175,8 +179,10 @@ def test_megatron_forward_equals_transformers_and_exports_the_checkpoint(tmp_pat
         load_hf_weights(chunks, model, open_hf_checkpoint(str(folder), model))
         logp = forward_logits(chunks, ids, model.vocab_size).log_softmax(-1)
         save_hf_folder(chunks, model, out, hf_config_from_model(model))
+        monkeypatch.setattr(dsa_attention, "QUERY_CHUNK", 5)  # blocks of 5, 5, 5 and 1 queries: the same
+        assert (forward_logits(chunks, ids, model.vocab_size).log_softmax(-1) - logp).abs().max() <= 1e-5
         near = take_near_ties(chunks)["indexer_near_tie_frac"]  # of 2 rows x 11 queries with > 5 keys x 4 layers
-        assert 0 <= near < 0.1 and take_near_ties(chunks) == {}, near  # counted once
+        assert 0 <= near < 0.1 and take_near_ties(chunks) == {}, near  # counted once (both forwards)
         for weights in (p for n, p in chunks[0].named_parameters() if n.endswith("indexer.linear_weights_proj.weight")):
             weights.data.zero_()  # every score 0: every contested selection a tie
         forward_logits(chunks, ids, model.vocab_size)

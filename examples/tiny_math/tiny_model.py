@@ -87,8 +87,6 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
             "mscale_all_dim": 1.0,
         },  # fmt: skip
     ),
-    # DeepSeek-V3.2-shaped: the DeepSeek-V3 shape plus a lightning indexer (4 heads of 32, its RoPE part 16) keeping
-    # 24 keys per query: from the 25th token of a sequence (prompts are 8, responses up to 32) attention is sparse.
     "glm4_moe": dict(
         _SIGMOID_COMMON,
         num_key_value_heads=2,
@@ -127,8 +125,12 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         },  # fmt: skip
     ),
 }
+# DeepSeek-V3.2-shaped: the DeepSeek-V3 shape plus a lightning indexer (32 heads of 32, its RoPE part 16) keeping 24
+# keys per query: from the 25th token of a sequence (prompts are 8, responses up to 32) attention is sparse. With
+# few heads a key often scores exactly 0 (every head's product negative: 1 in 16 with 4 heads), ties that the
+# engine and the trainer break differently (docs/training.md#deepseek-sparse-attention-deepseek-v32-glm-5).
 FAMILY_ARCHITECTURES["deepseek_v32"] = dict(
-    FAMILY_ARCHITECTURES["deepseek_v3"], index_n_heads=4, index_head_dim=32, index_topk=24
+    FAMILY_ARCHITECTURES["deepseek_v3"], index_n_heads=32, index_head_dim=32, index_topk=24
 )
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES

@@ -13,7 +13,8 @@ mask only. This module computes transformers' indexer, so that the trainer picks
   for GLM-5; yarn's cos/sin factor as MLA's); score(i, j) = sum_h w_h(x_i) n_heads^-1/2 relu(q_ih . k_j d^-1/2),
   w = weights_proj(x); each query keeps the `index_topk` best of its causal keys (all of them when fewer).
 - `SparseMLAttention`: the core attention over the kept keys (fp32 scores and softmax, as transformers' eager
-  attention); packed (THD) sequences one at a time, positions restarting at each, as `packed_attention`.
+  attention), `QUERY_CHUNK` queries at a time; packed (THD) sequences one at a time, positions restarting at each,
+  as `packed_attention`.
 
 The indexer is frozen (no gradient, `requires_grad` off; docs/training.md says why): it runs under `no_grad`, as in
 transformers, and DeepSeek's indexer KL loss is not computed. Context parallelism is refused (`attention_choice`).
@@ -37,6 +38,9 @@ _INDEXER_NORM_EPS = 1e-6  # transformers' and the reference code's, whatever rms
 # A query's k-th and (k+1)-th best keys scoring within this share of its best key's score of each other (exact ties
 # included): float noise of another computation order (the engine's kernels, its KV-cached decode) may swap them.
 NEAR_TIE = 1e-3
+# Queries per block of the core attention: its buffers are [b, heads, QUERY_CHUNK, keys] (attention, fp32) and
+# [b, QUERY_CHUNK, index heads, keys] (indexer), not s x s.
+QUERY_CHUNK = 1024
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -89,22 +93,27 @@ class LightningIndexer(MegatronModule):
         return torch.cat((_rotate(rope, cos, sin, self.interleaved), rest), dim=-1)
 
     @torch.no_grad()
-    def scores(self, x: Tensor, qr: Tensor) -> Tensor:
-        """Index scores [b, s, s] (fp32) of hidden states x and compressed queries qr ([b, s, ...], positions 0..s-1),
-        computed as transformers computes them."""
+    def project(self, x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries [b, s, heads, d], keys [b, s, d] and head weights [b, s, heads] (fp32, n_heads^-1/2 in) of
+        hidden states x and compressed queries qr ([b, s, ...], positions 0..s-1), as transformers computes them."""
         b, s, _ = x.shape
         cos, sin = self._cos_sin(s, x.dtype)
         q = self._with_rope(self.linear_wq_b(qr).view(b, s, self.heads, self.width), cos, sin)
         k = self._with_rope(self.k_norm(self.linear_wk(x)).unsqueeze(2), cos, sin).squeeze(2)
-        scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.width**-0.5
         weights = self.linear_weights_proj(x.to(self.linear_weights_proj.weight.dtype)).float() * self.heads**-0.5
+        return q, k, weights
+
+    def scores(self, q: Tensor, k: Tensor, weights: Tensor) -> Tensor:
+        """Index scores [b, queries, keys] (fp32) of `project`'s outputs (any rows of q and weights, any keys)."""
+        scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.width**-0.5
         return torch.matmul(weights.unsqueeze(-2), torch.relu(scores)).squeeze(-2)
 
-    def forward(self, x: Tensor, qr: Tensor, allowed: Tensor) -> Tensor:
-        """The keys each query attends, [b, s, s] bool: the `index_topk` best-scoring of its `allowed` keys. Counts
-        the queries with more allowed keys than that, and those among them whose k-th and (k+1)-th best score
-        within `NEAR_TIE` (relative) of each other (`take_near_ties`)."""
-        scores = self.scores(x, qr).masked_fill(~allowed, float("-inf"))
+    @torch.no_grad()
+    def forward(self, q: Tensor, k: Tensor, weights: Tensor, allowed: Tensor) -> Tensor:
+        """The keys each query attends, [b, queries, keys] bool: the `index_topk` best-scoring of its `allowed`
+        keys. Counts the queries with more allowed keys than that, and those among them whose k-th and (k+1)-th
+        best score within `NEAR_TIE` of each other (`take_near_ties`)."""
+        scores = self.scores(q, k, weights).masked_fill(~allowed, float("-inf"))
         k = min(self.topk, scores.shape[-1])
         top = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)
         if k < scores.shape[-1]:
@@ -150,11 +159,15 @@ class SparseMLAttention(MegatronModule):
         allowed = torch.ones(s, s, dtype=torch.bool, device=query.device).tril().expand(b, s, s)
         if mask is not None:
             allowed = allowed & ~mask[:, 0].to(torch.bool)
-        keep = self.indexer(x.detach().transpose(0, 1), qr.detach().transpose(0, 1), allowed)  # [b, s, s]
-        scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * self.softmax_scale
-        probs = scores.masked_fill(~keep[:, None], float("-inf")).softmax(dim=-1)
-        out = torch.einsum("bhst,tbhd->sbhd", probs.to(value.dtype), value)
-        return out.reshape(s, b, heads * dv)
+        q, k, weights = self.indexer.project(x.detach().transpose(0, 1), qr.detach().transpose(0, 1))
+        out = []
+        for start in range(0, s, QUERY_CHUNK):  # the score buffers of QUERY_CHUNK queries at a time
+            end = min(start + QUERY_CHUNK, s)  # causal: these queries see the keys before `end` only
+            keep = self.indexer(q[:, start:end], k[:, :end], weights[:, start:end], allowed[:, start:end, :end])
+            scores = torch.einsum("sbhd,tbhd->bhst", query[start:end].float(), key[:end].float()) * self.softmax_scale
+            probs = scores.masked_fill(~keep[:, None], float("-inf")).softmax(dim=-1)
+            out.append(torch.einsum("bhst,tbhd->sbhd", probs.to(value.dtype), value[:end]))
+        return torch.cat(out).reshape(s, b, heads * dv)
 
     def forward(
         self,
