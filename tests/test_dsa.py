@@ -90,11 +90,13 @@ def test_refusals_name_the_field(base: dict[str, Any], path: str, value: Any, ne
 
 
 def test_settings_only_the_families_have() -> None:
-    """The indexer's keys belong to these families; context parallelism, SDPA and LoRA (as for DeepSeek-V3: MLA's
+    """The indexer's keys belong to these families; context parallelism, SDPA, recomputing the core attention
+    selectively (Megatron's MLA would call it without the indexer's inputs) and LoRA (as for DeepSeek-V3: MLA's
     projections have no adapters) are refused for them."""
     from megatron_rl.models.attention_choice import check_attention_backend
     from megatron_rl.models.families import check_family
     from megatron_rl.models.lora_targets import check_target_modules
+    from megatron_rl.models.recompute_choice import check_recompute
 
     from mrl_configs import tiny_sigmoid_model
 
@@ -106,6 +108,9 @@ def test_settings_only_the_families_have() -> None:
     for te in (False, True):
         with pytest.raises(ConfigError, match="parallel.context_parallel_size = 2: model.family = 'glm_moe_dsa' has"):
             check_attention_backend(model, layout(tp=8, cp=2), transformer_engine=te)
+    with pytest.raises(ConfigError, match="core_attn cannot be recomputed here: Megatron-Core 0.16.1's MLA recomputes"):
+        check_recompute(dataclasses.replace(model, recompute="selective"))
+    check_recompute(dataclasses.replace(model, recompute="selective", recompute_modules=["moe"]))
     with pytest.raises(ConfigError, match="LoRA is not available for model.family = 'glm_moe_dsa'"):
         check_target_modules(dataclasses.replace(model, lora=LoraConfig(rank=4)))
     with pytest.raises(ConfigError, match="model.attention_backend = sdpa: .* has DeepSeek sparse attention"):
