@@ -65,6 +65,25 @@ GLM_45_355B: dict[str, Any] = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_qk_norm": True, "vocab_size": 151552,
 }  # fmt: skip
 
+# deepseek-ai/DeepSeek-V3.2's config.json: DeepSeek-V3's with the lightning indexer's sizes.
+DEEPSEEK_V32_671B: dict[str, Any] = {
+    **DEEPSEEK_V3_671B, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+}  # fmt: skip
+# zai-org/GLM-5's config.json: DeepSeek-V3.2's architecture at GLM's sizes (plain RoPE, rms_norm_eps 1e-5).
+GLM_5_744B: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 6144, "intermediate_size": 12288,
+    "kv_lora_rank": 512, "max_position_embeddings": 202752, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 2048, "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "head_dim": 64,
+    "rms_norm_eps": 1e-05, "rope_interleave": True, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "v_head_dim": 256, "vocab_size": 154880, "index_head_dim": 128, "index_n_heads": 32,
+    "index_topk": 2048, "dtype": "bfloat16",
+}  # fmt: skip
+
 # openai/gpt-oss-120b's config.json without its quantization_config (the architecture of a bf16 copy).
 GPT_OSS_120B: dict[str, Any] = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "experts_per_token": 4,
@@ -135,6 +154,32 @@ PRESETS: dict[str, Preset] = {
         },
         train_nodes=6,
         rollout={"engine_gpus": 16},
+    ),
+    "deepseek-v3.2-671b": Preset(
+        DEEPSEEK_V32_671B,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 7,
+            "num_layers_in_first_pipeline_stage": 8,
+            "num_layers_in_last_pipeline_stage": 8,
+            "expert_model_parallel_size": 32,
+            "expert_tensor_parallel_size": 1,
+        },
+        train_nodes=28,
+        rollout={"engine_gpus": 32},
+    ),
+    "glm-5-744b": Preset(
+        GLM_5_744B,
+        {
+            "tensor_model_parallel_size": 8,
+            "pipeline_model_parallel_size": 8,
+            "num_layers_in_first_pipeline_stage": 9,
+            "num_layers_in_last_pipeline_stage": 9,
+            "expert_model_parallel_size": 32,
+            "expert_tensor_parallel_size": 1,
+        },
+        train_nodes=32,
+        rollout={"engine_gpus": 32},
     ),
     "gpt-oss-120b": Preset(
         GPT_OSS_120B,

@@ -48,6 +48,13 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
             use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
 
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3's MLA and router (yarn RoPE for DeepSeek-V3.2, plain
+# for GLM-5) plus an indexer of 8 heads of 10 channels (its RoPE part 6) keeping 5 keys per query, fewer than the
+# tests' sequences.
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+_DSA = dict(q_lora_rank=22, kv_lora_rank=18, qk_nope_head_dim=10, qk_rope_head_dim=6, head_dim=6, v_head_dim=14,
+            moe_intermediate_size=24, n_shared_experts=2, index_n_heads=8, index_head_dim=10, index_topk=5)  # fmt: skip
+
 # The bias-free dense families: Llama with Llama 3.1's RoPE scaling (factor 4; head_dim 24 or 8 puts
 # frequencies in all three of its bands: kept, smoothed, divided) and a head_dim that is not hidden / heads;
 # Mistral with tied embeddings and another RoPE base. Megatron-Core fixes the other llama3 values.
@@ -190,6 +197,10 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
                 rope_scaling=dict(_YARN, original_max_position_embeddings=16),
             ),
             "glm4_moe": dict(_GLM, head_dim=20, moe_intermediate_size=20, routed_scaling_factor=1.8),
+            "deepseek_v32": dict(_DEEPSEEK, **_DSA, rope_scaling=dict(_YARN, original_max_position_embeddings=16)),
+            "glm_moe_dsa": dict(
+                _DEEPSEEK, **_DSA, rope_scaling=None, n_group=1, topk_group=1, num_experts_per_tok=3, rms_norm_eps=1e-5
+            ),
             "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
             "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
             "gemma2": dict(_GEMMA2, head_dim=24, sliding_window=5),
@@ -339,9 +350,11 @@ def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) 
     classes.update(mistral=transformers.MistralConfig)
     classes.update(gemma2=transformers.Gemma2Config, gemma3_text=transformers.Gemma3TextConfig)
     classes.update(deepseek_v3=transformers.DeepseekV3Config, glm4_moe=transformers.Glm4MoeConfig)
+    classes.update(deepseek_v32=transformers.DeepseekV32Config, glm_moe_dsa=transformers.GlmMoeDsaConfig)
     if family not in classes:
         raise ValueError(
-            f"family {family!r}: allowed {', '.join(FAMILIES + SIGMOID_FAMILIES + DENSE_FAMILIES + GEMMA_FAMILIES)}"
+            f"family {family!r}: allowed "
+            f"{', '.join(FAMILIES + SIGMOID_FAMILIES + DSA_FAMILIES + DENSE_FAMILIES + GEMMA_FAMILIES)}"
         )
     if size not in _HF_SIZES:
         raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")

@@ -159,10 +159,10 @@ def test_model_folder_is_seeded_and_matches_the_megatron_settings(assets: Path, 
     )
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32"])
 def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> None:
-    """`--family` builds the DeepSeek-V3- / GLM-4.5-shaped policy: its config.json maps to the family
-    (no key left unhandled), the same seed gives the same weights, and the expert bias is non-zero."""
+    """`--family` builds the DeepSeek-V3- / GLM-4.5- / DeepSeek-V3.2-shaped policy: its config.json maps to the
+    family (no key left unhandled), the same seed gives the same weights, and the expert bias is non-zero."""
     from safetensors.torch import load_file
 
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
@@ -172,7 +172,8 @@ def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> No
     model = model_config_from_hf(read_hf_config(tmp_path / "a"))
     assert (model.family, model.num_experts, model.moe_router_topk, model.first_k_dense_layers) == (family, 8, 2, 1)
     assert model.moe_shared_expert_size == 96 and model.moe_router_scaling_factor == 2.5
-    assert (model.rope_scaling == "yarn") == (family == "deepseek_v3")
+    assert (model.rope_scaling == "yarn") == (family != "glm4_moe")
+    assert (model.dsa_index_n_heads, model.dsa_index_topk) == ((32, 24) if family == "deepseek_v32" else (None, None))
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0

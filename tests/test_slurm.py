@@ -769,6 +769,16 @@ def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_m
             "6 of 6 with 15 layers, within 90% (72.0 GiB); 111.4 GiB of optimizer state on the host",
         ),
         (
+            "deepseek-v3.2-671b", 32, (8, 7, 32, False),
+            "trainer 55.5 GiB static (weights 6.4 + gradients 12.8 + optimizer 36.2) on its largest pipeline stage, "
+            "2 of 7 with 9 layers, within 90% (72.0 GiB)",
+        ),
+        (
+            "glm-5-744b", 36, (8, 8, 32, False),
+            "trainer 52.9 GiB static (weights 6.1 + gradients 12.2 + optimizer 34.5) on its largest pipeline stage, "
+            "2 of 8 with 10 layers, within 90% (72.0 GiB)",
+        ),
+        (
             "gpt-oss-120b", 5, (2, 1, 32, False),
             "trainer 66.8 GiB static (weights 8.7 + gradients 17.3 + optimizer 40.8) within 90% (72.0 GiB)",
         ),
@@ -801,7 +811,8 @@ def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
     mem = jobcheck.trainer_memory(cfg, p.world_size)
     assert mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
-    published = {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8, "gpt-oss-120b": 116.8}
+    published = {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8, "gpt-oss-120b": 116.8,
+                 "deepseek-v3.2-671b": 671.9, "glm-5-744b": 743.9}  # fmt: skip
     assert published[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by"):
         _preset_plan(preset_configs, name, preset.train_nodes // 2 - 1)
@@ -817,8 +828,11 @@ def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: 
     with pytest.raises(jobplan.PlanError, match=r"needs about 70 GiB .* over 90% of GPU_MEM_GIB=40"):
         _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=40)  # A100 40 GB
     _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=141)  # H200
+    for name, nodes in (("deepseek-v3.2-671b", 28), ("glm-5-744b", 32)):  # their H100 layouts plan on H200s too
+        assert "trainer 5" in _preset_plan(preset_configs, name, nodes, gpu_mem_gib=141).memory[0]
     with pytest.raises(
-        jobplan.PlanError, match="PRESET='llama-405b'; allowed: deepseek-v3-671b, glm-4.5-355b, gpt-oss-120b, kimi-k2"
+        jobplan.PlanError,
+        match="PRESET='llama-405b'; allowed: deepseek-v3-671b, deepseek-v3.2-671b, glm-4.5-355b, glm-5-744b, gpt-oss",
     ):
         jobplan.make_plan(
             "disaggregated", str(preset_configs / "kimi-k2.yaml"), [], ["a"], ["1"], 8, "1", preset="llama-405b"

@@ -8,9 +8,9 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-`--family deepseek_v3|glm4_moe|gpt_oss` builds a DeepSeek-V3-, GLM-4.5- or gpt-oss-shaped policy instead
-(`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's DISTILL=4to2 student: 2 layers, the same
-tokenizer as the 4-layer teacher).
+`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32` builds a DeepSeek-V3-, GLM-4.5-, gpt-oss- or
+DeepSeek-V3.2-shaped policy instead (`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's
+DISTILL=4to2 student: 2 layers, the same tokenizer as the 4-layer teacher).
 
 Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe] [--layers 4]
 """
@@ -116,16 +116,29 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
-            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
         },  # fmt: skip
     ),
 }
+# DeepSeek-V3.2-shaped: the DeepSeek-V3 shape plus a lightning indexer (32 heads of 32, its RoPE part 16) keeping 24
+# keys per query: from the 25th token of a sequence (prompts are 8, responses up to 32) attention is sparse. With
+# few heads a key often scores exactly 0 (every head's product negative: 1 in 16 with 4 heads), ties that the
+# engine and the trainer break differently (docs/training.md#deepseek-sparse-attention-deepseek-v32-glm-5).
+FAMILY_ARCHITECTURES["deepseek_v32"] = dict(
+    FAMILY_ARCHITECTURES["deepseek_v3"], index_n_heads=32, index_head_dim=32, index_topk=24
+)
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
 }
 
 # The same network as megatron_rl.config `model.*` keys.

@@ -22,7 +22,9 @@ update_skipped, micro_batches (per DP rank), dp_token_imbalance (the DP ranks' t
 mean), is_rejected_frac (with is_correction reject: the share
 of the loss tokens rejected) and, when replaying routing,
 routing_changed_frac_layer{i} (per MoE layer i: the share of tokens with given routing whose free
-top-k expert set differs) and routing_changed_frac (all layers).
+top-k expert set differs) and routing_changed_frac (all layers); with DeepSeek sparse attention,
+indexer_near_tie_frac (`models.dsa_attention.take_near_ties`: the share of the step's indexer selections at a near
+tie, where the engine's may differ).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from megatron_rl.losses.distill import forward_kl_loss
 from megatron_rl.losses.entropy import entropy_bonus
 from megatron_rl.losses.importance import kept_mask
 from megatron_rl.losses.metrics import masked_sum
+from megatron_rl.models.dsa_attention import take_near_ties
 from megatron_rl.parallel.device import local_device
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -268,6 +271,7 @@ def train_on_batch(
             metrics["is_rejected_frac"] = rejected
         if replay and routing is not None:
             metrics.update(_routing_metrics(routing, config.num_layers))
+        metrics.update(take_near_ties(state.model))
         history.append(metrics)
     gather_updated_params(state)
     return history

@@ -36,8 +36,10 @@ from megatron_rl.config.presets import PRESETS, preset
 from megatron_rl.config.reference import reference_rows
 from megatron_rl.config.rules import IMPLIED, Implied, check_implied, check_rules, check_step_rules, imply
 from megatron_rl.config.schema import (
+    MLA_FAMILIES,
     REDACTED,
     SECRET_KEYS,
+    SPARSE_ATTENTION_FAMILIES,
     AlgorithmConfig,
     CheckpointConfig,
     Config,
@@ -61,9 +63,11 @@ validate = check_rules
 __all__ = [
     "IMPLIED",
     "LOGPROB_GAP_BY_DTYPE",
+    "MLA_FAMILIES",
     "PRESETS",
     "REDACTED",
     "SECRET_KEYS",
+    "SPARSE_ATTENTION_FAMILIES",
     "AlgorithmConfig",
     "CheckpointConfig",
     "Config",

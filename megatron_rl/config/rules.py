@@ -273,7 +273,7 @@ def _validate_parallel(cfg: Config) -> None:
         f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups ({model.num_query_groups})",
     )
     pipeline_stage_layers(model, par)
-    if model.family == "deepseek_v3":  # MLA's down projections are column-parallel on the local spec
+    if model.family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # MLA: column-parallel down projections
         latent = {"model.kv_lora_rank + model.qk_rope_head_dim": model.kv_lora_rank + model.qk_rope_head_dim}
         if model.q_lora_rank is not None:
             latent["model.q_lora_rank"] = model.q_lora_rank

@@ -20,7 +20,10 @@ from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2",
-                 "gpt_oss", "gemma2", "gemma3_text"]  # fmt: skip
+                 "gpt_oss", "gemma2", "gemma3_text", "deepseek_v32", "glm_moe_dsa"]  # fmt: skip
+# MLA families (DeepSeek's attention), and those of them with DeepSeek sparse attention (a lightning indexer).
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+SPARSE_ATTENTION_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 Dtype = Literal["fp32", "bf16", "fp16"]
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.backends
 
@@ -69,6 +72,9 @@ class ModelConfig:
     qk_nope_head_dim: int = _f(128, "MLA: query/key head dimension without RoPE", ge=1)
     qk_rope_head_dim: int = _f(64, "MLA: query/key head dimension with RoPE", ge=1)
     v_head_dim: int = _f(128, "MLA: value head dimension", ge=1)
+    dsa_index_n_heads: int | None = _f(None, "DeepSeek sparse attention: indexer heads (index_n_heads)", ge=1)
+    dsa_index_head_dim: int | None = _f(None, "DeepSeek sparse attention: indexer head width (index_head_dim)", ge=1)
+    dsa_index_topk: int | None = _f(None, "DeepSeek sparse attention: keys each query attends (index_topk)", ge=1)
     rotary_percent: float = _f(1.0, "share of each head's dimensions RoPE rotates (partial_rotary_factor)", gt=0, le=1)
     rope_scaling: Literal["none", "yarn", "llama3", "linear"] = _f(
         "none", "RoPE scaling (yarn: DeepSeek's, MLA families only; llama3: Llama 3.1's, llama only; linear: Gemma 3's)"

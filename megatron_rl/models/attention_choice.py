@@ -8,8 +8,8 @@
   local specs to: force `sdpa` for speed) and under context parallelism, whose attention gathers the keys
   over the CP ranks and is local's.
 
-Attention sinks (gpt-oss), sliding-window layers (gpt-oss, Gemma 2 and 3) and attention soft-capping (Gemma 2) run
-`local` only (`local_attention_only`): SDPA computes none of them, and the context-parallel attention builds its
+Attention sinks (gpt-oss), sliding-window layers (gpt-oss, Gemma 2 and 3), attention soft-capping (Gemma 2) and
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: `models.dsa_attention`, on either spec) run `local` only (`local_attention_only`): SDPA computes none of them, and the context-parallel attention builds its
 own causal mask, which Megatron's sliding-window softmax would replace by one that assumes the queries are the
 sequence's last positions. `auto` is `local` there; `sdpa` and CP > 1 are refused.
 
@@ -20,13 +20,15 @@ built on the local specs wherever Transformer Engine is (`transformer_engine_lay
 from __future__ import annotations
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.models.families import FAMILIES, is_gpt_oss
+from megatron_rl.models.families import FAMILIES, is_gpt_oss, is_sparse_attention
 
 
 def local_attention_only(model: ModelConfig) -> str | None:
     """What of `model` only Megatron's local core attention computes among the local specs' attentions, None when
     any of them does."""
     window = model.sliding_window is not None
+    if is_sparse_attention(model):
+        return "DeepSeek sparse attention"
     if is_gpt_oss(model):
         return "attention sinks and sliding-window layers" if window else "attention sinks"
     if window:
@@ -55,6 +57,11 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
     Transformer Engine (its attention runs there)."""
     choice = model.attention_backend
     cp = parallel.context_parallel_size
+    if cp > 1 and is_sparse_attention(model):  # either spec: models.dsa_attention
+        raise ConfigError(
+            f"parallel.context_parallel_size = {cp}: model.family = {model.family!r} has DeepSeek sparse attention, "
+            "whose indexer picks keys from the whole sequence, not split over CP ranks: set it to 1"
+        )
     only = local_attention_only(model)
     if only is not None and not transformer_engine and (choice == "sdpa" or cp > 1):
         key = f"model.attention_backend = {choice}" if choice == "sdpa" else f"parallel.context_parallel_size = {cp}"

@@ -26,11 +26,13 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron_rl.config import ModelConfig, ParallelConfig, pipeline_stage_layers
 from megatron_rl.models.attention_choice import check_attention_backend, transformer_engine_layers, use_sdpa
 from megatron_rl.models.context_attention import ContextParallelAttention
+from megatron_rl.models.dsa_attention import SparseMLAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.fusion_choice import CPU, Platform, fusion_fields
 from megatron_rl.models.gemma import gemma_block_spec, gemma_fields, prepare_gemma
 from megatron_rl.models.grouped_experts import GroupedExperts
+from megatron_rl.models.hf_config_dsa import indexer_rope_interleaved
 from megatron_rl.models.mla_attention import MLADotProductAttention
 from megatron_rl.models.norm import KeyProjectionRMSNorm, QueryProjectionRMSNorm, SequenceParallelRMSNorm
 from megatron_rl.models.packed_attention import PackedDotProductAttention
@@ -124,6 +126,14 @@ def transformer_config(
         raise ValueError(f"routing replay needs an MoE model; model.family = {model.family!r} is dense")
     if spec.multi_latent_attention:
         kwargs.update(mla_fields(model))
+    if spec.sparse_attention:  # Megatron's MLA then hands the core attention its hidden states and compressed query
+        kwargs.update(
+            experimental_attention_variant="dsa",
+            dsa_indexer_n_heads=model.dsa_index_n_heads,
+            dsa_indexer_head_dim=model.dsa_index_head_dim,
+            dsa_indexer_topk=model.dsa_index_topk,
+            dsa_indexer_loss_coeff=0.0,
+        )
     if spec.gpt_oss:
         kwargs.update(gpt_oss_fields(model))
     if spec.gemma:
@@ -142,6 +152,8 @@ def transformer_config(
         config.yarn_beta_fast, config.yarn_beta_slow = model.yarn_beta_fast, model.yarn_beta_slow
         config.yarn_mscale, config.yarn_mscale_all_dim = model.yarn_mscale, model.yarn_mscale_all_dim
         config.yarn_correction_range_round_to_int = model.yarn_truncate
+    if spec.sparse_attention:  # no TransformerConfig field: the indexer's RoPE layout (models.dsa_attention)
+        config.dsa_indexer_interleaved = indexer_rope_interleaved(model.family)
     return config
 
 
@@ -260,11 +272,27 @@ def decoder_block_spec(
             ],
             layer_norm=SequenceParallelRMSNorm,
         )
+    if config.experimental_attention_variant == "dsa":
+        block = _sparse_attention_block(block, use_transformer_engine)
     if qk_norm_whole_projection:
         block = copy.deepcopy(block)  # Megatron's specs may be shared module-level objects
         for layer in block.layer_specs:
             attn = layer.submodules.self_attention.submodules
             attn.q_layernorm, attn.k_layernorm = QueryProjectionRMSNorm, KeyProjectionRMSNorm
+    return block
+
+
+def _sparse_attention_block(block: TransformerBlockSubmodules, use_te: bool) -> TransformerBlockSubmodules:
+    """The layers' core attention `SparseMLAttention`; on Transformer Engine's spec the query's latent norm apart
+    from its up projection (TE fuses them, and the indexer reads the normalised latent)."""
+    block = copy.deepcopy(block)
+    for layer in block.layer_specs:
+        attn = layer.submodules.self_attention.submodules
+        attn.core_attention = SparseMLAttention
+        if use_te:
+            from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+            attn.linear_q_up_proj, attn.q_layernorm = TEColumnParallelLinear, TENorm
     return block
 
 

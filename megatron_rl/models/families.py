@@ -21,6 +21,7 @@ class FamilySpec:
     qk_norm_whole_projection: bool = False  # QK-norm over all heads of q (and of k) at once, not per head
     gpt_oss: bool = False  # learnable attention sinks, biases on every linear and the router, (1 + up) SwiGLU
     gemma: bool = False  # (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, tanh-GELU GLU
+    sparse_attention: bool = False  # DeepSeek sparse attention: a lightning indexer picks each query's top-k keys
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -43,6 +44,22 @@ FAMILIES: dict[str, FamilySpec] = {
         multi_latent_attention=True,
         router_extras=True,
     ),
+    # DeepSeek-V3.2: DeepSeek-V3 whose MLA attends only the top-k keys a lightning indexer picks per query
+    # (models.dsa_attention; the indexer's RoPE half-split). GLM-5: the same on GLM's sizes, the indexer's RoPE
+    # interleaved.
+    **{
+        family: FamilySpec(
+            moe=True,
+            qk_layernorm=True,
+            add_qkv_bias=False,
+            norm_topk=True,
+            score_function="sigmoid",
+            multi_latent_attention=True,
+            router_extras=True,
+            sparse_attention=True,
+        )
+        for family in ("deepseek_v32", "glm_moe_dsa")
+    },
     # GLM-4.5: GQA with QKV biases, optional QK-norm, partial RoPE; DeepSeek's sigmoid router.
     "glm4_moe": FamilySpec(
         moe=True, qk_layernorm=None, add_qkv_bias=None, norm_topk=True, score_function="sigmoid", router_extras=True
@@ -82,6 +99,10 @@ _FAMILY_ONLY = {
     "model.attn_logit_softcapping": (lambda m: m.attn_logit_softcapping is not None, ("gemma2",)),
     "model.rope_local_theta": (lambda m: m.rope_local_theta is not None, ("gemma3_text",)),
     "model.rope_scaling = 'linear'": (lambda m: m.rope_scaling == "linear", ("gemma3_text",)),
+    **{
+        f"model.{key}": (lambda m, key=key: getattr(m, key) is not None, ("deepseek_v32", "glm_moe_dsa"))
+        for key in ("dsa_index_n_heads", "dsa_index_head_dim", "dsa_index_topk")
+    },
 }
 
 
@@ -115,6 +136,8 @@ def check_family(model: ModelConfig) -> FamilySpec:
         raise ConfigError(
             f"{fam} has MoE in every layer: needs model.first_k_dense_layers = 0, model.moe_layer_freq = 1"
         )
+    if spec.sparse_attention:
+        _check_sparse_attention(model, fam)
     if model.rope_scaling == "yarn" and not (spec.multi_latent_attention or spec.gpt_oss):
         raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported for deepseek_v3 (MLA) and gpt_oss")
     if model.rope_scaling == "llama3" and model.family != "llama":
@@ -122,6 +145,26 @@ def check_family(model: ModelConfig) -> FamilySpec:
     if spec.multi_latent_attention and model.rotary_percent != 1.0:
         raise ConfigError(f"{fam} rotates the whole qk_rope_head_dim: needs model.rotary_percent = 1.0")
     return spec
+
+
+def _check_sparse_attention(model: ModelConfig, fam: str) -> None:
+    """The indexer's sizes are set, it reads MLA's compressed query, and its keys' RoPE part fits its heads."""
+    unset = [k for k in ("dsa_index_n_heads", "dsa_index_head_dim", "dsa_index_topk") if getattr(model, k) is None]
+    if unset:
+        raise ConfigError(f"{fam} has DeepSeek sparse attention: set model.{unset[0]}")
+    if model.q_lora_rank is None:
+        raise ConfigError(f"{fam}: the indexer reads the compressed query: set model.q_lora_rank")
+    if model.dsa_index_head_dim is not None and model.dsa_index_head_dim < model.qk_rope_head_dim:
+        raise ConfigError(
+            f"{fam}: model.dsa_index_head_dim ({model.dsa_index_head_dim}) must be >= model.qk_rope_head_dim "
+            f"({model.qk_rope_head_dim}, the part RoPE rotates)"
+        )
+
+
+def is_sparse_attention(model: ModelConfig) -> bool:
+    """Whether `model` has DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)."""
+    spec = FAMILIES.get(model.family)
+    return spec is not None and spec.sparse_attention
 
 
 def _check_sigmoid_router(model: ModelConfig, spec: FamilySpec, fam: str) -> None:
@@ -199,6 +242,9 @@ def stage_parameter_counts(
         kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
         kv += model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
         attention = q + kv + heads * model.v_head_dim * h
+        if spec.sparse_attention:  # the indexer: wq_b, wk, its key LayerNorm (weight and bias), weights_proj
+            width, index_heads = model.dsa_index_head_dim or 0, model.dsa_index_n_heads or 0
+            attention += (model.q_lora_rank or 0) * index_heads * width + h * width + 2 * width + h * index_heads
     else:
         d = model.kv_channels or h // heads
         qkv = (heads + 2 * model.num_query_groups) * d

@@ -4,7 +4,7 @@ Every value the architecture needs is derived (family from `architectures`, laye
 KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon, vocabulary,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
-config.json key (the sigmoid-router families: `hf_config_sigmoid`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
+config.json key (the sigmoid-router families: `hf_config_sigmoid`, with DeepSeek sparse attention's keys in `hf_config_dsa`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
 `hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`; Gemma 2 and Gemma 3: `hf_config_gemma`).
 Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
 defaults unless passed as overrides.
@@ -27,6 +27,8 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MiniMaxM2ForCausalLM": "minimax_m2",
@@ -236,7 +238,7 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """The `model` config of an HF config.json dict; `overrides` set other ModelConfig fields."""
     family = family_of(hf, source)
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
         from megatron_rl.models.hf_config_sigmoid import sigmoid_model_fields
 
         return _finish(sigmoid_model_fields(hf, family, source), hf, hf_path, source, overrides)
@@ -328,7 +330,7 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
     )
     if model.family in ("qwen3", "qwen3_moe"):
         hf["attention_bias"] = False
-    if model.family in ("deepseek_v3", "glm4_moe"):
+    if model.family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
         from megatron_rl.models.hf_config_sigmoid import sigmoid_hf_config
 
         hf.pop("rope_theta")

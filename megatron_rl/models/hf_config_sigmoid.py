@@ -1,5 +1,6 @@
 """config.json <-> `model` for the sigmoid-router families: DeepSeek-V3 (also Kimi-K2, Moonlight,
-DeepSeek-R1) and GLM-4.5.
+DeepSeek-R1), GLM-4.5, and DeepSeek-V3's with DeepSeek sparse attention, DeepSeek-V3.2 and GLM-5 (their indexer's
+keys: `hf_config_dsa`).
 
 Every key of config.json is either mapped, checked against what the Megatron model computes, or
 known not to be architecture (`_IGNORED`); any other key is refused by name, so a field this
@@ -22,9 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.models.hf_config import ConversionError, hf_bool, hf_float, hf_int, hf_section, refuse
+from megatron_rl.models.hf_config_dsa import DSA_FAMILIES, DSA_KEYS, GLM_DSA_KEYS, dsa_fields, dsa_hf_config
 
-SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
-_HF_CLASS = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe", *DSA_FAMILIES)
+_HF_CLASS = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+}
 
 # Keys that are not architecture (training, generation, tokenizer, loader and bookkeeping settings).
 _IGNORED = frozenset(
@@ -62,6 +69,8 @@ _FAMILY_KEYS = {
     ),  # fmt: skip
     "glm4_moe": frozenset({"head_dim", "partial_rotary_factor", "use_qk_norm"}),
 }
+_FAMILY_KEYS["deepseek_v32"] = _FAMILY_KEYS["deepseek_v3"] | DSA_KEYS
+_FAMILY_KEYS["glm_moe_dsa"] = _FAMILY_KEYS["deepseek_v32"] | GLM_DSA_KEYS
 _YARN_KEYS = frozenset(
     {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
      "mscale_all_dim", "rope_theta", "partial_rotary_factor", "truncate"}
@@ -92,7 +101,9 @@ def _rope_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]
         refuse(not extra, source, f"{key}.{extra[0] if extra else ''} is set but rope_type is 'default'")
         return fields
     refuse(kind == "yarn", source, f"{key} rope_type = {kind!r} is not supported (default or yarn)")
-    refuse(family == "deepseek_v3", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 (MLA)")
+    refuse(
+        family != "glm4_moe", source, f"{key} rope_type = 'yarn' is only supported for deepseek_v3 and the MLA families"
+    )
     refuse(rope.get("truncate", True) is True, source, f"{key}.truncate = {rope.get('truncate')!r}: needs true")
     original = hf_int(rope, within, "original_max_position_embeddings")
     factor = hf_float(rope, within, "factor", default=None)
@@ -153,7 +164,7 @@ def _router_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, An
     return fields
 
 
-def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def _mla_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     nope, rope = hf_int(hf, source, "qk_nope_head_dim"), hf_int(hf, source, "qk_rope_head_dim")
     refuse(
         hf.get("qk_head_dim") in (None, nope + rope), source, f"qk_head_dim = {hf.get('qk_head_dim')} != {nope + rope}"
@@ -168,7 +179,7 @@ def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         f"moe_layer_freq = {hf.get('moe_layer_freq')}: needs 1",
     )
     refuse(hf.get("rope_interleave", True) is True, source, "rope_interleave = false is not supported")
-    refuse(not hf.get("attention_bias", False), source, "attention_bias = true is not supported for deepseek_v3")
+    refuse(not hf.get("attention_bias", False), source, f"attention_bias = true is not supported for {family}")
     q_lora = hf.get("q_lora_rank")
     return dict(
         q_lora_rank=None if q_lora is None else hf_int(hf, source, "q_lora_rank"),
@@ -182,7 +193,7 @@ def _mla_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def sigmoid_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
-    """The architecture fields of `ModelConfig` of a deepseek_v3 / glm4_moe config.json."""
+    """The architecture fields of `ModelConfig` of a deepseek_v3 / glm4_moe / deepseek_v32 / glm_moe_dsa config.json."""
     unknown = sorted(set(hf) - _IGNORED - _COMMON - _FAMILY_KEYS[family])
     refuse(not unknown, source, f"{unknown[0] if unknown else ''} is not handled by the {family} mapping")
     act = hf.get("hidden_act", "silu")
@@ -202,8 +213,10 @@ def sigmoid_model_fields(hf: dict[str, Any], family: str, source: str) -> dict[s
     )
     fields.update(_rope_fields(hf, family, source))
     fields.update(_router_fields(hf, source, layers))
-    if family == "deepseek_v3":
-        fields.update(_mla_fields(hf, source), num_query_groups=heads, kv_channels=None)
+    if family in DSA_FAMILIES:
+        fields.update(dsa_fields(hf, family, source, layers, fields["first_k_dense_layers"]))
+    if family != "glm4_moe":
+        fields.update(_mla_fields(hf, family, source), num_query_groups=heads, kv_channels=None)
     else:
         head_dim = hf_int(hf, source, "head_dim", default=hidden // heads)
         fields.update(
@@ -237,7 +250,9 @@ def sigmoid_hf_config(model: Any) -> dict[str, Any]:
             f"model.moe_ffn_hidden_size ({model.moe_ffn_hidden_size}) (n_shared_experts x moe_intermediate_size)"
         )
     rope: dict[str, Any] = dict(rope_type="default", rope_theta=model.rope_theta)
-    if model.family == "deepseek_v3":
+    if model.family in DSA_FAMILIES:
+        hf.update(dsa_hf_config(model))
+    if model.family != "glm4_moe":
         hf.update(
             q_lora_rank=model.q_lora_rank,
             kv_lora_rank=model.kv_lora_rank,

@@ -108,6 +108,17 @@ _MLA: tuple[Rule, ...] = (
     Rule(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), (("KVB", "KVL"),)),
     Rule(_A + "linear_proj.weight", (_HA + "o_proj.weight",), (("H", "OV"),)),
 )
+# DeepSeek sparse attention's lightning indexer (models.dsa_attention), named as Megatron-Core's DSAIndexer.
+_INDEXER: tuple[Rule, ...] = tuple(
+    Rule(_A + f"core_attention.indexer.{mg}", (_HA + f"indexer.{hf}",), (shape,))
+    for mg, hf, shape in (
+        ("linear_wq_b.weight", "wq_b.weight", ("IQ", "QA")),
+        ("linear_wk.weight", "wk.weight", ("ID", "H")),
+        ("k_norm.weight", "k_norm.weight", ("ID",)),
+        ("k_norm.bias", "k_norm.bias", ("ID",)),
+        ("linear_weights_proj.weight", "weights_proj.weight", ("IN", "H")),
+    )
+)
 # The sigmoid router's fp32 expert bias, and the shared experts (one SwiGLU MLP of width S).
 _SIGMOID_MOE: tuple[Rule, ...] = (
     Rule(_L + "mlp.router.expert_bias", (_P + "mlp.gate.e_score_correction_bias",), (("E",),), layers="moe"),
@@ -178,6 +189,8 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + _DEEPSEEK_EXPERTS,
     "deepseek_v3": _BASE + _MLA + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
     "glm4_moe": _COMMON + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
+    "deepseek_v32": _BASE + _MLA + _INDEXER + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
+    "glm_moe_dsa": _BASE + _MLA + _INDEXER + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
     "qwen3": _COMMON,
     "qwen2": _COMMON,
     "llama": _COMMON,
@@ -232,6 +245,9 @@ class HFMapping:
             "KVA": model.kv_lora_rank + model.qk_rope_head_dim,
             "KVB": model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim),
             "OV": model.num_attention_heads * model.v_head_dim,
+            "IQ": (model.dsa_index_n_heads or 0) * (model.dsa_index_head_dim or 0),
+            "ID": model.dsa_index_head_dim or 0,
+            "IN": model.dsa_index_n_heads or 0,
         }
 
     def _enabled(self, rule: Rule) -> bool:

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl.config import ModelConfig
+from megatron_rl.config import MLA_FAMILIES, ModelConfig
 from megatron_rl.models.hf_config import ConversionError, hf_int, read_hf_config
+from megatron_rl.models.hf_config_sigmoid import SIGMOID_FAMILIES
 from megatron_rl.models.hf_io import HFCheckpoint, check_tensors
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.init import ParamShard, iter_param_shards, take_shard
@@ -55,12 +56,14 @@ def check_config_against_checkpoint(
         raise _contradiction(
             source, "num_hidden_layers", model.num_layers, f"it has layers {min(layers)}..{max(layers)}"
         )
-    if model.family == "deepseek_v3":
+    if model.family in MLA_FAMILIES:
         shape_check("q_lora_rank", dims["QA"], "model.layers.0.self_attn.q_a_proj.weight", 0)
         shape_check("kv_lora_rank", dims["KVL"], "model.layers.0.self_attn.kv_a_layernorm.weight", 0)
         heads = f"{model.num_attention_heads} x (qk_nope_head_dim + qk_rope_head_dim)"
         shape_check("num_attention_heads", dims["QH"], "model.layers.0.self_attn.q_b_proj.weight", 0, heads)
         shape_check("num_attention_heads", dims["QH"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
+        wq_b = "model.layers.0.self_attn.indexer.wq_b.weight"
+        shape_check("index_n_heads x index_head_dim", dims["IQ"], wq_b, 0, f"{dims['IN']} x {dims['ID']}")
     else:
         heads = f"{model.num_attention_heads} x {mapping.head_dim}"
         shape_check("num_attention_heads x head_dim", dims["Q"], "model.layers.0.self_attn.q_proj.weight", 0, heads)
@@ -80,10 +83,10 @@ def check_config_against_checkpoint(
     first_moe = mapping.moe_layers.index(1)
     found = {int(m.group(2)) for n in shapes if (m := _EXPERT.match(n)) and int(m.group(1)) == first_moe}
     key = "num_local_experts" if model.family in ("mixtral", "minimax_m2", "gpt_oss") else "num_experts"
-    key = "n_routed_experts" if model.family in ("deepseek_v3", "glm4_moe") else key
+    key = "n_routed_experts" if model.family in SIGMOID_FAMILIES else key
     if found and max(found) + 1 != model.num_experts:
         raise _contradiction(source, key, model.num_experts, f"layer {first_moe} has experts 0..{max(found)}")
-    if model.family in ("deepseek_v3", "glm4_moe"):
+    if model.family in SIGMOID_FAMILIES:
         shared = f"model.layers.{first_moe}.mlp.shared_experts.gate_proj.weight"
         shape_check("n_shared_experts x moe_intermediate_size", dims["S"], shared, 0)
     width = "intermediate_size" if model.family in ("mixtral", "minimax_m2", "gpt_oss") else "moe_intermediate_size"

@@ -37,6 +37,11 @@ def _absent(model: ModelConfig, te_grouped_experts: bool, transformer_engine: bo
         absent["moe"] = absent["moe_act"] = absent["shared_experts"] = "the model is dense (model.num_experts = null)"
     elif model.moe_shared_expert_size is None:
         absent["shared_experts"] = "the MoE layers have no shared expert (model.moe_shared_expert_size = null)"
+    if check_family(model).sparse_attention:
+        absent["core_attn"] = (
+            "Megatron-Core 0.16.1's MLA recomputes its core attention without the hidden states and query latent "
+            "DeepSeek sparse attention's indexer reads (use full, or other modules)"
+        )
     if not check_family(model).multi_latent_attention:
         absent["mla_up_proj"] = f"model.family = {model.family!r} has no multi-latent attention"
     if not transformer_engine:

@@ -193,25 +193,31 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 def w2_tp2(ctx) -> None:  # noqa: ANN001
     """TP=2 (with SP): the MoE family, the one with QKV biases, Llama with llama3 RoPE scaling, Gemma 3 (its norms
     under SP, per-head QK-norm, the sliding layers' RoPE); gpt-oss (its sinks split with the heads, o_proj's bias
-    whole; expert-TP 1) within 1e-5."""
+    whole; expert-TP 1) and DeepSeek-V3.2 (its indexer whole on each rank, reading the sequence gathered over SP)
+    within 1e-5."""
     for family in ("qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "llama", "gemma3_text"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
     roundtrip(ctx, "gpt_oss", layout(tp=2, etp=1), layout(tp=2, etp=1), "tp2", tol=1e-5)
+    roundtrip(ctx, "deepseek_v32", layout(tp=2), layout(tp=2), "tp2", tol=1e-5)  # the indexer whole on both ranks
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
-    """EP=2; gpt-oss within 1e-5, its stacked experts assembled from both EP ranks on export."""
+    """EP=2; gpt-oss within 1e-5, its stacked experts assembled from both EP ranks on export; GLM-5 within 1e-5 (at
+    rms_norm_eps 1e-6: transformers fixes its latent norms there, docs/training.md)."""
     for family in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"):
         roundtrip(ctx, family, layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
+    roundtrip(ctx, "glm_moe_dsa", layout(ep=2), layout(ep=2), "ep2", tol=1e-5, rms_norm_eps=1e-6)
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2, including embeddings tied across the two stages (qwen3, mistral, gemma2: its embedding scale on the
-    first stage, its final soft-capping on the last); gpt-oss (a sliding and a full layer per stage) within 1e-5."""
+    first stage, its final soft-capping on the last); gpt-oss (a sliding and a full layer per stage) and DeepSeek-V3.2
+    (two sparse-attention layers per stage) within 1e-5."""
     for family in ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
     roundtrip(ctx, "gpt_oss", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
+    roundtrip(ctx, "deepseek_v32", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
 
 
 def w2_across_layouts(ctx) -> None:  # noqa: ANN001

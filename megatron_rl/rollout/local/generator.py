@@ -94,8 +94,9 @@ class Generator:
         self.adapters = LocalAdapters(model)  # LoRA adapters loaded through the LoRA endpoints
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.cache = SlotKVCache(
-            info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device, value_dim=info.value_dim
-        )
+            info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device, value_dim=info.value_dim,
+            indexer_dim=info.indexer_dim,
+        )  # fmt: skip
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []
         self.weight_version = "default"
@@ -272,6 +273,8 @@ class Generator:
         transformers takes, the sliding layers' keeping the keys within the window of each query."""
         full = self._additive(allowed)
         window = self.info.sliding_window
+        if self.info.indexer_dim:  # DeepSeek sparse attention's layers take theirs under this name
+            return {"indexed_attention": full}
         if window is None:
             return full
         return {"full_attention": full, "sliding_attention": self._additive(allowed & (key_pos > query_pos - window))}

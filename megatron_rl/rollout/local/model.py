@@ -25,7 +25,13 @@ SUPPORTED_FAMILIES = (
     "gpt_oss",
     "gemma2",
     "gemma3_text",
+    "deepseek_v32",
+    "glm_moe_dsa",
 )
+# MLA families: transformers caches the compressed latent and the rotary key; with an indexer (DeepSeek sparse
+# attention) its keys too, and the layers take their mask as "indexed_attention"
+_MLA = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+_INDEXED = ("deepseek_v32", "glm_moe_dsa")
 # transformers' attention the engine runs: SDPA, but eager for gpt-oss (its attention sinks) and Gemma 2 (its
 # attention soft-capping): transformers refuses SDPA for both
 _EAGER = ("gpt_oss", "gemma2")
@@ -54,6 +60,7 @@ class ModelInfo:
     value_dim: int = 0  # width of a cached value; 0 = head_dim (MLA: qk_rope_head_dim, the shared rotary key)
     sliding_window: int | None = None  # keys a sliding layer sees (the query's own included); None: no sliding layer
     final_logit_softcapping: float | None = None  # Gemma: logits c * tanh(logits / c)
+    indexer_dim: int = 0  # DeepSeek sparse attention: width of an indexer key the cache keeps (0: no indexer)
 
     @property
     def is_moe(self) -> bool:
@@ -108,8 +115,9 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
     num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads, value_dim = config.num_key_value_heads, 0
-    if family == "deepseek_v3":  # transformers caches MLA's compressed latent and rotary key, one "head"
+    if family in _MLA:  # transformers caches MLA's compressed latent and rotary key, one "head"
         kv_heads, head_dim, value_dim = 1, config.kv_lora_rank, config.qk_rope_head_dim
+        latent_norms_at_rms_norm_eps(model, config.rms_norm_eps)
     info = ModelInfo(
         path=str(folder),
         family=family,
@@ -127,8 +135,19 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         device=dev,
         sliding_window=_sliding_window(config),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        indexer_dim=config.index_head_dim if family in _INDEXED else 0,
     )
     return model, info
+
+
+def latent_norms_at_rms_norm_eps(model: torch.nn.Module, eps: float) -> None:
+    """MLA's latent RMSNorms at `rms_norm_eps`, as the trainer (Megatron's one norm epsilon), SGLang and vLLM
+    compute them: transformers fixes theirs at 1e-6 (DeepSeek-V3's value; GLM-5's rms_norm_eps is 1e-5)."""
+    for layer in model.model.layers:
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            norm = getattr(layer.self_attn, name, None)
+            if norm is not None:
+                norm.variance_epsilon = eps
 
 
 def router_of(layer: torch.nn.Module) -> torch.nn.Module | None:
