@@ -175,6 +175,12 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return assets
 
 
+@pytest.fixture(scope="session")
+def warm_start(tmp_path_factory: pytest.TempPathFactory) -> mrl_runs.WarmStart:
+    """The example's SFT warm start, shortened (tests/mrl_runs.py `tiny_math_warm_start`)."""
+    return mrl_runs.tiny_math_warm_start(tmp_path_factory.mktemp("tiny_math_warm_start"))
+
+
 @pytest.fixture
 def rank0_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch variables of a world of one (the runtime reads the data-parallel size from them)."""

@@ -1,8 +1,9 @@
 """`megatron-rl sft`: examples and loss by hand, config errors, and one 2-rank (EP=2) run of the CLI.
 
-The launch runs the real command on 2 ranks (tests/mrl_ranks.py) on the tiny_math assets (few rows, few steps) and
-checks it against `transformers`: the first step's loss is the token-mean NLL of the starting HF
-model on that step's rows (same rows, prompt masked, EOS included, normalised over both ranks).
+The run is the example's warm start, shortened, that test_example_learns trains from (tests/mrl_runs.py
+`tiny_math_warm_start`), checked against `transformers`: the first step's loss is the token-mean NLL of
+the starting HF model on that step's rows (same rows, prompt masked, EOS included, normalised over both
+ranks).
 """
 
 from __future__ import annotations
@@ -26,12 +27,7 @@ from megatron_rl.sft import cross_entropy_loss, load_sft_examples, sft_batch
 
 import tiny_model
 import tiny_tokenizer
-from mrl_runs import rank_launcher
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "tiny_math"
-
-STEPS, ROWS = 4, 16
+from mrl_runs import EXAMPLE, ROOT, SFT_EVAL_PROMPTS, SFT_EVAL_SAMPLES, SFT_ROWS, SFT_STEPS, WarmStart
 
 
 def test_cross_entropy_by_hand_and_split_invariant() -> None:
@@ -108,30 +104,6 @@ def test_model_section_is_checked_against_the_hf_folder(tmp_path: Path) -> None:
         hf_initializer(ModelConfig(**{**tiny_model.MEGATRON_MODEL, "num_experts": 4}, hf_path=str(tmp_path / "model")))
 
 
-@pytest.fixture(scope="module")
-def sft_run(assets: Path) -> tuple[Path, Path, list[str]]:
-    """`megatron-rl sft` on 2 ranks (EP=2): STEPS steps of ROWS rows, evaluation on 16 held-out prompts."""
-    tmp = assets.parent
-    overrides = [
-        f"model.hf_path={assets / 'model'}",
-        f"data.train_path={assets / 'data' / 'sft.jsonl'}",
-        f"data.eval_path={assets / 'data' / 'heldout.jsonl'}",
-        f"logging.run_dir={tmp / 'run'}",
-        f"train.steps={STEPS}",
-        f"train.prompts_per_step={ROWS}",
-        "train.lr_warmup_steps=1",
-        "eval.max_prompts=16",
-        "rollout.n_samples_per_prompt=2",
-        "logging.progress=false",
-    ]
-    cmd = rank_launcher(2)
-    cmd += ["-m", "megatron_rl.cli", "sft", str(EXAMPLE / "sft.yaml"), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return assets, tmp / "run", overrides
-
-
 def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) -> float:
     """Token-mean NLL of the response tokens of step 1's rows under the HF model in `model_dir`."""
     from transformers import AutoModelForCausalLM
@@ -139,7 +111,7 @@ def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) 
     cfg = load_config(EXAMPLE / "sft.yaml", cfg_overrides)
     tokenizer = tiny_tokenizer.build_tokenizer()
     examples, _ = load_sft_examples(assets / "data" / "sft.jsonl", tokenizer, cfg.data)
-    rows = PromptSampler.from_config(examples, cfg.data).next(ROWS)
+    rows = PromptSampler.from_config(examples, cfg.data).next(SFT_ROWS)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -154,33 +126,37 @@ def _nll_of_first_step(model_dir: Path, assets: Path, cfg_overrides: list[str]) 
 
 
 @pytest.mark.e2e
-def test_sft_run_outputs(sft_run: tuple[Path, Path, list[str]]) -> None:
+def test_sft_run_outputs(warm_start: WarmStart) -> None:
+    """The example's SFT stage on 2 ranks (EP=2), as the shared warm start runs it (tests/mrl_runs.py)."""
     from megatron_rl.metrics import read_metrics
 
-    assets, run, overrides = sft_run
-    records = read_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [r["step"] for r in records if "eval/greedy_accuracy" in r] == [STEPS]  # eval.every = 0: the end only
+    records = read_metrics(warm_start.run_dir)
+    steps, warmup, peak = SFT_STEPS, SFT_STEPS // 20, 2e-3
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["step"] for r in records if "eval/greedy_accuracy" in r] == [steps]  # eval.every = 0: the end only
     final = records[-1]
-    assert final["eval/prompts"] == 16 and 0 <= final["eval/greedy_accuracy"] <= final["eval/pass@2"] <= 1
-    assert records[0]["sft/lr"] == pytest.approx(2e-3)  # a warm-up of 1 step reaches the peak at once
-    # cosine towards min_lr = 0, reached after the last update: update k runs at the value after k - 1 steps
-    assert records[-1]["sft/lr"] == pytest.approx(2e-3 * 0.5 * (1 + math.cos(math.pi * (STEPS - 1) / STEPS)))
-    assert all(r["sft/tokens"] > ROWS and r["sft/updates"] == 1 for r in records)
-    assert (run / "checkpoints" / f"step_{STEPS:06d}").is_dir()
-    assert load_config(run / "config.yaml").train.steps == STEPS
-    # The first step's loss is the HF model's token-mean NLL on the same 16 rows (both ranks' tokens).
-    assert records[0]["sft/loss"] == pytest.approx(_nll_of_first_step(assets / "model", assets, overrides), abs=1e-5)
+    assert final["eval/prompts"] == SFT_EVAL_PROMPTS
+    assert 0 <= final["eval/greedy_accuracy"] <= final[f"eval/pass@{SFT_EVAL_SAMPLES}"] <= 1
+    # a linear warm-up reaching the peak at update `warmup`, then cosine towards min_lr = 0 after the last update
+    assert records[0]["sft/lr"] == pytest.approx(peak / warmup)
+    assert records[warmup - 1]["sft/lr"] == pytest.approx(peak)
+    decayed = (steps - warmup) / (steps - warmup + 1)
+    assert records[-1]["sft/lr"] == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * decayed)))
+    assert all(r["sft/tokens"] > SFT_ROWS and r["sft/updates"] == 1 for r in records)
+    assert (warm_start.run_dir / "checkpoints" / f"step_{steps:06d}").is_dir()
+    assert load_config(warm_start.run_dir / "config.yaml").train.steps == steps
+    # The first step's loss is the HF model's token-mean NLL on the same rows (both ranks' tokens).
+    nll = _nll_of_first_step(warm_start.assets / "model", warm_start.assets, list(warm_start.overrides))
+    assert records[0]["sft/loss"] == pytest.approx(nll, abs=1e-5)
 
 
 @pytest.mark.e2e
-def test_sft_exports_a_loadable_trained_folder(sft_run: tuple[Path, Path, list[str]]) -> None:
+def test_sft_exports_a_loadable_trained_folder(warm_start: WarmStart) -> None:
     from safetensors.torch import load_file
 
-    assets, run, _ = sft_run
-    hf = run / "hf"
+    hf = warm_start.policy
     assert (hf / "tokenizer.json").is_file() and (hf / "config.json").is_file()
-    before = load_file(str(assets / "model" / "model.safetensors"))
+    before = load_file(str(warm_start.assets / "model" / "model.safetensors"))
     after: dict[str, torch.Tensor] = {}
     for file in hf.glob("*.safetensors"):
         after.update(load_file(str(file)))
@@ -211,7 +187,7 @@ def _sft_one_process(assets: Path, run_dir: Path, *extra: str) -> str:
     steps = ["train.steps=3", "train.lr_warmup_steps=1", "checkpoint.every=1", "checkpoint.keep_last=3"]
     cmd = [*one_process_sft_command(assets, run_dir, *steps, *extra), "--resume-if-any"]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
