@@ -375,16 +375,17 @@ def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **ove
 @torch.no_grad()
 def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
-    norms 1 + 0.1 N (Gemma's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
+    norms 1 + 0.1 N (Gemma's, Qwen3-Next's and Qwen3.5's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
     weigh, other vectors 0.1 N (router margins are then rarely near-ties)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
-    unit_norm = 0.0 if config.model_type.startswith("gemma") else 1.0
+    centred = config.model_type.startswith(("gemma", "qwen3_next", "qwen3_5"))  # (1 + weight) norms
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen)
         if param.dim() == 1 and not name.endswith("self_attn.sinks"):
+            unit_norm = 0.0 if centred and not name.endswith("linear_attn.norm.weight") else 1.0
             values = unit_norm + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
         elif param.dim() > 1:
             values /= math.sqrt(param.shape[-1])
