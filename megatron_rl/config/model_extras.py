@@ -3,8 +3,8 @@ Gated DeltaNet layers of Qwen3-Next and Qwen3.5), kept apart from `schema.py` fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from megatron_rl.config.fields import described as _f
 
@@ -54,3 +54,10 @@ class LinearAttentionConfig:
     value_head_dim: int = _f(128, "value/gate head width (linear_value_head_dim)", ge=1)
     num_key_heads: int = _f(16, "query/key heads (linear_num_key_heads)", ge=1)
     num_value_heads: int = _f(32, "value heads, a multiple of the key heads (linear_num_value_heads)", ge=1)
+
+
+def linear_attention_section() -> Any:
+    """`model.linear_attention`'s field (defaults: no linear attention)."""
+    return field(
+        default_factory=LinearAttentionConfig, metadata={"help": "Gated DeltaNet layers (qwen3_next, qwen3_5_moe)"}
+    )

@@ -14,7 +14,7 @@ from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
-from megatron_rl.config.model_extras import FusionConfig, LinearAttentionConfig, LoraConfig
+from megatron_rl.config.model_extras import FusionConfig, LinearAttentionConfig, LoraConfig, linear_attention_section
 from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
@@ -116,7 +116,7 @@ class ModelConfig:
     )
     fusions: FusionConfig = field(default_factory=FusionConfig, metadata={"help": "fused kernels"})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
-    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig, metadata={"help": "DeltaNet"})
+    linear_attention: LinearAttentionConfig = linear_attention_section()
 
 
 @dataclass

@@ -20,8 +20,11 @@ DELTA_KINDS = ("gated_qkv", "delta_fused", "delta_split")
 def _sections(model: ModelConfig) -> tuple[int, int, int, int]:
     """Key heads, key width, value heads per key head, value width."""
     linear = model.linear_attention
-    return linear.num_key_heads, linear.key_head_dim, linear.num_value_heads // linear.num_key_heads, (
-        linear.value_head_dim
+    return (
+        linear.num_key_heads,
+        linear.key_head_dim,
+        linear.num_value_heads // linear.num_key_heads,
+        (linear.value_head_dim),
     )
 
 
@@ -38,7 +41,8 @@ def to_hf_parts(kind: str, tensor: torch.Tensor, model: ModelConfig, hf_rows: li
         return [q_proj.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
     nk, dk, r, dv = _sections(model)
     q, k, v, z, b, a = (
-        part.reshape(nk, -1, *rest) for part in tensor.split([nk * dk, nk * dk, nk * r * dv, nk * r * dv, nk * r, nk * r])
+        part.reshape(nk, -1, *rest)
+        for part in tensor.split([nk * dk, nk * dk, nk * r * dv, nk * r * dv, nk * r, nk * r])
     )
     return [torch.cat([q, k, v, z], dim=1).reshape(-1, *rest), torch.cat([b, a], dim=1).reshape(-1, *rest)]
 

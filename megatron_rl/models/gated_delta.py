@@ -97,7 +97,9 @@ class DeltaNet(GatedDeltaNet):
         else:
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             if bounds[0] != 0 or bounds[-1] != mixed.shape[0] or mixed.shape[1] != 1:
-                raise ValueError(f"DeltaNet: cu_seqlens {bounds} must start at 0 and end at the {mixed.shape[0]} tokens")
+                raise ValueError(
+                    f"DeltaNet: cu_seqlens {bounds} must start at 0 and end at the {mixed.shape[0]} tokens"
+                )
             sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
             rows = torch.nn.utils.rnn.pad_sequence(list(mixed[:, 0].split(sizes)), batch_first=True)
             mixed_rows = self._mix(rows)  # [sequences, longest, d]

@@ -256,9 +256,8 @@ class HFMapping:
         self.moe_layers = moe_layer_pattern(model)
         self.linear_layers = linear_attention_pattern(model)
         linear = model.linear_attention
-        qk, v, nv = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim, (
-            linear.num_value_heads
-        )
+        qk, v, nv = linear.num_key_heads * linear.key_head_dim, linear.value_head_dim, linear.num_value_heads
+        v *= nv
         head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
         self.head_dim = head_dim
         self.dims: dict[str, int] = {
