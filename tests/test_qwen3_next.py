@@ -208,3 +208,79 @@ def test_megatron_forward_padded_and_packed_equals_transformers(tmp_path: Path, 
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path, family: str = "qwen3_next") -> None:
+    """The local engine serves the family through transformers (a recurrent state and convolution window per row for
+    the DeltaNet layers), its weight-update names are the checkpoint's, its routed experts SGLang's layout; sequences
+    of 10 to 22 tokens (a shared prompt among them): the engine's log-probs are transformers' plain forward's, and the
+    trainer's (one rank) the engine's, right-padded, packed and replaying the engine's routing (R3), within 1e-5 or
+    twice transformers' own float noise (see the forward test); one RL step moves DeltaNet's weights."""
+    import numpy as np
+
+    from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.actor.micro_batches import TokenBudget
+    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
+    from megatron_rl.rollout.local.generator import Generator, GenRequest
+    from megatron_rl.rollout.local.model import load_model
+    from megatron_rl.rollout.local.weights import CheckpointLayout
+
+    from mrl_configs import actor_log_probs, actor_of_one
+
+    folder = save_random_hf_model(tmp_path / "hf", _hf_config(family), seed=3)
+    served, info = load_model(str(folder))
+    assert (info.linear_layers, info.conv_shape, info.state_shape) == ((0, 1, 3), (56, 3), (4, 8, 6))
+    assert set(CheckpointLayout(served, info.family).targets) == set(load_file(folder / "model.safetensors"))
+    gen = Generator(served, info, max_running=3, max_prefill_tokens=64, seed=5)
+    prompts = ([5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [5, 6, 7, 8])
+    reqs = [
+        GenRequest(rid=str(i), input_ids=p, max_new_tokens=6 + 3 * i, return_logprob=True, return_routed_experts=True)
+        for i, p in enumerate(prompts)
+    ]
+    for req in reqs:
+        gen.add(req)
+    while gen.has_work:
+        gen.step()
+    tokens = [torch.tensor(r.input_ids + r.output_ids) for r in reqs]
+    assert [len(t) for t in tokens] == [10, 11, 19, 19]
+    routed = [torch.from_numpy(np.concatenate(r.routed)) for r in reqs]
+    reference = []
+    with torch.no_grad():
+        for prompt, ids in zip(prompts, tokens, strict=True):
+            logits = served(ids[None]).logits[0].log_softmax(-1)
+            reference.append(logits[len(prompt) - 1 : -1].gather(1, ids[len(prompt) :, None])[:, 0])
+        embeds = served.model.embed_tokens(tokens[2][None])
+        noisy = embeds * (1 + 1e-7 * torch.randn(embeds.shape, generator=torch.Generator().manual_seed(2)))
+        noise = served(inputs_embeds=noisy).logits.log_softmax(-1) - served(inputs_embeds=embeds).logits.log_softmax(-1)
+    tolerance = max(1e-5, 2 * noise.abs().max().item())
+    assert all(e.shape == (len(t) - 1, 4, 2) for e, t in zip(routed, tokens, strict=True))
+    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
+    cfg = Config(
+        model=dataclasses.replace(model, params_dtype="fp32"),
+        parallel=layout(),
+        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
+        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
+        train=TrainConfig(max_tokens_per_micro_batch=64, logprob_chunk_tokens=16),
+    )
+    batch = ActorBatch(
+        tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
+    )
+    engine = [torch.tensor(r.output_logprobs) for r in reqs]
+    with actor_of_one(cfg) as actor:
+        packed = actor_log_probs(actor, batch, TokenBudget(64, packed=True)).log_probs
+        padded = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        replayed = actor_log_probs(
+            actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
+        ).log_probs
+        before = actor.full_params()
+        actor.train(batch.with_fields(old_log_probs=padded, routed_experts=routed))
+        after = actor.full_params()
+    assert not torch.equal(before["decoder.layers.0.self_attention.in_proj.weight"], after[
+        "decoder.layers.0.self_attention.in_proj.weight"])  # fmt: skip
+    gaps = {
+        (name, against): max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))
+        for name, got in (("padded", padded), ("packed", packed), ("R3 replay, packed", replayed))
+        for against, want in (("engine", engine), ("transformers", reference))
+    }
+    gaps["engine", "transformers"] = max((g - e).abs().max().item() for g, e in zip(engine, reference, strict=True))
+    assert max(gaps.values()) <= tolerance, (gaps, tolerance)
