@@ -97,6 +97,33 @@ GPT_OSS_120B: dict[str, Any] = {
     "vocab_size": 201088,
 }  # fmt: skip
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: 36 Gated DeltaNet layers and 12 gated full-attention ones (every
+# 4th), 512 experts top-10 and a gated shared expert per layer.
+QWEN3_NEXT_80B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+    "decoder_sparse_step": 1, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+    "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000000, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+# Qwen/Qwen3.5-397B-A17B's text_config (its text model, as Qwen3_5MoeForCausalLM converts it; the vision tower and
+# the MTP layer are not part of it): 45 DeltaNet layers and 15 full ones, 512 experts top-10.
+QWEN3_5_397B: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "attention_bias": False,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 4096,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 64,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "moe_intermediate_size": 1024,
+    "mtp_num_hidden_layers": 1, "num_attention_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
+    "num_hidden_layers": 60, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "shared_expert_intermediate_size": 1024,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "tie_word_embeddings": False, "dtype": "bfloat16", "vocab_size": 248320,
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -181,6 +208,19 @@ PRESETS: dict[str, Preset] = {
         train_nodes=32,
         rollout={"engine_gpus": 32},
     ),
+    # Gated DeltaNet takes no TP or CP (models.gated_delta): pipeline stages and expert parallelism only.
+    "qwen3-next-80b-a3b": Preset(
+        QWEN3_NEXT_80B,
+        {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 16, "expert_tensor_parallel_size": 1},
+        train_nodes=4,
+        rollout={"engine_gpus": 8},
+    ),
+    "qwen3.5-397b-a17b": Preset(
+        QWEN3_5_397B,
+        {"pipeline_model_parallel_size": 4, "expert_model_parallel_size": 32, "expert_tensor_parallel_size": 1},
+        train_nodes=16,
+        rollout={"engine_gpus": 16},
+    ),
     "gpt-oss-120b": Preset(
         GPT_OSS_120B,
         {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 32, "expert_tensor_parallel_size": 1},
@@ -201,8 +241,10 @@ def preset_overrides(name: str) -> list[str]:
     model = model_config_from_hf(preset.hf_config, source=f"preset {name}", recompute=True)
     out = [f"model.family={model.family}"]
     for key, value in vars(model).items():
-        # its sections (lora, fusions): the run's choices, not the checkpoint's shape
-        if key not in ("hf_path", "family") and not dataclasses.is_dataclass(value):
+        # its sections (lora, fusions): the run's choices, not the checkpoint's shape; linear_attention is the shape
+        if key == "linear_attention":
+            out += [f"model.{key}.{k}={'null' if v is None else v}" for k, v in vars(value).items()]
+        elif key not in ("hf_path", "family") and not dataclasses.is_dataclass(value):
             out.append(f"model.{key}={'null' if value is None else value}")
     out += [f"parallel.{k}={v}" for k, v in preset.layout.items()]
     out += [f"rollout.{k}={v}" for k, v in preset.rollout.items()]

@@ -201,6 +201,21 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "glm_moe_dsa": dict(
                 _DEEPSEEK, **_DSA, rope_scaling=None, n_group=1, topk_group=1, num_experts_per_tok=3, rms_norm_eps=1e-5
             ),
+            # Qwen3-Next: a DeltaNet and a full layer per PP stage (2 key heads of 8 grouping 4 value heads of 6)
+            "qwen3_next": dict(
+                layer_types=["linear_attention", "full_attention"] * 2,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=6,
+                linear_conv_kernel_dim=3,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=14,
+                mlp_only_layers=[0],
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
+            ),  # fmt: skip
             "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
             "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
             "gemma2": dict(_GEMMA2, head_dim=24, sliding_window=5),
@@ -351,6 +366,7 @@ def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) 
     classes.update(gemma2=transformers.Gemma2Config, gemma3_text=transformers.Gemma3TextConfig)
     classes.update(deepseek_v3=transformers.DeepseekV3Config, glm4_moe=transformers.Glm4MoeConfig)
     classes.update(deepseek_v32=transformers.DeepseekV32Config, glm_moe_dsa=transformers.GlmMoeDsaConfig)
+    classes.update(qwen3_next=transformers.Qwen3NextConfig)  # "split" only
     if family not in classes:
         raise ValueError(
             f"family {family!r}: allowed "
@@ -375,16 +391,17 @@ def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **ove
 @torch.no_grad()
 def save_random_hf_model(folder: Path, config: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a model of the transformers `config` with O(1) activations: matrices N(0, 1)/sqrt(fan_in),
-    norms 1 + 0.1 N (Gemma's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
+    norms 1 + 0.1 N (Gemma's, Qwen3-Next's and Qwen3.5's, which scale by 1 + weight: 0.1 N), attention sinks (gpt-oss) N(0, 1) so that they
     weigh, other vectors 0.1 N (router margins are then rarely near-ties)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
-    unit_norm = 0.0 if config.model_type.startswith("gemma") else 1.0
+    centred = config.model_type.startswith(("gemma", "qwen3_next", "qwen3_5"))  # (1 + weight) norms
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=gen)
         if param.dim() == 1 and not name.endswith("self_attn.sinks"):
+            unit_norm = 0.0 if centred and not name.endswith("linear_attn.norm.weight") else 1.0
             values = unit_norm + 0.1 * values if name.endswith("norm.weight") else 0.1 * values
         elif param.dim() > 1:
             values /= math.sqrt(param.shape[-1])

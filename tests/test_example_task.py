@@ -181,6 +181,26 @@ def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> No
         tiny_model.build_model(tmp_path / "c", family="llama")
 
 
+def test_qwen3_next_model_is_seeded_and_converts(tmp_path: Path) -> None:
+    """`--family qwen3_next` builds the Qwen3-Next-shaped policy: 3 DeltaNet layers and a full one, every layer MoE
+    with a shared expert; its config.json maps to the family; the same seed, the same weights."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+    tiny_model.build_model(tmp_path / "a", seed=0, family="qwen3_next")
+    tiny_model.build_model(tmp_path / "b", seed=0, family="qwen3_next")
+    model = model_config_from_hf(read_hf_config(tmp_path / "a"))
+    linear = model.linear_attention
+    assert (model.family, model.num_experts, model.moe_shared_expert_size, model.rotary_percent) == (
+        "qwen3_next", 8, 96, 0.25
+    )  # fmt: skip
+    assert (linear.full_attention_interval, linear.num_key_heads, linear.num_value_heads) == (4, 2, 4)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in a and "model.layers.3.self_attn.q_proj.weight" in a
+
+
 def test_gpt_oss_model_is_seeded_and_converts(tmp_path: Path) -> None:
     """`--family gpt_oss` builds the gpt-oss-shaped policy: its config.json (the legacy rope_theta and torch_dtype
     keys added) maps to the family with its sliding window, yarn RoPE and clamp; the same seed, the same weights."""

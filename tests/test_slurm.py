@@ -779,6 +779,16 @@ def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_m
             "2 of 8 with 10 layers, within 90% (72.0 GiB)",
         ),
         (
+            "qwen3-next-80b-a3b", 5, (1, 2, 16, False),
+            "trainer 47.9 GiB static (weights 6.7 + gradients 13.4 + optimizer 27.8) on its largest pipeline stage, "
+            "2 of 2 with 24 layers, within 90% (72.0 GiB)",
+        ),
+        (
+            "qwen3.5-397b-a17b", 18, (1, 4, 32, False),
+            "trainer 68.2 GiB static (weights 11.2 + gradients 22.3 + optimizer 34.8) on its largest pipeline stage, "
+            "1 of 4 with 15 layers, within 90% (72.0 GiB)",
+        ),
+        (
             "gpt-oss-120b", 5, (2, 1, 32, False),
             "trainer 66.8 GiB static (weights 8.7 + gradients 17.3 + optimizer 40.8) within 90% (72.0 GiB)",
         ),
@@ -812,7 +822,8 @@ def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
     assert mem.total <= jobcheck.STATIC_MEMORY_SHARE * 80
     total = sum(parameter_counts(cfg.model)) / 1e9
     published = {"deepseek-v3-671b": 671.0, "kimi-k2": 1026.4, "glm-4.5-355b": 352.8, "gpt-oss-120b": 116.8,
-                 "deepseek-v3.2-671b": 671.9, "glm-5-744b": 743.9}  # fmt: skip
+                 "deepseek-v3.2-671b": 671.9, "glm-5-744b": 743.9, "qwen3-next-80b-a3b": 79.7,
+                 "qwen3.5-397b-a17b": 396.3}  # fmt: skip
     assert published[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by"):
         _preset_plan(preset_configs, name, preset.train_nodes // 2 - 1)
@@ -830,6 +841,14 @@ def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: 
     _preset_plan(preset_configs, "glm-4.5-355b", 6, gpu_mem_gib=141)  # H200
     for name, nodes in (("deepseek-v3.2-671b", 28), ("glm-5-744b", 32)):  # their H100 layouts plan on H200s too
         assert "trainer 5" in _preset_plan(preset_configs, name, nodes, gpu_mem_gib=141).memory[0]
+    with pytest.raises(jobplan.PlanError, match=r"needs about 89 GiB .* 2 of 2 with 24 layers .* 4.83 B expert"):
+        _preset_plan(preset_configs, "qwen3-next-80b-a3b", 2, "parallel.expert_model_parallel_size=8")
+    assert (
+        "trainer 89.3 GiB"
+        in _preset_plan(  # the same 2 nodes on H200s
+            preset_configs, "qwen3-next-80b-a3b", 2, "parallel.expert_model_parallel_size=8", gpu_mem_gib=141
+        ).memory[0]
+    )
     with pytest.raises(
         jobplan.PlanError,
         match="PRESET='llama-405b'; allowed: deepseek-v3-671b, deepseek-v3.2-671b, glm-4.5-355b, glm-5-744b, gpt-oss",

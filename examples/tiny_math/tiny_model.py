@@ -8,8 +8,8 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32` builds a DeepSeek-V3-, GLM-4.5-, gpt-oss- or
-DeepSeek-V3.2-shaped policy instead (`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's
+`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32|qwen3_next` builds a DeepSeek-V3-, GLM-4.5-, gpt-oss-,
+DeepSeek-V3.2- or Qwen3-Next-shaped policy instead (`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's
 DISTILL=4to2 student: 2 layers, the same tokenizer as the 4-layer teacher).
 
 Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe] [--layers 4]
@@ -133,12 +133,42 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
 FAMILY_ARCHITECTURES["deepseek_v32"] = dict(
     FAMILY_ARCHITECTURES["deepseek_v3"], index_n_heads=32, index_head_dim=32, index_topk=24
 )
+# Qwen3-Next-shaped: 3 Gated DeltaNet layers (2 key heads of 32 grouping 4 value heads of 32, a convolution of 4)
+# then a full attention (GQA whose query also yields its output gate, a quarter of each head rotated), (1 + weight)
+# norms, 8 experts top-2 renormalised and a gated shared expert in every layer.
+FAMILY_ARCHITECTURES["qwen3_next"] = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,  # dense MLP width; unused, as every layer is MoE
+    moe_intermediate_size=96,
+    shared_expert_intermediate_size=96,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    router_aux_loss_coef=0.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 # The same network as megatron_rl.config `model.*` keys.

@@ -1,10 +1,10 @@
-"""Two sub-sections of `model`: `lora` (low-rank adapters) and `fusions` (fused kernels), kept apart from
-`schema.py` for its length."""
+"""Three sub-sections of `model`: `lora` (low-rank adapters), `fusions` (fused kernels) and `linear_attention` (the
+Gated DeltaNet layers of Qwen3-Next and Qwen3.5), kept apart from `schema.py` for its length."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from megatron_rl.config.fields import described as _f
 
@@ -39,4 +39,25 @@ class FusionConfig:
     moe_permute_fusion: Switch = _f("auto", "Transformer Engine's fused token permutation of the MoE dispatchers")
     moe_router_fusion: Switch = _f(
         "auto", "Transformer Engine's fused top-k router (not with routing replay, which it bypasses)"
+    )
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5: megatron_rl.models.gated_delta) between full-attention ones."""
+
+    full_attention_interval: int | None = _f(
+        None, "layers n, 2n, ... full attention, the others Gated DeltaNet; null = no linear attention", ge=1
+    )
+    conv_kernel: int = _f(4, "width of the causal convolution over q, k, v (linear_conv_kernel_dim)", ge=1)
+    key_head_dim: int = _f(128, "query/key head width (linear_key_head_dim)", ge=1)
+    value_head_dim: int = _f(128, "value/gate head width (linear_value_head_dim)", ge=1)
+    num_key_heads: int = _f(16, "query/key heads (linear_num_key_heads)", ge=1)
+    num_value_heads: int = _f(32, "value heads, a multiple of the key heads (linear_num_value_heads)", ge=1)
+
+
+def linear_attention_section() -> Any:
+    """`model.linear_attention`'s field (defaults: no linear attention)."""
+    return field(
+        default_factory=LinearAttentionConfig, metadata={"help": "Gated DeltaNet layers (qwen3_next, qwen3_5_moe)"}
     )

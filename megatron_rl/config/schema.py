@@ -14,13 +14,14 @@ from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.data_schema import DataConfig, EvalConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.fields import described as _f
-from megatron_rl.config.model_extras import FusionConfig, LoraConfig
+from megatron_rl.config.model_extras import FusionConfig, LinearAttentionConfig, LoraConfig, linear_attention_section
 from megatron_rl.config.parallel_schema import ParallelConfig
 from megatron_rl.config.presets import PRESETS
 from megatron_rl.losses.spec import AGGREGATION_MODES, BOUNDS, GATES, IS_LEVELS, IS_MODES, KL_ESTIMATORS, RATIO_LEVELS
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "mixtral", "deepseek_v3", "glm4_moe", "llama", "mistral", "minimax_m2",
-                 "gpt_oss", "gemma2", "gemma3_text", "deepseek_v32", "glm_moe_dsa"]  # fmt: skip
+                 "gpt_oss", "gemma2", "gemma3_text", "deepseek_v32", "glm_moe_dsa",
+                 "qwen3_next", "qwen3_5_moe"]  # fmt: skip
 # MLA families (DeepSeek's attention), and those of them with DeepSeek sparse attention (a lightning indexer).
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 SPARSE_ATTENTION_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
@@ -115,6 +116,7 @@ class ModelConfig:
     )
     fusions: FusionConfig = field(default_factory=FusionConfig, metadata={"help": "fused kernels"})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "low-rank adapters (LoRA)"})
+    linear_attention: LinearAttentionConfig = linear_attention_section()
 
 
 @dataclass

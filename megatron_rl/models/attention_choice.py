@@ -20,7 +20,7 @@ built on the local specs wherever Transformer Engine is (`transformer_engine_lay
 from __future__ import annotations
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.models.families import FAMILIES, is_gpt_oss, is_sparse_attention
+from megatron_rl.models.families import FAMILIES, is_gpt_oss, is_linear_attention, is_sparse_attention
 
 
 def local_attention_only(model: ModelConfig) -> str | None:
@@ -40,9 +40,9 @@ def local_attention_only(model: ModelConfig) -> str | None:
 
 def transformer_engine_layers(model: ModelConfig, *, available: bool) -> bool:
     """Whether `model` is built from Transformer Engine's layer specs where TE is `available`: never Gemma's
-    (`models.gemma` builds on the local specs)."""
+    (`models.gemma` builds on the local specs), nor Qwen3-Next's and Qwen3.5's (`models.gated_delta`)."""
     spec = FAMILIES.get(model.family)
-    return available and not (spec is not None and spec.gemma)
+    return available and not (spec is not None and (spec.gemma or spec.linear_attention))
 
 
 def use_sdpa(model: ModelConfig, parallel: ParallelConfig, *, cuda: bool) -> bool:
@@ -62,6 +62,8 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
             f"parallel.context_parallel_size = {cp}: model.family = {model.family!r} has DeepSeek sparse attention, "
             "whose indexer picks keys from the whole sequence, not split over CP ranks: set it to 1"
         )
+    if is_linear_attention(model):
+        _check_linear_attention_layout(model, parallel)
     only = local_attention_only(model)
     if only is not None and not transformer_engine and (choice == "sdpa" or cp > 1):
         key = f"model.attention_backend = {choice}" if choice == "sdpa" else f"parallel.context_parallel_size = {cp}"
@@ -82,3 +84,16 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
             f"= {parallel.context_parallel_size}: its keys are gathered over the CP ranks by the local attention); "
             "set it to auto or local"
         )
+
+
+def _check_linear_attention_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Gated DeltaNet layers (`models.gated_delta`) run on one TP rank and without context parallelism: the
+    conversion and weight sync split no [q, k, v, z, b, a] sections over TP ranks, and the recurrence over a
+    sequence split across CP ranks would pass its state from rank to rank (Megatron-Core 0.16 has neither)."""
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    for key, size in (("parallel.tensor_model_parallel_size", tp), ("parallel.context_parallel_size", cp)):
+        if size > 1:
+            raise ConfigError(
+                f"{key} = {size}: model.family = {model.family!r} has Gated DeltaNet layers, which run unsplit "
+                "(no TP sections or CP state passing): set it to 1 (EP, ETP of the experts and PP are supported)"
+            )

@@ -30,6 +30,7 @@ from megatron_rl.models.dsa_attention import SparseMLAttention
 from megatron_rl.models.experts_choice import check_grouped_experts, use_grouped_experts
 from megatron_rl.models.families import check_family, moe_layer_pattern
 from megatron_rl.models.fusion_choice import CPU, Platform, fusion_fields
+from megatron_rl.models.gated_delta import linear_attention_fields, qwen3_next_block_spec
 from megatron_rl.models.gemma import gemma_block_spec, gemma_fields, prepare_gemma
 from megatron_rl.models.grouped_experts import GroupedExperts
 from megatron_rl.models.hf_config_dsa import indexer_rope_interleaved
@@ -134,6 +135,8 @@ def transformer_config(
             dsa_indexer_topk=model.dsa_index_topk,
             dsa_indexer_loss_coeff=0.0,
         )
+    if spec.linear_attention:
+        kwargs.update(linear_attention_fields(model))
     if spec.gpt_oss:
         kwargs.update(gpt_oss_fields(model))
     if spec.gemma:
@@ -274,6 +277,8 @@ def decoder_block_spec(
         )
     if config.experimental_attention_variant == "dsa":
         block = _sparse_attention_block(block, use_transformer_engine)
+    if config.experimental_attention_variant == "gated_delta_net":  # always the local specs (attention_choice)
+        block = qwen3_next_block_spec(block, config)
     if qk_norm_whole_projection:
         block = copy.deepcopy(block)  # Megatron's specs may be shared module-level objects
         for layer in block.layer_specs:
@@ -353,10 +358,8 @@ def build_model(
     """
     _check_parallel_state(parallel)
     spec = check_family(model)
-    if use_transformer_engine and spec.gemma:
-        raise ValueError(
-            f"model.family = {model.family!r} is built on the local specs (models.gemma), not Transformer Engine's"
-        )
+    if use_transformer_engine and (spec.gemma or spec.linear_attention):
+        raise ValueError(f"model.family = {model.family!r} is built on the local specs, not Transformer Engine's")
     use_te = transformer_engine_layers(
         model, available=transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     )

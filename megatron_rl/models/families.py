@@ -22,6 +22,7 @@ class FamilySpec:
     gpt_oss: bool = False  # learnable attention sinks, biases on every linear and the router, (1 + up) SwiGLU
     gemma: bool = False  # (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, tanh-GELU GLU
     sparse_attention: bool = False  # DeepSeek sparse attention: a lightning indexer picks each query's top-k keys
+    linear_attention: bool = False  # Gated DeltaNet layers between gated full-attention ones (models.gated_delta)
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -86,7 +87,15 @@ FAMILIES: dict[str, FamilySpec] = {
     "gemma2": FamilySpec(moe=False, qk_layernorm=False, add_qkv_bias=False, gemma=True),
     # Gemma 3 text: Gemma's layer with (1 + weight) QK-norm, the sliding layers' own RoPE base, linear RoPE scaling.
     "gemma3_text": FamilySpec(moe=False, qk_layernorm=True, add_qkv_bias=False, gemma=True),
+    # Qwen3-Next and Qwen3.5's text model: Gated DeltaNet layers, every n-th layer a full attention whose output is
+    # gated by sigmoid(a second query), (1 + weight) RMSNorms, partial RoPE; softmax router, a shared expert scaled
+    # by sigmoid(its gate). Qwen3.5 stores DeltaNet's projections apart, Qwen3-Next fused per key head.
+    **{
+        family: FamilySpec(moe=True, qk_layernorm=True, add_qkv_bias=False, linear_attention=True)
+        for family in ("qwen3_next", "qwen3_5_moe")
+    },
 }
+LINEAR_ATTENTION_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _GEMMA = ("gemma2", "gemma3_text")
 # The ModelConfig switches only some families have (set: the families that have them), refused for the others.
 _FAMILY_ONLY = {
@@ -103,6 +112,10 @@ _FAMILY_ONLY = {
         f"model.{key}": (lambda m, key=key: getattr(m, key) is not None, ("deepseek_v32", "glm_moe_dsa"))
         for key in ("dsa_index_n_heads", "dsa_index_head_dim", "dsa_index_topk")
     },
+    "model.linear_attention.full_attention_interval": (
+        lambda m: m.linear_attention.full_attention_interval is not None,
+        LINEAR_ATTENTION_FAMILIES,
+    ),
 }
 
 
@@ -138,6 +151,8 @@ def check_family(model: ModelConfig) -> FamilySpec:
         )
     if spec.sparse_attention:
         _check_sparse_attention(model, fam)
+    if spec.linear_attention:
+        _check_linear_attention(model, fam)
     if model.rope_scaling == "yarn" and not (spec.multi_latent_attention or spec.gpt_oss):
         raise ConfigError(f"{fam}: model.rope_scaling = 'yarn' is only supported for deepseek_v3 (MLA) and gpt_oss")
     if model.rope_scaling == "llama3" and model.family != "llama":
@@ -161,6 +176,33 @@ def _check_sparse_attention(model: ModelConfig, fam: str) -> None:
         )
 
 
+def _check_linear_attention(model: ModelConfig, fam: str) -> None:
+    """Linear attention's layer pattern is set, its value heads group its key heads, and the shared expert (which
+    both families have) is set."""
+    linear = model.linear_attention
+    if linear.full_attention_interval is None:
+        raise ConfigError(f"{fam} has Gated DeltaNet layers: set model.linear_attention.full_attention_interval")
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ConfigError(
+            f"{fam}: model.linear_attention.num_value_heads ({linear.num_value_heads}) must be a multiple of "
+            f"model.linear_attention.num_key_heads ({linear.num_key_heads})"
+        )
+    if model.moe_shared_expert_size is None:
+        raise ConfigError(f"{fam} has a gated shared expert in every MoE layer: set model.moe_shared_expert_size")
+
+
+def linear_attention_pattern(model: ModelConfig) -> list[int]:
+    """1 for a Gated DeltaNet layer, 0 for a full-attention one, per layer (all 0 without linear attention)."""
+    period = model.linear_attention.full_attention_interval
+    return [0 if period is None else int((i + 1) % period != 0) for i in range(model.num_layers)]
+
+
+def is_linear_attention(model: ModelConfig) -> bool:
+    """Whether `model` has Gated DeltaNet layers (Qwen3-Next, Qwen3.5)."""
+    spec = FAMILIES.get(model.family)
+    return spec is not None and spec.linear_attention
+
+
 def is_sparse_attention(model: ModelConfig) -> bool:
     """Whether `model` has DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)."""
     spec = FAMILIES.get(model.family)
@@ -172,7 +214,7 @@ def _check_sigmoid_router(model: ModelConfig, spec: FamilySpec, fam: str) -> Non
     routers only; the groups must split the experts, and Megatron scores a group by its top
     (topk / group_topk) experts where DeepSeek's and GLM's routers use the top 2, so that quotient must be 2."""
     extras_only = {
-        "model.moe_shared_expert_size": model.moe_shared_expert_size is not None,
+        "model.moe_shared_expert_size": model.moe_shared_expert_size is not None and not spec.linear_attention,
         "model.moe_router_num_groups": model.moe_router_num_groups is not None,
         "model.moe_router_group_topk": model.moe_router_group_topk is not None,
         "model.moe_router_scaling_factor": model.moe_router_scaling_factor != 1.0,
@@ -252,6 +294,7 @@ def stage_parameter_counts(
         attention = qkv * h + heads * d * h + (qkv if model.add_qkv_bias else 0) + (norms if model.qk_layernorm else 0)
         attention += (h + heads) if spec.gpt_oss else 0  # o_proj's bias, the sinks
         attention += 2 * h if spec.gemma else 0  # the norms after the attention and after the MLP
+        attention += heads * d * h if spec.linear_attention else 0  # the output gate's query
     pattern = moe_layer_pattern(model)
     moe_layers = sum(pattern[i] for i in layers)
     dense_mlp = 3 * h * model.ffn_hidden_size * (len(layers) - moe_layers)
@@ -261,7 +304,19 @@ def stage_parameter_counts(
     head = h + 1 if value_head else (0 if model.tie_word_embeddings and first else embedding)
     output = h + head  # the final norm and the output layer
     ends = (embedding if first else 0) + (output if last else 0)
-    dense = ends + len(layers) * (attention + 2 * h) + dense_mlp + moe_layers * (router + shared)
+    shared += h if spec.linear_attention else 0  # the shared expert's gate
+    linear = sum(linear_attention_pattern(model)[i] for i in layers)
+    attention_params = (len(layers) - linear) * attention + linear * _delta_net_parameters(model)
+    dense = ends + len(layers) * 2 * h + attention_params + dense_mlp + moe_layers * (router + shared)
     expert = 3 * h * model.moe_ffn_hidden_size + ((2 * model.moe_ffn_hidden_size + h) if spec.gpt_oss else 0)
     experts = moe_layers * (model.num_experts or 0) * expert
     return dense, experts
+
+
+def _delta_net_parameters(model: ModelConfig) -> int:
+    """One Gated DeltaNet layer's: in_proj (q, k, v, z, b, a), the convolution over q, k, v, A_log, dt_bias, the
+    gated norm and out_proj."""
+    linear, h = model.linear_attention, model.hidden_size
+    qk, v = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim
+    in_proj = h * (2 * qk + 2 * v + 2 * linear.num_value_heads)
+    return in_proj + (2 * qk + v) * linear.conv_kernel + 2 * linear.num_value_heads + linear.value_head_dim + v * h

@@ -5,7 +5,8 @@ KV groups, head dim, experts, top-k, MoE layer pattern, RoPE base, norm epsilon,
 tying); an HF setting the Megatron model cannot reproduce (another activation, RoPE scaling,
 sliding-window attention, biases the family does not have) raises `ConversionError` naming the
 config.json key (the sigmoid-router families: `hf_config_sigmoid`, with DeepSeek sparse attention's keys in `hf_config_dsa`; Llama and Mistral: `hf_config_dense`; MiniMax-M2:
-`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`; Gemma 2 and Gemma 3: `hf_config_gemma`).
+`hf_config_minimax`; gpt-oss: `hf_config_gpt_oss`; Gemma 2 and Gemma 3: `hf_config_gemma`; Qwen3-Next and Qwen3.5:
+`hf_config_qwen3_next`).
 Fields that are not architecture (dtype, dispatcher, recompute, aux-loss weight) keep the `ModelConfig`
 defaults unless passed as overrides.
 """
@@ -35,12 +36,18 @@ ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 # Architectures refused by name, and why.
 UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": (
         "Gemma 3's vision-language model (a SigLIP vision tower and projector, the text model under "
         "model.language_model); its text model converts as Gemma3ForCausalLM (model_type gemma3_text)"
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3.5's vision-language model (a vision tower, the text model under model.language_model); its text "
+        "model converts as Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text, text_config's keys)"
     ),
 }
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
@@ -254,6 +261,10 @@ def model_config_from_hf(
         from megatron_rl.models.hf_config_gpt_oss import gpt_oss_model_fields
 
         return _finish(gpt_oss_model_fields(hf, source), hf, hf_path, source, overrides)
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        from megatron_rl.models.hf_config_qwen3_next import qwen3_next_model_fields
+
+        return _finish(qwen3_next_model_fields(hf, family, source), hf, hf_path, source, overrides)
     if family in ("gemma2", "gemma3_text"):
         from megatron_rl.models.hf_config_gemma import gemma_model_fields
 
@@ -350,6 +361,13 @@ def hf_config_from_model(model: ModelConfig) -> dict[str, Any]:
 
         hf.pop("rope_theta")
         hf.update(gpt_oss_hf_config(model))
+    elif model.family in ("qwen3_next", "qwen3_5_moe"):
+        from megatron_rl.models.hf_config_qwen3_next import qwen3_next_hf_config
+
+        hf.pop("rope_theta")
+        hf.update(qwen3_next_hf_config(model))
+        if model.family == "qwen3_5_moe":  # every layer MoE: no dense width
+            hf.pop("intermediate_size")
     elif model.family in ("gemma2", "gemma3_text"):
         from megatron_rl.models.hf_config_gemma import gemma_hf_config
 

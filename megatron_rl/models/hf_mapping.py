@@ -15,6 +15,8 @@ A rule joins one Megatron tensor and one or more HF tensors:
 - `interleaved` / `interleaved_t`: gpt-oss's expert `gate_up_proj` (bias / weight) interleaves gate and up
   (gate j at 2j, up j at 2j + 1); its weights, and `down_proj`'s (`transpose`), are stored transposed ([in, out]).
   Its checkpoints stack a layer's experts (`fused_experts`): the rules name one slice per expert.
+- `gated_qkv`, `delta_fused`, `delta_split`: Qwen3-Next's and Qwen3.5's gated attention and DeltaNet projections
+  (`delta_layouts`); their rules apply to full-attention (`layers="full"`) or DeltaNet (`"linear"`) layers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.models.families import check_family, moe_layer_pattern
+from megatron_rl.models.delta_layouts import DELTA_KINDS, from_hf_parts, to_hf_parts
+from megatron_rl.models.families import check_family, linear_attention_pattern, moe_layer_pattern
 from megatron_rl.models.fused_experts import stacked_shapes, stacks_experts
 from megatron_rl.models.hf_config import ConversionError
 
@@ -185,7 +188,33 @@ _GEMMA: tuple[Rule, ...] = (
     Rule(_L + "self_attention.post_layernorm.weight", (_P + "post_attention_layernorm.weight",), (("H",),)),
     Rule(_L + "mlp.post_layernorm.weight", (_P + "post_feedforward_layernorm.weight",), (("H",),)),
 )
+_LA = _L + "self_attention."
+_HL = _P + "linear_attn."
+# Qwen3-Next and Qwen3.5: the gated full attention and its QK-norms, DeltaNet's tensors, the gated shared expert.
+_QWEN3_NEXT: tuple[Rule, ...] = (
+    Rule(_A + "linear_qkv.weight", tuple(_HA + f"{x}_proj.weight" for x in "qkv"), (("Q2", "H"), ("KV", "H"),
+         ("KV", "H")), "gated_qkv", layers="full"),
+    Rule(_A + "linear_proj.weight", (_HA + "o_proj.weight",), (("H", "Q"),), layers="full"),
+    Rule(_A + "q_layernorm.weight", (_HA + "q_norm.weight",), (("D",),), layers="full"),
+    Rule(_A + "k_layernorm.weight", (_HA + "k_norm.weight",), (("D",),), layers="full"),
+    Rule(_LA + "conv1d.weight", (_HL + "conv1d.weight",), (("LC", "1", "LK"),), layers="linear"),
+    Rule(_LA + "A_log", (_HL + "A_log",), (("LNV",),), layers="linear"),
+    Rule(_LA + "dt_bias", (_HL + "dt_bias",), (("LNV",),), layers="linear"),
+    Rule(_LA + "out_norm.weight", (_HL + "norm.weight",), (("LVD",),), layers="linear"),
+    Rule(_LA + "out_proj.weight", (_HL + "out_proj.weight",), (("H", "LV"),), layers="linear"),
+    Rule(_L + "mlp.shared_experts.linear_fc1.weight", (_P + "mlp.shared_expert.gate_proj.weight",
+         _P + "mlp.shared_expert.up_proj.weight"), (("S", "H"), ("S", "H")), "gate_up", layers="moe"),
+    Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_P + "mlp.shared_expert.down_proj.weight",), (("H", "S"),),
+         layers="moe"),
+    Rule(_L + "mlp.shared_experts.gate_weight", (_P + "mlp.shared_expert_gate.weight",), (("1", "H"),), layers="moe"),
+)  # fmt: skip
+_DELTA_FUSED = Rule(_LA + "in_proj.weight", (_HL + "in_proj_qkvz.weight", _HL + "in_proj_ba.weight"),
+                    (("LQKVZ", "H"), ("LBA", "H")), "delta_fused", layers="linear")  # fmt: skip
+_DELTA_SPLIT = Rule(_LA + "in_proj.weight", tuple(_HL + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")),
+                    (("LC", "H"), ("LV", "H"), ("LNV", "H"), ("LNV", "H")), "delta_split", layers="linear")  # fmt: skip
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "qwen3_next": _BASE + _QWEN3_NEXT + (_DELTA_FUSED,) + _DEEPSEEK_EXPERTS,
+    "qwen3_5_moe": _BASE + _QWEN3_NEXT + (_DELTA_SPLIT,) + _DEEPSEEK_EXPERTS,
     "qwen3_moe": _COMMON + _DEEPSEEK_EXPERTS,
     "deepseek_v3": _BASE + _MLA + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
     "glm4_moe": _COMMON + _DEEPSEEK_EXPERTS + _SIGMOID_MOE,
@@ -225,6 +254,10 @@ class HFMapping:
         self.rules = tuple(r for r in FAMILY_RULES[model.family] if self._enabled(r))
         self._compiled = [(_regex(r.megatron), r) for r in self.rules]
         self.moe_layers = moe_layer_pattern(model)
+        self.linear_layers = linear_attention_pattern(model)
+        linear = model.linear_attention
+        qk, v, nv = linear.num_key_heads * linear.key_head_dim, linear.value_head_dim, linear.num_value_heads
+        v *= nv
         head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
         self.head_dim = head_dim
         self.dims: dict[str, int] = {
@@ -248,6 +281,15 @@ class HFMapping:
             "IQ": (model.dsa_index_n_heads or 0) * (model.dsa_index_head_dim or 0),
             "ID": model.dsa_index_head_dim or 0,
             "IN": model.dsa_index_n_heads or 0,
+            "1": 1,
+            "Q2": 2 * model.num_attention_heads * head_dim,
+            "LC": 2 * qk + v,
+            "LK": linear.conv_kernel,
+            "LV": v,
+            "LNV": nv,
+            "LVD": linear.value_head_dim,
+            "LQKVZ": 2 * qk + 2 * v,
+            "LBA": 2 * nv,
         }
 
     def _enabled(self, rule: Rule) -> bool:
@@ -266,6 +308,8 @@ class HFMapping:
     def _applies(self, rule: Rule, layer: int | None) -> bool:
         if rule.layers == "all" or layer is None:
             return True
+        if rule.layers in ("full", "linear"):
+            return bool(self.linear_layers[layer]) == (rule.layers == "linear")
         return bool(self.moe_layers[layer]) == (rule.layers == "moe")
 
     def _match(self, megatron_name: str) -> tuple[Rule, dict[str, str]]:
@@ -342,6 +386,9 @@ class HFMapping:
             parts = list(self._split_qkv(tensor))
         elif rule.kind == "gate_up":
             parts = list(tensor.chunk(2, dim=0))
+        elif rule.kind in DELTA_KINDS:
+            rows = [self.dims[shape[0]] for shape in rule.shapes]
+            parts = to_hf_parts(rule.kind, tensor, self.model, rows)
         else:
             parts = [_to_stored(rule.kind, tensor)]
         return [(n, p.contiguous()) for n, p in zip(names, parts, strict=True)]
@@ -370,6 +417,8 @@ class HFMapping:
             out.copy_(parts[0])
         elif rule.kind in _STORED:
             out.copy_(_from_stored(rule.kind, parts[0]))
+        elif rule.kind in DELTA_KINDS:
+            out.copy_(from_hf_parts(rule.kind, parts, self.model))
         elif rule.kind == "vocab":  # Megatron's padding rows are zero
             out[: parts[0].shape[0]].copy_(parts[0])
             out[parts[0].shape[0] :].zero_()

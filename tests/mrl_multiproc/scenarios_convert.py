@@ -204,20 +204,24 @@ def w2_tp2(ctx) -> None:  # noqa: ANN001
 def w2_ep2(ctx) -> None:  # noqa: ANN001
     """EP=2 (Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over EP in w4_tp2_ep2); gpt-oss within 1e-5, its stacked
     experts assembled from both EP ranks on export; GLM-5 within 1e-5 (at rms_norm_eps 1e-6: transformers fixes its
-    latent norms there, docs/training.md)."""
+    latent norms there, docs/training.md); Qwen3-Next within 1e-4 (its DeltaNet's per-head norm amplifies float
+    noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
     roundtrip(ctx, "mixtral", layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "glm_moe_dsa", layout(ep=2), layout(ep=2), "ep2", tol=1e-5, rms_norm_eps=1e-6)
+    roundtrip(ctx, "qwen3_next", layout(ep=2), layout(ep=2), "ep2")  # DeltaNet: EP, PP, no TP; 1e-4 (float noise)
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2 (Qwen3 and Qwen3-MoE in w2_across_layouts), including embeddings tied across the two stages (mistral,
     gemma2: its embedding scale on the first stage, its final soft-capping on the last); gpt-oss (a sliding and a
-    full layer per stage) and DeepSeek-V3.2 (two sparse-attention layers per stage) within 1e-5."""
+    full layer per stage) and DeepSeek-V3.2 (two sparse-attention layers per stage) within 1e-5; Qwen3-Next (a
+    DeltaNet and a full layer per stage)."""
     for family in ("deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
     roundtrip(ctx, "gpt_oss", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
+    roundtrip(ctx, "qwen3_next", layout(pp=2), layout(pp=2), "pp2")  # a DeltaNet and a full layer per stage
 
 
 def w2_across_layouts(ctx) -> None:  # noqa: ANN001

@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from megatron_rl.rollout.local.kv_cache import SlotKVCache
 from megatron_rl.rollout.local.lora import LocalAdapters
 from megatron_rl.rollout.local.model import ModelInfo, router_of
+from megatron_rl.rollout.local.recurrent_cache import SlotRecurrentCache
 from megatron_rl.rollout.local.sampling import sample_tokens
 
 
@@ -93,9 +95,12 @@ class Generator:
         self.model, self.info, self.tokenizer = model, info, tokenizer
         self.adapters = LocalAdapters(model)  # LoRA adapters loaded through the LoRA endpoints
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
-        self.cache = SlotKVCache(
-            info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device, value_dim=info.value_dim,
-            indexer_dim=info.indexer_dim,
+        cache_args = (info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, info.device)
+        self.cache = (
+            SlotRecurrentCache(*cache_args, value_dim=info.value_dim, linear_layers=info.linear_layers,
+                               conv_shape=info.conv_shape, state_shape=info.state_shape)
+            if info.linear_layers
+            else SlotKVCache(*cache_args, value_dim=info.value_dim, indexer_dim=info.indexer_dim)
         )  # fmt: skip
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []
@@ -202,18 +207,16 @@ class Generator:
         ids = torch.zeros(n_unique, width, dtype=torch.long, device=dev)
         for row, i in enumerate(uniques):
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
-        pos = torch.arange(width, device=dev)
-        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
-        mask = self._mask(allowed.unsqueeze(1), pos[:, None], pos[None, :])
         self.cache.reserve(base + len(ordered), width)
-        self.cache.begin_prefill(base, base + n_unique, width)
-        hidden = self._forward(
-            ids,
-            pos.expand(n_unique, width),
-            mask,
-            any(r.return_routed_experts for r in batch),
-            [batch[i].lora_name for i in uniques],
-        )
+        capture, lora_names = any(r.return_routed_experts for r in batch), [batch[i].lora_name for i in uniques]
+        if self.info.linear_layers:  # a recurrent state must end at its own sequence's last token
+            hidden = self._prefill_one_by_one(ids, lengths, base, capture, lora_names)
+        else:
+            pos = torch.arange(width, device=dev)
+            allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+            self.cache.begin_prefill(base, base + n_unique, width)
+            mask = self._mask(allowed.unsqueeze(1), pos[:, None], pos[None, :])
+            hidden = self._forward(ids, pos.expand(n_unique, width), mask, capture, lora_names)
         last_hidden = hidden[torch.arange(n_unique, device=dev), lengths - 1]
         logits = self._logits(last_hidden)
         src = [first_of[keys[i]] for i in order]
@@ -239,6 +242,24 @@ class Generator:
         if not sampled:
             return scored
         return scored + self._sample_and_finish([ordered[k] for k in sampled], logits.index_select(0, index))
+
+    def _prefill_one_by_one(
+        self, ids: torch.Tensor, lengths: torch.Tensor, base: int, capture: bool, lora_names: list[str | None]
+    ) -> torch.Tensor:
+        """`_forward`'s hidden states [rows, width, hidden] of right-padded `ids`, one row (cache row base + i) per
+        forward, unpadded; the routing captured as one batched forward would have."""
+        rows, width = ids.shape
+        hidden = torch.zeros(rows, width, self.model.config.hidden_size, dtype=self.info.dtype, device=ids.device)
+        routing: list[list[torch.Tensor]] = []
+        for i, length in enumerate(lengths.tolist()):
+            pos = torch.arange(length, device=ids.device)
+            self.cache.begin_prefill(base + i, base + i + 1, length)
+            mask = self._mask((pos[None, :] <= pos[:, None])[None, None], pos[:, None], pos[None, :])
+            out = self._forward(ids[i : i + 1, :length], pos[None], mask, capture, lora_names[i : i + 1])
+            hidden[i, :length] = out[0]
+            routing.append([F.pad(r, (0, 0, 0, width - length)) for r in self._captured])
+        self._captured = [torch.cat(layer) for layer in zip(*routing, strict=True)] if routing[0] else []
+        return hidden
 
     def _decode(self) -> list[GenRequest]:
         rows = len(self.running)
@@ -275,6 +296,8 @@ class Generator:
         window = self.info.sliding_window
         if self.info.indexer_dim:  # DeepSeek sparse attention's layers take theirs under this name
             return {"indexed_attention": full}
+        if self.info.linear_layers:  # DeltaNet's: none (its rows are never padded: `_prefill_one_by_one`)
+            return {"full_attention": full, "linear_attention": None}
         if window is None:
             return full
         return {"full_attention": full, "sliding_attention": self._additive(allowed & (key_pos > query_pos - window))}

@@ -27,6 +27,8 @@ SUPPORTED_FAMILIES = (
     "gemma3_text",
     "deepseek_v32",
     "glm_moe_dsa",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 )
 # MLA families: transformers caches the compressed latent and the rotary key; with an indexer (DeepSeek sparse
 # attention) its keys too, and the layers take their mask as "indexed_attention"
@@ -61,6 +63,9 @@ class ModelInfo:
     sliding_window: int | None = None  # keys a sliding layer sees (the query's own included); None: no sliding layer
     final_logit_softcapping: float | None = None  # Gemma: logits c * tanh(logits / c)
     indexer_dim: int = 0  # DeepSeek sparse attention: width of an indexer key the cache keeps (0: no indexer)
+    linear_layers: tuple[int, ...] = ()  # Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a recurrent state each
+    conv_shape: tuple[int, int] = (0, 0)  # their convolution window: [q, k, v channels, kernel]
+    state_shape: tuple[int, int, int] = (0, 0, 0)  # their recurrent state: [value heads, key width, value width]
 
     @property
     def is_moe(self) -> bool:
@@ -136,8 +141,23 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> tuple[tor
         sliding_window=_sliding_window(config),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         indexer_dim=config.index_head_dim if family in _INDEXED else 0,
+        **_linear_attention(config),
     )
     return model, info
+
+
+def _linear_attention(config: Any) -> dict[str, Any]:
+    """`ModelInfo`'s DeltaNet fields of a config with `linear_attention` layers (none otherwise)."""
+    types = getattr(config, "layer_types", None) or ()
+    if "linear_attention" not in types:
+        return {}
+    keys, values = config.linear_key_head_dim, config.linear_value_head_dim
+    return dict(
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        conv_shape=(2 * config.linear_num_key_heads * keys + config.linear_num_value_heads * values,
+                    config.linear_conv_kernel_dim),
+        state_shape=(config.linear_num_value_heads, keys, values),
+    )  # fmt: skip
 
 
 def latent_norms_at_rms_norm_eps(model: torch.nn.Module, eps: float) -> None:
