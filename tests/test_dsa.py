@@ -28,7 +28,15 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import DSA_FAMILIES, hf_config, layout, megatron_names, save_random_hf_model, with_key
+from mrl_configs import (
+    DSA_FAMILIES,
+    hf_config,
+    layout,
+    megatron_names,
+    r3_replay_config,
+    save_random_hf_model,
+    with_key,
+)
 
 _CLASSES = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}
 
@@ -234,7 +242,6 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
 
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.micro_batches import TokenBudget
-    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
     from megatron_rl.models.dsa_attention import LightningIndexer
     from megatron_rl.rollout.local.generator import Generator, GenRequest
     from megatron_rl.rollout.local.model import load_model
@@ -271,14 +278,7 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
         assert experts.shape == (len(ids) - 1, 4, info.top_k)  # every layer's row (the dense one's unused)
     for hook in hooks:
         hook.remove()
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
-    cfg = Config(
-        model=dataclasses.replace(model, params_dtype="fp32"),
-        parallel=layout(),
-        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
-        train=TrainConfig(max_tokens_per_micro_batch=64, logprob_chunk_tokens=16),
-    )
+    cfg = r3_replay_config(folder)
     batch = ActorBatch(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
     )

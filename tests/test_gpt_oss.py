@@ -30,6 +30,7 @@ from mrl_configs import (
     hf_config,
     layout,
     megatron_names,
+    r3_replay_config,
     save_random_hf_model,
     tiny_gpt_oss_model,
     with_key,
@@ -233,13 +234,11 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
     and transformers' (a plain forward of each sequence) within 1e-5, right-padded on its own routing, packed
     recording it (R2: the routing recorded is the engine's) and replaying the recorded (right-padded) and the
     engine's (R3, packed); replaying other experts moves them by far more."""
-    import dataclasses
 
     import numpy as np
 
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.micro_batches import TokenBudget
-    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
     from megatron_rl.rollout.local.generator import Generator, GenRequest
     from megatron_rl.rollout.local.model import load_model
     from megatron_rl.rollout.local.weights import CheckpointLayout
@@ -279,14 +278,7 @@ def test_local_engine_serves_it_and_packed_r3_equals_transformers(tmp_path: Path
             assert torch.equal(experts[:, layer].sort(-1).values, chosen[layer][:-1].sort(-1).values), layer
     for hook in hooks:
         hook.remove()
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
-    cfg = Config(
-        model=dataclasses.replace(model, params_dtype="fp32"),
-        parallel=layout(),
-        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
-        train=TrainConfig(max_tokens_per_micro_batch=64, logprob_chunk_tokens=16),
-    )
+    cfg = r3_replay_config(folder)
     batch = ActorBatch(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
     )

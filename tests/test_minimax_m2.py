@@ -27,6 +27,7 @@ from mrl_configs import (
     MINIMAX_M2_TINY,
     actor_log_probs,
     megatron_names,
+    r3_replay_config,
     save_random_hf_model,
     tiny_minimax_model,
     with_key,
@@ -181,18 +182,16 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
     the actor loading the folder) gives the sampled tokens the engine's log-probs within 1e-5 (fp32; the
     engine attends with SDPA), right-padded on its own routing and packed replaying the engine's (R3);
     replaying other experts moves them by far more (the replay is what routes)."""
-    import dataclasses
 
     import numpy as np
 
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.micro_batches import TokenBudget
-    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
     from megatron_rl.rollout.local.generator import Generator, GenRequest
     from megatron_rl.rollout.local.model import load_model
     from megatron_rl.rollout.local.weights import CheckpointLayout
 
-    from mrl_configs import actor_of_one, layout
+    from mrl_configs import actor_of_one
 
     folder = _tiny_folder(tmp_path / "hf")
     served, info = load_model(str(folder))
@@ -220,14 +219,7 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
         assert experts.shape == (len(ids) - 1, 2, 3)
         for layer in range(2):
             assert torch.equal(experts[:, layer].sort(-1).values, chosen[layer][:-1].sort(-1).values), (req.rid, layer)
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
-    cfg = Config(
-        model=dataclasses.replace(model, params_dtype="fp32"),
-        parallel=layout(),
-        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
-        train=TrainConfig(max_tokens_per_micro_batch=48, logprob_chunk_tokens=16),
-    )
+    cfg = r3_replay_config(folder, 48)
     batch = ActorBatch(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
     )

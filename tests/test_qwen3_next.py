@@ -25,7 +25,7 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import layout, megatron_names, save_random_hf_model, with_key
+from mrl_configs import layout, megatron_names, r3_replay_config, save_random_hf_model, with_key
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -220,7 +220,6 @@ def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path
 
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.micro_batches import TokenBudget
-    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
     from megatron_rl.rollout.local.generator import Generator, GenRequest
     from megatron_rl.rollout.local.model import load_model
     from megatron_rl.rollout.local.weights import CheckpointLayout
@@ -254,14 +253,7 @@ def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path
         noise = served(inputs_embeds=noisy).logits.log_softmax(-1) - served(inputs_embeds=embeds).logits.log_softmax(-1)
     tolerance = max(1e-5, 2 * noise.abs().max().item())
     assert all(e.shape == (len(t) - 1, 4, 2) for e, t in zip(routed, tokens, strict=True))
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
-    cfg = Config(
-        model=dataclasses.replace(model, params_dtype="fp32"),
-        parallel=layout(),
-        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
-        train=TrainConfig(max_tokens_per_micro_batch=64, logprob_chunk_tokens=16),
-    )
+    cfg = r3_replay_config(folder)
     batch = ActorBatch(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], advantages=[torch.tensor(1.0) for _ in prompts]
     )
