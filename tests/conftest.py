@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from xdist.scheduler import LoadScopeScheduling
 
 from megatron_rl.cli import pace_garbage_collector
 
@@ -73,19 +74,32 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command),
 # and so may the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; CI runs it in one process,
 # which is faster there). A module is one unit of work, so that its module-scoped fixtures are built
-# once; modules that share a session's straight run (`straight_runs`) are one unit. The e2e modules
-# that take longest go first, so that two workers end together.
+# once; modules that share a session's straight run (`straight_runs`) are one unit. The units come from
+# `WorkUnitScheduling`, not from xdist_group marks: pytest 9 keeps a node's id apart from the
+# `_nodeid` that xdist 3.8 appends the group to, so marked groups are split over both workers. The e2e
+# modules that take longest go first, so that two workers end together.
 SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
 LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
 
 
-def work_unit(item: pytest.Item) -> str:
-    """The xdist group of a test: its module's name, or the unit of modules sharing a launch."""
-    module = item.path.stem
-    return SHARED_UNITS.get(module, module)
+def work_unit(test_file: Path) -> str:
+    """The unit of work of the tests in `test_file`: its module's name, or the unit of modules sharing a launch."""
+    return SHARED_UNITS.get(test_file.stem, test_file.stem)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers, and before xdist reads the groups
+class WorkUnitScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with `work_unit` as the scope: every test of a unit goes to one worker."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(Path(nodeid.split("::", 1)[0]))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    """`--dist loadgroup` schedules by `work_unit`; the other modes are xdist's own."""
+    return WorkUnitScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
@@ -93,7 +107,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
     rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the order within is kept
 

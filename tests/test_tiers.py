@@ -6,10 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import launch_in, work_unit
+from conftest import WorkUnitScheduling, launch_in, work_unit
 
 PY = sys.executable
 
@@ -56,7 +55,10 @@ def test_an_unmarked_test_cannot_launch_one() -> None:
 
 def test_modules_that_share_a_straight_run_are_one_unit_of_work_and_others_their_own() -> None:
     def unit(module: str) -> str:
-        return work_unit(SimpleNamespace(path=Path("tests") / f"{module}.py"))
+        return work_unit(Path("tests") / f"{module}.py")
 
     assert unit("test_trainer") == unit("test_faults") != unit("test_async")
     assert unit("test_async") == "test_async" and unit("test_slurm") == "test_slurm"
+    scheduling = WorkUnitScheduling.__new__(WorkUnitScheduling)  # the scope of a node id as the controller sees it
+    assert scheduling._split_scope("tests/test_faults.py::test_a[x::y]") == unit("test_trainer")
+    assert scheduling._split_scope("tests/test_async.py::test_b") == "test_async"
