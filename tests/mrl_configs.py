@@ -85,7 +85,6 @@ MINIMAX_M2_TINY: dict[str, Any] = dict(
 
 def tiny_minimax_model(**fields: Any) -> ModelConfig:
     """The fp32 Megatron `model` of `MINIMAX_M2_TINY` as transformers writes its config.json; `fields` override it."""
-    import json
 
     from transformers import MiniMaxM2Config
 
@@ -265,7 +264,6 @@ def write_plan_config(root: Path, folder: str, hf_config: dict[str, Any], yaml: 
     """A Slurm planner's config (tests/test_slurm.py, tests/test_jobcheck.py): `hf_config` as
     ROOT/FOLDER/config.json and ROOT/YAML naming it, its model section the same shape (validated against
     the layout before config.json is read), bf16 with recompute, TP 4, EP 8, ETP 1 as in docs/slurm.md."""
-    import json
 
     from megatron_rl.models.hf_config import model_config_from_hf
 
@@ -289,7 +287,6 @@ def write_plan_config(root: Path, folder: str, hf_config: dict[str, Any], yaml: 
 
 def hf_config_json(family: str, size: str = "split", **overrides: Any) -> dict[str, Any]:
     """The config.json dict `save_pretrained` writes for `hf_config(family, size, **overrides)`."""
-    import json
 
     from megatron_rl.models.hf_config import _HF_CLASS
 
@@ -500,19 +497,3 @@ def megatron_names(mapping: Any) -> list[str]:
                 experts = range(model.num_experts or 0) if "{expert}" in rule.megatron else [None]
                 names += [rule.megatron.format(layer=layer, expert=e) for e in experts]
     return names
-
-
-def r3_replay_config(folder: Path, micro_batch_tokens: int = 64) -> Any:
-    """The config of an engine-against-trainer check of the HF folder `folder`: its model in fp32 on one rank, GRPO
-    with R3 routing replay, the engine returning the routed experts, micro-batches of `micro_batch_tokens`."""
-    from megatron_rl.config import Config, RolloutConfig, TrainConfig, preset
-    from megatron_rl.models.hf_config import model_config_from_hf
-
-    model = model_config_from_hf(json.loads((folder / "config.json").read_text()), hf_path=str(folder))
-    return Config(
-        model=dataclasses.replace(model, params_dtype="fp32"),
-        parallel=layout(),
-        rollout=RolloutConfig(temperature=1.0, return_routed_experts=True),
-        algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
-        train=TrainConfig(max_tokens_per_micro_batch=micro_batch_tokens, logprob_chunk_tokens=16),
-    )

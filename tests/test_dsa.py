@@ -33,10 +33,10 @@ from mrl_configs import (
     hf_config,
     layout,
     megatron_names,
-    r3_replay_config,
     save_random_hf_model,
     with_key,
 )
+from mrl_replay import r3_replay_config
 
 _CLASSES = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}
 

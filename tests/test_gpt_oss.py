@@ -30,11 +30,11 @@ from mrl_configs import (
     hf_config,
     layout,
     megatron_names,
-    r3_replay_config,
     save_random_hf_model,
     tiny_gpt_oss_model,
     with_key,
 )
+from mrl_replay import r3_replay_config
 
 # openai/gpt-oss-120b's config.json without its quantization_config (the MXFP4 release; a bf16 copy's keys).
 GPT_OSS_120B: dict[str, Any] = {

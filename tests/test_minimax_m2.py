@@ -27,11 +27,11 @@ from mrl_configs import (
     MINIMAX_M2_TINY,
     actor_log_probs,
     megatron_names,
-    r3_replay_config,
     save_random_hf_model,
     tiny_minimax_model,
     with_key,
 )
+from mrl_replay import r3_replay_config
 
 # MiniMaxAI/MiniMax-M2's config.json (bf16 shape; the Hub release adds an FP8 quantization_config).
 MINIMAX_M2: dict[str, Any] = {

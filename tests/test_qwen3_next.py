@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from presets import QWEN3_NEXT_80B
 from safetensors.torch import load_file
 
 from megatron_rl.config import ConfigError, LoraConfig
@@ -25,7 +26,8 @@ from megatron_rl.models.hf_config import ConversionError, hf_config_from_model, 
 from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
-from mrl_configs import layout, megatron_names, r3_replay_config, save_random_hf_model, with_key
+from mrl_configs import layout, megatron_names, save_random_hf_model, with_key
+from mrl_replay import r3_replay_config
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -38,18 +40,6 @@ _TINY = dict(
     shared_expert_intermediate_size=14, layer_types=_LAYERS,
     rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
 )  # fmt: skip
-# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (the Hub's spelling).
-QWEN3_NEXT_80B: dict[str, Any] = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
-    "decoder_sparse_step": 1, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
-    "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
-    "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512, "norm_topk_prob": True,
-    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
-    "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 10000000, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
-}  # fmt: skip
 
 
 def _hf_config(family: str) -> Any:
