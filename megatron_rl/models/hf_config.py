@@ -180,6 +180,33 @@ def _rope_theta(hf: dict[str, Any], source: str) -> float:
     return hf_float(hf, source, "rope_theta")
 
 
+def partial_rope_fields(
+    hf: dict[str, Any], source: str, head_dim: int, *, keys: frozenset[str], default_partial: float, family: str
+) -> dict[str, Any]:
+    """`rope_theta` and `rotary_percent` of a plain RoPE on part of each head: from `rope_parameters`
+    (transformers 5) or `rope_scaling`, else config.json's top-level `rope_theta`, `partial_rotary_factor` or
+    `rotary_dim`; a section key outside `keys`, a scaled RoPE or an odd number of rotated dimensions is refused."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope, within = hf_section(hf, source, key), f"{source}: {key}"
+    unknown = sorted(set(rope) - keys)
+    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the {family} mapping")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
+    theta = hf_float(rope, within, "rope_theta", default=None)
+    theta = hf_float(hf, source, "rope_theta") if theta is None else theta
+    partial = hf_float(rope, within, "partial_rotary_factor", default=None)
+    if partial is None and hf.get("rotary_dim") is not None:
+        partial = hf_int(hf, source, "rotary_dim") / head_dim
+    partial = hf_float(hf, source, "partial_rotary_factor", default=default_partial) if partial is None else partial
+    rotated = partial * head_dim
+    refuse(
+        0 < partial <= 1 and rotated == int(rotated) and int(rotated) % 2 == 0,
+        source,
+        f"partial_rotary_factor {partial} x head_dim {head_dim} is not an even number of rotated dimensions",
+    )
+    return dict(rope_theta=theta, rotary_percent=partial)
+
+
 def refuse(ok: bool, source: str, message: str) -> None:
     """ConversionError `source: message` unless `ok` (the families' config.json readers)."""
     if not ok:

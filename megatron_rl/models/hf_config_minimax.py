@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.hf_config import ConversionError, hf_float, hf_int, hf_section, refuse, shared_fields
+from megatron_rl.models.hf_config import ConversionError, hf_int, partial_rope_fields, refuse, shared_fields
 
 # Not architecture: training, generation, tokenizer, loader and bookkeeping settings. `mlp_intermediate_size`
 # sizes a dense MLP that no layer has (every layer is MoE); the MTP keys describe layers that are not imported.
@@ -61,28 +61,6 @@ _FIXED: dict[str, tuple[Any, ...]] = {
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
-def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, Any]:
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope, within = hf_section(hf, source, key), f"{source}: {key}"
-    unknown = sorted(set(rope) - _ROPE_KEYS)
-    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by the minimax_m2 mapping")
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
-    theta = hf_float(rope, within, "rope_theta", default=None)
-    theta = hf_float(hf, source, "rope_theta") if theta is None else theta
-    partial = hf_float(rope, within, "partial_rotary_factor", default=None)
-    if partial is None and hf.get("rotary_dim") is not None:
-        partial = hf_int(hf, source, "rotary_dim") / head_dim
-    partial = hf_float(hf, source, "partial_rotary_factor", default=1.0) if partial is None else partial
-    rotated = partial * head_dim
-    refuse(
-        0 < partial <= 1 and rotated == int(rotated) and int(rotated) % 2 == 0,
-        source,
-        f"partial_rotary_factor {partial} x head_dim {head_dim} is not an even number of rotated dimensions",
-    )
-    return dict(rope_theta=theta, rotary_percent=partial)
-
-
 def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """The architecture fields of `ModelConfig` of a MiniMax-M2 config.json."""
     unknown = sorted(set(hf) - _IGNORED - _MAPPED - set(_FIXED))
@@ -117,7 +95,7 @@ def minimax_model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         fields["moe_router_topk"] > 1, source, "num_experts_per_tok = 1 is not supported (transformers' gate is "
         "then 1, Megatron's the sigmoid score)",
     )  # fmt: skip
-    fields.update(_rope_fields(hf, source, head_dim))
+    fields.update(partial_rope_fields(hf, source, head_dim, keys=_ROPE_KEYS, default_partial=1.0, family="minimax_m2"))
     return fields
 
 

@@ -21,7 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.config import LinearAttentionConfig
-from megatron_rl.models.hf_config import ConversionError, hf_float, hf_int, hf_section, refuse, shared_fields
+from megatron_rl.models.hf_config import (
+    ConversionError,
+    hf_int,
+    hf_section,
+    partial_rope_fields,
+    refuse,
+    shared_fields,
+)
 
 QWEN3_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -77,30 +84,15 @@ def _interval(hf: dict[str, Any], source: str, layers: int) -> int:
     return period
 
 
-def _rope_fields(hf: dict[str, Any], source: str, head_dim: int) -> dict[str, Any]:
+def _rope_fields(hf: dict[str, Any], source: str, head_dim: int, family: str) -> dict[str, Any]:
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope, within = hf_section(hf, source, key), f"{source}: {key}"
-    unknown = sorted(set(rope) - _ROPE_KEYS)
-    refuse(not unknown, source, f"{key}.{unknown[0] if unknown else ''} is not handled by this mapping")
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    refuse(kind == "default", source, f"{key} rope_type = {kind!r} is not supported (plain RoPE only)")
-    section = rope.get("mrope_section")
+    section = hf_section(hf, source, key).get("mrope_section")
     refuse(
         section is None or (isinstance(section, list) and len(section) == 3),
         source,
         f"{key}.mrope_section = {section!r} is not a list of 3 (text positions are equal on all three)",
     )
-    theta = hf_float(rope, within, "rope_theta", default=None)
-    theta = hf_float(hf, source, "rope_theta") if theta is None else theta
-    partial = hf_float(rope, within, "partial_rotary_factor", default=None)
-    partial = hf_float(hf, source, "partial_rotary_factor", default=0.25) if partial is None else partial
-    rotated = partial * head_dim
-    refuse(
-        0 < partial <= 1 and rotated == int(rotated) and int(rotated) % 2 == 0,
-        source,
-        f"partial_rotary_factor {partial} x head_dim {head_dim} is not an even number of rotated dimensions",
-    )
-    return dict(rope_theta=theta, rotary_percent=partial)
+    return partial_rope_fields(hf, source, head_dim, keys=_ROPE_KEYS, default_partial=0.25, family=family)
 
 
 def _next_moe_fields(hf: dict[str, Any], source: str, layers: int) -> dict[str, Any]:
@@ -152,7 +144,7 @@ def qwen3_next_model_fields(hf: dict[str, Any], family: str, source: str) -> dic
     )
     if family == "qwen3_next":
         fields.update(_next_moe_fields(hf, source, layers))
-    fields.update(_rope_fields(hf, source, head_dim))
+    fields.update(_rope_fields(hf, source, head_dim, family))
     return fields
 
 
