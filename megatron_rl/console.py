@@ -68,6 +68,21 @@ HARMLESS_WARNINGS: tuple[HarmlessWarning, ...] = (
         "collectives themselves are unchanged",
     ),
     HarmlessWarning(
+        FutureWarning,
+        r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load` instead",
+        r"megatron_rl\.models\.torch_dist_io|megatron\.core\.dist_checkpointing\.",
+        "reading a Megatron checkpoint (`checkpoint.load`, `--resume`, a reference or critic checkpoint) calls "
+        "torch.distributed.checkpoint's `load_state_dict` with Megatron's load planner, as Megatron-Core's "
+        "torch_dist strategy does; the read itself is unchanged",
+    ),
+    HarmlessWarning(
+        FutureWarning,
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"megatron_rl\.|megatron\.core\.|torch\.distributed\.",
+        "Megatron's torch_dist checkpoints are read and written through torch's ShardedTensor (as "
+        "Megatron-Core does); torch deprecates the class, not the checkpoint format",
+    ),
+    HarmlessWarning(
         UserWarning,
         r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         r"megatron\.core\.optimizer\.|megatron_rl\.parallel\.cpu_compat",

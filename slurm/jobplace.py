@@ -74,6 +74,8 @@ class JobPlan:
     master_addr: str
     engines: list[Engine]
     trainer_overrides: list[str] = field(default_factory=list)
+    # PRESET's layout (slurm/presets.py): the trainer gets it before the job's own overrides, which win
+    preset_overrides: list[str] = field(default_factory=list)
     router: bool | None = False  # None: lib.sh's default (when sglang_router imports)
     api_key: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # exported to every step (trainer and engines)
@@ -311,13 +313,16 @@ def make_plan(
     (TEACHER_NODES, TEACHER_GPUS, TEACHER_ARGS): the servers of `distill.teacher` (slurm/jobteacher.py)."""
     from megatron_rl.config import load_config
 
+    preset_keys: list[str] = []
     if preset:
-        from presets import preset_overrides
+        from presets import preset_overrides, trainer_preset_overrides
 
         try:
-            overrides = [*preset_overrides(preset), *overrides]
+            preset_keys = preset_overrides(preset)
         except ValueError as err:
             raise PlanError(str(err)) from None
+        overrides = [*preset_keys, *overrides]
+        preset_keys = trainer_preset_overrides(preset_keys)
 
     if mode not in ("disaggregated", "colocated"):
         raise PlanError(f"mode {mode!r}; allowed: disaggregated, colocated")
@@ -431,6 +436,7 @@ def make_plan(
         master_addr=addr_of[nodes[0]],
         engines=engines,
         trainer_overrides=forced,
+        preset_overrides=preset_keys,
         router=False if external or mode == "colocated" else router,
         api_key=cfg.rollout.api_key,
         env=_job_env(mode, gpus_per_node, dict(os.environ if environ is None else environ)),

@@ -29,6 +29,7 @@ def to_shell(plan: JobPlan) -> str:
         f"WORLD_SIZE_PLANNED={plan.world_size}",
         f"MASTER_ADDR={q(plan.master_addr)}",
         array("TRAINER_OVERRIDES", plan.trainer_overrides),
+        array("PRESET_OVERRIDES", plan.preset_overrides),
         f"ENGINE_COUNT={len(plan.engines)}",
         array("EXTERNAL_URLS", plan.external_urls),
         f"START_ROUTER={'auto' if plan.router is None else int(plan.router)}",
@@ -70,6 +71,8 @@ def describe(plan: JobPlan) -> str:
         f"run folder {plan.run_dir}, logs {plan.log_dir}",
         "trainer overrides: " + " ".join(plan.trainer_overrides),
     ]
+    if plan.preset_overrides:
+        out.append("preset overrides (before the job's own): " + " ".join(plan.preset_overrides))
     if plan.env:
         out.append("exported to every step: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
     return "\n".join(out + [f"warning: {w}" for w in plan.warnings])

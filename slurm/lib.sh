@@ -361,7 +361,7 @@ run_job() {
   [[ $PLAN_MODE == colocated ]] && overlap=(--overlap) # the trainer shares the nodes with the engines
   local -a resume=()
   [[ ${RESUME:-1} == 1 ]] && resume=(--resume-if-any) # a first job starts afresh; a damaged run is refused
-  local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
+  local -a trainer=("$PYTHON" -m megatron_rl.cli train "$config" "${PRESET_OVERRIDES[@]}" "${overrides[@]}" "${TRAINER_OVERRIDES[@]}")
   if [[ ${DRY_RUN:-0} == 1 ]]; then
     local i urls='rollout.sglang_urls=[...]'
     ((${#EXTERNAL_URLS[@]})) && urls="(the config's rollout.sglang_urls: ${EXTERNAL_URLS[*]})"

@@ -249,3 +249,14 @@ def preset_overrides(name: str) -> list[str]:
     out += [f"parallel.{k}={v}" for k, v in preset.layout.items()]
     out += [f"rollout.{k}={v}" for k, v in preset.rollout.items()]
     return out
+
+
+# the model keys of a preset that are the run's choices, not the checkpoint's shape
+RUN_CHOICES = ("model.params_dtype", "model.recompute", "model.recompute_modules")
+
+
+def trainer_preset_overrides(overrides: list[str]) -> list[str]:
+    """Of `preset_overrides(name)`, those the job's trainer gets before the job's own overrides: the layout, the
+    rollout settings and bf16 with recompute. The model's shape is left out: the trainer reads it from
+    `model.hf_path`'s config.json (or `checkpoint.load`), which wins over model keys anyway."""
+    return [o for o in overrides if not o.startswith("model.") or o.split("=", 1)[0] in RUN_CHOICES]

@@ -62,6 +62,31 @@ def test_debug_level_shows_every_warning(console: None, monkeypatch: pytest.Monk
     assert logging.getLogger("megatron_rl.trainer").isEnabledFor(logging.DEBUG)
 
 
+@pytest.mark.parametrize(
+    ("message", "module"),
+    [
+        (
+            "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+            "megatron_rl.models.torch_dist_io",
+        ),
+        ("Please use DTensor instead and we are deprecating ShardedTensor.", "megatron_rl.parallel.cpu_compat"),
+    ],
+)
+def test_checkpoint_reads_deprecation_notices_are_hidden_unless_debug(
+    console: None, monkeypatch: pytest.MonkeyPatch, message: str, module: str
+) -> None:
+    """torch's FutureWarnings at every read of a Megatron checkpoint (`checkpoint.load`, `--resume`), which the
+    console printed with a run's first lines, attributed to the modules that issue them on CPU."""
+    for level, shown in ((None, False), ("debug", True)):
+        if level:
+            monkeypatch.setenv(LOG_LEVEL_VARIABLE, level)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            configure_console()
+            warnings.warn_explicit(message, FutureWarning, "x.py", 1, module=module)
+        assert [str(w.message) for w in caught] == ([message] if shown else [])
+
+
 @pytest.mark.parametrize("level, shown", [(None, False), ("debug", True)])
 def test_harmless_log_record_is_dropped_unless_debug(
     console: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, level: str | None, shown: bool

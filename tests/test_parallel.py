@@ -106,3 +106,38 @@ def test_backend_choice() -> None:
     assert resolve_backend("gloo", cuda_available=True) == "gloo"
     with pytest.raises(ConfigError, match="parallel.backend = 'nccl' needs CUDA"):
         resolve_backend("nccl", cuda_available=False)
+
+
+def test_a_world_of_one_takes_another_port_when_its_own_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ensure_launch_env chooses a port free at that moment, which another process on the machine may bind before
+    the rendezvous does (EADDRINUSE, seen on a shared machine): the world of one tries again on another free port,
+    MASTER_PORT following; a launcher's port (torchrun's, Slurm's), which every rank agreed on, is never changed."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import launch, state
+
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.setattr(launch, "_picked_port", None)
+    launch.ensure_launch_env()
+    first = read_launch_env(os.environ)
+    calls: list[str] = []
+
+    def init_process_group(**kwargs: object) -> None:
+        calls.append(str(kwargs["init_method"]))
+        if len(calls) == 1:
+            raise dist.DistNetworkError(f"failed to listen on any local network address. port: {first.master_port}, "
+                                        "code: -98, name: EADDRINUSE, message: address already in use")  # fmt: skip
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    state.join_world("gloo", first, datetime.timedelta(seconds=5))
+    assert calls == [f"tcp://127.0.0.1:{first.master_port}", f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"]
+    assert os.environ["MASTER_PORT"] != str(first.master_port)
+
+    calls.clear()
+    torchrun = read_launch_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", **RDV})
+    with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
+        state.join_world("gloo", torchrun, datetime.timedelta(seconds=5))
+    assert calls == ["tcp://10.0.0.1:29500"]

@@ -827,6 +827,28 @@ def test_presets_plan_on_their_h100_clusters_with_rollout_nodes(
     assert published[name] == pytest.approx(total, abs=0.1)
     with pytest.raises(jobplan.PlanError, match=r"world size .* is not divisible by"):
         _preset_plan(preset_configs, name, preset.train_nodes // 2 - 1)
+    # the trainer gets the layout too (lib.sh: before the job's own overrides), without the model's shape
+    trainer = load_config(str(preset_configs / f"{name}.yaml"), p.preset_overrides).parallel
+    assert vars(trainer) == vars(par)
+    assert not [o for o in p.preset_overrides if o.startswith("model.") and o.split("=")[0] not in presets.RUN_CHOICES]
+
+
+def test_dry_run_trainer_command_holds_the_presets_layout(preset_configs: Path, tmp_path: Path) -> None:
+    """PRESET=name lays out the trainer as well as the plan: its command gets the preset's layout before the
+    job's own overrides (which win); before, only the planner saw it and the trainer ran the YAML's layout."""
+    env = job_env(PATH=path_without_slurm(tmp_path), DRY_RUN="1", NODES="32", GPUS_PER_NODE="8", TRAIN_NODES="28")
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")} | {"ROUTER": "0", "PRESET": "deepseek-v3-671b"}
+    config = str(preset_configs / "deepseek-v3-671b.yaml")
+    done = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), config, "train.lr=2e-6"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (trainer,) = [line for line in done.stdout.splitlines() if " trainer on node1," in line]
+    words = trainer.split(f" train {config} ", 1)[1].split()
+    layout = "parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=7"
+    assert layout in " ".join(words) and words.index("train.lr=2e-6") > words.index("rollout.engine_gpus=32")
+    assert "preset overrides (before the job's own): model.params_dtype=bf16" in done.stderr
 
 
 def test_preset_memory_check_refuses_a_layout_that_does_not_fit(preset_configs: Path) -> None:

@@ -95,3 +95,27 @@ def test_a_backend_unknown_or_named_twice_is_refused(backends: str, error: str) 
 
     with pytest.raises(ConfigError, match=error):
         load_config(overrides=[f"logging.backends={backends}"])
+
+
+def test_an_mlflow_store_that_cannot_be_opened_is_one_config_error(tmp_path: Path, monkeypatch) -> None:
+    """MLflow 3's default store (sqlite:///mlflow.db) without the full `mlflow` package, or a file: store without
+    MLFLOW_ALLOW_FILE_STORE, raises from MlflowClient: one config error naming the key, not MLflow's traceback."""
+    import mlflow.tracking
+
+    from megatron_rl.config import ConfigError
+
+    class Refusing:
+        def __init__(self, tracking_uri: str | None = None) -> None:
+            raise RuntimeError(
+                f"Model registry functionality is unavailable; got unsupported URI {tracking_uri!r}\n..."
+            )
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", Refusing)
+    settings = LoggingConfig(backends=["mlflow"], mlflow_tracking_uri="sqlite:///x.db")
+    with pytest.raises(
+        ConfigError,
+        match=r"^logging.backends has mlflow, but its tracking store \(sqlite:///x.db\) cannot"
+        r" be opened: RuntimeError: Model registry .* 'sqlite:///x.db'; set logging.mlflow_tracking_uri"
+        r" .* pip install mlflow \(its local sqlite store needs the full package, not mlflow-skinny\)$",
+    ):
+        open_trackers(settings, tmp_path, resume=False, tensorboard_purge_step=None)

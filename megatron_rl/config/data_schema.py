@@ -27,7 +27,9 @@ class DataConfig:
     eval_names: list = _f(
         [], "with a list of eval files: the NAME of each in eval/NAME/... metrics; empty = the files' stems"
     )
-    tokenizer_path: str | None = _f(None, "tokenizer folder; null = model.hf_path")
+    tokenizer_path: str | None = _f(
+        None, "tokenizer folder; null = model.hf_path, else the hf_config/ of a converted checkpoint.load"
+    )
     prompt_key: str = _f("prompt", "row key of the prompt (a string or chat messages); dots for nesting")
     answer_key: str = _f("reward_model.ground_truth", "row key of the reference answer; dots for nesting")
     response_key: str = _f(

@@ -451,7 +451,7 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = _f(None, "checkpoint folder; null = RUN_DIR/checkpoints")
     every: int = _f(0, "save every n steps; 0 = only at the end", ge=0)
-    load: str | None = _f(None, "Megatron checkpoint to start from")
+    load: str | None = _f(None, "Megatron checkpoint to start from (a converted one: also the model and tokenizer)")
     keep_last: int = _f(2, "checkpoints kept on disk", ge=1)
     export_hf: bool = _f(True, "export the final policy as a Hugging Face folder")
     preempt_timeout_s: float = _f(

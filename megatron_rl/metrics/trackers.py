@@ -7,7 +7,9 @@ MLflow, each an optional package, written on the logging rank with every step's 
   `logging.mlflow_experiment`.
 The run's name is `logging.run_name` (null: the run folder's name). A resumed run appends to the same W&B and
 MLflow runs: their ids are kept in RUN_DIR/trackers.json. A chosen wandb or mlflow whose package cannot be
-imported is a config error before the start (`missing_tracker_packages`, run by `validation.validate_run`).
+imported is a config error before the start (`missing_tracker_packages`, run by `validation.validate_run`); an
+MLflow tracking store that cannot be opened (MLflow 3's default sqlite store without the full package) is one
+when the trackers open, on the logging rank.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_rl.config import LoggingConfig
+from megatron_rl.config import ConfigError, LoggingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,10 @@ class _Mlflow:
     def __init__(self, settings: LoggingConfig, name: str, run_id: str | None) -> None:
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+        try:
+            self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+        except Exception as err:  # the store of the URI: MLflow's own exception types, which vary by version
+            raise _store_error(settings, err) from err
         if run_id is None:
             experiment = self.client.get_experiment_by_name(settings.mlflow_experiment)
             experiment_id = (
@@ -96,6 +101,21 @@ class _Mlflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def _store_error(settings: LoggingConfig, err: Exception) -> ConfigError:
+    """One line for an MLflow tracking store that cannot be opened, naming what to set instead of MLflow's
+    traceback. MLflow 3 without a URI uses sqlite:///mlflow.db, which needs the full `mlflow` package
+    (SQLAlchemy), not `mlflow-skinny`, and refuses file: stores unless MLFLOW_ALLOW_FILE_STORE=true."""
+    import mlflow
+
+    uri = settings.mlflow_tracking_uri or f"MLflow's default, {mlflow.get_tracking_uri()}"
+    reason = (str(err).strip().splitlines() or [""])[0][:300]
+    return ConfigError(
+        f"logging.backends has mlflow, but its tracking store ({uri}) cannot be opened: {type(err).__name__}: "
+        f"{reason}; set logging.mlflow_tracking_uri to a tracking server (http://HOST:PORT) or $MLFLOW_TRACKING_URI, "
+        "or pip install mlflow (its local sqlite store needs the full package, not mlflow-skinny)"
+    )
 
 
 def open_trackers(settings: LoggingConfig, run_dir: Path, *, resume: bool, tensorboard_purge_step: int | None) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping
@@ -70,7 +71,24 @@ def ensure_launch_env() -> None:
     """A process started without torchrun/srun gets the variables of a world of one (a free local port)."""
     if any(v in os.environ for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")):
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    global _picked_port
+    _picked_port = free_port()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_picked_port))
+
+
+_picked_port: int | None = None  # the MASTER_PORT ensure_launch_env chose for this process's world of one
+
+
+def repick_port(env: LaunchEnv) -> LaunchEnv | None:
+    """`env` with another free port when it is the world of one whose MASTER_PORT `ensure_launch_env` chose (a port
+    free when chosen can be bound by another process before the rendezvous binds it: EADDRINUSE); MASTER_PORT
+    follows. None for a launcher's port (torchrun's, Slurm's), which every rank must agree on."""
+    global _picked_port
+    if env.world_size != 1 or _picked_port is None or env.master_port != _picked_port:
+        return None
+    _picked_port = free_port()
+    os.environ["MASTER_PORT"] = str(_picked_port)
+    return dataclasses.replace(env, master_port=_picked_port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.parallel import cpu_compat
-from megatron_rl.parallel.launch import LaunchEnv, read_launch_env
+from megatron_rl.parallel.launch import LaunchEnv, read_launch_env, repick_port
 from megatron_rl.parallel.layout import ParallelLayout, check_layout
 
 
@@ -73,6 +73,26 @@ def _current_megatron_sizes() -> tuple[int, int, int, int, int]:
     )
 
 
+def join_world(backend: str, env: LaunchEnv, timeout: datetime.timedelta, tries: int = 3) -> None:
+    """torch.distributed's process group at `env`'s rendezvous. A world of one whose port was taken between
+    choosing and binding it (EADDRINUSE: another process on the machine) tries again on another free port."""
+    for attempt in range(tries):
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
+            return
+        except dist.DistNetworkError as err:
+            again = repick_port(env) if "EADDRINUSE" in str(err) and attempt + 1 < tries else None
+            if again is None:
+                raise
+            env = again
+
+
 def init_distributed(
     parallel: ParallelConfig,
     model: ModelConfig | None = None,
@@ -111,13 +131,7 @@ def init_distributed(
                 f"not rank {env.rank} of {env.world_size}"
             )
     else:
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
+        join_world(backend, env, timeout)
     if ps.model_parallel_is_initialized():
         if _current_megatron_sizes() != _megatron_sizes(layout):
             raise RuntimeError(

@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the reward function: a built-in rule (dapo, boxed, math_verify) or module:function / path/file.py:function",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free port)")
     parser.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})"
     )

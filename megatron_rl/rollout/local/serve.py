@@ -30,7 +30,9 @@ log = logging.getLogger("megatron_rl.serve")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=30000, help="port to listen on (0 = any free port)")
+    parser.add_argument(
+        "--port", type=int, default=30000, help="port to listen on (default 30000, as SGLang; 0 = any free port)"
+    )
     parser.add_argument(
         "--api-key",
         default=None,
