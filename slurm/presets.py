@@ -208,7 +208,7 @@ PRESETS: dict[str, Preset] = {
         train_nodes=32,
         rollout={"engine_gpus": 32},
     ),
-    # Gated DeltaNet takes no TP or CP (models.gated_delta): pipeline stages and expert parallelism only.
+    # Gated DeltaNet takes no CP (models.gated_delta); its 80 B fit without TP: pipeline stages and expert parallelism.
     "qwen3-next-80b-a3b": Preset(
         QWEN3_NEXT_80B,
         {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 16, "expert_tensor_parallel_size": 1},

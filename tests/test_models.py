@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.models.builder import padded_vocab_size, transformer_config
 from megatron_rl.models.families import check_family, moe_layer_pattern
-from megatron_rl.models.init import ParamShard, deterministic_full_tensor, take_shard
+from megatron_rl.models.init import ParamShard, _join_shards, deterministic_full_tensor, take_shard
 
 
 @pytest.mark.parametrize(
@@ -92,18 +94,25 @@ def test_transformer_config_options() -> None:
         transformer_config(qwen2, ParallelConfig(), enable_routing_replay=True)
 
 
-def _shard(shape: tuple[int, ...], dim: int, rank: int, count: int, glu: bool) -> ParamShard:
-    return ParamShard("w", "w", torch.nn.Parameter(torch.empty(shape)), dim, rank, count, glu, False)
+def _shard(shape: tuple[int, ...], dim: int | None, rank: int, count: int, sections: tuple[int, ...]) -> ParamShard:
+    return ParamShard("w", "w", torch.nn.Parameter(torch.empty(shape)), dim, rank, count, sections, False)
 
 
-def test_take_shard_splits_swiglu_halves_separately() -> None:
+def test_take_shard_splits_sections_separately() -> None:
     full = torch.arange(8.0).reshape(8, 1)  # rows 0-3 gate, 4-7 up
-    assert take_shard(full, _shard((4, 1), 0, 0, 2, glu=True)).flatten().tolist() == [0, 1, 4, 5]
-    assert take_shard(full, _shard((4, 1), 0, 1, 2, glu=True)).flatten().tolist() == [2, 3, 6, 7]
-    assert take_shard(full, _shard((4, 1), 0, 1, 2, glu=False)).flatten().tolist() == [4, 5, 6, 7]
-    rows = torch.arange(6.0).reshape(1, 6)
-    assert take_shard(rows, _shard((1, 2), 1, 2, 3, glu=False)).tolist() == [[4, 5]]
-    assert take_shard(rows, _shard((1, 6), None, 0, 3, glu=False)) is rows
+    assert take_shard(full, _shard((4, 1), 0, 0, 2, (4, 4))).flatten().tolist() == [0, 1, 4, 5]
+    assert take_shard(full, _shard((4, 1), 0, 1, 2, (4, 4))).flatten().tolist() == [2, 3, 6, 7]
+    assert take_shard(full, _shard((4, 1), 0, 1, 2, ())).flatten().tolist() == [4, 5, 6, 7]
+    # DeltaNet's in_proj: [q, k, v, z, b, a] of 2, 2, 4, 4, 2, 2 rows, each section halved over 2 ranks
+    rows = torch.arange(16.0).reshape(16, 1)
+    first = _shard((8, 1), 0, 0, 2, (2, 2, 4, 4, 2, 2))
+    assert take_shard(rows, first).flatten().tolist() == [0, 2, 4, 5, 8, 9, 12, 14]
+    second = dataclasses.replace(first, shard_rank=1)
+    assert take_shard(rows, second).flatten().tolist() == [1, 3, 6, 7, 10, 11, 13, 15]
+    assert torch.equal(_join_shards([take_shard(rows, first), take_shard(rows, second)], first), rows)
+    columns = torch.arange(6.0).reshape(1, 6)
+    assert take_shard(columns, _shard((1, 2), 1, 2, 3, ())).tolist() == [[4, 5]]
+    assert take_shard(columns, _shard((1, 6), None, 0, 3, ())) is columns
 
 
 def test_deterministic_values_depend_on_name_only() -> None:

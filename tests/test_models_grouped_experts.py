@@ -56,8 +56,8 @@ def test_grouped_expert_partition_dims_follow_the_role_at_etp2(monkeypatch: pyte
         for fc in ("linear_fc1", "linear_fc2")
         for e in (0, 1)
     ]
-    assert [(s.partition_dim, s.glu, s.full_shape) for s in shards] == [(0, True, (2 * M, H))] * 2 + [
-        (1, False, (H, M))
+    assert [(s.partition_dim, s.sections, s.full_shape) for s in shards] == [(0, (M, M), (2 * M, H))] * 2 + [
+        (1, (), (H, M))
     ] * 2  # fc2 is split over its input dimension: the HF down_proj is [H, M]
     for per_rank in zip(*by_rank, strict=True):
         full = deterministic_full_tensor(per_rank[0].global_name, per_rank[0].full_shape, model, seed=1)

@@ -97,8 +97,8 @@ def test_refusals_name_the_field(path: str, value: Any, needle: str) -> None:
 
 
 def test_settings_only_the_families_have() -> None:
-    """The DeltaNet section belongs to these families; TP and CP (no TP sections of in_proj, no state passed over
-    CP ranks) and LoRA (no adapters on DeltaNet's projections) are refused by name for them."""
+    """The DeltaNet section belongs to these families; CP (no state passed over CP ranks), a TP size that does not
+    divide the key heads, and LoRA (no adapters on DeltaNet's projections) are refused by name for them."""
     from megatron_rl.models.attention_choice import check_attention_backend
     from megatron_rl.models.families import check_family
     from megatron_rl.models.lora_targets import check_target_modules
@@ -110,10 +110,13 @@ def test_settings_only_the_families_have() -> None:
     with pytest.raises(ConfigError, match=r"has no model.linear_attention.full_attention_interval \(only qwen3_next"):
         check_family(dataclasses.replace(other, linear_attention=linear))
     model = model_config_from_hf(QWEN3_NEXT_80B)
-    for key, kwargs in (("tensor_model_parallel_size = 2", dict(tp=2)), ("context_parallel_size = 2", dict(cp=2))):
-        with pytest.raises(ConfigError, match=f"parallel.{key}: model.family = 'qwen3_next' has Gated DeltaNet"):
-            check_attention_backend(model, layout(**kwargs), transformer_engine=False)
-    check_attention_backend(model, layout(ep=8, pp=2), transformer_engine=False)
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size = 2: model.family = 'qwen3_next' has Gat"):
+        check_attention_backend(model, layout(cp=2), transformer_engine=False)
+    with pytest.raises(
+        ConfigError, match=r"tensor_model_parallel_size \(32\) must divide model.linear_attention.num_k"
+    ):
+        check_attention_backend(model, layout(tp=32), transformer_engine=False)  # 16 key heads, 32 value heads
+    check_attention_backend(model, layout(tp=2, ep=8, pp=2), transformer_engine=False)
     with pytest.raises(ConfigError, match="LoRA is not available for model.family = 'qwen3_next'"):
         check_target_modules(dataclasses.replace(model, lora=LoraConfig(rank=4)))
 

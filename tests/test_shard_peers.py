@@ -13,8 +13,13 @@ import torch.multiprocessing as mp
 from megatron_rl.models.shard_gather import join_shards
 from megatron_rl.models.shard_peers import ExportMemory, PeerShards
 
-# (name, full shape, partition dim, glu)
-LAYOUT = [("column", (8, 6), 0, False), ("swiglu", (8, 6), 0, True), ("row", (6, 8), 1, False)]
+# (name, full shape, partition dim, sections split separately: SwiGLU's [gate; up], DeltaNet's [q, k, v, z, b, a])
+LAYOUT = [
+    ("column", (8, 6), 0, ()),
+    ("swiglu", (8, 6), 0, (4, 4)),
+    ("delta_in_proj", (16, 6), 0, (2, 2, 4, 4, 2, 2)),
+    ("row", (6, 8), 1, ()),
+]
 
 
 def _full(name: str, shape: tuple[int, ...], step: int) -> torch.Tensor:
@@ -22,10 +27,9 @@ def _full(name: str, shape: tuple[int, ...], step: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _shard_of(full: torch.Tensor, dim: int, glu: bool, rank: int, count: int) -> torch.Tensor:
-    if glu:  # Megatron's SwiGLU fc1 shard: [gate_rank; up_rank]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(count, dim=0)[rank], up.chunk(count, dim=0)[rank]])
+def _shard_of(full: torch.Tensor, dim: int, sections: tuple[int, ...], rank: int, count: int) -> torch.Tensor:
+    if sections:  # e.g. Megatron's SwiGLU fc1 shard: [gate_rank; up_rank]
+        return torch.cat([part.chunk(count, dim=0)[rank] for part in full.split(list(sections))])
     return full.chunk(count, dim=dim)[rank].contiguous()
 
 
@@ -48,7 +52,7 @@ def _worker(rank: int, init_file: str) -> None:
             offset += t.numel()
         # the fields of models.init.ParamShard the gather reads (no Megatron import in these processes)
         shards = [
-            SimpleNamespace(param=p, partition_dim=d, glu=g, full_shape=s)
+            SimpleNamespace(param=p, partition_dim=d, sections=g, full_shape=s)
             for (_, s, d, g), p in zip(LAYOUT, params, strict=True)
         ]
         memory = ExportMemory()

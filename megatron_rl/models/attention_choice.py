@@ -87,13 +87,19 @@ def check_attention_backend(model: ModelConfig, parallel: ParallelConfig, *, tra
 
 
 def _check_linear_attention_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Gated DeltaNet layers (`models.gated_delta`) run on one TP rank and without context parallelism: the
-    conversion and weight sync split no [q, k, v, z, b, a] sections over TP ranks, and the recurrence over a
-    sequence split across CP ranks would pass its state from rank to rank (Megatron-Core 0.16 has neither)."""
+    """Gated DeltaNet layers (`models.gated_delta`) split over TP by key heads (each rank a key head's value heads
+    with it), and run without context parallelism: the recurrence over a sequence split across CP ranks would pass
+    its state from rank to rank (Megatron-Core 0.16 has no such path)."""
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    for key, size in (("parallel.tensor_model_parallel_size", tp), ("parallel.context_parallel_size", cp)):
-        if size > 1:
+    if cp > 1:
+        raise ConfigError(
+            f"parallel.context_parallel_size = {cp}: model.family = {model.family!r} has Gated DeltaNet layers, "
+            "whose recurrent state is not passed over CP ranks: set it to 1 (TP, EP, ETP and PP are supported)"
+        )
+    linear = model.linear_attention
+    for key, heads in (("num_key_heads", linear.num_key_heads), ("num_value_heads", linear.num_value_heads)):
+        if heads % tp:
             raise ConfigError(
-                f"{key} = {size}: model.family = {model.family!r} has Gated DeltaNet layers, which run unsplit "
-                "(no TP sections or CP state passing): set it to 1 (EP, ETP of the experts and PP are supported)"
+                f"parallel.tensor_model_parallel_size ({tp}) must divide model.linear_attention.{key} ({heads}): "
+                "Gated DeltaNet layers split over TP by heads"
             )

@@ -12,8 +12,8 @@ the convolution's window start from zero at every sequence, as in a row of its o
 every layer that is not every n-th, (1 + weight) RMSNorms around the layers, on q and k and at the end
 (`gemma.GemmaRMSNorm`, transformers' `Qwen3NextRMSNorm`). The full attention's output gate is Megatron's own
 (`attention_output_gate`: per query group [q heads, gate heads, k, v] rows of `linear_qkv`), the shared expert's
-sigmoid gate too (`moe_shared_expert_gate`). Tensor and context parallelism are refused for these families
-(`config.rules`): the conversion splits no [q, k, v, z, b, a] sections over TP ranks.
+sigmoid gate too (`moe_shared_expert_gate`). Under TP a rank holds whole key heads with their value heads: its
+share of every [q, k, v, z, b, a] section (`tp_row_sections`); context parallelism is refused (`attention_choice`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ class DeltaNet(GatedDeltaNet):
         with _without_fla():
             super().__init__(*args, **kwargs)
 
+    def tp_row_sections(self, name: str) -> tuple[int, ...]:
+        """The full sizes of the row sections that TP splits separately (`models.init.ParamShard.sections`):
+        in_proj's [q, k, v, z, b, a] and conv1d's [q, k, v] channels; () for the rest."""
+        if name == "in_proj.weight":
+            heads = self.num_value_heads
+            return (self.qk_dim, self.qk_dim, self.v_dim, self.v_dim, heads, heads)
+        if name.startswith("conv1d."):
+            return (self.qk_dim, self.qk_dim, self.v_dim)
+        return ()
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -89,9 +99,7 @@ class DeltaNet(GatedDeltaNet):
         packed_seq_params: PackedSeqParams | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        if self.sp_size > 1:
-            raise ValueError("DeltaNet: sequence parallelism is not supported (tensor parallelism is refused)")
-        mixed, _ = self.in_proj(hidden_states)  # [s, b, d]
+        mixed, _ = self.in_proj(hidden_states)  # [s, b, d]: the whole sequence (gathered under SP), this rank's heads
         if packed_seq_params is None:
             out = self._mix(mixed.transpose(0, 1)).transpose(0, 1)
         else:

@@ -49,7 +49,9 @@ class ParamShard:
     partition_dim: int | None  # None = not split over (expert-)TP
     shard_rank: int
     shard_count: int
-    glu: bool  # a SwiGLU fc1: [gate; up] halves are split separately
+    # dim-0 sections of the full tensor split separately, each rank holding its part of every section in order
+    # (SwiGLU fc1's [gate; up], DeltaNet's in_proj and conv1d); () = split in one piece
+    sections: tuple[int, ...]
     is_expert: bool
 
     @property
@@ -97,7 +99,7 @@ def iter_param_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> Iter
                     partition_dim=None,
                     shard_rank=0,
                     shard_count=1,
-                    glu=False,
+                    sections=(),
                     is_expert=False,
                 )
         for local_name, param in chunk.named_parameters():
@@ -113,20 +115,35 @@ def iter_param_shards(chunks: list[torch.nn.Module], model: ModelConfig) -> Iter
                 partition_dim=_partition_dim(local_name, param) if split else None,
                 shard_rank=rank,
                 shard_count=count,
-                glu=split and chunk.config.gated_linear_unit and _is_fc1(local_name),
+                sections=_row_sections(chunk, local_name, param, count) if split else (),
                 is_expert=is_expert,
             )
+
+
+def _row_sections(chunk: torch.nn.Module, local_name: str, param: torch.nn.Parameter, count: int) -> tuple[int, ...]:
+    """The full sizes of the dim-0 sections of a split parameter that are split separately (`ParamShard.sections`):
+    a SwiGLU fc1's two halves, or what the owning module's `tp_row_sections(name)` gives (DeltaNet's)."""
+    if chunk.config.gated_linear_unit and _is_fc1(local_name):
+        half = param.shape[0] * count // 2
+        return (half, half)
+    path = local_name.split(".")
+    for cut in range(len(path) - 1, 0, -1):  # the nearest module up the path that says
+        sections = getattr(chunk.get_submodule(".".join(path[:cut])), "tp_row_sections", None)
+        if sections is not None:
+            return sections(".".join(path[cut:]))
+    return ()
 
 
 def _partition_dim(local_name: str, param: torch.nn.Parameter) -> int:
     """The dimension a split parameter is split on. Grouped experts (TE's `GroupedLinear`,
     `weight{i}`): from the role, fc1 (column-parallel) on 0 and fc2 (row-parallel) on 1. With
     explicit expert comms Megatron hides the parallelism from TE, which then tags every `weight{i}`
-    with partition dim 0, fc2 included. Every other parameter: Megatron's tag."""
+    with partition dim 0, fc2 included. Every other parameter: Megatron's tag, or dim 0 where it tags none
+    (DeltaNet's conv1d, A_log and dt_bias: split with the heads)."""
     grouped = _GROUPED_EXPERT.search(local_name)
     if grouped is not None:
         return 0 if grouped.group(1) == "linear_fc1" else 1
-    return param.partition_dim
+    return getattr(param, "partition_dim", 0)
 
 
 def _is_fc1(name: str) -> bool:
@@ -168,16 +185,16 @@ def take_shard(full: torch.Tensor, shard: ParamShard) -> torch.Tensor:
     """This rank's part of a full tensor, split the way Megatron splits it."""
     if shard.partition_dim is None:
         return full
-    if shard.glu:  # [gate; up]: each rank holds [gate_r; up_r]
-        halves = full.chunk(2, dim=0)
-        return torch.cat([h.chunk(shard.shard_count, dim=0)[shard.shard_rank] for h in halves], dim=0)
+    if shard.sections:  # e.g. [gate; up]: each rank holds [gate_r; up_r]
+        parts = full.split(list(shard.sections), dim=0)
+        return torch.cat([part.chunk(shard.shard_count, dim=0)[shard.shard_rank] for part in parts], dim=0)
     return full.chunk(shard.shard_count, dim=shard.partition_dim)[shard.shard_rank]
 
 
 def _join_shards(parts: list[torch.Tensor], shard: ParamShard) -> torch.Tensor:
-    if shard.glu:
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if shard.sections:
+        pieces = [p.split([size // shard.shard_count for size in shard.sections], dim=0) for p in parts]
+        return torch.cat([member[i] for i in range(len(shard.sections)) for member in pieces], dim=0)
     return torch.cat(parts, dim=shard.partition_dim)
 
 

@@ -1,9 +1,9 @@
 """A (expert-)TP-split parameter gathered on the group's first rank straight into one full tensor.
 
 The first rank allocates the full tensor once and every shard lands in its place: a column-parallel
-shard (split on dim 0) is received into its row block, a SwiGLU fc1 shard ([gate_k; up_k]) as its
-two halves into the gate and up row blocks, and the first rank's own shard is copied into its
-block. No per-shard tensor is allocated and nothing is concatenated. A row-parallel shard (split on
+shard (split on dim 0) is received into its row block, a shard of separately split sections (a SwiGLU
+fc1's [gate_k; up_k], DeltaNet's in_proj) section by section into their row blocks, and the first rank's own
+shard is copied into its blocks. No per-shard tensor is allocated and nothing is concatenated. A row-parallel shard (split on
 dim 1) has no contiguous block in the full tensor, so the group gathers into one preallocated
 [count, rows, cols/count] buffer that a single strided copy lays out as [rows, cols].
 
@@ -26,17 +26,19 @@ if TYPE_CHECKING:  # no Megatron import here: the gather itself is plain torch
 
 def _blocks(full: torch.Tensor, shard: ParamShard, count: int, member: int) -> list[torch.Tensor]:
     """The contiguous views of `full` that member `member`'s dim-0 shard fills, in the shard's row order."""
-    if shard.glu:
-        half = full.shape[0] // 2
-        rows = half // count
-        return [full.narrow(0, member * rows, rows), full.narrow(0, half + member * rows, rows)]
-    rows = full.shape[0] // count
-    return [full.narrow(0, member * rows, rows)]
+    blocks, start = [], 0
+    for size in shard.sections or (full.shape[0],):
+        rows = size // count
+        blocks.append(full.narrow(0, start + member * rows, rows))
+        start += size
+    return blocks
 
 
-def _pieces(local: torch.Tensor, shard: ParamShard) -> list[torch.Tensor]:
+def _pieces(local: torch.Tensor, shard: ParamShard, count: int) -> list[torch.Tensor]:
     """The contiguous row runs of this rank's dim-0 shard that `_blocks` receives, in the same order."""
-    return list(local.chunk(2, dim=0)) if shard.glu else [local]
+    if not shard.sections:
+        return [local]
+    return list(local.split([size // count for size in shard.sections], dim=0))
 
 
 def join_shards(shard: ParamShard, members: list[torch.Tensor], full: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,7 @@ def join_shards(shard: ParamShard, members: list[torch.Tensor], full: torch.Tens
             laid.select(1, member).copy_(part)
         return full
     for member, part in enumerate(members):
-        for block, piece in zip(_blocks(full, shard, count, member), _pieces(part, shard), strict=True):
+        for block, piece in zip(_blocks(full, shard, count, member), _pieces(part, shard, count), strict=True):
             block.copy_(piece)
     return full
 
@@ -71,13 +73,13 @@ def gather_full(shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor | N
         return _gather_columns(local.contiguous(), count, me, group)
     local = local.contiguous()
     if me != 0:
-        for work in [dist.isend(p, dst=first, group=group) for p in _pieces(local, shard)]:
+        for work in [dist.isend(p, dst=first, group=group) for p in _pieces(local, shard, count)]:
             work.wait()
         return None
     shape = list(local.shape)
     shape[0] *= count
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
-    for block, piece in zip(_blocks(full, shard, count, 0), _pieces(local, shard), strict=True):
+    for block, piece in zip(_blocks(full, shard, count, 0), _pieces(local, shard, count), strict=True):
         block.copy_(piece)
     pending = [
         dist.irecv(block, src=dist.get_global_rank(group, member), group=group)

@@ -57,7 +57,7 @@ def _check_exporter_gather(chunks: list[torch.nn.Module], model: ModelConfig, se
         if got.shape != want.shape or not torch.equal(got, want):
             raise AssertionError(f"{shard.global_name}: the exporter's gather differs from the full tensor")
         if dist.get_world_size(group) > 1:
-            kinds.add((shard.partition_dim, shard.glu))
+            kinds.add((shard.partition_dim, bool(shard.sections)))
     if ps.get_tensor_model_parallel_world_size() > 1 and ps.get_tensor_model_parallel_rank() == 0:
         assert {(0, False), (0, True), (1, False)} <= kinds, kinds  # column, SwiGLU and row splits checked
 

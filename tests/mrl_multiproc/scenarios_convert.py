@@ -193,12 +193,14 @@ def w1_output_folder_and_config(ctx) -> None:  # noqa: ANN001
 def w2_tp2(ctx) -> None:  # noqa: ANN001
     """TP=2 (with SP; Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over TP in w4_tp2_ep2): the family with QKV
     biases, Llama with llama3 RoPE scaling, Gemma 3 (its norms under SP, per-head QK-norm, the sliding layers'
-    RoPE); gpt-oss (its sinks split with the heads, o_proj's bias whole; expert-TP 1) and DeepSeek-V3.2 (its
-    indexer whole on each rank, reading the sequence gathered over SP) within 1e-5."""
+    RoPE); gpt-oss (its sinks split with the heads, o_proj's bias whole; expert-TP 1), DeepSeek-V3.2 (its
+    indexer whole on each rank, reading the sequence gathered over SP) within 1e-5; Qwen3-Next (a key head and its
+    value heads per rank: DeltaNet's in_proj and conv1d split section by section)."""
     for family in ("qwen2", "llama", "gemma3_text"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
     roundtrip(ctx, "gpt_oss", layout(tp=2, etp=1), layout(tp=2, etp=1), "tp2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(tp=2), layout(tp=2), "tp2", tol=1e-5)  # the indexer whole on both ranks
+    roundtrip(ctx, "qwen3_next", layout(tp=2), layout(tp=2), "tp2")
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
@@ -209,7 +211,7 @@ def w2_ep2(ctx) -> None:  # noqa: ANN001
     roundtrip(ctx, "mixtral", layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "glm_moe_dsa", layout(ep=2), layout(ep=2), "ep2", tol=1e-5, rms_norm_eps=1e-6)
-    roundtrip(ctx, "qwen3_next", layout(ep=2), layout(ep=2), "ep2")  # DeltaNet: EP, PP, no TP; 1e-4 (float noise)
+    roundtrip(ctx, "qwen3_next", layout(ep=2), layout(ep=2), "ep2")  # 1e-4 (float noise)
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
