@@ -78,8 +78,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # `WorkUnitScheduling`, not from xdist_group marks: pytest 9 keeps a node's id apart from the
 # `_nodeid` that xdist 3.8 appends the group to, so marked groups are split over both workers. The e2e
 # modules that take longest go first, so that two workers end together.
-SHARED_UNITS = {"test_trainer": "resume_run", "test_faults": "resume_run"}
-LONGEST_FIRST = ("test_faults", "test_trainer", "test_example_learns", "test_slurm", "test_models_distributed")
+_LAYOUT_TESTS = ("test_actor_distributed", "test_convert_distributed", "test_models_distributed")
+SHARED_UNITS = {
+    **dict.fromkeys(("test_trainer", "test_faults"), "resume_run"),  # straight_runs' RESUME_RUN
+    **dict.fromkeys(("test_sft", "test_example_learns"), "warm_start"),  # the example's SFT warm start
+    **dict.fromkeys(_LAYOUT_TESTS, "layout_launches"),  # one launch per world size for the three
+}
+LONGEST_FIRST = ("test_faults", "test_trainer", *_LAYOUT_TESTS, "test_example_learns", "test_sft", "test_slurm")
 
 
 def work_unit(test_file: Path) -> str:

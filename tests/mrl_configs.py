@@ -216,6 +216,20 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
                 mlp_only_layers=[0],
                 rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
             ),  # fmt: skip
+            # Qwen3.5's text model: the same shapes, separate DeltaNet projections, every layer MoE
+            "qwen3_5_moe": dict(
+                layer_types=["linear_attention", "full_attention"] * 2,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=6,
+                linear_conv_kernel_dim=3,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=14,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
+            ),  # fmt: skip
             "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
             "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
             "gemma2": dict(_GEMMA2, head_dim=24, sliding_window=5),
@@ -364,7 +378,7 @@ def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) 
     classes.update(gemma2=transformers.Gemma2Config, gemma3_text=transformers.Gemma3TextConfig)
     classes.update(deepseek_v3=transformers.DeepseekV3Config, glm4_moe=transformers.Glm4MoeConfig)
     classes.update(deepseek_v32=transformers.DeepseekV32Config, glm_moe_dsa=transformers.GlmMoeDsaConfig)
-    classes.update(qwen3_next=transformers.Qwen3NextConfig)  # "split" only
+    classes.update(qwen3_next=transformers.Qwen3NextConfig, qwen3_5_moe=transformers.Qwen3_5MoeTextConfig)  # "split"
     if family not in classes:
         raise ValueError(
             f"family {family!r}: allowed "
@@ -373,7 +387,10 @@ def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) 
     if size not in _HF_SIZES:
         raise ValueError(f"size {size!r}: allowed {', '.join(_HF_SIZES)}")
     common, per_family = _HF_SIZES[size]
-    return classes[family](**{**common, **per_family[family], **overrides})
+    fields = {**common, **per_family[family], **overrides}
+    if family == "qwen3_5_moe":
+        fields.pop("intermediate_size")  # every layer MoE: its config.json has no dense width
+    return classes[family](**fields)
 
 
 def make_tiny_model(folder: str, family: str = "qwen3_moe", seed: int = 0, **overrides: Any) -> str:

@@ -53,11 +53,14 @@ def test_an_unmarked_test_cannot_launch_one() -> None:
         subprocess.Popen([PY, "-m", "megatron_rl.cli", "serve", "--model", "nowhere"])
 
 
-def test_modules_that_share_a_straight_run_are_one_unit_of_work_and_others_their_own() -> None:
+def test_modules_that_share_a_launch_are_one_unit_of_work_and_others_their_own() -> None:
     def unit(module: str) -> str:
         return work_unit(Path("tests") / f"{module}.py")
 
-    assert unit("test_trainer") == unit("test_faults") != unit("test_async")
+    assert unit("test_trainer") == unit("test_faults") != unit("test_async")  # the straight run
+    assert unit("test_sft") == unit("test_example_learns") != unit("test_trainer")  # the warm start
+    layouts = {unit(m) for m in ("test_actor_distributed", "test_convert_distributed", "test_models_distributed")}
+    assert len(layouts) == 1 and layouts != {unit("test_sft")}  # the layout launches
     assert unit("test_async") == "test_async" and unit("test_slurm") == "test_slurm"
     scheduling = WorkUnitScheduling.__new__(WorkUnitScheduling)  # the scope of a node id as the controller sees it
     assert scheduling._split_scope("tests/test_faults.py::test_a[x::y]") == unit("test_trainer")

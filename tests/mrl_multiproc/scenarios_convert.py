@@ -217,22 +217,25 @@ def w2_ep2(ctx) -> None:  # noqa: ANN001
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2 (Qwen3 and Qwen3-MoE in w2_across_layouts), including embeddings tied across the two stages (mistral,
     gemma2: its embedding scale on the first stage, its final soft-capping on the last); gpt-oss (a sliding and a
-    full layer per stage) and DeepSeek-V3.2 (two sparse-attention layers per stage) within 1e-5; Qwen3-Next (a
-    DeltaNet and a full layer per stage)."""
+    full layer per stage) and DeepSeek-V3.2 (two sparse-attention layers per stage) within 1e-5; Qwen3-Next and
+    Qwen3.5 (a DeltaNet and a full layer per stage)."""
     for family in ("deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
     roundtrip(ctx, "gpt_oss", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
     roundtrip(ctx, "qwen3_next", layout(pp=2), layout(pp=2), "pp2")  # a DeltaNet and a full layer per stage
+    roundtrip(ctx, "qwen3_5_moe", layout(pp=2), layout(pp=2), "pp2")  # Qwen3.5's separate DeltaNet projections
 
 
 def w2_across_layouts(ctx) -> None:  # noqa: ANN001
     """Converted under PP=2 (vocab padded to 384), loaded and exported under TP=2 (512) and EP=2; converted
     under uneven PP=2 stages of 3 + 1 layers, loaded and exported under 1 + 3 (layers 1 and 2 change stage: the
-    checkpoint and the HF names go by global layer)."""
+    checkpoint and the HF names go by global layer); Qwen3.5 converted under TP=2 (DeltaNet's sections split),
+    loaded and exported under EP=2."""
     roundtrip(ctx, "mixtral", layout(pp=2), layout(tp=2), "pp2-to-tp2")
     roundtrip(ctx, "qwen3", layout(tp=2), layout(pp=2), "tp2-to-pp2")
     roundtrip(ctx, "qwen3_moe", layout(pp=2, first=3), layout(pp=2, last=3), "pp2-3+1-to-1+3")
+    roundtrip(ctx, "qwen3_5_moe", layout(tp=2), layout(ep=2), "tp2-to-ep2")  # DeltaNet's sections, experts
 
 
 # --- world size 4 ---------------------------------------------------------------------------
