@@ -49,6 +49,13 @@ _GLM = dict(n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2, n_gro
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
             use_qk_norm=True, partial_rotary_factor=0.5)  # fmt: skip
 
+# Qwen3-Next and Qwen3.5's text model: a DeltaNet and a full layer per PP stage (2 key heads of 8 grouping 4 value
+# heads of 6), half of each full-attention head rotated
+_DELTA = dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=14,
+              rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5))  # fmt: skip
+
 # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3's MLA and router (yarn RoPE for DeepSeek-V3.2, plain
 # for GLM-5) plus an indexer of 8 heads of 10 channels (its RoPE part 6) keeping 5 keys per query, fewer than the
 # tests' sequences.
@@ -201,35 +208,8 @@ _HF_SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {
             "glm_moe_dsa": dict(
                 _DEEPSEEK, **_DSA, rope_scaling=None, n_group=1, topk_group=1, num_experts_per_tok=3, rms_norm_eps=1e-5
             ),
-            # Qwen3-Next: a DeltaNet and a full layer per PP stage (2 key heads of 8 grouping 4 value heads of 6)
-            "qwen3_next": dict(
-                layer_types=["linear_attention", "full_attention"] * 2,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=8,
-                linear_value_head_dim=6,
-                linear_conv_kernel_dim=3,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=14,
-                mlp_only_layers=[0],
-                rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
-            ),  # fmt: skip
-            # Qwen3.5's text model: the same shapes, separate DeltaNet projections, every layer MoE
-            "qwen3_5_moe": dict(
-                layer_types=["linear_attention", "full_attention"] * 2,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=8,
-                linear_value_head_dim=6,
-                linear_conv_kernel_dim=3,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=14,
-                rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5),
-            ),  # fmt: skip
+            "qwen3_next": dict(_DELTA, mlp_only_layers=[0]),
+            "qwen3_5_moe": dict(_DELTA),  # separate DeltaNet projections, every layer MoE
             "llama": dict(head_dim=24, rope_scaling=_LLAMA3, rms_norm_eps=1e-5),
             "mistral": dict(sliding_window=None, tie_word_embeddings=True, rope_theta=1e6),
             "gemma2": dict(_GEMMA2, head_dim=24, sliding_window=5),
