@@ -10,7 +10,8 @@ import torch
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.models.builder import padded_vocab_size, transformer_config
 from megatron_rl.models.families import check_family, moe_layer_pattern
-from megatron_rl.models.init import ParamShard, _join_shards, deterministic_full_tensor, take_shard
+from megatron_rl.models.init import ParamShard, deterministic_full_tensor, take_shard
+from megatron_rl.models.shard_gather import join_shards
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,8 @@ def test_take_shard_splits_sections_separately() -> None:
     assert take_shard(rows, first).flatten().tolist() == [0, 2, 4, 5, 8, 9, 12, 14]
     second = dataclasses.replace(first, shard_rank=1)
     assert take_shard(rows, second).flatten().tolist() == [1, 3, 6, 7, 10, 11, 13, 15]
-    assert torch.equal(_join_shards([take_shard(rows, first), take_shard(rows, second)], first), rows)
+    joined = join_shards(first, [take_shard(rows, first), take_shard(rows, second)], torch.empty(rows.shape))
+    assert torch.equal(joined, rows)
     columns = torch.arange(6.0).reshape(1, 6)
     assert take_shard(columns, _shard((1, 2), 1, 2, 3, ())).tolist() == [[4, 5]]
     assert take_shard(columns, _shard((1, 6), None, 0, 3, ())) is columns

@@ -12,7 +12,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.models.init import _join_shards, deterministic_full_tensor, iter_param_shards, take_shard
+from megatron_rl.models.init import deterministic_full_tensor, iter_param_shards, take_shard
+from megatron_rl.models.shard_gather import join_shards
 
 H, M, ETP = 4, 6, 2  # hidden, expert intermediate size, expert-TP
 
@@ -63,6 +64,7 @@ def test_grouped_expert_partition_dims_follow_the_role_at_etp2(monkeypatch: pyte
         full = deterministic_full_tensor(per_rank[0].global_name, per_rank[0].full_shape, model, seed=1)
         parts = [take_shard(full, s) for s in per_rank]  # import: each rank's piece
         assert all(p.shape == s.param.shape for p, s in zip(parts, per_rank, strict=True))
-        assert torch.equal(_join_shards(parts, per_rank[0]), full)  # export: the pieces join to the full tensor
+        joined = join_shards(per_rank[0], parts, torch.empty(full.shape))
+        assert torch.equal(joined, full)  # export: the pieces join to the full tensor
     fc2 = deterministic_full_tensor(shards[2].global_name, (H, M), model, seed=1)
     assert torch.equal(take_shard(fc2, by_rank[1][2]), fc2[:, M // ETP :])  # rank 1 holds the second input half

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.models.shard_gather import join_shards
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -191,13 +192,6 @@ def take_shard(full: torch.Tensor, shard: ParamShard) -> torch.Tensor:
     return full.chunk(shard.shard_count, dim=shard.partition_dim)[shard.shard_rank]
 
 
-def _join_shards(parts: list[torch.Tensor], shard: ParamShard) -> torch.Tensor:
-    if shard.sections:
-        pieces = [p.split([size // shard.shard_count for size in shard.sections], dim=0) for p in parts]
-        return torch.cat([member[i] for i in range(len(shard.sections)) for member in pieces], dim=0)
-    return torch.cat(parts, dim=shard.partition_dim)
-
-
 @torch.no_grad()
 def init_deterministic(chunks: list[torch.nn.Module], model: ModelConfig, seed: int = 0) -> None:
     """Set every parameter to its layout-independent value (see `deterministic_full_tensor`)."""
@@ -217,7 +211,7 @@ def gather_full_params(chunks: list[torch.nn.Module], model: ModelConfig) -> dic
             group = ps.get_expert_tensor_parallel_group() if shard.is_expert else ps.get_tensor_model_parallel_group()
             parts = [torch.empty_like(local) for _ in range(shard.shard_count)]
             dist.all_gather(parts, local.contiguous(), group=group)
-            local = _join_shards(parts, shard)
+            local = join_shards(shard, parts, local.new_empty(shard.full_shape))
         if shard.global_name in _VOCAB_PARAMS:
             local = local[: model.vocab_size]
         mine[shard.global_name] = local.float().cpu()

@@ -2,9 +2,9 @@
 
 The first rank allocates the full tensor once and every shard lands in its place: a column-parallel
 shard (split on dim 0) is received into its row block, a shard of separately split sections (a SwiGLU
-fc1's [gate_k; up_k], DeltaNet's in_proj) section by section into their row blocks, and the first rank's own
-shard is copied into its blocks. No per-shard tensor is allocated and nothing is concatenated. A row-parallel shard (split on
-dim 1) has no contiguous block in the full tensor, so the group gathers into one preallocated
+fc1's [gate_k; up_k], DeltaNet's in_proj) section by section into their row blocks, and the first
+rank's own shard is copied into its blocks. No per-shard tensor is allocated and nothing is
+concatenated. A row-parallel shard (split on dim 1) has no contiguous block in the full tensor, so the group gathers into one preallocated
 [count, rows, cols/count] buffer that a single strided copy lays out as [rows, cols].
 
 Point-to-point messages go from each member to the first rank in parameter order (every rank of the
