@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import signal
 import socket
@@ -903,6 +904,24 @@ def test_agent_commands_and_their_children_end_when_the_trainer_is_killed(tmp_pa
     finally:
         for proc in _processes_naming(marker):
             proc.kill()
+
+
+def test_a_child_whose_parent_died_before_its_death_signal_was_set_never_runs_its_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P8's race (agents and engines start with `die_with_parent`): a parent killed between the fork and the
+    child's PR_SET_PDEATHSIG sends no signal, so the child, seeing another parent, exits before exec."""
+    from megatron_rl.rollout.local.launcher import die_with_parent
+
+    ran = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    preexec = die_with_parent()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "getppid", lambda: 1)  # what the forked child sees once its parent is gone
+        orphan = subprocess.run(command, preexec_fn=preexec, timeout=60)
+    assert (orphan.returncode, ran.exists()) == (1, False)
+    child = subprocess.run(command, preexec_fn=die_with_parent(), timeout=60)
+    assert (child.returncode, ran.exists()) == (0, True)
 
 
 SLOW_AGENT = "import sys, time; print('started', flush=True); time.sleep(600)"

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import inspect
 import json
 import logging
@@ -39,7 +38,6 @@ import math
 import os
 import secrets
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
@@ -50,6 +48,7 @@ from megatron_rl.config import EnvConfig
 from megatron_rl.envs.base import agent_function
 from megatron_rl.envs.episodes import Trajectory, TurnRenderer
 from megatron_rl.envs.tools import on_daemon_thread
+from megatron_rl.rollout.local.launcher import die_with_parent
 from megatron_rl.rollout.preempt import EpisodesAborted, abortable
 from megatron_rl.rollout.types import Engine, SamplingParams
 
@@ -105,15 +104,6 @@ def in_own_group(command: str) -> str:
     return f"trap 'kill -9 0' TERM\nexec 3<&0\n{{ {command}\n}} <&3 3<&- &\nwait $!\n"
 
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-
-
-def _term_when_parent_dies() -> None:
-    """(In the child, before exec.) Linux: SIGTERM when the thread that started it dies, even by SIGKILL."""
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-
-
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -131,7 +121,7 @@ async def _start_command(command: str, env: dict[str, str]) -> asyncio.subproces
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,
-            preexec_fn=_term_when_parent_dies,
+            preexec_fn=die_with_parent(),
         )
     )
     try:

@@ -8,14 +8,17 @@ anonymous temporary file, so nothing is left in the temporary directory once the
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,12 +28,23 @@ API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
 ADMIN_API_KEY_ENV = "MEGATRON_RL_ENGINE_ADMIN_API_KEY"  # `megatron-rl serve`'s key of its control endpoints
 
 
-def _die_with_parent() -> None:
-    """Linux: the engine gets SIGTERM when the thread that started it dies, even by SIGKILL."""
-    import ctypes
-    import signal
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None  # loaded before any fork
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` (Linux; None elsewhere) by which the child gets SIGTERM when the thread that starts it
+    dies, even by SIGKILL; a child whose parent died between its fork and that setting exits at once,
+    before its command runs (no signal would ever come)."""
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 class LocalEngineProcess:
@@ -172,7 +186,7 @@ def spawn_local_engine(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=child_env,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent(),
         )
     except BaseException:
         log.close()
