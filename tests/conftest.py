@@ -72,8 +72,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 # The fast tier runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's test command),
-# and so may the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; CI runs it in one process:
-# docs/architecture.md#tests-and-benchmarks has the measurements). A module is one unit of work, so that its
+# and so does the e2e tier (`-n 2 --dist loadgroup --no-loadscope-reorder`; the measurements:
+# docs/architecture.md#tests-and-benchmarks). A module is one unit of work, so that its
 # module-scoped fixtures are built once; modules that share a session-scoped launch are one unit. The units come from
 # `WorkUnitScheduling`, not from xdist_group marks: pytest 9 keeps a node's id apart from the
 # `_nodeid` that xdist 3.8 appends the group to, so marked groups are split over both workers. The e2e
