@@ -5,7 +5,9 @@ MLflow, each an optional package, written on the logging rank with every step's 
 - `wandb`: `logging.wandb_project` (and `_entity`, `_offline`: files in RUN_DIR/wandb to `wandb sync` later).
 - `mlflow`: `logging.mlflow_tracking_uri` (null: MLflow's own, $MLFLOW_TRACKING_URI), experiment
   `logging.mlflow_experiment`.
-The run's name is `logging.run_name` (null: the run folder's name). A resumed run appends to the same W&B and
+The run's configuration (RUN_DIR/config.yaml, secrets redacted) goes with it as dotted keys: W&B's run config,
+MLflow's parameters (set when the MLflow run is created: MLflow refuses to change a parameter, so a resume keeps
+the first launch's). The run's name is `logging.run_name` (null: the run folder's name). A resumed run appends to the same W&B and
 MLflow runs: their ids are kept in RUN_DIR/trackers.json. A chosen wandb or mlflow whose package cannot be
 imported is a config error before the start (`missing_tracker_packages`, run by `validation.validate_run`); an
 MLflow tracking store that cannot be opened (MLflow 3's default sqlite store without the full package) is one
@@ -21,11 +23,14 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from omegaconf import OmegaConf
+
 from megatron_rl.config import ConfigError, LoggingConfig
 
 logger = logging.getLogger(__name__)
 
 IDS_FILE = "trackers.json"
+CONFIG_FILE = "config.yaml"  # the run folder's resolved config, written before the trackers open
 
 
 class Tracker(Protocol):
@@ -53,8 +58,25 @@ class _TensorBoard:
         self.writer.close()
 
 
+MLFLOW_PARAMS_PER_CALL = 100  # MLflow's limit of parameters in one log_batch
+MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
+
+
+def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: leaf value} (lists are leaves)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class _Wandb:
-    def __init__(self, settings: LoggingConfig, run_dir: Path, name: str, run_id: str | None) -> None:
+    def __init__(
+        self, settings: LoggingConfig, run_dir: Path, name: str, run_id: str | None, params: dict[str, Any]
+    ) -> None:
         import wandb
 
         self.run = wandb.init(
@@ -66,6 +88,7 @@ class _Wandb:
             resume="allow" if run_id else None,
             mode="offline" if settings.wandb_offline else "online",
         )
+        self.run.config.update(params, allow_val_change=True)  # a resume with other overrides records them
         self.run_id: str = self.run.id
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -76,7 +99,8 @@ class _Wandb:
 
 
 class _Mlflow:
-    def __init__(self, settings: LoggingConfig, name: str, run_id: str | None) -> None:
+    def __init__(self, settings: LoggingConfig, name: str, run_id: str | None, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         try:
@@ -89,6 +113,9 @@ class _Mlflow:
                 experiment.experiment_id if experiment else self.client.create_experiment(settings.mlflow_experiment)
             )
             run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            entries = [Param(k, str(v)[:MLFLOW_PARAM_CHARS]) for k, v in params.items()]
+            for start in range(0, len(entries), MLFLOW_PARAMS_PER_CALL):
+                self.client.log_batch(run_id, params=entries[start : start + MLFLOW_PARAMS_PER_CALL])
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id: str = run_id
@@ -124,6 +151,8 @@ def open_trackers(settings: LoggingConfig, run_dir: Path, *, resume: bool, tenso
     ids_path = run_dir / IDS_FILE
     ids = json.loads(ids_path.read_text(encoding="utf-8")) if resume and ids_path.is_file() else {}
     name = settings.run_name or run_dir.resolve().name
+    config_path = run_dir / CONFIG_FILE
+    params = flat_params(OmegaConf.to_container(OmegaConf.load(config_path))) if config_path.is_file() else {}
     trackers: list[Tracker] = []
     for backend in settings.backends:
         if backend == "tensorboard":
@@ -132,9 +161,9 @@ def open_trackers(settings: LoggingConfig, run_dir: Path, *, resume: bool, tenso
                 trackers.append(_TensorBoard(writer))
             continue
         if backend == "wandb":
-            tracker: _Wandb | _Mlflow = _Wandb(settings, run_dir, name, ids.get(backend))
+            tracker: _Wandb | _Mlflow = _Wandb(settings, run_dir, name, ids.get(backend), params)
         else:  # mlflow
-            tracker = _Mlflow(settings, name, ids.get(backend))
+            tracker = _Mlflow(settings, name, ids.get(backend), params)
         ids[backend] = tracker.run_id
         trackers.append(tracker)
     if ids:
