@@ -283,6 +283,31 @@ def _ranks_per_node(cfg: Any, gpus_per_node: int, ranks_per_node: int | None) ->
     return rpn
 
 
+def _check_preset_model(preset: str, config_path: str, overrides: Sequence[str]) -> None:
+    """PlanError when the run's `model.hf_path` (its config file and `overrides`, without the preset) holds
+    another model than `preset`'s: its layout would be planned and trained on a model it was not made for."""
+    import json
+
+    from presets import model_mismatch
+
+    from megatron_rl.config import ConfigError, load_config
+
+    if not Path(config_path).is_file():
+        return  # said later, with the other checks of the files
+    try:
+        hf_path = load_config(config_path, list(overrides)).model.hf_path
+    except ConfigError:
+        return  # the config's own error comes with the plan's
+    config_json = Path(hf_path or "") / "config.json"
+    if hf_path and config_json.is_file():
+        problem = model_mismatch(preset, json.loads(config_json.read_text(encoding="utf-8")))
+        if problem is not None:
+            raise PlanError(
+                f"PRESET={preset} is the layout of another model: model.hf_path's {config_json} has {problem}; "
+                "choose the preset of this model (slurm/presets.py), or none and set parallel.* yourself"
+            )
+
+
 def make_plan(
     mode: str,
     config_path: str,
@@ -321,6 +346,7 @@ def make_plan(
             preset_keys = preset_overrides(preset)
         except ValueError as err:
             raise PlanError(str(err)) from None
+        _check_preset_model(preset, config_path, overrides)
         overrides = [*preset_keys, *overrides]
         preset_keys = trainer_preset_overrides(preset_keys)
 

@@ -251,6 +251,22 @@ def preset_overrides(name: str) -> list[str]:
     return out
 
 
+# the config.json keys that tell one model from another (a fine-tune keeps them all): those in both are compared
+IDENTITY_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "n_routed_experts",
+                 "num_experts", "num_local_experts")  # fmt: skip
+
+
+def model_mismatch(name: str, hf_config: dict[str, Any]) -> str | None:
+    """What tells `hf_config` (the run's config.json) from the model of preset `name`, or None."""
+    published = PRESETS[name].hf_config
+    differ = [
+        f"{key} {hf_config[key]!r} (the preset's: {published[key]!r})"
+        for key in IDENTITY_KEYS
+        if key in hf_config and key in published and hf_config[key] != published[key]
+    ]
+    return ", ".join(differ) or None
+
+
 # the model keys of a preset that are the run's choices, not the checkpoint's shape
 RUN_CHOICES = ("model.params_dtype", "model.recompute", "model.recompute_modules")
 

@@ -750,6 +750,23 @@ def _preset_plan(root: Path, name: str, train_nodes: int, *overrides: str, gpu_m
     )  # fmt: skip
 
 
+def test_a_preset_of_another_model_is_refused_naming_what_differs(preset_configs: Path) -> None:
+    """GLM-4.5's checkpoint under DeepSeek-V3's preset: one PlanError naming both, not the layout's error."""
+    nodes = [f"n{i}" for i in range(32)]
+    addrs = [f"10.2.0.{i + 1}" for i in range(32)]
+    needle = (
+        r"PRESET=deepseek-v3-671b is the layout of another model: model\.hf_path's \S*glm-4\.5-355b/config\.json has "
+        r"model_type 'glm4_moe' \(the preset's: 'deepseek_v3'\), num_hidden_layers 92 \(the preset's: 61\), "
+        r"hidden_size 5120 \(the preset's: 7168\), num_attention_heads 96 \(the preset's: 128\), "
+        r"n_routed_experts 160 \(the preset's: 256\); choose the preset of this model"
+    )
+    with pytest.raises(jobplan.PlanError, match=needle):
+        jobplan.make_plan(
+            "disaggregated", str(preset_configs / "glm-4.5-355b.yaml"), [], nodes, addrs, 8, "9",
+            train_nodes=28, preset="deepseek-v3-671b",
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("name", "nodes", "layout", "figures"),
     [
