@@ -137,6 +137,11 @@ class Stage(ABC):
             self.stopped_by = stop
             self.log.message(f"{self.log_prefix}{signal.Signals(stop).name}: stopped before step {start_step + 1}")
             return {}
+        if start_step >= cfg.train.steps:
+            self.log.message(
+                f"{self.log_prefix}the run is already at step {start_step} of train.steps = {cfg.train.steps}: "
+                "no step left to train (raise train.steps to train on)"
+            )
         record: dict[str, Any] = {}
         checkpoint_s = None
         for step in range(start_step + 1, cfg.train.steps + 1):

@@ -226,3 +226,13 @@ def test_a_stop_signal_ends_the_loop_after_the_step_with_its_checkpoint() -> Non
     stage = ToyStage(cfg, calls, start_step=1)
     stage.run(type("Stopped", (), {"agreed": lambda self: signal.SIGTERM})())  # type: ignore[arg-type]
     assert calls == ["on_stop", "SIGTERM: stopped before step 2"] and stage.stopped_by == signal.SIGTERM
+
+
+def test_resuming_a_finished_run_says_so_and_trains_nothing() -> None:
+    cfg = load_config(None, ["train.steps=5", "eval.every=2"])
+    calls: list[str] = []
+    assert ToyStage(cfg, calls, start_step=5).run() == {}
+    assert calls == [
+        "the run is already at step 5 of train.steps = 5: no step left to train (raise train.steps to train on)",
+        "finish",
+    ]
