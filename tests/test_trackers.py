@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_rl.config import LoggingConfig, load_config, to_yaml
+from megatron_rl.config import LoggingConfig, load_config, to_dict
 from megatron_rl.config.loading import REDACTED
 from megatron_rl.metrics.trackers import IDS_FILE, flat_params, missing_tracker_packages, open_trackers
 
@@ -71,10 +71,11 @@ def test_wandb_offline_and_mlflow_get_every_step_and_a_resume_appends(tmp_path: 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     cfg = load_config(overrides=["train.lr=3e-4", "rollout.api_key=sk-secret", "data.train_path=[a.jsonl,b.jsonl]"])
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # as the run folder writes it before the trackers open
     params = flat_params(OmegaConf.to_container(OmegaConf.structured(cfg)))
     for step in STEPS:  # step 1, then a resumed launch logs step 2
-        trackers = open_trackers(settings, run_dir, resume=step > 1, tensorboard_purge_step=None)
+        trackers = open_trackers(
+            settings, run_dir, resume=step > 1, tensorboard_purge_step=None, run_config=to_dict(cfg)
+        )
         for tracker in trackers:
             tracker.log(step, STEPS[step])
         for tracker in trackers:

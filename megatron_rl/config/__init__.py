@@ -5,7 +5,7 @@
 - `fields.py`: `described`, how every field is declared (default, help, bounds);
 - `presets.py`: the published defaults of each objective (`algorithm.name`);
 - `loading.py`: `load_config` (defaults < preset < YAML file < `key=value` overrides, implied keys, validated)
-  and `to_yaml`;
+  and `to_yaml` / `to_dict` (secrets redacted);
 - `rules.py`: `check_rules`, the configuration's own rules (ranges, choices, combinations, implied keys);
 - `derived.py`: what a run reads off its config (the loss spec, the reference policy, the log-prob gap bound,
   the optimizer steps and warm-up of the learning-rate schedule, the prompts a generation round draws, the
@@ -31,7 +31,7 @@ from megatron_rl.config.derived import (
 )
 from megatron_rl.config.epochs import epoch_steps, with_epoch_steps
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.loading import load_config, parse_overrides, to_yaml
+from megatron_rl.config.loading import load_config, parse_overrides, to_dict, to_yaml
 from megatron_rl.config.presets import PRESETS, preset
 from megatron_rl.config.reference import reference_rows
 from megatron_rl.config.rules import IMPLIED, Implied, check_implied, check_rules, check_step_rules, imply
@@ -101,6 +101,7 @@ __all__ = [
     "preset",
     "prompts_per_round",
     "reference_rows",
+    "to_dict",
     "to_yaml",
     "uses_reference",
     "validate",

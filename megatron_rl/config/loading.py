@@ -128,10 +128,19 @@ def _check_bool_values(values: Any, cls: Any, prefix: str, source: str) -> None:
             raise ConfigError(f"{key} = {value!r} (from {source}) is not a bool; allowed: true or false{nullable}")
 
 
-def to_yaml(cfg: Config) -> str:
-    """The config as YAML, secrets (`SECRET_KEYS`) redacted."""
+def _redacted(cfg: Config) -> DictConfig:
     node = OmegaConf.structured(cfg)
     for key in SECRET_KEYS:
         if OmegaConf.select(node, key) is not None:
             OmegaConf.update(node, key, REDACTED)
-    return OmegaConf.to_yaml(node)
+    return node
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, secrets (`SECRET_KEYS`) redacted."""
+    return OmegaConf.to_yaml(_redacted(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested plain dicts, secrets (`SECRET_KEYS`) redacted, as `to_yaml` writes it."""
+    return OmegaConf.to_container(_redacted(cfg))

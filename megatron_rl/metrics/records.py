@@ -119,6 +119,7 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         tracking: LoggingConfig | None = None,
+        run_config: dict[str, Any] | None = None,
         progress: bool = True,
         append: bool = False,
         desc: str = "rl",
@@ -127,7 +128,8 @@ class MetricsLogger:
         terminal: bool | None = None,
     ) -> None:
         """`guard(step)`: called on every rank before the record of `step` is written; it may raise to
-        keep it from being written (the run folder's lock check, collective). `tracking`: the trackers of its
+        keep it from being written (the run folder's lock check, collective). `run_config`: the run's config the trackers
+        get (`config.to_dict`). `tracking`: the trackers of its
         `backends` (None: none). `progress`: a bar when stderr is a terminal (`terminal`, None = ask it), else a line every `line_every` steps and at the last."""
         self.enabled = enabled
         self.guard = guard
@@ -144,7 +146,11 @@ class MetricsLogger:
         self.file = (run_dir / METRICS_FILE).open("a" if append else "w", encoding="utf-8")
         if tracking is not None:
             self.trackers = open_trackers(
-                tracking, run_dir, resume=append, tensorboard_purge_step=start_step + 1 if append else None
+                tracking,
+                run_dir,
+                resume=append,
+                tensorboard_purge_step=start_step + 1 if append else None,
+                run_config=run_config,
             )
         self.lines = progress and not (sys.stderr.isatty() if terminal is None else terminal)
         if progress and not self.lines:

@@ -5,7 +5,7 @@ MLflow, each an optional package, written on the logging rank with every step's 
 - `wandb`: `logging.wandb_project` (and `_entity`, `_offline`: files in RUN_DIR/wandb to `wandb sync` later).
 - `mlflow`: `logging.mlflow_tracking_uri` (null: MLflow's own, $MLFLOW_TRACKING_URI), experiment
   `logging.mlflow_experiment`.
-The run's configuration (RUN_DIR/config.yaml, secrets redacted) goes with it as dotted keys: W&B's run config,
+The run's configuration (secrets redacted, as RUN_DIR/config.yaml holds it) goes with it as dotted keys: W&B's run config,
 MLflow's parameters (set when the MLflow run is created: MLflow refuses to change a parameter, so a resume keeps
 the first launch's). The run's name is `logging.run_name` (null: the run folder's name). A resumed run appends to the same W&B and
 MLflow runs: their ids are kept in RUN_DIR/trackers.json. A chosen wandb or mlflow whose package cannot be
@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import OmegaConf
-
 from megatron_rl.config import ConfigError, LoggingConfig
 
 logger = logging.getLogger(__name__)
 
 IDS_FILE = "trackers.json"
-CONFIG_FILE = "config.yaml"  # the run folder's resolved config, written before the trackers open
 
 
 class Tracker(Protocol):
@@ -145,14 +142,21 @@ def _store_error(settings: LoggingConfig, err: Exception) -> ConfigError:
     )
 
 
-def open_trackers(settings: LoggingConfig, run_dir: Path, *, resume: bool, tensorboard_purge_step: int | None) -> list:
+def open_trackers(
+    settings: LoggingConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    tensorboard_purge_step: int | None,
+    run_config: dict[str, Any] | None = None,
+) -> list:
     """The trackers of `settings.backends` (validated: `config.rules`) for the run in `run_dir`; `resume`: append
-    to the runs whose ids RUN_DIR/trackers.json holds."""
+    to the runs whose ids RUN_DIR/trackers.json holds; `run_config`: the run's config (`config.to_dict`), sent as
+    dotted keys."""
     ids_path = run_dir / IDS_FILE
     ids = json.loads(ids_path.read_text(encoding="utf-8")) if resume and ids_path.is_file() else {}
     name = settings.run_name or run_dir.resolve().name
-    config_path = run_dir / CONFIG_FILE
-    params = flat_params(OmegaConf.to_container(OmegaConf.load(config_path))) if config_path.is_file() else {}
+    params = flat_params(run_config or {})
     trackers: list[Tracker] = []
     for backend in settings.backends:
         if backend == "tensorboard":

@@ -50,7 +50,7 @@ from megatron_rl.checkpoints import (
     resume_point,
     staging_dir,
 )
-from megatron_rl.config import Config, ConfigError, to_yaml
+from megatron_rl.config import Config, ConfigError, to_dict, to_yaml
 from megatron_rl.metrics import METRICS_FILE, MetricsLogger, read_metrics, truncate_metrics
 from megatron_rl.parallel.rank0 import on_rank0
 from megatron_rl.run_folder.layout import (
@@ -303,6 +303,7 @@ class RunFolder:
             total_steps=cfg.train.steps,
             start_step=self.start_step,
             tracking=cfg.logging,
+            run_config=to_dict(cfg),
             progress=cfg.logging.progress,
             line_every=cfg.logging.every,
             append=self.resume_from is not None,
