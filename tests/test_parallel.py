@@ -141,3 +141,25 @@ def test_a_world_of_one_takes_another_port_when_its_own_was_taken(monkeypatch: p
     with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
         state.join_world("gloo", torchrun, datetime.timedelta(seconds=5))
     assert calls == ["tcp://10.0.0.1:29500"]
+
+
+def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel hands its ephemeral ports to every bind(0) and outgoing connection; a port chosen there was taken
+    by another test's gloo connection before its rendezvous bound it (EADDRINUSE on CI's two workers). free_port
+    draws below that range, a port it could bind; where none there is free, it takes the kernel's pick."""
+    import socket
+    from pathlib import Path
+
+    from megatron_rl.parallel import launch
+
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    lowest_ephemeral = int(range_file.read_text().split()[0]) if range_file.exists() else 32768
+    ports = [launch.free_port() for _ in range(20)]
+    assert all(10000 <= port < lowest_ephemeral for port in ports), ports
+    assert len(set(ports)) > 1  # drawn, not one fixed port
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", ports[0]))  # free when returned
+        listener.listen()
+        monkeypatch.setattr(launch, "_LOWEST_DRAWN_PORT", ports[0])
+        monkeypatch.setattr(launch, "_lowest_ephemeral_port", lambda: ports[0] + 1)  # the one port below is taken
+        assert launch.free_port() >= lowest_ephemeral

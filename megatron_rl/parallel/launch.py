@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
@@ -92,7 +94,30 @@ def repick_port(env: LaunchEnv) -> LaunchEnv | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at `host` right now (the OS picks it; free until someone binds it)."""
+    """A TCP port nobody listens on at `host` right now, drawn below the kernel's ephemeral range: the ports the
+    kernel hands out itself (to a bind to port 0, to every outgoing connection: gloo's, HTTP clients') cannot take
+    it between this choice and its bind, as one of them took an ephemeral choice on a busy machine (EADDRINUSE).
+    The kernel's own pick where no port below its range is free."""
+    lowest_ephemeral = _lowest_ephemeral_port()
+    below = range(_LOWEST_DRAWN_PORT, lowest_ephemeral)
+    for port in random.SystemRandom().sample(below, min(64, len(below))):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_LOWEST_DRAWN_PORT = 10000  # above the ports services commonly listen on
+
+
+def _lowest_ephemeral_port() -> int:
+    """The low end of the kernel's ephemeral port range (Linux's default, 32768, where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
