@@ -163,3 +163,30 @@ def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range(monkeypatch: pyt
         monkeypatch.setattr(launch, "_LOWEST_DRAWN_PORT", ports[0])
         monkeypatch.setattr(launch, "_lowest_ephemeral_port", lambda: ports[0] + 1)  # the one port below is taken
         assert launch.free_port() >= lowest_ephemeral
+
+
+def test_a_new_layout_in_the_same_process_leaves_no_group_of_the_old_one_behind() -> None:
+    """A process that changes layout (convert; the layout scenarios, one process through dozens of layouts) destroys
+    the groups Megatron made for the old one: torch.distributed had kept each (a gloo group holds three threads),
+    and 30 layouts left 1,200 idle threads that made a launch three times slower."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+
+    from mrl_configs import launch_of_one
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    with launch_of_one():
+        init_distributed(_par())
+        groups, before = len(dist.distributed_c10d._world.pg_map), threads()
+        assert groups > 10  # Megatron's groups beside the world's
+        for _ in range(3):
+            destroy_distributed(process_group=False)
+            assert len(dist.distributed_c10d._world.pg_map) == 1  # the world's group alone
+            init_distributed(_par())
+        assert len(dist.distributed_c10d._world.pg_map) == groups
+        assert threads() <= before
