@@ -167,8 +167,8 @@ def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range(monkeypatch: pyt
 
 def test_a_new_layout_in_the_same_process_leaves_no_group_of_the_old_one_behind() -> None:
     """A process that changes layout (convert; the layout scenarios, one process through dozens of layouts) destroys
-    the groups Megatron made for the old one: torch.distributed had kept each (a gloo group holds three threads),
-    and 30 layouts left 1,200 idle threads that made a launch three times slower."""
+    the groups Megatron made for the old one: torch.distributed had kept each (a gloo group holds three threads), so
+    every earlier layout's groups and threads stayed, part of the 1,200 threads that slowed the layout launches."""
     import os
 
     import torch.distributed as dist
