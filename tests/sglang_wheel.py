@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own code for the tests, without its dependencies (nothing of SGLang's is committed).
 
-The wheel is installed with `pip install --no-deps sglang==0.5.23` (the README's test command does);
+The wheel is installed with `uv pip install --no-deps sglang==0.5.23` (the README's test command does);
 without it, the wheel is downloaded once into ~/.cache/megatron-rl. Importing `sglang` runs its
 heavy `__init__`, so files are read by path: whole modules that need only torch
 (`srt/weight_sync/tensor_bucket.py`) are loaded under their real names, and single definitions of
