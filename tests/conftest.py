@@ -78,10 +78,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # `WorkUnitScheduling`, not from xdist_group marks: pytest 9 keeps a node's id apart from the
 # `_nodeid` that xdist 3.8 appends the group to, so marked groups are split over both workers. The e2e
 # modules that take longest go first, so that two workers end together.
-# In this order, their scenarios run in the launch of each world size: a launch's processes grow slower with
-# every actor they build (an actor's model outlives its scenario, and with it its process groups' gloo threads:
-# 1,100 of them by the last actor scenario), and the conversions, which build Megatron's state many times, ran
-# 3 times slower after the actor's scenarios than before them.
+# In this order, their scenarios run in the launch of each world size.
 _LAYOUT_TESTS = ("test_convert_distributed", "test_models_distributed", "test_actor_distributed")
 SHARED_UNITS = {
     **dict.fromkeys(("test_trainer", "test_faults"), "resume_run"),  # straight_runs' RESUME_RUN

@@ -307,7 +307,24 @@ def run_schedule(
     finally:
         if routing is not None:
             routing.stop()
+        for chunk in chunks:
+            _drop_dispatcher_graphs(chunk)
     return ScheduleOutput(extras, recorded)
+
+
+def _drop_dispatcher_graphs(model: torch.nn.Module) -> None:
+    """Forget the tensors with an autograd graph that Megatron's MoE token dispatchers keep from their last
+    forward (the routing probabilities: `probs`, `local_probs`). Through that graph the parameters' gradient
+    accumulators, whose DDP hooks hold the model, stay reachable from the model itself: a cycle through
+    autograd's C++ nodes, which Python's collector cannot see, so a model that has trained outlived its owner
+    (and kept its process groups' gloo threads). A dispatcher recomputes them in every forward."""
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if dispatcher is None:
+            continue
+        for name, value in list(vars(dispatcher).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(dispatcher, name, None)
 
 
 def is_output_owner() -> bool:
