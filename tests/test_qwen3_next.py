@@ -154,9 +154,9 @@ def test_megatron_forward_padded_and_packed_equals_transformers(tmp_path: Path, 
     """One rank, local spec, fp32: two right-padded rows of 70 tokens (two chunks of 64) and the same two sequences
     (70 and 45 tokens) packed in one row give the same log-probs (the pack's DeltaNet state and convolution restart at
     the second sequence: without that its log-probs move by > 0.1); both are transformers' within 1e-5 or, where
-    larger, twice its own float noise (its log-probs under a 1e-7 relative change of the embeddings: these random
-    models' DeltaNet outputs of ~1e-4 RMS before their gated norm amplify rounding ~1e3 fold); the export is the
-    checkpoint bit for bit."""
+    larger, twice its own float noise (its log-probs under a 1e-7 relative change of the embeddings: the chunked rule's
+    exponent of the decay gate's cumulative sums and the per-head norm amplify an ulp of rounding ~1e2 fold,
+    docs/training.md#hybrid-linear-attention-qwen3-next-qwen35); the export is the checkpoint bit for bit."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_rl.models.builder import build_model

@@ -206,8 +206,8 @@ def w2_tp2(ctx) -> None:  # noqa: ANN001
 def w2_ep2(ctx) -> None:  # noqa: ANN001
     """EP=2 (Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over EP in w4_tp2_ep2); gpt-oss within 1e-5, its stacked
     experts assembled from both EP ranks on export; GLM-5 within 1e-5 (at rms_norm_eps 1e-6: transformers fixes its
-    latent norms there, docs/training.md); Qwen3-Next within 1e-4 (its DeltaNet's per-head norm amplifies float
-    noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
+    latent norms there, docs/training.md); Qwen3-Next within 1e-4 (its DeltaNet's decay gate and per-head norm amplify
+    float noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
     roundtrip(ctx, "mixtral", layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "glm_moe_dsa", layout(ep=2), layout(ep=2), "ep2", tol=1e-5, rms_norm_eps=1e-6)
