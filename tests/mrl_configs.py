@@ -346,12 +346,14 @@ def layout(
 
 
 def hf_config(family: str = "qwen3_moe", size: str = "small", **overrides: Any) -> Any:
-    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"; gpt-oss: `GPT_OSS_TINY`
-    at either); `overrides` replace its fields."""
+    """A transformers config of `family` (one of FAMILIES) at `size` ("small" or "split"; gpt-oss: `GPT_OSS_TINY`,
+    MiniMax-M2: `MINIMAX_M2_TINY`, at either); `overrides` replace its fields."""
     import transformers
 
     if family == "gpt_oss":
         return transformers.GptOssConfig(**{**GPT_OSS_TINY, **overrides})
+    if family == "minimax_m2":
+        return transformers.MiniMaxM2Config(**{**MINIMAX_M2_TINY, **overrides})
     classes = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
     classes.update(qwen3=transformers.Qwen3Config, qwen2=transformers.Qwen2Config, llama=transformers.LlamaConfig)
     classes.update(mistral=transformers.MistralConfig)

@@ -60,6 +60,24 @@ class _ProjectionRMSNorm(torch.nn.Module):
         normed = (flat * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
         return (self.weight * normed).view_as(x)
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The weight split over TP along dim 0, as in the forward: without this method Megatron's default takes
+        every rank's shard for the whole weight, and a checkpoint keeps one rank's."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"weight": 0},
+            sharded_offsets,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
 
 class QueryProjectionRMSNorm(_ProjectionRMSNorm):
     _heads_field = "num_attention_heads"

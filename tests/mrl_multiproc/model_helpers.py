@@ -34,18 +34,33 @@ def setup(model: ModelConfig, parallel: ParallelConfig, seed: int = 0, **build_k
     return chunks
 
 
-def forward_logits(chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def forward_logits(
+    chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size: int, packed: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """fp32 logits [b, s, vocab_size] on every rank: one forward-only pass through Megatron's
-    schedule (1F1B when PP > 1), vocabulary shards gathered over TP, sent from the last stage."""
+    schedule (1F1B when PP > 1), vocabulary shards gathered over TP, sent from the last stage.
+    `packed`: the first `packed[i]` tokens of each row i in one THD row instead ([1, sum(packed), vocab_size]),
+    each sequence with its own positions and `cu_seqlens`."""
     from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    params = None
+    if packed is None:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+    else:
+        ids = torch.cat([row[:n] for row, n in zip(ids, packed, strict=True)])[None]
+        positions = torch.cat([torch.arange(n) for n in packed])[None]
+        bounds = torch.tensor([0, *torch.tensor(packed).cumsum(0).tolist()], dtype=torch.int32, device=local_device())
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=max(packed),
+            max_seqlen_kv=max(packed),
+        )  # fmt: skip
     b, s = ids.shape
-    ids = ids.to(local_device())
-    positions = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
+    ids, positions = ids.to(local_device()), positions.to(local_device())
 
     def step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's forward_step_func contract
-        return model(next(data_iterator), positions, None), None
+        return model(next(data_iterator), positions, None, packed_seq_params=params), None
 
     outputs = get_forward_backward_func()(
         forward_step_func=step,

@@ -2,7 +2,8 @@
 
 Tiny random `transformers` models of each family (fp32, weights O(1), norms not 1) are saved with
 `save_pretrained`, converted to Megatron under one layout and loaded under the same or another;
-logits must equal the HF model's, and the way back must give every tensor bit for bit.
+logits must equal the HF model's, right-padded and with two sequences packed in one row (THD), and the way
+back must give every tensor bit for bit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mrl_multiproc.model_helpers import assert_close, forward_logits
 
 LOGIT_TOL = 1e-4
 SEQ = 12
+PACKED = (SEQ, 8)  # the tokens of each sample row in the packed forward: two sequences of different lengths
 
 
 def hf_folder(ctx, family: str, dtype: torch.dtype = torch.float32, **overrides: object) -> Path:  # noqa: ANN001
@@ -47,8 +49,9 @@ def hf_logits(ctx, folder: Path) -> torch.Tensor:  # noqa: ANN001
     return ctx.cache[key]
 
 
-def megatron_logits(ckpt: Path, parallel: ParallelConfig) -> torch.Tensor:
-    """Logits of a converted checkpoint loaded under `parallel` (the model config from its hf_config/)."""
+def megatron_logits(ckpt: Path, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a converted checkpoint loaded under `parallel` (the model config from its hf_config/): of the
+    sample rows right-padded, and of their first `PACKED` tokens packed in one row."""
     from megatron_rl.commands.convert import HF_CONFIG_DIR, NO_INIT_OVERRIDES
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.checkpoint_io import load_model_weights
@@ -60,8 +63,9 @@ def megatron_logits(ckpt: Path, parallel: ParallelConfig) -> torch.Tensor:
     chunks = build_model(model, parallel, config_overrides=NO_INIT_OVERRIDES)
     load_model_weights(chunks, ckpt)
     logits = forward_logits(chunks, sample_ids(), model.vocab_size)
+    packed = forward_logits(chunks, sample_ids(), model.vocab_size, packed=PACKED)
     destroy_distributed(process_group=False)
-    return logits
+    return logits, packed
 
 
 def read_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -94,7 +98,8 @@ def roundtrip(
     tol: float = LOGIT_TOL,
     **hf: object,
 ) -> None:
-    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's (within `tol`); Megatron -> HF
+    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's (within `tol`), padded and packed
+    (`PACKED`); Megatron -> HF
     under `load_with` gives the original tensors bit for bit, and transformers loads the folder as it is.
     `hf`: transformers config fields of the source model."""
     from megatron_rl.commands.convert import hf_to_megatron, megatron_to_hf
@@ -102,7 +107,11 @@ def roundtrip(
     src = hf_folder(ctx, family, **hf)
     ckpt, back = ctx.shared_dir / f"mg-{family}-{tag}", ctx.shared_dir / f"back-{family}-{tag}"
     hf_to_megatron(src, ckpt, parallel=convert_with)
-    assert_close(megatron_logits(ckpt, load_with), hf_logits(ctx, src), tol, f"{family} {tag}: Megatron vs HF")
+    logits, packed = megatron_logits(ckpt, load_with)
+    expected = hf_logits(ctx, src)
+    assert_close(logits, expected, tol, f"{family} {tag}: Megatron vs HF")
+    rows = torch.cat([row[:n] for row, n in zip(expected, PACKED, strict=True)])[None]
+    assert_close(packed, rows, tol, f"{family} {tag}: Megatron packed vs HF")
     megatron_to_hf(ckpt, back, parallel=load_with, max_shard_mb=0.05)
     assert_same_tensors(back, src)
     if ctx.rank == 0:
@@ -194,35 +203,42 @@ def w2_tp2(ctx) -> None:  # noqa: ANN001
     """TP=2 (with SP; Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over TP in w4_tp2_ep2): the family with QKV
     biases, Llama with llama3 RoPE scaling, Gemma 3 (its norms under SP, per-head QK-norm, the sliding layers'
     RoPE); gpt-oss (its sinks split with the heads, o_proj's bias whole; expert-TP 1), DeepSeek-V3.2 (its
-    indexer whole on each rank, reading the sequence gathered over SP) within 1e-5; Qwen3-Next (a key head and its
-    value heads per rank: DeltaNet's in_proj and conv1d split section by section)."""
+    indexer whole on each rank, reading the sequence gathered over SP), GLM-5 and MiniMax-M2 (its QK-norm over the
+    whole projection, its sum of squares all-reduced over TP) within 1e-5; Qwen3-Next (a key head and its value
+    heads per rank: DeltaNet's in_proj and conv1d split section by section)."""
     for family in ("qwen2", "llama", "gemma3_text"):
         roundtrip(ctx, family, layout(tp=2), layout(tp=2), "tp2")
     roundtrip(ctx, "gpt_oss", layout(tp=2, etp=1), layout(tp=2, etp=1), "tp2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(tp=2), layout(tp=2), "tp2", tol=1e-5)  # the indexer whole on both ranks
+    roundtrip(ctx, "glm_moe_dsa", layout(tp=2), layout(tp=2), "tp2", tol=1e-5, rms_norm_eps=1e-6)
+    roundtrip(ctx, "minimax_m2", layout(tp=2), layout(tp=2), "tp2", tol=1e-5)
     roundtrip(ctx, "qwen3_next", layout(tp=2), layout(tp=2), "tp2")
 
 
 def w2_ep2(ctx) -> None:  # noqa: ANN001
     """EP=2 (Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over EP in w4_tp2_ep2); gpt-oss within 1e-5, its stacked
-    experts assembled from both EP ranks on export; GLM-5 within 1e-5 (at rms_norm_eps 1e-6: transformers fixes its
-    latent norms there, docs/training.md); Qwen3-Next within 1e-4 (its DeltaNet's decay gate and per-head norm amplify
+    experts assembled from both EP ranks on export; DeepSeek-V3.2, GLM-5 (at rms_norm_eps 1e-6: transformers fixes
+    its latent norms there, docs/training.md) and MiniMax-M2 within 1e-5; Qwen3-Next within 1e-4 (its DeltaNet's decay gate and per-head norm amplify
     float noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
     roundtrip(ctx, "mixtral", layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
+    roundtrip(ctx, "deepseek_v32", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "glm_moe_dsa", layout(ep=2), layout(ep=2), "ep2", tol=1e-5, rms_norm_eps=1e-6)
+    roundtrip(ctx, "minimax_m2", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "qwen3_next", layout(ep=2), layout(ep=2), "ep2")  # 1e-4 (float noise)
 
 
 def w2_pp2(ctx) -> None:  # noqa: ANN001
     """PP=2 (Qwen3 and Qwen3-MoE in w2_across_layouts), including embeddings tied across the two stages (mistral,
     gemma2: its embedding scale on the first stage, its final soft-capping on the last); gpt-oss (a sliding and a
-    full layer per stage) and DeepSeek-V3.2 (two sparse-attention layers per stage) within 1e-5; Qwen3-Next and
-    Qwen3.5 (a DeltaNet and a full layer per stage)."""
+    full layer per stage), DeepSeek-V3.2 and GLM-5 (two sparse-attention layers per stage) and MiniMax-M2 within
+    1e-5; Qwen3-Next and Qwen3.5 (a DeltaNet and a full layer per stage)."""
     for family in ("deepseek_v3", "glm4_moe", "mistral", "gemma2"):
         roundtrip(ctx, family, layout(pp=2), layout(pp=2), "pp2")
     roundtrip(ctx, "gpt_oss", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
+    roundtrip(ctx, "glm_moe_dsa", layout(pp=2), layout(pp=2), "pp2", tol=1e-5, rms_norm_eps=1e-6)
+    roundtrip(ctx, "minimax_m2", layout(pp=2), layout(pp=2), "pp2", tol=1e-5)
     roundtrip(ctx, "qwen3_next", layout(pp=2), layout(pp=2), "pp2")  # a DeltaNet and a full layer per stage
     roundtrip(ctx, "qwen3_5_moe", layout(pp=2), layout(pp=2), "pp2")  # Qwen3.5's separate DeltaNet projections
 
