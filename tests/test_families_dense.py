@@ -152,7 +152,7 @@ def test_convert_forward_and_back_on_one_rank(tmp_path: Path, family: str) -> No
     src = save_random_hf_model(tmp_path / "hf", hf_config(family, "split"), seed=5)
     with launch_of_one():
         hf_to_megatron(src, tmp_path / "mg")
-        logp = megatron_logits(tmp_path / "mg", ParallelConfig()).log_softmax(-1)
+        logp = megatron_logits(tmp_path / "mg", ParallelConfig())[0].log_softmax(-1)  # right-padded
         megatron_to_hf(tmp_path / "mg", tmp_path / "back")
     assert_same_tensors(tmp_path / "back", src)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float().eval()
