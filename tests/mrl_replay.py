@@ -1,5 +1,5 @@
-"""The config of the families' engine-against-trainer checks with R3 routing replay (DeepSeek-V3.2, gpt-oss,
-MiniMax-M2, Qwen3-Next): one rank, fp32, the engine returning the routed experts."""
+"""The families' engine-against-trainer checks of routing replay (DeepSeek-V3.2, gpt-oss, MiniMax-M2, Qwen3-Next):
+their config (one rank, fp32, R3, the engine returning the routed experts) and R2's record-then-replay."""
 
 from __future__ import annotations
 
@@ -25,3 +25,24 @@ def r3_replay_config(folder: Path, micro_batch_tokens: int = 64) -> Any:
         algorithm=dataclasses.replace(preset("grpo"), routing_replay="r3"),
         train=TrainConfig(max_tokens_per_micro_batch=micro_batch_tokens, logprob_chunk_tokens=16),
     )
+
+
+def r2_record_and_replay(
+    actor: Any, batch: Any, engine_routed: list[Any], padded_tokens: int = 64, moe_layers: slice = slice(None)
+) -> tuple[Any, Any]:
+    """R2 on `actor`: the log-probs of `batch` packed (micro-batches of 40 tokens) recording the trainer's routing, and
+    right-padded (`padded_tokens`) replaying what was recorded. The recorded experts of the `moe_layers` must be the
+    engine's (`engine_routed`, per token as a set: the engine and the trainer route alike on these models)."""
+    import torch
+
+    from megatron_rl.actor.micro_batches import TokenBudget
+
+    from mrl_configs import actor_log_probs
+
+    recorded = actor_log_probs(actor, batch, TokenBudget(40, packed=True), "record")
+    for mine, theirs in zip(recorded.routed_experts, engine_routed, strict=True):
+        assert torch.equal(torch.as_tensor(mine)[:, moe_layers].sort(-1).values, theirs[:, moe_layers].sort(-1).values)
+    replayed = actor_log_probs(
+        actor, batch.with_fields(routed_experts=recorded.routed_experts), TokenBudget(padded_tokens), "replay"
+    )
+    return recorded.log_probs, replayed.log_probs

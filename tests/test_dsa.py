@@ -36,7 +36,7 @@ from mrl_configs import (
     save_random_hf_model,
     with_key,
 )
-from mrl_replay import r3_replay_config
+from mrl_replay import r2_record_and_replay, r3_replay_config
 
 _CLASSES = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}
 
@@ -237,7 +237,7 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
     top_k]) are its routers' own. Sequences of 10 to 19 tokens, each query keeping 5 keys: the trainer (one rank)
     picks the keys transformers' indexer picks in a plain forward of each sequence, and gives the sampled tokens
     the engine's log-probs and transformers' within 1e-5, right-padded and packed (the selection restarting at each
-    sequence of the pack), replaying the engine's routing (R3)."""
+    sequence of the pack), recording the routing (R2: the engine's) and replaying it, replaying the engine's (R3)."""
     import numpy as np
 
     from megatron_rl.actor.batch import ActorBatch
@@ -291,6 +291,7 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
         for hook in hooks:
             hook.remove()
         padded = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        recorded, r2 = r2_record_and_replay(actor, batch, routed, moe_layers=slice(1, None))
         replayed = actor_log_probs(
             actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
         ).log_probs
@@ -311,7 +312,8 @@ def test_local_engine_serves_it_and_the_trainer_picks_its_keys(tmp_path: Path, f
         want = torch.zeros_like(mine).scatter_(-1, theirs.long(), True) & mine.new_ones(mine.shape).tril()
         assert torch.equal(mine, want)
         assert int(mine[0, -1].sum()) == 5  # the last query keeps 5 of its 10 to 19 keys
-    runs = (("padded", padded), ("packed", packed), ("R3 replay, packed", replayed))
+    runs = (("padded", padded), ("packed", packed), ("R2 record, packed", recorded), ("R2 replay, padded", r2),
+            ("R3 replay, packed", replayed))  # fmt: skip
     for name, got in runs:
         for against, want in (("engine", engine), ("transformers", reference)):
             gap = max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))

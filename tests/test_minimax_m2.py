@@ -31,7 +31,7 @@ from mrl_configs import (
     tiny_minimax_model,
     with_key,
 )
-from mrl_replay import r3_replay_config
+from mrl_replay import r2_record_and_replay, r3_replay_config
 
 # MiniMaxAI/MiniMax-M2's config.json (bf16 shape; the Hub release adds an FP8 quantization_config).
 MINIMAX_M2: dict[str, Any] = {
@@ -180,8 +180,8 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
     (block_sparse_moe, the expert bias included), and the routed experts it returns (SGLang's layout
     [tokens - 1, layers, top_k]) are the routers' own choice (sigmoid + expert bias). The trainer (one rank,
     the actor loading the folder) gives the sampled tokens the engine's log-probs within 1e-5 (fp32; the
-    engine attends with SDPA), right-padded on its own routing and packed replaying the engine's (R3);
-    replaying other experts moves them by far more (the replay is what routes)."""
+    engine attends with SDPA), right-padded on its own routing, packed recording it (R2: the recorded routing
+    is the engine's) and right-padded replaying it, packed replaying the engine's (R3); replaying other experts moves them by far more (the replay is what routes)."""
 
     import numpy as np
 
@@ -226,12 +226,14 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
     engine = [torch.tensor(r.output_logprobs) for r in reqs]
     with actor_of_one(cfg) as actor:
         own = actor_log_probs(actor, batch, TokenBudget(48)).log_probs
+        recorded, r2 = r2_record_and_replay(actor, batch, routed, padded_tokens=48)
         replayed = actor_log_probs(
             actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
         )
         shifted = [(r + 1) % 6 for r in routed]
         other = actor_log_probs(actor, batch.with_fields(routed_experts=shifted), TokenBudget(48), "replay").log_probs
-    for name, got in (("own routing", own), ("R3 replay", replayed.log_probs)):
+    runs = (("own routing", own), ("R2 record, packed", recorded), ("R2 replay", r2), ("R3 replay", replayed.log_probs))
+    for name, got in runs:
         gap = max((g - e).abs().max().item() for g, e in zip(got, engine, strict=True))
         assert gap <= 1e-5, (name, gap)
     assert max((g - e).abs().max().item() for g, e in zip(other, engine, strict=True)) > 1e-2

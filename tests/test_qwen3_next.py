@@ -27,7 +27,7 @@ from megatron_rl.models.hf_mapping import HFMapping
 from megatron_rl.models.import_hf import open_hf_checkpoint
 
 from mrl_configs import layout, megatron_names, save_random_hf_model, with_key
-from mrl_replay import r3_replay_config
+from mrl_replay import r2_record_and_replay, r3_replay_config
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -211,10 +211,11 @@ def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path
     """The local engine serves the family through transformers (a recurrent state and convolution window per row for
     the DeltaNet layers), its weight-update names are the checkpoint's, its routed experts SGLang's layout; sequences
     of 10 to 22 tokens (a shared prompt among them): the engine's log-probs are transformers' plain forward's, and the
-    trainer's (one rank) the engine's, right-padded, packed and replaying the engine's routing (R3), within 1e-5 or
-    twice transformers' own float noise (see the forward test); one RL step moves DeltaNet's weights. At
-    rms_norm_eps 1e-3: the gated norm's default 1e-6 lifts heads of ~1e-4 RMS to O(1), their rounding with them
-    (Qwen3.5's engine, decoding token by token, is then 7.3e-5 from transformers' chunked forward; here 6e-6)."""
+    trainer's (one rank) the engine's, right-padded, packed, recording the routing (R2: the engine's) and replaying
+    it, and replaying the engine's (R3), within 1e-5 or twice transformers' own float noise (see the forward test);
+    one RL step moves DeltaNet's weights. At rms_norm_eps 1e-3, which bounds the gated norm's part of that noise
+    (docs/training.md#hybrid-linear-attention-qwen3-next-qwen35; Qwen3.5's engine, decoding token by token, is 7.3e-5
+    from transformers' chunked forward at the default 1e-6; here 6e-6)."""
     import numpy as np
 
     from megatron_rl.actor.batch import ActorBatch
@@ -260,6 +261,8 @@ def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path
     with actor_of_one(cfg) as actor:
         packed = actor_log_probs(actor, batch, TokenBudget(64, packed=True)).log_probs
         padded = actor_log_probs(actor, batch, TokenBudget(64)).log_probs
+        first_moe = 1 if family == "qwen3_next" else 0  # Qwen3-Next's first layer dense: its rows unused
+        recorded, r2 = r2_record_and_replay(actor, batch, routed, moe_layers=slice(first_moe, None))
         replayed = actor_log_probs(
             actor, batch.with_fields(routed_experts=routed), TokenBudget(40, packed=True), "replay"
         ).log_probs
@@ -270,7 +273,13 @@ def test_local_engine_serves_it_and_the_trainer_scores_its_tokens(tmp_path: Path
         "decoder.layers.0.self_attention.in_proj.weight"])  # fmt: skip
     gaps = {
         (name, against): max((g - e).abs().max().item() for g, e in zip(got, want, strict=True))
-        for name, got in (("padded", padded), ("packed", packed), ("R3 replay, packed", replayed))
+        for name, got in (
+            ("padded", padded),
+            ("packed", packed),
+            ("R2 record, packed", recorded),
+            ("R2 replay, padded", r2),
+            ("R3 replay, packed", replayed),
+        )  # fmt: skip
         for against, want in (("engine", engine), ("transformers", reference))
     }
     gaps["engine", "transformers"] = max((g - e).abs().max().item() for g, e in zip(engine, reference, strict=True))
