@@ -159,10 +159,10 @@ def test_model_folder_is_seeded_and_matches_the_megatron_settings(assets: Path, 
     )
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"])
 def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> None:
-    """`--family` builds the DeepSeek-V3- / GLM-4.5- / DeepSeek-V3.2-shaped policy: its config.json maps to the
-    family (no key left unhandled), the same seed gives the same weights, and the expert bias is non-zero."""
+    """`--family` builds the DeepSeek-V3- / GLM-4.5- / DeepSeek-V3.2- / GLM-5-shaped policy: its config.json maps to
+    the family (no key left unhandled), the same seed gives the same weights, and the expert bias is non-zero."""
     from safetensors.torch import load_file
 
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
@@ -172,8 +172,9 @@ def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> No
     model = model_config_from_hf(read_hf_config(tmp_path / "a"))
     assert (model.family, model.num_experts, model.moe_router_topk, model.first_k_dense_layers) == (family, 8, 2, 1)
     assert model.moe_shared_expert_size == 96 and model.moe_router_scaling_factor == 2.5
-    assert (model.rope_scaling == "yarn") == (family != "glm4_moe")
-    assert (model.dsa_index_n_heads, model.dsa_index_topk) == ((32, 24) if family == "deepseek_v32" else (None, None))
+    assert (model.rope_scaling == "yarn") == (family in ("deepseek_v3", "deepseek_v32"))
+    sparse = family in ("deepseek_v32", "glm_moe_dsa")
+    assert (model.dsa_index_n_heads, model.dsa_index_topk) == ((32, 24) if sparse else (None, None))
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
@@ -181,24 +182,42 @@ def test_family_models_are_seeded_and_convert(tmp_path: Path, family: str) -> No
         tiny_model.build_model(tmp_path / "c", family="llama")
 
 
-def test_qwen3_next_model_is_seeded_and_converts(tmp_path: Path) -> None:
-    """`--family qwen3_next` builds the Qwen3-Next-shaped policy: 3 DeltaNet layers and a full one, every layer MoE
-    with a shared expert; its config.json maps to the family; the same seed, the same weights."""
+@pytest.mark.parametrize(("family", "projection"), [("qwen3_next", "in_proj_qkvz"), ("qwen3_5_moe", "in_proj_qkv")])
+def test_qwen3_next_model_is_seeded_and_converts(tmp_path: Path, family: str, projection: str) -> None:
+    """`--family qwen3_next` / `qwen3_5_moe` builds the Qwen3-Next- / Qwen3.5-shaped policy: 3 DeltaNet layers and a
+    full one, every layer MoE with a shared expert, the family's own DeltaNet projections; its config.json maps to
+    the family; the same seed, the same weights."""
     from safetensors.torch import load_file
 
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
-    tiny_model.build_model(tmp_path / "a", seed=0, family="qwen3_next")
-    tiny_model.build_model(tmp_path / "b", seed=0, family="qwen3_next")
+    tiny_model.build_model(tmp_path / "a", seed=0, family=family)
+    tiny_model.build_model(tmp_path / "b", seed=0, family=family)
     model = model_config_from_hf(read_hf_config(tmp_path / "a"))
     linear = model.linear_attention
     assert (model.family, model.num_experts, model.moe_shared_expert_size, model.rotary_percent) == (
-        "qwen3_next", 8, 96, 0.25
+        family, 8, 96, 0.25
     )  # fmt: skip
     assert (linear.full_attention_interval, linear.num_key_heads, linear.num_value_heads) == (4, 2, 4)
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in a and "model.layers.3.self_attn.q_proj.weight" in a
+    assert f"model.layers.0.linear_attn.{projection}.weight" in a and "model.layers.3.self_attn.q_proj.weight" in a
+
+
+def test_minimax_m2_model_is_seeded_and_converts(tmp_path: Path) -> None:
+    """`--family minimax_m2` builds the MiniMax-M2-shaped policy: its config.json maps to the family (half of each
+    head rotated, sigmoid top-2 of 8 experts with a non-zero expert bias); the same seed, the same weights."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+    tiny_model.build_model(tmp_path / "a", seed=0, family="minimax_m2")
+    tiny_model.build_model(tmp_path / "b", seed=0, family="minimax_m2")
+    model = model_config_from_hf(read_hf_config(tmp_path / "a"))
+    assert (model.family, model.num_experts, model.moe_router_topk, model.rotary_percent) == ("minimax_m2", 8, 2, 0.5)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["model.layers.1.block_sparse_moe.e_score_correction_bias"].abs().min() > 0
 
 
 def test_gpt_oss_model_is_seeded_and_converts(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ cd "$(dirname "$0")/../.."
 source examples/tiny_math/cpu.env   # the same CPU kernels on every machine
 launch=(python -m megatron_rl.torchrun --standalone --nproc-per-node 2 -m megatron_rl.cli)
 
-# FAMILY=deepseek_v3, glm4_moe, gpt_oss, deepseek_v32 or qwen3_next: the same recipe on a DeepSeek-V3-, GLM-4.5-,
-# gpt-oss-, DeepSeek-V3.2- or Qwen3-Next-shaped policy, in runs/tiny_math_$FAMILY
+# FAMILY=deepseek_v3, glm4_moe, gpt_oss, deepseek_v32, qwen3_next, glm_moe_dsa, qwen3_5_moe or minimax_m2: the same
+# recipe on a DeepSeek-V3-, GLM-4.5-, gpt-oss-, DeepSeek-V3.2-, Qwen3-Next-, GLM-5-, Qwen3.5- or MiniMax-M2-shaped
+# policy, in runs/tiny_math_$FAMILY
 root=runs/tiny_math${FAMILY:+_$FAMILY}
 data=$root/assets/data
 

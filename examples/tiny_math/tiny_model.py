@@ -8,8 +8,9 @@ The folder also holds the tokenizer, so `model.hf_path` alone is enough. Same se
 
 `MEGATRON_MODEL` lists the `model.*` settings that describe the same network.
 
-`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32|qwen3_next` builds a DeepSeek-V3-, GLM-4.5-, gpt-oss-,
-DeepSeek-V3.2- or Qwen3-Next-shaped policy instead (`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's
+`--family deepseek_v3|glm4_moe|gpt_oss|deepseek_v32|qwen3_next|glm_moe_dsa|qwen3_5_moe|minimax_m2` builds a
+DeepSeek-V3-, GLM-4.5-, gpt-oss-, DeepSeek-V3.2-, Qwen3-Next-, GLM-5-, Qwen3.5- or MiniMax-M2-shaped policy instead
+(`FAMILY_ARCHITECTURES`). `--layers N` changes the depth only (run.sh's
 DISTILL=4to2 student: 2 layers, the same tokenizer as the 4-layer teacher).
 
 Usage: python examples/tiny_math/tiny_model.py --out DIR [--seed 0] [--family qwen3_moe] [--layers 4]
@@ -162,6 +163,33 @@ FAMILY_ARCHITECTURES["qwen3_next"] = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
+# GLM-5-shaped: DeepSeek-V3.2's shape with plain RoPE and no expert groups, as GLM-5 has.
+FAMILY_ARCHITECTURES["glm_moe_dsa"] = dict(
+    FAMILY_ARCHITECTURES["deepseek_v32"], n_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+)
+# Qwen3.5-shaped: Qwen3-Next's, every layer MoE, with Qwen3.5's separate DeltaNet projections (its checkpoint's).
+FAMILY_ARCHITECTURES["qwen3_5_moe"] = {
+    key: value
+    for key, value in FAMILY_ARCHITECTURES["qwen3_next"].items()
+    if key not in ("intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+}
+# MiniMax-M2-shaped: GQA with the QK-norm over each whole projection, half of each head rotated, 8 experts top-2 by
+# sigmoid scores and an expert bias, every layer MoE.
+FAMILY_ARCHITECTURES["minimax_m2"] = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
@@ -169,6 +197,9 @@ _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
 }
 
 # The same network as megatron_rl.config `model.*` keys.
