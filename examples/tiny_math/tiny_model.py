@@ -66,6 +66,22 @@ _SIGMOID_COMMON: dict[str, Any] = dict(
     rms_norm_eps=1e-6,
     num_nextn_predict_layers=0,
 )
+# The GQA layers of the gpt-oss- and MiniMax-M2-shaped policies: 4 query / 2 KV heads of 32, 8 experts of width 96 in
+# every layer, top-2, no aux loss.
+_GQA_EXPERTS: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(
         _SIGMOID_COMMON,
@@ -102,20 +118,9 @@ FAMILY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # gpt-oss-shaped: attention sinks, sliding-window layers (16 keys) between full ones, yarn RoPE not rounded,
     # biases on every linear and the router, 8 biased experts with the clamped (up + 1) SwiGLU, top-2.
     "gpt_oss": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        num_local_experts=8,
-        num_experts_per_tok=2,
+        _GQA_EXPERTS,
         sliding_window=16,
         swiglu_limit=7.0,
-        router_aux_loss_coef=0.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
@@ -176,19 +181,7 @@ FAMILY_ARCHITECTURES["qwen3_5_moe"] = {
 # MiniMax-M2-shaped: GQA with the QK-norm over each whole projection, half of each head rotated, 8 experts top-2 by
 # sigmoid scores and an expert bias, every layer MoE.
 FAMILY_ARCHITECTURES["minimax_m2"] = dict(
-    hidden_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    intermediate_size=96,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.0,
-    tie_word_embeddings=False,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    _GQA_EXPERTS, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 )
 FAMILIES = ("qwen3_moe", *FAMILY_ARCHITECTURES)
 _CLASSES = {  # transformers' config and model classes of FAMILY_ARCHITECTURES
