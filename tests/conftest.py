@@ -85,7 +85,9 @@ SHARED_UNITS = {
     **dict.fromkeys(("test_sft", "test_example_learns"), "warm_start"),  # the example's SFT warm start
     **dict.fromkeys(_LAYOUT_TESTS, "layout_launches"),  # one launch per world size for the three
 }
-LONGEST_FIRST = ("test_faults", "test_trainer", *_LAYOUT_TESTS, "test_example_learns", "test_sft", "test_slurm")
+LONGEST_FIRST = (
+    "test_faults", "test_trainer", *_LAYOUT_TESTS, "test_example_learns", "test_sft", "test_slurm", "test_families_rl"
+)  # fmt: skip
 
 
 def work_unit(test_file: Path) -> str:

@@ -1,7 +1,7 @@
-"""The 2026 families in a real run: `megatron-rl train`, 2 steps on one rank against the local engine, for the
-tiny_math policy of each (examples/tiny_math/tiny_model.py). After step 1's update reaches the engine (each
-family's own weight names: gpt-oss's stacked experts, MiniMax-M2's block_sparse_moe, Qwen3-Next's fused and
-Qwen3.5's separate DeltaNet projections, the sparse-attention indexer), the engine's log-probs still equal the
+"""The 2026 families in a real run: `megatron-rl train`, 2 steps on one rank (gpt-oss: two, EP 2) against the local
+engine, for the tiny_math policy of each (examples/tiny_math/tiny_model.py). After step 1's update reaches the
+engine (each family's own weight names: gpt-oss's stacked experts, MiniMax-M2's block_sparse_moe, Qwen3-Next's fused
+and Qwen3.5's separate DeltaNet projections, the sparse-attention indexer), the engine's log-probs still equal the
 trainer's recompute: logprob_gap/abs_mean <= 1e-5 at both steps. The three sync modes are spread over the families
 (DeepSeek-V3 and GLM-4.5 on two ranks: tests/test_families.py)."""
 
@@ -29,7 +29,8 @@ def test_two_rl_steps_keep_the_engines_log_probs(tmp_path: Path, family: str) ->
 
     work = mrl_runs.build_work(tmp_path / "work", family=family)
     overrides = ("eval.every=0", "checkpoint.every=0", *_SYNC[family])
-    records = mrl_runs.train(work, tmp_path / "run", *overrides, ranks=1)
+    ranks = 2 if family == "gpt_oss" else 1  # EP 2: gpt-oss's stacked experts gathered from both EP ranks
+    records = mrl_runs.train(work, tmp_path / "run", *overrides, ranks=ranks)
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
