@@ -29,20 +29,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.utils import (
-    ensure_metadata_has_dp_cp_group,
     is_layer_window_attention,
-    make_sharded_tensors_for_checkpoint,
 )
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.models.norm import norm_sharded_state_dict
 from megatron_rl.models.packed_attention import PackedDotProductAttention
 
 _SOFTCAP_ATTRIBUTE = "final_logit_softcapping"  # set on a Gemma GPTModel by `prepare_gemma`
@@ -87,12 +85,7 @@ class GemmaRMSNorm(torch.nn.Module):
     ) -> dict[str, Any]:
         """The weight replicated over TP and DP, as Megatron's `sharded_state_dict_default` treats a module
         without this method: Megatron's MLP asks each of its children for it (`GemmaMLP.post_layernorm`)."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        state = self.state_dict(prefix="", keep_vars=True)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        return make_sharded_tensors_for_checkpoint(
-            state, prefix, {}, sharded_offsets, tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"]
-        )
+        return norm_sharded_state_dict(self, prefix, sharded_offsets, metadata, tp_split={})
 
 
 class GemmaSelfAttention(SelfAttention):

@@ -63,20 +63,9 @@ class _ProjectionRMSNorm(torch.nn.Module):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict[str, Any]:
-        """The weight split over TP along dim 0, as in the forward: without this method Megatron's default takes
-        every rank's shard for the whole weight, and a checkpoint keeps one rank's."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True),
-            prefix,
-            {"weight": 0},
-            sharded_offsets,
-            tp_group=ps.get_tensor_model_parallel_group(),
-            dp_cp_group=metadata["dp_cp_group"],
-        )
+        """The weight split over TP along dim 0, as in the forward: Megatron's default would take every rank's
+        shard for the whole weight, and a checkpoint would keep one rank's."""
+        return norm_sharded_state_dict(self, prefix, sharded_offsets, metadata, tp_split={"weight": 0})
 
 
 class QueryProjectionRMSNorm(_ProjectionRMSNorm):
@@ -85,3 +74,22 @@ class QueryProjectionRMSNorm(_ProjectionRMSNorm):
 
 class KeyProjectionRMSNorm(_ProjectionRMSNorm):
     _heads_field = "num_query_groups"
+
+
+def norm_sharded_state_dict(
+    norm: torch.nn.Module, prefix: str, sharded_offsets: tuple, metadata: dict | None, tp_split: dict[str, int]
+) -> dict[str, Any]:
+    """The sharded state dict of a norm module of ours: each parameter named in `tp_split` split over TP along that
+    dim, the others replicated over TP; all replicated over DP (Megatron's `sharded_state_dict_default` otherwise)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    return make_sharded_tensors_for_checkpoint(
+        norm.state_dict(prefix="", keep_vars=True),
+        prefix,
+        tp_split,
+        sharded_offsets,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_cp_group=metadata["dp_cp_group"],
+    )
