@@ -1,8 +1,9 @@
 """HF <-> Megatron conversion across layouts, one gloo launch per world size, shared with the other two layout modules (tests/mrl_multiproc/scenarios_convert.py).
 
 Tiny random models of each family (fp32): HF -> Megatron logits equal the HF model's (max abs diff
-<= 1e-4; 1e-5 for gpt-oss, DeepSeek-V3.2, GLM-5 and MiniMax-M2), right-padded and packed, at world size 1 and under TP=2 / EP=2 / PP=2 / TP=2 x EP=2, also when the checkpoint is
-loaded under another layout than it was written with (uneven PP=2 stages, 3 + 1 layers, loaded as 1 + 3);
+<= 1e-4; 1e-5 for gpt-oss, DeepSeek-V3.2, GLM-5 and MiniMax-M2), right-padded and packed, at world size 1
+and under TP=2 / EP=2 / PP=2 / TP=2 x EP=2, also when the checkpoint is loaded under another layout than it
+was written with (uneven PP=2 stages, 3 + 1 layers, loaded as 1 + 3);
 Megatron -> HF gives every tensor bit for bit; the exporter under TP=2 x EP=2 equals the single-rank export.
 """
 

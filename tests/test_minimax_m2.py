@@ -181,7 +181,8 @@ def test_local_engine_serves_it_and_r3_replays_its_routing(tmp_path: Path) -> No
     [tokens - 1, layers, top_k]) are the routers' own choice (sigmoid + expert bias). The trainer (one rank,
     the actor loading the folder) gives the sampled tokens the engine's log-probs within 1e-5 (fp32; the
     engine attends with SDPA), right-padded on its own routing, packed recording it (R2: the recorded routing
-    is the engine's) and right-padded replaying it, packed replaying the engine's (R3); replaying other experts moves them by far more (the replay is what routes)."""
+    is the engine's) and right-padded replaying it, packed replaying the engine's (R3); replaying other experts
+    moves them by far more (the replay is what routes)."""
 
     import numpy as np
 

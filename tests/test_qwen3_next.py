@@ -157,15 +157,13 @@ def test_megatron_forward_padded_and_packed_equals_transformers(tmp_path: Path, 
     larger, twice its own float noise (its log-probs under a 1e-7 relative change of the embeddings: the chunked rule's
     exponent of the decay gate's cumulative sums and the per-head norm amplify an ulp of rounding ~1e2 fold,
     docs/training.md#hybrid-linear-attention-qwen3-next-qwen35); the export is the checkpoint bit for bit."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.export import save_hf_folder
     from megatron_rl.models.import_hf import load_hf_weights
     from megatron_rl.parallel import init_distributed
 
     from mrl_configs import launch_of_one
-    from mrl_multiproc.model_helpers import forward_logits
+    from mrl_multiproc.model_helpers import forward_logits, pack_rows
 
     folder = save_random_hf_model(tmp_path / "hf", _hf_config(family), seed=3)
     model = _model_of(folder)
@@ -178,17 +176,11 @@ def test_megatron_forward_padded_and_packed_equals_transformers(tmp_path: Path, 
         chunks = build_model(model, layout(), use_transformer_engine=False)
         load_hf_weights(chunks, model, open_hf_checkpoint(str(folder), model))
         logp = forward_logits(chunks, ids, model.vocab_size).log_softmax(-1)
-        packed_ids = torch.cat([ids[0], ids[1, : lengths[1]]])[None]
+        packed = forward_logits(chunks, ids, model.vocab_size, packed=lengths)[0].log_softmax(-1)
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        bounds = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
-        params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=70, max_seqlen_kv=70
-        )
-        with torch.no_grad():
-            packed = chunks[0](packed_ids, positions, None, packed_seq_params=params)[0, :, : model.vocab_size]
-            unreset = chunks[0](packed_ids, positions, None)[0, :, : model.vocab_size]
+        with torch.no_grad():  # the same pack as one sequence: no cu_seqlens
+            unreset = chunks[0](pack_rows(ids, lengths)[None], positions, None)[0, :, : model.vocab_size]
         save_hf_folder(chunks, model, out, hf_config_from_model(model))
-    packed = packed.float().log_softmax(-1)
     assert (packed[:70] - logp[0]).abs().max() <= 1e-5
     assert (packed[70:] - logp[1, :45]).abs().max() <= 1e-5
     assert (unreset.float().log_softmax(-1)[70:] - logp[1, :45]).abs().max() > 0.1

@@ -6,7 +6,8 @@ OUT/data/sft.jsonl      warm-start rows: task rows plus "response" (45% correct,
 OUT/model/              the randomly initialised tiny Qwen3-MoE policy and its character tokenizer
 
 Usage: python examples/tiny_math/prepare.py --out runs/tiny_math/assets [--seed 0] [--model-seed 0]
-       [--family qwen3_moe|deepseek_v3|glm4_moe|gpt_oss|deepseek_v32|qwen3_next|glm_moe_dsa|qwen3_5_moe|minimax_m2]   (or FAMILY=...; default qwen3_moe)
+       [--family qwen3_moe|deepseek_v3|glm4_moe|gpt_oss|deepseek_v32|qwen3_next|glm_moe_dsa|qwen3_5_moe|minimax_m2]
+       (or FAMILY=...; default qwen3_moe)
 """
 
 from __future__ import annotations

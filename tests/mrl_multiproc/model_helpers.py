@@ -34,6 +34,11 @@ def setup(model: ModelConfig, parallel: ParallelConfig, seed: int = 0, **build_k
     return chunks
 
 
+def pack_rows(rows: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """The first `lengths[i]` entries of each row i, one after another (a packed THD row's order)."""
+    return torch.cat([row[:n] for row, n in zip(rows, lengths, strict=True)])
+
+
 def forward_logits(
     chunks: list[torch.nn.Module], ids: torch.Tensor, vocab_size: int, packed: tuple[int, ...] | None = None
 ) -> torch.Tensor:
@@ -49,7 +54,7 @@ def forward_logits(
     if packed is None:
         positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
     else:
-        ids = torch.cat([row[:n] for row, n in zip(ids, packed, strict=True)])[None]
+        ids = pack_rows(ids, packed)[None]
         positions = torch.cat([torch.arange(n) for n in packed])[None]
         bounds = torch.tensor([0, *torch.tensor(packed).cumsum(0).tolist()], dtype=torch.int32, device=local_device())
         params = PackedSeqParams(

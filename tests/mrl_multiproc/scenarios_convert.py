@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_rl.config import ParallelConfig
 
 from mrl_configs import VOCAB, hf_config, layout, save_random_hf_model, tiny_model
-from mrl_multiproc.model_helpers import assert_close, forward_logits
+from mrl_multiproc.model_helpers import assert_close, forward_logits, pack_rows
 
 LOGIT_TOL = 1e-4
 SEQ = 12
@@ -98,9 +98,9 @@ def roundtrip(
     tol: float = LOGIT_TOL,
     **hf: object,
 ) -> None:
-    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's (within `tol`), padded and packed
-    (`PACKED`); Megatron -> HF
-    under `load_with` gives the original tensors bit for bit, and transformers loads the folder as it is.
+    """HF -> Megatron under `convert_with`; logits under `load_with` equal HF's (within `tol`), right-padded and
+    packed (`PACKED`); Megatron -> HF under `load_with` gives the original tensors bit for bit, and transformers
+    loads the folder as it is.
     `hf`: transformers config fields of the source model."""
     from megatron_rl.commands.convert import hf_to_megatron, megatron_to_hf
 
@@ -110,8 +110,7 @@ def roundtrip(
     logits, packed = megatron_logits(ckpt, load_with)
     expected = hf_logits(ctx, src)
     assert_close(logits, expected, tol, f"{family} {tag}: Megatron vs HF")
-    rows = torch.cat([row[:n] for row, n in zip(expected, PACKED, strict=True)])[None]
-    assert_close(packed, rows, tol, f"{family} {tag}: Megatron packed vs HF")
+    assert_close(packed, pack_rows(expected, PACKED)[None], tol, f"{family} {tag}: Megatron packed vs HF")
     megatron_to_hf(ckpt, back, parallel=load_with, max_shard_mb=0.05)
     assert_same_tensors(back, src)
     if ctx.rank == 0:
@@ -218,8 +217,8 @@ def w2_tp2(ctx) -> None:  # noqa: ANN001
 def w2_ep2(ctx) -> None:  # noqa: ANN001
     """EP=2 (Qwen3-MoE, DeepSeek-V3 and GLM-4.5 are split over EP in w4_tp2_ep2); gpt-oss within 1e-5, its stacked
     experts assembled from both EP ranks on export; DeepSeek-V3.2, GLM-5 (at rms_norm_eps 1e-6: transformers fixes
-    its latent norms there, docs/training.md) and MiniMax-M2 within 1e-5; Qwen3-Next within 1e-4 (its DeltaNet's decay gate and per-head norm amplify
-    float noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
+    its latent norms there, docs/training.md) and MiniMax-M2 within 1e-5; Qwen3-Next within 1e-4 (its DeltaNet's
+    decay gate and per-head norm amplify float noise: docs/training.md#hybrid-linear-attention-qwen3-next-qwen35)."""
     roundtrip(ctx, "mixtral", layout(ep=2), layout(ep=2), "ep2")
     roundtrip(ctx, "gpt_oss", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
     roundtrip(ctx, "deepseek_v32", layout(ep=2), layout(ep=2), "ep2", tol=1e-5)
