@@ -15,7 +15,12 @@ Every job is the real script running the tiny_math example's model and task on t
 - train.sbatch with rollout.async_mode=fully_async against a `megatron-rl serve` the test started
   (rollout.sglang_urls): the job starts no server and trains on both nodes, the keys reach the
   trainer, and every weight sync pauses the engine with mode "retract" (partial rollouts), never aborting;
+- USR1 to the batch shell alone, as `--signal=B:USR1@300` sends it before the time limit: the trainer
+  checkpoints the step it is in and the job completes;
 - misconfigured submissions fail within seconds, naming the problem.
+
+Every test that submits a job is in this module, so that one xdist worker starts the cluster, uses it
+and stops it (a second worker's fixture would stop it under the first's jobs).
 
 The planner tests (unmarked) check the GPU layouts the CPU cluster cannot run: SGLang flags, GPU
 offsets, multi-node engines, the weight-sync defaults, distillation's teacher servers and every refusal.
@@ -534,6 +539,30 @@ def test_misconfigured_submissions_fail_fast_and_dry_run_prints_the_gpu_plan(
     assert "trainer on node1 x 8 ranks: " in out and "rollout.weight_sync=distributed" in out
     assert "rollout.sglang_urls=[...] --resume-if-any" in out  # a first job starts afresh, a damaged run is refused
     assert not run_dir.exists()  # nothing started
+
+
+@pytest.mark.slurm
+def test_slurm_time_limit_warning_checkpoints_the_step_and_the_job_completes(
+    slurm_cluster: None, work: Path, tmp_path: Path
+) -> None:
+    """What `--signal=B:USR1@300` does before the time limit, sent by hand: USR1 to the batch shell only."""
+    run_dir = tmp_path / "run"
+    args = train_args(work, run_dir, "train.steps=50", "checkpoint.every=0", "eval.every=0")
+    job = submit("train.sbatch", args, tmp_path, 2, job_env())
+    deadline = time.monotonic() + 900  # a hang guard: the 2-core machine is slow to start a job
+    while not [r for r in metrics(run_dir) if r["step"] >= 1]:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", str(job)])
+            pytest.fail(f"no step logged:\n{(tmp_path / f'slurm-{job}.out').read_text()[-3000:]}")
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
+    state, code, out = wait_job(job, tmp_path)
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    assert "received SIGUSR1" in out and "asking the trainer to checkpoint after its current step" in out
+    k = max(r["step"] for r in metrics(run_dir))
+    assert 1 <= k < 50
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{k:06d}"]  # the stop's only
+    assert (run_dir / "checkpoints" / f"step_{k:06d}" / "loop_state.pt").is_file()
 
 
 def wait_no_leftovers(job_id: int, marker: str, timeout: float = 30.0) -> list[str]:

@@ -132,7 +132,7 @@ start() {
     stop_daemons
   fi
   if ! live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null; then
-    slurmctld -i
+    slurmctld -c -i # a controller that is not running left no live jobs: recovering them would hold the nodes
   fi
   local _
   for _ in $(seq 150); do
