@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "support" / "slurm_cluster.sh"
 
 JOB_TIMEOUT_S = 420  # a hang guard only
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING")  # a job not yet ended
 KEY_ENV = jobplan.ENGINE_API_KEY_ENV
 REWARD = "def digits(response: str, answer: str) -> float:\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n"
 
@@ -147,6 +148,18 @@ def wait_job(job_id: int, out_dir: Path, timeout: float = JOB_TIMEOUT_S) -> tupl
 def job_output(job_id: int, out_dir: Path) -> str:
     path = out_dir / f"slurm-{job_id}.out"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for_step(job_id: int, run_dir: Path, out_dir: Path, step: int, timeout: float = JOB_TIMEOUT_S) -> str | None:
+    """None once the job has logged `step` in `run_dir`; else why not (it ended or `timeout` passed first, a hang
+    guard), with the end of the job's output."""
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in metrics(run_dir)):
+        state = job_fields(job_id).get("JobState")
+        if state not in LIVE_STATES or time.monotonic() > deadline:
+            return f"job {job_id} {state} before step {step}:\n{job_output(job_id, out_dir)[-4000:]}"
+        time.sleep(0.5)
+    return None
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -549,12 +562,9 @@ def test_slurm_time_limit_warning_checkpoints_the_step_and_the_job_completes(
     run_dir = tmp_path / "run"
     args = train_args(work, run_dir, "train.steps=50", "checkpoint.every=0", "eval.every=0")
     job = submit("train.sbatch", args, tmp_path, 2, job_env())
-    deadline = time.monotonic() + 900  # a hang guard: the 2-core machine is slow to start a job
-    while not [r for r in metrics(run_dir) if r["step"] >= 1]:
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", str(job)])
-            pytest.fail(f"no step logged:\n{(tmp_path / f'slurm-{job}.out').read_text()[-3000:]}")
-        time.sleep(0.5)
+    if error := wait_for_step(job, run_dir, tmp_path, 1, timeout=900):  # the 2-core machine is slow to start a job
+        subprocess.run(["scancel", str(job)])
+        pytest.fail(error)
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
     state, code, out = wait_job(job, tmp_path)
     assert (state, code) == ("COMPLETED", 0), out[-4000:]
@@ -588,7 +598,7 @@ def jobs(slurm_cluster: None, work: Path, tmp_path_factory: pytest.TempPathFacto
     convert = submit("convert.sbatch", [*convert_args, "--no-progress"], out_dir, 1, job_env(RANKS_PER_NODE="2"), after)
     first_step_s = None
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while job_fields(first).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline:
+    while job_fields(first).get("JobState") in LIVE_STATES and time.monotonic() < deadline:
         if first_step_s is None and metrics(run_dir):
             first_step_s = time.monotonic() - submitted
         time.sleep(0.5)
@@ -640,12 +650,8 @@ def cancel_mid_run(job: int, run_dir: Path, out_dir: Path) -> dict:
     """Once the chained job has logged step 3 (resumed at step 2, one step done: mid-run), scancel it and
     wait until it has ended: {"error"} when it ended or hung before, else the scancel's exit code, the
     job's end state and output, and the processes left after it."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not any(r["step"] == 3 for r in metrics(run_dir)):
-        state = job_fields(job).get("JobState")
-        if state not in ("PENDING", "CONFIGURING", "RUNNING") or time.monotonic() > deadline:
-            return {"error": f"{state} before step 3:\n{job_output(job, out_dir)[-4000:]}"}
-        time.sleep(0.5)
+    if error := wait_for_step(job, run_dir, out_dir, 3):
+        return {"error": error}
     cancelled = subprocess.run(["scancel", str(job)]).returncode
     state, _, out = wait_job(job, out_dir, timeout=120)
     return {"scancel": cancelled, "state": state, "out": out, "left": wait_no_leftovers(job, str(run_dir))}
