@@ -255,7 +255,7 @@ QWEN3_30B_A3B: dict[str, Any] = {
 
 
 def write_plan_config(root: Path, folder: str, hf_config: dict[str, Any], yaml: str) -> Path:
-    """A Slurm planner's config (tests/test_slurm.py, tests/test_jobcheck.py): `hf_config` as
+    """A Slurm planner's config (tests/test_jobplan.py, tests/test_jobcheck.py): `hf_config` as
     ROOT/FOLDER/config.json and ROOT/YAML naming it, its model section the same shape (validated against
     the layout before config.json is read), bf16 with recompute, TP 4, EP 8, ETP 1 as in docs/slurm.md."""
 

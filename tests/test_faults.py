@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 from mrl_engine import on_loop, rollout_loop
+from test_jobplan import big, plan
 from test_sft import one_process_sft_command
-from test_slurm import big, plan
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.metrics import read_metrics
@@ -65,9 +65,8 @@ from mrl_runs import (
     wait_until,
 )
 
-# tests/test_slurm.py's 30B plan config (the run's model, data and config, and the SFT data, are
-# tests/conftest.py's `work` and `assets`); the Slurm jobs themselves run in tests/test_slurm.py, whose
-# worker alone starts and stops the local cluster
+# tests/test_jobplan.py's 30B plan config (the run's model, data and config, and the SFT data, are
+# tests/conftest.py's `work` and `assets`)
 __all__ = ["big"]
 ROOT = Path(__file__).resolve().parents[1]
 
